@@ -1,0 +1,32 @@
+"""moeflow: Mixture-of-Experts layers for PyTorch, from one CPU to a GPU cluster.
+
+The public surface is small: the ``MoE`` layer, its config dataclasses, the loss helpers, and
+the building blocks (router, dispatcher, experts) for people who assemble their own.
+"""
+
+from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig
+from moeflow.dispatch import Dispatcher, LocalDispatcher
+from moeflow.experts import Experts, GroupedExperts, ModuleExperts
+from moeflow.layer import MoE, Router, aux_loss, moe_layers, update_expert_bias
+from moeflow.types import DispatchPlan, RoutingResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MoE",
+    "MoEConfig",
+    "RouterConfig",
+    "DispatchConfig",
+    "ExpertsConfig",
+    "Router",
+    "Dispatcher",
+    "LocalDispatcher",
+    "Experts",
+    "GroupedExperts",
+    "ModuleExperts",
+    "RoutingResult",
+    "DispatchPlan",
+    "aux_loss",
+    "update_expert_bias",
+    "moe_layers",
+]

@@ -1,0 +1,274 @@
+"""Frozen keyword-only configuration dataclasses, validated on construction.
+
+Every knob of the layer lives here, so a bad value fails where it is written, with the name of
+the field and the value, instead of deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import torch
+
+__all__ = [
+    "RouterConfig",
+    "DispatchConfig",
+    "ExpertsConfig",
+    "MoEConfig",
+    "RouterKind",
+    "Scoring",
+    "DropPolicy",
+    "Activation",
+]
+
+RouterKind = Literal["linear", "cosine"]
+Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
+GroupScore = Literal["max", "top2_sum"]
+DropPolicy = Literal["position", "score", "bpr"]
+WeightAt = Literal["combine", "dispatch"]
+Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
+ExpertsBackend = Literal["auto", "grouped_mm", "loop"]
+
+GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
+
+
+def _choice(name: str, value: object, literal: object) -> None:
+    allowed = get_args(literal)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _float(name: str, value: object, *, minimum: float | None = None, below: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if below is not None and value >= below:
+        raise ValueError(f"{name} must be < {below}, got {value}")
+
+
+def check_capacity_factor(value: object, name: str = "capacity_factor") -> float:
+    """Validate a capacity factor: any finite number; 0 means dropless, < 0 dropless capped."""
+    _float(name, value)
+    return float(value)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """How tokens pick experts, how exploration noise is added, and which balance losses run.
+
+    Scoring:
+        ``"softmax"``: softmax over all experts, then top-k of the probabilities; with
+        ``normalize_topk`` the k selected weights are rescaled to sum to 1 (Switch/GShard/Qwen).
+        ``"topk_softmax"``: top-k of the logits, then softmax over the k selected (Mixtral);
+        the weights always sum to 1, so ``normalize_topk`` must stay False.
+        ``"sigmoid"``: sigmoid scores, top-k, then (with ``normalize_topk``) divide by the sum of
+        the selected scores (DeepSeek-V3).
+        In every case the weights are multiplied by ``routed_scaling_factor`` at the end.
+
+    Group-limited routing (``num_groups > 1``): experts are split into ``num_groups`` equal
+    groups, each group is scored by its best expert (``group_score="max"``, DeepSeek-V2) or the
+    sum of its best two (``"top2_sum"``, DeepSeek-V3), only the best ``topk_groups`` groups stay
+    eligible, and top-k is taken inside them.
+
+    Exploration (training mode only): ``noise_std`` adds N(0, noise_std^2) to the logits;
+    ``jitter_eps`` multiplies the router input by U(1-eps, 1+eps) (Switch); ``input_dropout``
+    applies dropout to the router input.
+
+    Balance: ``load_balance_coef`` (GShard/Switch ``E * sum_e f_e P_e``), ``importance_coef`` and
+    ``load_coef`` (Shazeer et al. 2017, squared coefficient of variation; the load term uses the
+    smooth normal-CDF estimator when noise is active and the hard assignment counts otherwise),
+    ``z_loss_coef`` (ST-MoE router z-loss). ``bias_update_rate > 0`` turns on aux-loss-free
+    balancing (DeepSeek-V3): a per-expert bias added to the scores for selection only, updated
+    by ``moeflow.update_expert_bias`` from the load counted since the last update.
+
+    ``dtype``: the dtype the router computes in. ``None`` means the input dtype promoted to at
+    least float32 (bf16/fp16 models get an fp32 router, fp64 stays fp64).
+    """
+
+    kind: RouterKind = "linear"
+    scoring: Scoring = "softmax"
+    normalize_topk: bool = False
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: GroupScore = "max"
+    bias: bool = False
+    noise_std: float = 0.0
+    jitter_eps: float = 0.0
+    input_dropout: float = 0.0
+    cosine_proj_dim: int = 256
+    cosine_init_temperature: float = 0.5
+    cosine_min_temperature: float = 0.01
+    load_balance_coef: float = 0.01
+    importance_coef: float = 0.0
+    load_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        _choice("router kind", self.kind, RouterKind)
+        _choice("scoring", self.scoring, Scoring)
+        _choice("group_score", self.group_score, GroupScore)
+        if self.scoring == "topk_softmax" and self.normalize_topk:
+            raise ValueError(
+                "normalize_topk=True has no effect with scoring='topk_softmax' (its weights already "
+                "sum to 1); leave it False"
+            )
+        _float("routed_scaling_factor", self.routed_scaling_factor)
+        if self.routed_scaling_factor <= 0:
+            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        _int("num_groups", self.num_groups, minimum=1)
+        _int("topk_groups", self.topk_groups, minimum=1)
+        if self.topk_groups > self.num_groups:
+            raise ValueError(f"topk_groups must be <= num_groups={self.num_groups}, got {self.topk_groups}")
+        _float("noise_std", self.noise_std, minimum=0.0)
+        _float("jitter_eps", self.jitter_eps, minimum=0.0, below=1.0)
+        _float("input_dropout", self.input_dropout, minimum=0.0, below=1.0)
+        _int("cosine_proj_dim", self.cosine_proj_dim, minimum=1)
+        _float("cosine_init_temperature", self.cosine_init_temperature)
+        _float("cosine_min_temperature", self.cosine_min_temperature)
+        if not 0 < self.cosine_min_temperature <= self.cosine_init_temperature:
+            raise ValueError(
+                "need 0 < cosine_min_temperature <= cosine_init_temperature, got "
+                f"{self.cosine_min_temperature} and {self.cosine_init_temperature}"
+            )
+        for name in ("load_balance_coef", "importance_coef", "load_coef", "z_loss_coef", "bias_update_rate"):
+            _float(name, getattr(self, name), minimum=0.0)
+        if self.dtype is not None and (not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point):
+            raise TypeError(f"router dtype must be a floating torch.dtype or None, got {self.dtype!r}")
+
+    def validate_for(self, *, num_experts: int, top_k: int) -> None:
+        """Checks that depend on the layer shape (run by ``MoEConfig`` and per call)."""
+        if num_experts % self.num_groups:
+            raise ValueError(f"num_experts={num_experts} must be divisible by num_groups={self.num_groups}")
+        per_group = num_experts // self.num_groups
+        if top_k > self.topk_groups * per_group:
+            raise ValueError(
+                f"top_k={top_k} exceeds the experts left by group-limited routing "
+                f"(topk_groups={self.topk_groups} x {per_group} experts per group)"
+            )
+        if self.group_score == "top2_sum" and self.num_groups > 1 and per_group < 2:
+            raise ValueError("group_score='top2_sum' needs at least 2 experts per group")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchConfig:
+    """How routed assignments become expert rows and come back.
+
+    ``drop_policy`` orders the assignments competing for an expert's ``C`` slots:
+        ``"position"``: all first choices before all second choices, tokens in batch order
+        (GShard/Tutel);
+        ``"score"``: highest router weight first over all assignments (ties by position);
+        ``"bpr"``: batch-prioritized routing (V-MoE): choice by choice, tokens ordered by their
+        highest router weight.
+    ``weight_at``: multiply the expert *output* by the router weight (``"combine"``, the usual
+    choice) or the expert *input* (``"dispatch"``, Llama-4 style).
+    ``renormalize_after_drop``: when an assignment is dropped, rescale the token's kept weights
+    so they sum to the same total as all k weights did (default False: dropped assignments just
+    contribute nothing, as in GShard and Switch).
+    """
+
+    drop_policy: DropPolicy = "position"
+    weight_at: WeightAt = "combine"
+    renormalize_after_drop: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("drop_policy", self.drop_policy, DropPolicy)
+        _choice("weight_at", self.weight_at, WeightAt)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertsConfig:
+    """The routed expert FFNs: ``act(x W_in + b_in) W_out + b_out``, 3-D weights ``[E, ...]``.
+
+    Gated activations (``"swiglu"``, ``"geglu"``) use ``act(x W_gate) * (x W_up)``; the gate and
+    up projections are stored fused in ``w_in [E, D, 2H]`` (gate first).
+    ``backend`` picks the grouped GEMM used in dropless mode: ``"grouped_mm"``
+    (``torch.nn.functional.grouped_mm``), ``"loop"`` (one matmul per expert, the reference), or
+    ``"auto"`` (``grouped_mm`` where it supports the device and dtype, else ``loop``).
+    """
+
+    activation: Activation = "swiglu"
+    bias: bool = False
+    backend: ExpertsBackend = "auto"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        _choice("activation", self.activation, Activation)
+        _choice("experts backend", self.backend, ExpertsBackend)
+        _float("init_std", self.init_std, minimum=0.0)
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Everything that defines one ``moeflow.MoE`` layer.
+
+    Capacity (``capacity_factor`` = cf, overridable per call; 0 is a value):
+        cf > 0: ``C = ceil(cf * T * K / E)`` computed exactly on the decimal value of cf, then
+        clipped to ``T`` (an expert can never receive more than T assignments); assignments past
+        C are dropped in ``drop_policy`` order; the experts run as a batched matmul on
+        ``[E, C, D]``.
+        cf == 0: dropless; grouped GEMM over exactly the routed rows, no padding.
+        cf < 0: dropless but capped at ``ceil(|cf| * T * K / E)`` rows per expert.
+    """
+
+    dim: int
+    hidden: int
+    num_experts: int
+    top_k: int = 2
+    capacity_factor: float = 1.0
+    router: RouterConfig = field(default_factory=RouterConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    num_shared_experts: int = 0
+    shared_hidden: int | None = None
+    shared_gate: bool = False
+    check_finite: bool = False
+
+    def __post_init__(self) -> None:
+        _int("dim", self.dim, minimum=1)
+        _int("hidden", self.hidden, minimum=1)
+        _int("num_experts", self.num_experts, minimum=1)
+        _int("top_k", self.top_k, minimum=1)
+        check_top_k(self.top_k, self.num_experts)
+        check_capacity_factor(self.capacity_factor)
+        for name, typ in (("router", RouterConfig), ("dispatch", DispatchConfig), ("experts", ExpertsConfig)):
+            if not isinstance(getattr(self, name), typ):
+                raise TypeError(f"{name} must be a {typ.__name__}, got {type(getattr(self, name)).__name__}")
+        self.router.validate_for(num_experts=self.num_experts, top_k=self.top_k)
+        _int("num_shared_experts", self.num_shared_experts, minimum=0)
+        if self.shared_hidden is not None:
+            _int("shared_hidden", self.shared_hidden, minimum=1)
+            if self.num_shared_experts == 0:
+                raise ValueError("shared_hidden is set but num_shared_experts=0")
+        if self.shared_gate and self.num_shared_experts == 0:
+            raise ValueError("shared_gate=True needs num_shared_experts >= 1")
+
+    @property
+    def shared_width(self) -> int:
+        """Hidden width of the fused shared-expert FFN (``num_shared_experts * hidden`` by default)."""
+        return self.shared_hidden if self.shared_hidden is not None else self.num_shared_experts * self.hidden
+
+
+def check_top_k(top_k: object, num_experts: int) -> int:
+    _int("top_k", top_k, minimum=1)
+    if top_k > num_experts:  # type: ignore[operator]
+        raise ValueError(f"top_k must be <= num_experts={num_experts}, got {top_k}")
+    return top_k  # type: ignore[return-value]

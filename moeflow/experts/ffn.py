@@ -1,0 +1,210 @@
+"""Expert feed-forward networks (legend: moeflow.types).
+
+Every experts module follows one protocol, ``forward(expert_in, counts_E) -> expert_out``, with
+two input layouts chosen by the dispatcher:
+
+- ``[E, C, D]`` (capacity mode): expert ``e`` owns slice ``e``; only its first ``counts_E[e]``
+  rows are real, the rest are zero padding whose output is ignored. Computed as batched matmul.
+- ``[R, D]`` grouped (dropless): rows grouped contiguously by expert, ``counts_E[e]`` rows each;
+  rows past ``counts_E.sum()`` are padding whose output is ignored. Computed as a grouped GEMM.
+
+The output has the input's layout with ``D`` features.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.config import ExpertsConfig
+from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
+
+__all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "mark_expert_parameters"]
+
+
+@runtime_checkable
+class Experts(Protocol):
+    """What the MoE layer calls. ``num_experts`` is the number of experts held *here*."""
+
+    num_experts: int
+
+    def __call__(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor: ...
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """Apply ``activation``; gated kinds split the last dim into (gate, up) halves."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "geglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.gelu(gate) * up
+    if activation == "relu":
+        return F.relu(h)
+    if activation == "gelu":
+        return F.gelu(h)
+    if activation == "silu":
+        return F.silu(h)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def mark_expert_parameters(module: nn.Module) -> None:
+    """Tag parameters that belong to routed experts (``p.moeflow_expert = True``) so data-parallel
+    wrappers can skip or scope their gradient averaging."""
+    for p in module.parameters():
+        p.moeflow_expert = True  # type: ignore[attr-defined]
+
+
+class GroupedExperts(nn.Module):
+    """``E`` FFN experts stored as 3-D weights.
+
+    Parameters:
+        w_in: ``[E, D, F]`` (``F = 2H`` for gated activations: gate columns first, then up).
+        w_out: ``[E, H, D]``.
+        b_in: ``[E, F]`` and b_out: ``[E, D]`` when ``config.bias``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        dim: int,
+        hidden: int,
+        config: ExpertsConfig | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config if config is not None else ExpertsConfig()
+        self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        width = 2 * hidden if self.config.gated else hidden
+        kw = {"device": device, "dtype": dtype}
+        self.w_in = nn.Parameter(torch.empty(num_experts, dim, width, **kw))
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, dim, **kw))
+        if self.config.bias:
+            self.b_in = nn.Parameter(torch.empty(num_experts, width, **kw))
+            self.b_out = nn.Parameter(torch.empty(num_experts, dim, **kw))
+        else:
+            self.register_parameter("b_in", None)
+            self.register_parameter("b_out", None)
+        self.reset_parameters()
+        mark_expert_parameters(self)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_in, std=self.config.init_std)
+        nn.init.normal_(self.w_out, std=self.config.init_std)
+        if self.b_in is not None:
+            nn.init.zeros_(self.b_in)
+            nn.init.zeros_(self.b_out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, "
+            f"activation={self.config.activation}, bias={self.config.bias}, backend={self.config.backend}"
+        )
+
+    def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if expert_in.dim() == 3:
+            return self._forward_padded(expert_in)
+        if expert_in.dim() == 2:
+            return self._forward_grouped(expert_in, counts_E)
+        raise ValueError(f"expert_in must be [E, C, D] or [R, D], got shape {tuple(expert_in.shape)}")
+
+    def _forward_padded(self, x_ECD: torch.Tensor) -> torch.Tensor:
+        if self.b_in is None:
+            h_ECF = torch.bmm(x_ECD, self.w_in)
+        else:
+            h_ECF = torch.baddbmm(self.b_in.unsqueeze(1), x_ECD, self.w_in)
+        a_ECH = activate(h_ECF, self.config.activation)
+        if self.b_out is None:
+            return torch.bmm(a_ECH, self.w_out)
+        return torch.baddbmm(self.b_out.unsqueeze(1), a_ECH, self.w_out)
+
+    def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        backend = resolve_grouped_mm_backend(self.config.backend, x_RD.device, x_RD.dtype)
+        mm = GROUPED_MM_BACKENDS[backend]
+        offs_E = torch.cumsum(counts_E, 0)
+        h_RF = mm(x_RD, self.w_in, offs_E)
+        if self.b_in is not None:
+            # expert of each row without a host sync; padding rows map past the last expert
+            expert_R = torch.searchsorted(offs_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
+            expert_R = expert_R.clamp(max=self.num_experts - 1)
+            h_RF = h_RF + self.b_in[expert_R]
+        a_RH = activate(h_RF, self.config.activation)
+        y_RD = mm(a_RH, self.w_out, offs_E)
+        if self.b_out is not None:
+            y_RD = y_RD + self.b_out[expert_R]
+        return y_RD
+
+
+class ModuleExperts(nn.Module):
+    """Wrap any per-expert modules (each maps ``[N, D] -> [N, D]``) into the experts protocol.
+
+    Runs one module per expert on its real rows only (reads the counts on the host). Use it for
+    experts that are not plain FFNs; the built-in ``GroupedExperts`` is much faster for FFNs.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        if len(modules) == 0:
+            raise ValueError("modules must hold at least one expert module, got an empty sequence")
+        for i, m in enumerate(modules):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"modules[{i}] must be an nn.Module, got {type(m).__name__}")
+        self.experts = nn.ModuleList(modules)
+        self.num_experts = len(modules)
+        mark_expert_parameters(self)
+
+    def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        counts = counts_E.tolist()
+        out = torch.zeros_like(expert_in)
+        if expert_in.dim() == 3:
+            for e, (module, n) in enumerate(zip(self.experts, counts)):
+                if n:
+                    out[e, :n] = module(expert_in[e, :n])
+            return out
+        start = 0
+        for module, n in zip(self.experts, counts):
+            if n:
+                out[start : start + n] = module(expert_in[start : start + n])
+            start += n
+        return out
+
+
+class DenseFFN(nn.Module):
+    """An always-on FFN (shared experts): ``act(x W_in + b_in) W_out + b_out`` on ``[T, D]``,
+    optionally scaled by a learned sigmoid gate per token (Qwen-MoE)."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hidden: int,
+        activation: str,
+        bias: bool = False,
+        gate: bool = False,
+        init_std: float = 0.02,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.activation = activation
+        width = 2 * hidden if activation in ("swiglu", "geglu") else hidden
+        kw = {"device": device, "dtype": dtype}
+        self.proj_in = nn.Linear(dim, width, bias=bias, **kw)
+        self.proj_out = nn.Linear(hidden, dim, bias=bias, **kw)
+        self.gate = nn.Linear(dim, 1, bias=False, **kw) if gate else None
+        for lin in (self.proj_in, self.proj_out):
+            nn.init.normal_(lin.weight, std=init_std)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        y_TD = self.proj_out(activate(self.proj_in(x_TD), self.activation))
+        if self.gate is not None:
+            y_TD = torch.sigmoid(self.gate(x_TD)) * y_TD
+        return y_TD

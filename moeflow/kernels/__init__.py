@@ -1,0 +1,20 @@
+"""Leaf kernels: per op a readable torch reference (the CPU path) and faster backends, with a
+registry that picks one by a capability probe (device, dtype), never an environment variable."""
+
+from moeflow.kernels.grouped_mm import (
+    GROUPED_MM_BACKENDS,
+    grouped_mm,
+    grouped_mm_loop,
+    grouped_mm_native,
+    native_grouped_mm_supported,
+    resolve_grouped_mm_backend,
+)
+
+__all__ = [
+    "GROUPED_MM_BACKENDS",
+    "grouped_mm",
+    "grouped_mm_loop",
+    "grouped_mm_native",
+    "native_grouped_mm_supported",
+    "resolve_grouped_mm_backend",
+]

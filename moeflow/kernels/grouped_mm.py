@@ -1,0 +1,100 @@
+"""Grouped matmul over variable-size row groups (legend: moeflow.types).
+
+``y_RF[rows of group e] = x_RD[rows of group e] @ w_EDF[e]`` where group e owns rows
+``offs_E[e-1] : offs_E[e]`` (``offs_E`` is the inclusive cumulative row count, int32). Rows past
+``offs_E[-1]`` are padding: their output is zero and they receive no gradient.
+
+Two backends:
+- ``"loop"``: one ``mm`` per group; the reference, works for every dtype (fp64 included) but
+  reads the group sizes on the host.
+- ``"grouped_mm"``: ``torch.nn.functional.grouped_mm``, one call, no host sync; only where the
+  probe shows it supports the device and dtype (fp32/bf16/fp16 on CPU in torch 2.13).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "grouped_mm",
+    "grouped_mm_loop",
+    "grouped_mm_native",
+    "native_grouped_mm_supported",
+    "resolve_grouped_mm_backend",
+    "GROUPED_MM_BACKENDS",
+]
+
+
+def grouped_mm_loop(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Reference: one matmul per group, zero rows for the padding tail."""
+    ends = offs_E.tolist()
+    starts = [0] + ends[:-1]
+    parts = [x_RD[s:t] @ w_EDF[e] for e, (s, t) in enumerate(zip(starts, ends))]
+    tail = x_RD.shape[0] - ends[-1]
+    if tail:
+        parts.append(x_RD.new_zeros(tail, w_EDF.shape[-1]))
+    return torch.cat(parts, dim=0)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (``grouped_mm``'s
+    backward rejects the stride-0 gradients that e.g. ``y.sum().backward()`` produces)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad.contiguous()
+
+
+def grouped_mm_native(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm`` with the layout it needs (int32 offsets, contiguous gradients)."""
+    y_RF = F.grouped_mm(x_RD, w_EDF, offs=offs_E.to(torch.int32))
+    return _ContiguousGrad.apply(y_RF)
+
+
+GROUPED_MM_BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "loop": grouped_mm_loop,
+    "grouped_mm": grouped_mm_native,
+}
+
+
+@lru_cache(maxsize=None)
+def _probe(device_type: str, dtype: torch.dtype) -> bool:
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        x = torch.ones(4, 8, device=device_type, dtype=dtype)
+        w = torch.ones(2, 8, 16, device=device_type, dtype=dtype)
+        y = F.grouped_mm(x, w, offs=torch.tensor([1, 3], device=device_type, dtype=torch.int32))
+        return bool((y[:3] == 8).all()) and bool((y[3] == 0).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def native_grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Capability probe: does ``F.grouped_mm`` run (and give the right answer) here?"""
+    return _probe(torch.device(device).type, dtype)
+
+
+def resolve_grouped_mm_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Map ``"auto"`` to a concrete backend; reject a named backend that cannot run here."""
+    if name == "auto":
+        return "grouped_mm" if native_grouped_mm_supported(device, dtype) else "loop"
+    if name not in GROUPED_MM_BACKENDS:
+        raise ValueError(f"grouped-mm backend must be one of {['auto', *GROUPED_MM_BACKENDS]}, got {name!r}")
+    if name == "grouped_mm" and not native_grouped_mm_supported(device, dtype):
+        raise ValueError(f"backend='grouped_mm' does not support device={torch.device(device).type}, dtype={dtype}")
+    return name
+
+
+def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Grouped matmul through the registry (see module docstring)."""
+    name = resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype)
+    return GROUPED_MM_BACKENDS[name](x_RD, w_EDF, offs_E)

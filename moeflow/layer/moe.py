@@ -1,0 +1,175 @@
+"""The MoE layer: router -> dispatcher -> experts -> combine (+ shared experts).
+
+Legend: moeflow.types. The dispatcher is injected (a ``LocalDispatcher`` by default), so
+parallelism is applied from outside by swapping it, never by a branch in here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from moeflow.config import MoEConfig, check_capacity_factor, check_top_k
+from moeflow.dispatch import Dispatcher, LocalDispatcher
+from moeflow.experts import DenseFFN, Experts, GroupedExperts
+from moeflow.layer.router import Router
+
+__all__ = ["MoE", "aux_loss", "update_expert_bias", "moe_layers"]
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts FFN block: ``y = layer(x)``, ``x [..., D] -> y [..., D]``, same dtype.
+
+    Construct from keyword arguments (the fields of ``MoEConfig``) or a ready ``MoEConfig``::
+
+        layer = MoE(dim=512, hidden=1024, num_experts=8, top_k=2, capacity_factor=1.0)
+        layer = MoE(config=MoEConfig(dim=512, hidden=1024, num_experts=8,
+                                     router=RouterConfig(scoring="sigmoid", normalize_topk=True)))
+
+    ``experts`` replaces the built-in FFN experts with any module following the experts
+    protocol (see ``moeflow.experts``), e.g. ``ModuleExperts([...])``; ``dispatcher`` replaces the
+    local dispatcher (expert parallelism does this from outside).
+
+    Per call, ``capacity_factor`` and ``top_k`` override the configured values (0 is a value:
+    ``capacity_factor=0`` means dropless). After each call, ``layer.aux_losses`` holds the
+    balance losses of that call (each already multiplied by its coefficient) and
+    ``layer.last_counts_E`` the assignments per expert before drops.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: MoEConfig | None = None,
+        experts: nn.Module | None = None,
+        dispatcher: Dispatcher | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **fields: object,
+    ) -> None:
+        super().__init__()
+        if config is None:
+            config = MoEConfig(**fields)  # type: ignore[arg-type]
+        elif fields:
+            config = dataclasses.replace(config, **fields)  # type: ignore[arg-type]
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        self.config = config
+        kw = {"device": device, "dtype": dtype}
+        self.router = Router(dim=config.dim, num_experts=config.num_experts, config=config.router, **kw)
+        if experts is None:
+            experts = GroupedExperts(
+                num_experts=config.num_experts, dim=config.dim, hidden=config.hidden, config=config.experts, **kw
+            )
+        elif not isinstance(experts, nn.Module) or not isinstance(getattr(experts, "num_experts", None), int):
+            raise TypeError(f"experts must be an nn.Module with an int num_experts, got {type(experts).__name__}")
+        self.experts = experts
+        self.dispatcher: Dispatcher = (
+            dispatcher if dispatcher is not None else LocalDispatcher(num_experts=config.num_experts, config=config.dispatch)
+        )
+        if config.num_shared_experts:
+            self.shared = DenseFFN(
+                dim=config.dim,
+                hidden=config.shared_width,
+                activation=config.experts.activation,
+                bias=config.experts.bias,
+                gate=config.shared_gate,
+                init_std=config.experts.init_std,
+                **kw,
+            )
+        else:
+            self.shared = None
+        self.aux_losses: dict[str, torch.Tensor] | None = None
+        self.last_counts_E: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"dim={c.dim}, hidden={c.hidden}, num_experts={c.num_experts}, top_k={c.top_k}, capacity_factor={c.capacity_factor}"
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dim() < 1 or x.shape[-1] != self.config.dim:
+            raise ValueError(f"x must have last dimension dim={self.config.dim}, got shape {tuple(x.shape)}")
+        param = next(self.experts.parameters(), None)
+        if param is not None and param.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"x has dtype {x.dtype} but the layer parameters are {param.dtype}; cast one of them "
+                "(e.g. layer.to(x.dtype)) or run under torch.autocast"
+            )
+        if self.config.check_finite and not bool(torch.isfinite(x).all()):
+            raise ValueError("x contains non-finite values (NaN or Inf); check_finite=True")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        capacity_factor: float | None = None,
+        top_k: int | None = None,
+    ) -> torch.Tensor:
+        self._check_input(x)
+        cfg = self.config
+        cf = cfg.capacity_factor if capacity_factor is None else check_capacity_factor(capacity_factor)
+        k = cfg.top_k if top_k is None else check_top_k(top_k, cfg.num_experts)
+        if top_k is not None:
+            cfg.router.validate_for(num_experts=cfg.num_experts, top_k=k)
+
+        x_TD = x.reshape(-1, cfg.dim)
+        if x_TD.shape[0] == 0:
+            self.aux_losses = {}
+            self.last_counts_E = torch.zeros(cfg.num_experts, dtype=torch.long, device=x.device)
+            return x * 0  # empty, but connected to the graph so backward() works
+
+        routing = self.router(x_TD, top_k=k)
+        expert_in, plan = self.dispatcher.dispatch(x_TD, routing, capacity_factor=cf)
+        expert_out = self.experts(expert_in, plan.counts_E)
+        y_TD = self.dispatcher.combine(expert_out, plan)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        self.aux_losses = routing.aux_losses
+        self.last_counts_E = torch.bincount(routing.ids_TK.reshape(-1).detach(), minlength=cfg.num_experts)
+        return y_TD.view(x.shape)
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of this layer's balance losses from its last call (a scalar with gradient)."""
+        if self.aux_losses is None:
+            raise RuntimeError("aux_loss() was read before the layer was called; run a forward pass first")
+        total = torch.zeros((), device=self.router.expert_bias.device)
+        for value in self.aux_losses.values():
+            total = total + value
+        return total
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """Every ``MoE`` layer inside ``model`` (including ``model`` itself)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of the balance losses of every MoE layer in ``model`` from their last forward call.
+
+    Add it to the task loss of the *same* forward pass before ``backward()``. With gradient
+    accumulation, read it after each micro-batch's forward and scale it like that micro-batch's
+    loss (``(task + aux) / n_micro``): each layer keeps only its last call, so reading once
+    after several forwards would count just the last micro-batch.
+    """
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"model contains no moeflow.MoE layer: {type(model).__name__}")
+    total = layers[0].aux_loss()
+    for layer in layers[1:]:
+        total = total + layer.aux_loss().to(total.device)
+    return total
+
+
+def update_expert_bias(model: nn.Module) -> None:
+    """Run the aux-loss-free bias update on every MoE layer that has it enabled.
+
+    Call once per optimizer step (after all micro-batches); see ``Router.update_bias``.
+    """
+    for layer in moe_layers(model):
+        if layer.router.config.bias_update_rate > 0:
+            layer.router.update_bias()

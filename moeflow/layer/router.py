@@ -1,0 +1,146 @@
+"""The Router module: ``x_TD -> RoutingResult`` (legend: moeflow.types)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.config import RouterConfig
+from moeflow.routing import (
+    importance_loss,
+    load_balance_loss,
+    load_loss,
+    router_z_loss,
+    select_experts,
+    smooth_load_E,
+)
+from moeflow.types import RoutingResult
+
+__all__ = ["Router", "router_compute_dtype"]
+
+
+def router_compute_dtype(config: RouterConfig, input_dtype: torch.dtype) -> torch.dtype:
+    """``config.dtype``, or the input dtype promoted to at least float32."""
+    if config.dtype is not None:
+        return config.dtype
+    return torch.promote_types(input_dtype, torch.float32)
+
+
+class Router(nn.Module):
+    """Scores tokens against experts and picks the top-k.
+
+    Linear router: ``logits = x W^T (+ b)`` with ``weight [E, D]``.
+    Cosine router (SwinV2-MoE / X-MoE): ``logits = cos(x P, M_e) * s`` with a projection
+    ``P [D -> proj]``, expert embeddings ``M [E, proj]`` and a learnable scale
+    ``s = exp(min(log_scale, log(1/min_temperature)))``, initialised to ``1/init_temperature``.
+
+    Aux-loss-free balancing keeps two buffers: ``expert_bias [E]`` (added to the scores for
+    selection only) and ``load_counts [E]`` (assignments seen in training since the last
+    ``update_bias()``); both live outside autograd.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_experts: int,
+        config: RouterConfig | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config if config is not None else RouterConfig()
+        self.dim, self.num_experts = dim, num_experts
+        kw = {"device": device, "dtype": dtype}
+        cfg = self.config
+        if cfg.kind == "linear":
+            self.linear = nn.Linear(dim, num_experts, bias=cfg.bias, **kw)
+        else:
+            self.proj = nn.Linear(dim, cfg.cosine_proj_dim, bias=cfg.bias, **kw)
+            self.expert_embed = nn.Parameter(torch.empty(num_experts, cfg.cosine_proj_dim, **kw))
+            self.log_scale = nn.Parameter(torch.full((), math.log(1.0 / cfg.cosine_init_temperature), **kw))
+            nn.init.normal_(self.expert_embed, std=0.32)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
+        self.register_buffer("load_counts", torch.zeros(num_experts, device=device, dtype=torch.float64))
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"kind={c.kind}, scoring={c.scoring}, num_experts={self.num_experts}, groups={c.num_groups}/{c.topk_groups}"
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Clean router logits ``[T, E]`` in the router dtype (no noise, jitter or dropout)."""
+        dt = router_compute_dtype(self.config, x_TD.dtype)
+        x_TD = x_TD.to(dt)
+        if self.config.kind == "linear":
+            b = self.linear.bias.to(dt) if self.linear.bias is not None else None
+            return F.linear(x_TD, self.linear.weight.to(dt), b)
+        b = self.proj.bias.to(dt) if self.proj.bias is not None else None
+        z_TP = F.normalize(F.linear(x_TD, self.proj.weight.to(dt), b), dim=-1)
+        m_EP = F.normalize(self.expert_embed.to(dt), dim=-1)
+        scale = torch.clamp(self.log_scale.to(dt), max=math.log(1.0 / self.config.cosine_min_temperature)).exp()
+        return (z_TP @ m_EP.t()) * scale
+
+    def forward(self, x_TD: torch.Tensor, *, top_k: int) -> RoutingResult:
+        cfg = self.config
+        if self.training and cfg.jitter_eps > 0:
+            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter_eps, 1.0 + cfg.jitter_eps)
+        if self.training and cfg.input_dropout > 0:
+            x_TD = F.dropout(x_TD, p=cfg.input_dropout, training=True)
+        clean_TE = self.logits(x_TD)
+        noisy = self.training and cfg.noise_std > 0
+        logits_TE = clean_TE + torch.randn_like(clean_TE) * cfg.noise_std if noisy else clean_TE
+
+        use_bias = cfg.bias_update_rate > 0
+        weights_TK, ids_TK, scores_TE = select_experts(
+            logits_TE,
+            top_k=top_k,
+            scoring=cfg.scoring,
+            normalize_topk=cfg.normalize_topk,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            num_groups=cfg.num_groups,
+            topk_groups=cfg.topk_groups,
+            group_score=cfg.group_score,
+            selection_bias_E=self.expert_bias if use_bias else None,
+        )
+        if use_bias and self.training:
+            with torch.no_grad():
+                self.load_counts += torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).to(self.load_counts.dtype)
+
+        losses: dict[str, torch.Tensor] = {}
+        if cfg.load_balance_coef > 0:
+            if cfg.scoring == "sigmoid":
+                probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+            else:
+                probs_TE = torch.softmax(logits_TE, dim=-1)
+            losses["load_balance"] = cfg.load_balance_coef * load_balance_loss(probs_TE, ids_TK)
+        if cfg.importance_coef > 0:
+            losses["importance"] = cfg.importance_coef * importance_loss(weights_TK, ids_TK, self.num_experts)
+        if cfg.load_coef > 0:
+            if noisy:
+                load_E = smooth_load_E(clean_TE, logits_TE, cfg.noise_std, top_k)
+            else:
+                load_E = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).to(logits_TE.dtype)
+            losses["load"] = cfg.load_coef * load_loss(load_E)
+        if cfg.z_loss_coef > 0:
+            losses["z_loss"] = cfg.z_loss_coef * router_z_loss(logits_TE)
+        return RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=losses)
+
+    @torch.no_grad()
+    def update_bias(self, load_counts_E: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing step (DeepSeek-V3): ``bias += rate * sign(mean_load - load)``.
+
+        Uses ``load_counts_E`` if given (e.g. counts all-reduced over data-parallel ranks),
+        otherwise the counts accumulated since the last update, which are then reset. Call it
+        once per optimizer step, after all micro-batches: the counts of every micro-batch are
+        included, so gradient accumulation does not change the update.
+        """
+        rate = self.config.bias_update_rate
+        if rate <= 0:
+            raise RuntimeError("update_bias() needs RouterConfig(bias_update_rate > 0)")
+        counts_E = self.load_counts if load_counts_E is None else load_counts_E.to(self.load_counts)
+        if counts_E.sum() > 0:
+            self.expert_bias += rate * torch.sign(counts_E.mean() - counts_E).to(self.expert_bias.dtype)
+        self.load_counts.zero_()
