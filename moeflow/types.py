@@ -46,31 +46,34 @@ class RoutingResult:
 class DispatchPlan:
     """Everything ``combine`` needs to undo ``dispatch``; produced once per call, never stored.
 
-    Assignments are listed in expert-major order (all rows of expert 0 first, then expert 1,
-    ...); inside an expert they follow the drop-policy priority, so the first ``C`` rows of an
-    expert are the kept ones.
+    The expert input has ``M`` rows: ``M = E*C`` in the capacity layout ``[E, C, D]``, and
+    ``M = A`` in the grouped layout (rows grouped by expert; in capped-dropless mode the dropped
+    assignments sit in a tail past ``counts_E.sum()``). Assignments are numbered by their flat
+    index ``a = t*K + k``.
 
     Attributes:
-        token_A: source token of each assignment (int64).
-        weight_A: router weight of each assignment (already renormalised after drops if
-            configured; zero for dropped assignments is *not* applied here, ``kept_A`` is).
+        assign_M: the assignment occupying each expert row (int64; arbitrary where not valid).
+        row_valid_M: bool mask of expert rows holding a kept assignment, or ``None`` if all do.
+        row_A: the expert row of each assignment (int64; arbitrary where dropped).
         kept_A: bool mask of assignments that fit in capacity, or ``None`` when nothing can be
             dropped (dropless without a cap).
-        row_A: the row of the flattened expert input that each assignment occupies
-            (``e*C + slot`` in capacity layout, position in the grouped layout otherwise);
-            dropped assignments point at a trash row past the end.
-        counts_E: kept rows per expert (int64); in capacity layout at most ``C``.
-        capacity: ``C`` for the padded ``[E, C, D]`` layout, ``None`` for the grouped ``[R, D]``
-            layout.
+        weights_TK: combine weights in the input dtype (renormalised after drops if configured).
+        counts_E: kept rows per expert (int64).
+        capacity: ``C`` for the capacity layout, ``None`` for the grouped layout.
         num_tokens: ``T``.
-        weight_at: ``"combine"`` or ``"dispatch"``: where ``weight_A`` was applied.
+        weight_at: ``"combine"`` or ``"dispatch"``: where the router weight is applied.
     """
 
-    token_A: torch.Tensor
-    weight_A: torch.Tensor
-    kept_A: torch.Tensor | None
+    assign_M: torch.Tensor
+    row_valid_M: torch.Tensor | None
     row_A: torch.Tensor
+    kept_A: torch.Tensor | None
+    weights_TK: torch.Tensor
     counts_E: torch.Tensor
     capacity: int | None
     num_tokens: int
     weight_at: str
+
+    @property
+    def top_k(self) -> int:
+        return self.weights_TK.shape[1]

@@ -15,6 +15,7 @@ import torch
 from moeflow.config import DispatchConfig
 from moeflow.dispatch.capacity import resolve_capacity
 from moeflow.dispatch.slots import assign_slots
+from moeflow.kernels.gather import gather_rows
 from moeflow.types import DispatchPlan, RoutingResult
 
 __all__ = ["Dispatcher", "LocalDispatcher"]
@@ -41,7 +42,12 @@ class Dispatcher(Protocol):
 
 
 class LocalDispatcher:
-    """All experts live in this process."""
+    """All experts live in this process.
+
+    Both directions are row gathers along the plan's one-to-K mapping
+    (``moeflow.kernels.gather_rows``), whose backward is a gather as well: no scatter-add, no
+    one-hot, and no host synchronisation.
+    """
 
     def __init__(self, *, num_experts: int, config: DispatchConfig | None = None) -> None:
         self.num_experts = num_experts
@@ -51,46 +57,51 @@ class LocalDispatcher:
         self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float
     ) -> tuple[torch.Tensor, DispatchPlan]:
         T, D = x_TD.shape
-        E = self.num_experts
-        K = routing.top_k
+        E, K = self.num_experts, routing.top_k
+        A = T * K
+        device = x_TD.device
         cap = resolve_capacity(capacity_factor, num_tokens=T, top_k=K, num_experts=E)
         policy = None if cap.row_cap is None else self.config.drop_policy
         slots = assign_slots(routing.ids_TK, routing.weights_TK, num_experts=E, drop_policy=policy)
-        order_A, expert_A, pos_A = slots.order_A, slots.expert_A, slots.pos_A
-        weights_A = routing.weights_TK.reshape(-1)
+        order_S, expert_S, pos_S = slots.order_A, slots.expert_A, slots.pos_A  # S: sorted by expert
+        kept_S = None if cap.row_cap is None else pos_S < cap.row_cap
 
-        kept_A: torch.Tensor | None = None
-        if cap.row_cap is not None:
-            kept_A = pos_A < cap.row_cap
-            if cap.layout_capacity is None:
+        if cap.layout_capacity is not None:
+            C = cap.layout_capacity
+            # each kept assignment goes to row e*C + pos; dropped ones to a trash row E*C
+            dest_S = torch.where(kept_S, expert_S * C + pos_S, E * C)  # type: ignore[arg-type]
+            assign_M = torch.zeros(E * C + 1, dtype=torch.long, device=device).index_copy_(0, dest_S, order_S)[: E * C]
+            row_valid_M = torch.zeros(E * C + 1, dtype=torch.bool, device=device).index_copy_(0, dest_S, kept_S)[: E * C]
+            row_S = torch.where(kept_S, dest_S, 0)  # type: ignore[arg-type]
+        else:
+            if kept_S is not None:
                 # capped dropless: move dropped assignments behind every kept row, so the kept
                 # rows of each expert stay contiguous and the grouped GEMM ignores the tail
-                moved_A = torch.sort(torch.where(kept_A, expert_A, E), stable=True).indices
-                order_A, expert_A, kept_A = order_A[moved_A], expert_A[moved_A], kept_A[moved_A]
-        token_A = torch.div(order_A, K, rounding_mode="floor")
-        weight_A = weights_A[order_A].to(x_TD.dtype)
+                moved = torch.sort(torch.where(kept_S, expert_S, E), stable=True).indices
+                order_S, kept_S = order_S[moved], kept_S[moved]
+            assign_M, row_valid_M = order_S, kept_S
+            row_S = torch.arange(A, device=device)
+        row_A = torch.empty_like(order_S).scatter_(0, order_S, row_S)
+        kept_A = None if kept_S is None else torch.empty_like(kept_S).scatter_(0, order_S, kept_S)
+
+        weights_TK = routing.weights_TK.to(x_TD.dtype)
         if kept_A is not None and self.config.renormalize_after_drop:
-            weight_A = _renormalize_kept(weight_A, kept_A, token_A, routing.weights_TK.to(x_TD.dtype))
-
+            weights_TK = _renormalize_kept(weights_TK, kept_A.view(T, K))
         counts_E = slots.counts_E if cap.row_cap is None else slots.counts_E.clamp(max=cap.row_cap)
-        rows_AD = x_TD.index_select(0, token_A)
-        if self.config.weight_at == "dispatch":
-            rows_AD = rows_AD * weight_A.unsqueeze(1)
 
-        if cap.layout_capacity is None:
-            row_A = torch.arange(order_A.numel(), device=x_TD.device)
-            expert_in = rows_AD
-        else:
-            C = cap.layout_capacity
-            row_A = torch.where(kept_A, expert_A * C + pos_A, E * C)  # type: ignore[arg-type]
-            # one trash row past the end takes the dropped assignments, then is cut off
-            buf = x_TD.new_zeros(E * C + 1, D).index_copy(0, row_A, rows_AD)
-            expert_in = buf[: E * C].view(E, C, D)
+        token_M = torch.div(assign_M, K, rounding_mode="floor")
+        rows_MD = gather_rows(
+            x_TD, token_M, row_valid_M, row_A.view(T, K), None if kept_A is None else kept_A.view(T, K)
+        )
+        if self.config.weight_at == "dispatch":
+            rows_MD = rows_MD * weights_TK.reshape(-1)[assign_M].unsqueeze(1)
+        expert_in = rows_MD if cap.layout_capacity is None else rows_MD.view(E, cap.layout_capacity, D)
         plan = DispatchPlan(
-            token_A=token_A,
-            weight_A=weight_A,
-            kept_A=kept_A,
+            assign_M=assign_M,
+            row_valid_M=row_valid_M,
             row_A=row_A,
+            kept_A=kept_A,
+            weights_TK=weights_TK,
             counts_E=counts_E,
             capacity=cap.layout_capacity,
             num_tokens=T,
@@ -100,25 +111,27 @@ class LocalDispatcher:
 
     def combine(self, expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         D = expert_out.shape[-1]
-        out_flat = expert_out.reshape(-1, D)
-        if plan.capacity is None:
-            rows_AD = out_flat  # grouped layout: row a of the output belongs to assignment a
-        else:
-            rows_AD = out_flat.index_select(0, plan.row_A.clamp(max=out_flat.shape[0] - 1))
-        if plan.weight_at == "combine":
-            rows_AD = rows_AD * plan.weight_A.unsqueeze(1)
-        if plan.kept_A is not None:
-            rows_AD = torch.where(plan.kept_A.unsqueeze(1), rows_AD, rows_AD.new_zeros(()))
-        y_TD = out_flat.new_zeros(plan.num_tokens, D)
-        return y_TD.index_add(0, plan.token_A, rows_AD)
+        T, K = plan.num_tokens, plan.top_k
+        rows_AD = gather_rows(
+            expert_out.reshape(-1, D),
+            plan.row_A,
+            plan.kept_A,
+            plan.assign_M.view(-1, 1),
+            None if plan.row_valid_M is None else plan.row_valid_M.view(-1, 1),
+        )
+        rows_TKD = rows_AD.view(T, K, D)
+        if plan.weight_at == "dispatch":
+            return rows_TKD.sum(dim=1)
+        if K == 1:
+            return rows_TKD[:, 0] * plan.weights_TK
+        return torch.bmm(plan.weights_TK.unsqueeze(1), rows_TKD).squeeze(1)
 
 
-def _renormalize_kept(
-    weight_A: torch.Tensor, kept_A: torch.Tensor, token_A: torch.Tensor, weights_TK: torch.Tensor
-) -> torch.Tensor:
-    """Rescale each token's kept weights so they sum to the total of all its k weights."""
-    T = weights_TK.shape[0]
-    kept_sum_T = weights_TK.new_zeros(T).index_add(0, token_A, weight_A * kept_A)
-    total_T = weights_TK.sum(dim=1)
-    scale_T = torch.where(kept_sum_T > 0, total_T / torch.where(kept_sum_T > 0, kept_sum_T, 1), 0)
-    return weight_A * scale_T[token_A]
+def _renormalize_kept(weights_TK: torch.Tensor, kept_TK: torch.Tensor) -> torch.Tensor:
+    """Rescale each token's kept weights so they sum to the total of all its k weights
+    (tokens with nothing kept keep zero weight)."""
+    kept_w_TK = weights_TK * kept_TK
+    kept_sum_T1 = kept_w_TK.sum(dim=1, keepdim=True)
+    has_kept = kept_sum_T1 > 0
+    scale_T1 = torch.where(has_kept, weights_TK.sum(dim=1, keepdim=True) / torch.where(has_kept, kept_sum_T1, 1), 0)
+    return weights_TK * scale_T1

@@ -18,3 +18,7 @@ __all__ = [
     "native_grouped_mm_supported",
     "resolve_grouped_mm_backend",
 ]
+
+from moeflow.kernels.gather import gather_rows, gather_rows_reference  # noqa: E402
+
+__all__ += ["gather_rows", "gather_rows_reference"]

@@ -28,7 +28,7 @@ class MoE(nn.Module):
         layer = MoE(config=MoEConfig(dim=512, hidden=1024, num_experts=8,
                                      router=RouterConfig(scoring="sigmoid", normalize_topk=True)))
 
-    ``experts`` replaces the built-in FFN experts with any module following the experts
+    ``experts_module`` replaces the built-in FFN experts with any module following the experts
     protocol (see ``moeflow.experts``), e.g. ``ModuleExperts([...])``; ``dispatcher`` replaces the
     local dispatcher (expert parallelism does this from outside).
 
@@ -42,7 +42,7 @@ class MoE(nn.Module):
         self,
         *,
         config: MoEConfig | None = None,
-        experts: nn.Module | None = None,
+        experts_module: nn.Module | None = None,
         dispatcher: Dispatcher | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -58,12 +58,19 @@ class MoE(nn.Module):
         self.config = config
         kw = {"device": device, "dtype": dtype}
         self.router = Router(dim=config.dim, num_experts=config.num_experts, config=config.router, **kw)
+        experts = experts_module
         if experts is None:
             experts = GroupedExperts(
                 num_experts=config.num_experts, dim=config.dim, hidden=config.hidden, config=config.experts, **kw
             )
         elif not isinstance(experts, nn.Module) or not isinstance(getattr(experts, "num_experts", None), int):
-            raise TypeError(f"experts must be an nn.Module with an int num_experts, got {type(experts).__name__}")
+            raise TypeError(
+                f"experts_module must be an nn.Module with an int num_experts, got {type(experts).__name__}"
+            )
+        elif experts.num_experts != config.num_experts:
+            raise ValueError(
+                f"experts_module holds {experts.num_experts} experts but num_experts={config.num_experts}"
+            )
         self.experts = experts
         self.dispatcher: Dispatcher = (
             dispatcher if dispatcher is not None else LocalDispatcher(num_experts=config.num_experts, config=config.dispatch)

@@ -1,0 +1,26 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` the test suite.
+# Both create or reuse the local virtual environment .venv and install what they need; the
+# CPU build of torch is pinned through constraints.txt so pip never pulls a CUDA build.
+
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.moeflow-installed
+
+.PHONY: demo test bench-targets clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/moeflow bench
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest tests
+
+bench-targets: $(STAMP)
+	bash bench/core_targets.sh
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,3 @@
+from moeflow.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Thin command-line entry points that map flags to configs."""

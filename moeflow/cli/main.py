@@ -1,0 +1,89 @@
+"""``moeflow`` command line: ``moeflow bench ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main", "build_parser"]
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="time the MoE layer beside the einsum/loop references and the expert-GEMM floor",
+        description="Time moeflow, the GShard einsum reference, the per-expert loop reference and the "
+        "floor (bare expert FFN on balanced input), forward and forward+backward, in one process.",
+    )
+    p.add_argument("--tokens", type=int, default=4096, help="T, tokens per call (default 4096)")
+    p.add_argument("--dim", type=int, default=512, help="D, model dim (default 512)")
+    p.add_argument("--hidden", type=int, default=1024, help="H, expert hidden dim (default 1024)")
+    p.add_argument("--experts", type=int, default=8, help="E, number of experts (default 8)")
+    p.add_argument("--top-k", type=int, default=2, help="K, experts per token (default 2)")
+    p.add_argument(
+        "--capacity-factor", type=float, default=1.0, help="cf: >0 fixed capacity, 0 dropless, <0 dropless capped (default 1.0)"
+    )
+    p.add_argument("--activation", default="swiglu", choices=["relu", "gelu", "silu", "swiglu", "geglu"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per implementation (default 7)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up repeats (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--impls", default="moeflow,einsum,loop,floor", help="comma-separated subset of moeflow,einsum,loop,floor"
+    )
+    p.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak-memory pass")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the full report as JSON")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from moeflow.bench import BenchConfig, format_table, run_layer_bench
+
+    try:
+        cfg = BenchConfig(
+            tokens=args.tokens,
+            dim=args.dim,
+            hidden=args.hidden,
+            experts=args.experts,
+            top_k=args.top_k,
+            capacity_factor=args.capacity_factor,
+            activation=args.activation,
+            dtype=args.dtype,
+            device=args.device,
+            threads=args.threads,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            seed=args.seed,
+            impls=tuple(s.strip() for s in args.impls.split(",") if s.strip()),
+            memory=not args.no_memory,
+        )
+    except (ValueError, TypeError) as err:
+        print(f"moeflow bench: error: {err}", file=sys.stderr)
+        return 2
+    report = run_layer_bench(cfg, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    print(format_table(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeflow", description="Mixture-of-Experts layers for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
