@@ -47,8 +47,8 @@ class DispatchPlan:
     """Everything ``combine`` needs to undo ``dispatch``; produced once per call, never stored.
 
     The expert input has ``M`` rows: ``M = E*C`` in the capacity layout ``[E, C, D]``, and
-    ``M = A`` in the grouped layout (rows grouped by expert; in capped-dropless mode the dropped
-    assignments sit in a tail past ``counts_E.sum()``). Assignments are numbered by their flat
+    ``M = counts_E.sum()`` in the grouped layout (rows grouped by expert; ``M = A`` when
+    dropless without a cap). Assignments are numbered by their flat
     index ``a = t*K + k``.
 
     Attributes:

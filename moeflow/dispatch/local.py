@@ -26,9 +26,9 @@ class Dispatcher(Protocol):
     """Moves routed tokens to the experts this process holds, and back.
 
     ``dispatch`` returns the expert input in one of two layouts:
-    ``[e, C, D]`` (capacity mode, ``plan.capacity == C``) or ``[R, D]`` grouped by expert with
-    ``plan.counts_E`` rows each (dropless; rows past ``counts_E.sum()`` are padding whose
-    output is ignored). ``combine`` returns ``y_TD``. Nothing is kept on ``self`` between the
+    ``[e, C, D]`` (capacity mode, ``plan.capacity == C``; rows past ``counts_E[e]`` in slice
+    ``e`` are zero padding whose output is ignored) or ``[R, D]`` grouped by expert with
+    ``plan.counts_E`` rows each and ``R == counts_E.sum()`` (dropless). ``combine`` returns ``y_TD``. Nothing is kept on ``self`` between the
     two calls: the plan carries it.
     """
 
@@ -74,13 +74,19 @@ class LocalDispatcher:
             row_valid_M = torch.zeros(E * C + 1, dtype=torch.bool, device=device).index_copy_(0, dest_S, kept_S)[: E * C]
             row_S = torch.where(kept_S, dest_S, 0)  # type: ignore[arg-type]
         else:
+            row_S = torch.arange(A, device=device)
             if kept_S is not None:
-                # capped dropless: move dropped assignments behind every kept row, so the kept
-                # rows of each expert stay contiguous and the grouped GEMM ignores the tail
+                # capped dropless: the number of kept rows decides the expert input size, so it
+                # is read on the host here (the one host sync of the local dispatcher). Dropped
+                # assignments move behind every kept row and are cut off.
                 moved = torch.sort(torch.where(kept_S, expert_S, E), stable=True).indices
                 order_S, kept_S = order_S[moved], kept_S[moved]
-            assign_M, row_valid_M = order_S, kept_S
-            row_S = torch.arange(A, device=device)
+                rows_kept = int(kept_S.sum())
+                row_S = torch.where(kept_S, row_S, 0)
+                assign_M = order_S[:rows_kept]
+            else:
+                assign_M = order_S
+            row_valid_M = None
         row_A = torch.empty_like(order_S).scatter_(0, order_S, row_S)
         kept_A = None if kept_S is None else torch.empty_like(kept_S).scatter_(0, order_S, kept_S)
 

@@ -5,8 +5,8 @@ two input layouts chosen by the dispatcher:
 
 - ``[E, C, D]`` (capacity mode): expert ``e`` owns slice ``e``; only its first ``counts_E[e]``
   rows are real, the rest are zero padding whose output is ignored. Computed as batched matmul.
-- ``[R, D]`` grouped (dropless): rows grouped contiguously by expert, ``counts_E[e]`` rows each;
-  rows past ``counts_E.sum()`` are padding whose output is ignored. Computed as a grouped GEMM.
+- ``[R, D]`` grouped (dropless): rows grouped contiguously by expert, ``counts_E[e]`` rows each,
+  ``R == counts_E.sum()``. Computed as a grouped GEMM.
 
 The output has the input's layout with ``D`` features.
 """
@@ -130,9 +130,8 @@ class GroupedExperts(nn.Module):
         offs_E = torch.cumsum(counts_E, 0)
         h_RF = mm(x_RD, self.w_in, offs_E)
         if self.b_in is not None:
-            # expert of each row without a host sync; padding rows map past the last expert
+            # expert of each row, without a host sync
             expert_R = torch.searchsorted(offs_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
-            expert_R = expert_R.clamp(max=self.num_experts - 1)
             h_RF = h_RF + self.b_in[expert_R]
         a_RH = activate(h_RF, self.config.activation)
         y_RD = mm(a_RH, self.w_out, offs_E)

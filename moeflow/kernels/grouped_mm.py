@@ -1,8 +1,9 @@
 """Grouped matmul over variable-size row groups (legend: moeflow.types).
 
 ``y_RF[rows of group e] = x_RD[rows of group e] @ w_EDF[e]`` where group e owns rows
-``offs_E[e-1] : offs_E[e]`` (``offs_E`` is the inclusive cumulative row count, int32). Rows past
-``offs_E[-1]`` are padding: their output is zero and they receive no gradient.
+``offs_E[e-1] : offs_E[e]`` (``offs_E`` is the inclusive cumulative row count) and
+``offs_E[-1] == R``: no padding rows (``F.grouped_mm`` leaves rows past the last offset
+uninitialised, so the dispatcher never produces any).
 
 Two backends:
 - ``"loop"``: one ``mm`` per group; the reference, works for every dtype (fp64 included) but
@@ -30,33 +31,43 @@ __all__ = [
 
 
 def grouped_mm_loop(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """Reference: one matmul per group, zero rows for the padding tail."""
+    """Reference: one matmul per group."""
     ends = offs_E.tolist()
+    if ends[-1] != x_RD.shape[0]:
+        raise ValueError(f"grouped_mm: offs_E[-1]={ends[-1]} must equal the number of rows {x_RD.shape[0]}")
     starts = [0] + ends[:-1]
-    parts = [x_RD[s:t] @ w_EDF[e] for e, (s, t) in enumerate(zip(starts, ends))]
-    tail = x_RD.shape[0] - ends[-1]
-    if tail:
-        parts.append(x_RD.new_zeros(tail, w_EDF.shape[-1]))
-    return torch.cat(parts, dim=0)
+    return torch.cat([x_RD[s:t] @ w_EDF[e] for e, (s, t) in enumerate(zip(starts, ends))], dim=0)
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (``grouped_mm``'s
-    backward rejects the stride-0 gradients that e.g. ``y.sum().backward()`` produces)."""
+class _NativeGroupedMM(torch.autograd.Function):
+    """``F.grouped_mm`` forward and backward, each one grouped call.
 
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
-        return x.view_as(x)
+    Autograd through ``F.grouped_mm`` on CPU differentiates its per-group slicing, which
+    allocates a zero tensor of the full input size per group in backward (E full-size fills);
+    here the backward is two more grouped products instead:
+    ``dx = grouped(dy, w^T)`` and ``dw[e] = x_e^T dy_e`` (the 2-D x 2-D form with offsets).
+    """
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad.contiguous()
+    def forward(ctx, x_RD, w_EDF, offs_E):  # type: ignore[override]
+        ctx.save_for_backward(x_RD, w_EDF, offs_E)
+        return F.grouped_mm(x_RD, w_EDF, offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, grad_RF):  # type: ignore[override]
+        x_RD, w_EDF, offs_E = ctx.saved_tensors
+        grad_RF = grad_RF.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = F.grouped_mm(grad_RF, w_EDF.transpose(-2, -1), offs=offs_E)
+        if ctx.needs_input_grad[1]:
+            grad_w = F.grouped_mm(x_RD.t(), grad_RF, offs=offs_E)
+        return grad_x, grad_w, None
 
 
 def grouped_mm_native(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """``F.grouped_mm`` with the layout it needs (int32 offsets, contiguous gradients)."""
-    y_RF = F.grouped_mm(x_RD, w_EDF, offs=offs_E.to(torch.int32))
-    return _ContiguousGrad.apply(y_RF)
+    """``F.grouped_mm`` with a grouped backward (see ``_NativeGroupedMM``)."""
+    return _NativeGroupedMM.apply(x_RD, w_EDF, offs_E.to(torch.int32))
 
 
 GROUPED_MM_BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -72,8 +83,8 @@ def _probe(device_type: str, dtype: torch.dtype) -> bool:
     try:
         x = torch.ones(4, 8, device=device_type, dtype=dtype)
         w = torch.ones(2, 8, 16, device=device_type, dtype=dtype)
-        y = F.grouped_mm(x, w, offs=torch.tensor([1, 3], device=device_type, dtype=torch.int32))
-        return bool((y[:3] == 8).all()) and bool((y[3] == 0).all())
+        y = F.grouped_mm(x, w, offs=torch.tensor([1, 4], device=device_type, dtype=torch.int32))
+        return bool((y == 8).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
