@@ -125,7 +125,8 @@ class GroupedExperts(nn.Module):
         return torch.baddbmm(self.b_out.unsqueeze(1), a_ECH, self.w_out)
 
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        backend = resolve_grouped_mm_backend(self.config.backend, x_RD.device, x_RD.dtype)
+        dims = (self.dim, self.w_in.shape[-1], self.hidden)
+        backend = resolve_grouped_mm_backend(self.config.backend, x_RD.device, x_RD.dtype, dims)
         mm = GROUPED_MM_BACKENDS[backend]
         offs_E = torch.cumsum(counts_E, 0)
         h_RF = mm(x_RD, self.w_in, offs_E)

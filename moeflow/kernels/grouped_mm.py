@@ -89,23 +89,34 @@ def _probe(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def native_grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Capability probe: does ``F.grouped_mm`` run (and give the right answer) here?"""
+def native_grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...] = ()) -> bool:
+    """Capability probe: does ``F.grouped_mm`` run (and give the right answer) here, for
+    matrices whose inner dimensions are ``dims``? It needs every row stride to be a multiple
+    of 16 bytes, i.e. each of ``dims`` a multiple of ``16 / itemsize``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any((d * itemsize) % 16 for d in dims):
+        return False
     return _probe(torch.device(device).type, dtype)
 
 
-def resolve_grouped_mm_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Map ``"auto"`` to a concrete backend; reject a named backend that cannot run here."""
+def resolve_grouped_mm_backend(name: str, device: torch.device, dtype: torch.dtype, dims: tuple[int, ...] = ()) -> str:
+    """Map ``"auto"`` to a concrete backend; reject a named backend that cannot run here.
+
+    ``dims``: the feature sizes of the matrices involved (see ``native_grouped_mm_supported``).
+    """
     if name == "auto":
-        return "grouped_mm" if native_grouped_mm_supported(device, dtype) else "loop"
+        return "grouped_mm" if native_grouped_mm_supported(device, dtype, dims) else "loop"
     if name not in GROUPED_MM_BACKENDS:
         raise ValueError(f"grouped-mm backend must be one of {['auto', *GROUPED_MM_BACKENDS]}, got {name!r}")
-    if name == "grouped_mm" and not native_grouped_mm_supported(device, dtype):
-        raise ValueError(f"backend='grouped_mm' does not support device={torch.device(device).type}, dtype={dtype}")
+    if name == "grouped_mm" and not native_grouped_mm_supported(device, dtype, dims):
+        raise ValueError(
+            f"backend='grouped_mm' does not support device={torch.device(device).type}, dtype={dtype}, "
+            f"feature sizes {list(dims)} (needs row strides that are multiples of 16 bytes)"
+        )
     return name
 
 
 def grouped_mm(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """Grouped matmul through the registry (see module docstring)."""
-    name = resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype)
+    name = resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype, (w_EDF.shape[-2], w_EDF.shape[-1]))
     return GROUPED_MM_BACKENDS[name](x_RD, w_EDF, offs_E)
