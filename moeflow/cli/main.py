@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,23 +45,9 @@ def _run_bench(args: argparse.Namespace) -> int:
     from moeflow.bench import BenchConfig, format_table, run_layer_bench
 
     try:
-        cfg = BenchConfig(
-            tokens=args.tokens,
-            dim=args.dim,
-            hidden=args.hidden,
-            experts=args.experts,
-            top_k=args.top_k,
-            capacity_factor=args.capacity_factor,
-            activation=args.activation,
-            dtype=args.dtype,
-            device=args.device,
-            threads=args.threads,
-            repeats=args.repeats,
-            warmup=args.warmup,
-            seed=args.seed,
-            impls=tuple(s.strip() for s in args.impls.split(",") if s.strip()),
-            memory=not args.no_memory,
-        )
+        flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if hasattr(args, f.name)}
+        flags["impls"] = tuple(s.strip() for s in args.impls.split(",") if s.strip())
+        cfg = BenchConfig(**flags, memory=not args.no_memory)
     except (ValueError, TypeError) as err:
         print(f"moeflow bench: error: {err}", file=sys.stderr)
         return 2
