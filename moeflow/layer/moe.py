@@ -144,7 +144,8 @@ class MoE(nn.Module):
         """Sum of this layer's balance losses from its last call (a scalar with gradient)."""
         if self.aux_losses is None:
             raise RuntimeError("aux_loss() was read before the layer was called; run a forward pass first")
-        total = torch.zeros((), device=self.router.expert_bias.device)
+        ref = next(self.router.parameters())
+        total = torch.zeros((), device=ref.device, dtype=torch.promote_types(ref.dtype, torch.float32))
         for value in self.aux_losses.values():
             total = total + value
         return total

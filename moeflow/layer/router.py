@@ -38,8 +38,9 @@ class Router(nn.Module):
     ``s = exp(min(log_scale, log(1/min_temperature)))``, initialised to ``1/init_temperature``.
 
     Aux-loss-free balancing keeps two buffers: ``expert_bias [E]`` (added to the scores for
-    selection only) and ``load_counts [E]`` (assignments seen in training since the last
-    ``update_bias()``); both live outside autograd.
+    selection only; kept in fp32 whatever the module dtype) and ``load_counts [E]`` (int64:
+    assignments seen in training since the last ``update_bias()``); both live outside autograd
+    and are saved in the state dict (so a resumed run continues the same balancing step).
     """
 
     def __init__(
@@ -64,7 +65,15 @@ class Router(nn.Module):
             self.log_scale = nn.Parameter(torch.full((), math.log(1.0 / cfg.cosine_init_temperature), **kw))
             nn.init.normal_(self.expert_embed, std=0.32)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device, dtype=torch.float32))
-        self.register_buffer("load_counts", torch.zeros(num_experts, device=device, dtype=torch.float64))
+        self.register_buffer("load_counts", torch.zeros(num_experts, device=device, dtype=torch.long))
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # ``module.to(torch.bfloat16)`` would round the bias (its steps are ~1e-3), so it stays
+        # fp32 and only follows device moves; ``load_counts`` is int64 and never cast.
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        self.expert_bias = bias.to(device=self.expert_bias.device)
+        return self
 
     def extra_repr(self) -> str:
         c = self.config
@@ -107,7 +116,7 @@ class Router(nn.Module):
         )
         if use_bias and self.training:
             with torch.no_grad():
-                self.load_counts += torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).to(self.load_counts.dtype)
+                self.load_counts += torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts)
 
         losses: dict[str, torch.Tensor] = {}
         if cfg.load_balance_coef > 0:
@@ -140,7 +149,7 @@ class Router(nn.Module):
         rate = self.config.bias_update_rate
         if rate <= 0:
             raise RuntimeError("update_bias() needs RouterConfig(bias_update_rate > 0)")
-        counts_E = self.load_counts if load_counts_E is None else load_counts_E.to(self.load_counts)
+        counts_E = (self.load_counts if load_counts_E is None else load_counts_E).to(torch.float64)
         if counts_E.sum() > 0:
-            self.expert_bias += rate * torch.sign(counts_E.mean() - counts_E).to(self.expert_bias.dtype)
+            self.expert_bias += rate * torch.sign(counts_E.mean() - counts_E).to(self.expert_bias)
         self.load_counts.zero_()

@@ -1,0 +1,321 @@
+"""Tier 1: configuration, validation and capacity arithmetic (no MoE compute).
+
+Every bad value must fail where it is written, with an exception that names the field and shows
+the value. Per-call overrides and input checks run before any routing, so they live here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import moeflow
+from moeflow import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig
+from moeflow.dispatch.capacity import capacity_rows, resolve_capacity
+
+BASE = dict(dim=8, hidden=16, num_experts=4)
+
+# (id, factory, exception type, substrings that must all appear in the message)
+BAD_CONFIGS = [
+    ("k0", lambda: MoEConfig(**BASE, top_k=0), ValueError, ["top_k", "0"]),
+    ("k-neg", lambda: MoEConfig(**BASE, top_k=-2), ValueError, ["top_k", "-2"]),
+    ("k>E", lambda: MoEConfig(**BASE, top_k=5), ValueError, ["top_k", "5", "num_experts=4"]),
+    ("E0", lambda: MoEConfig(dim=8, hidden=16, num_experts=0, top_k=1), ValueError, ["num_experts", "0"]),
+    ("dim0", lambda: MoEConfig(dim=0, hidden=16, num_experts=4), ValueError, ["dim", "0"]),
+    ("hidden0", lambda: MoEConfig(dim=8, hidden=0, num_experts=4), ValueError, ["hidden", "0"]),
+    ("k-bool", lambda: MoEConfig(**BASE, top_k=True), TypeError, ["top_k", "True"]),
+    ("E-bool", lambda: MoEConfig(dim=8, hidden=16, num_experts=True, top_k=1), TypeError, ["num_experts", "True"]),
+    ("dim-float", lambda: MoEConfig(dim=8.0, hidden=16, num_experts=4), TypeError, ["dim", "8.0"]),
+    ("k-str", lambda: MoEConfig(**BASE, top_k="2"), TypeError, ["top_k", "'2'"]),
+    ("cf-nan", lambda: MoEConfig(**BASE, capacity_factor=float("nan")), ValueError, ["capacity_factor", "nan"]),
+    ("cf-inf", lambda: MoEConfig(**BASE, capacity_factor=float("inf")), ValueError, ["capacity_factor", "inf"]),
+    ("cf-neginf", lambda: MoEConfig(**BASE, capacity_factor=-math.inf), ValueError, ["capacity_factor", "-inf"]),
+    ("cf-str", lambda: MoEConfig(**BASE, capacity_factor="1.0"), TypeError, ["capacity_factor", "'1.0'"]),
+    ("cf-bool", lambda: MoEConfig(**BASE, capacity_factor=True), TypeError, ["capacity_factor", "True"]),
+    ("router-kind", lambda: RouterConfig(kind="dot"), ValueError, ["router kind", "'dot'"]),
+    ("scoring", lambda: RouterConfig(scoring="relu"), ValueError, ["scoring", "'relu'"]),
+    ("group-score", lambda: RouterConfig(group_score="mean"), ValueError, ["group_score", "'mean'"]),
+    ("activation", lambda: ExpertsConfig(activation="tanh"), ValueError, ["activation", "'tanh'"]),
+    ("backend", lambda: ExpertsConfig(backend="triton"), ValueError, ["backend", "'triton'"]),
+    ("drop-policy", lambda: DispatchConfig(drop_policy="random"), ValueError, ["drop_policy", "'random'"]),
+    ("weight-at", lambda: DispatchConfig(weight_at="both"), ValueError, ["weight_at", "'both'"]),
+    (
+        "normalize-topk-softmax",
+        lambda: RouterConfig(scoring="topk_softmax", normalize_topk=True),
+        ValueError,
+        ["normalize_topk", "topk_softmax"],
+    ),
+    (
+        "groups-not-dividing",
+        lambda: MoEConfig(dim=8, hidden=16, num_experts=6, top_k=1, router=RouterConfig(num_groups=4, topk_groups=2)),
+        ValueError,
+        ["num_experts=6", "num_groups=4"],
+    ),
+    ("topk-groups>groups", lambda: RouterConfig(num_groups=2, topk_groups=3), ValueError, ["topk_groups", "3"]),
+    (
+        "k>group-limited",
+        lambda: MoEConfig(dim=8, hidden=16, num_experts=8, top_k=5, router=RouterConfig(num_groups=4, topk_groups=2)),
+        ValueError,
+        ["top_k=5", "topk_groups=2"],
+    ),
+    (
+        "top2-sum-one-per-group",
+        lambda: MoEConfig(
+            dim=8, hidden=16, num_experts=4, top_k=1, router=RouterConfig(num_groups=4, topk_groups=2, group_score="top2_sum")
+        ),
+        ValueError,
+        ["top2_sum"],
+    ),
+    ("groups-bool", lambda: RouterConfig(num_groups=True), TypeError, ["num_groups", "True"]),
+    ("groups0", lambda: RouterConfig(num_groups=0), ValueError, ["num_groups", "0"]),
+    ("scaling0", lambda: RouterConfig(routed_scaling_factor=0.0), ValueError, ["routed_scaling_factor", "0.0"]),
+    ("scaling-nan", lambda: RouterConfig(routed_scaling_factor=float("nan")), ValueError, ["routed_scaling_factor", "nan"]),
+    ("noise-neg", lambda: RouterConfig(noise_std=-0.1), ValueError, ["noise_std", "-0.1"]),
+    ("jitter-1", lambda: RouterConfig(jitter_eps=1.0), ValueError, ["jitter_eps", "1.0"]),
+    ("dropout-1", lambda: RouterConfig(input_dropout=1.0), ValueError, ["input_dropout", "1.0"]),
+    (
+        "cosine-temps",
+        lambda: RouterConfig(cosine_init_temperature=0.1, cosine_min_temperature=0.2),
+        ValueError,
+        ["cosine_min_temperature", "0.2", "0.1"],
+    ),
+    ("lb-coef-neg", lambda: RouterConfig(load_balance_coef=-0.01), ValueError, ["load_balance_coef", "-0.01"]),
+    ("z-coef-inf", lambda: RouterConfig(z_loss_coef=math.inf), ValueError, ["z_loss_coef", "inf"]),
+    ("bias-rate-neg", lambda: RouterConfig(bias_update_rate=-1e-3), ValueError, ["bias_update_rate", "-0.001"]),
+    ("router-dtype-int", lambda: RouterConfig(dtype=torch.int32), TypeError, ["dtype", "torch.int32"]),
+    ("router-dtype-str", lambda: RouterConfig(dtype="float32"), TypeError, ["dtype", "'float32'"]),
+    ("init-std-neg", lambda: ExpertsConfig(init_std=-1.0), ValueError, ["init_std", "-1.0"]),
+    ("shared-neg", lambda: MoEConfig(**BASE, num_shared_experts=-1), ValueError, ["num_shared_experts", "-1"]),
+    ("shared-hidden-no-shared", lambda: MoEConfig(**BASE, shared_hidden=32), ValueError, ["shared_hidden"]),
+    ("shared-gate-no-shared", lambda: MoEConfig(**BASE, shared_gate=True), ValueError, ["shared_gate"]),
+    ("router-dict", lambda: MoEConfig(**BASE, router={"kind": "linear"}), TypeError, ["router", "RouterConfig"]),
+    ("dispatch-none", lambda: MoEConfig(**BASE, dispatch=None), TypeError, ["dispatch", "DispatchConfig"]),
+]
+
+
+@pytest.mark.parametrize("factory, exc, needles", [c[1:] for c in BAD_CONFIGS], ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_raises_naming_field_and_value(factory, exc, needles):
+    with pytest.raises(exc) as info:
+        factory()
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} missing from {message!r}"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RouterConfig(),
+        lambda: DispatchConfig(),
+        lambda: ExpertsConfig(),
+        lambda: MoEConfig(**BASE),
+    ],
+    ids=["router", "dispatch", "experts", "moe"],
+)
+def test_configs_are_frozen_and_keyword_only(make):
+    cfg = make()
+    field = dataclasses.fields(cfg)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(cfg, field, getattr(cfg, field))
+    with pytest.raises(TypeError):
+        type(cfg)(*[getattr(cfg, f.name) for f in dataclasses.fields(cfg)])
+
+
+def test_good_configs_construct():
+    cfg = MoEConfig(
+        dim=8,
+        hidden=16,
+        num_experts=8,
+        top_k=4,
+        capacity_factor=-0.5,
+        router=RouterConfig(kind="cosine", scoring="sigmoid", normalize_topk=True, num_groups=4, topk_groups=2, group_score="top2_sum"),
+        dispatch=DispatchConfig(drop_policy="bpr", weight_at="dispatch", renormalize_after_drop=True),
+        experts=ExpertsConfig(activation="geglu", bias=True, backend="loop"),
+        num_shared_experts=2,
+        shared_gate=True,
+    )
+    assert cfg.top_k == 4 and cfg.capacity_factor == -0.5
+    assert cfg.shared_width == 2 * 16
+    assert MoEConfig(**BASE, num_shared_experts=1, shared_hidden=5).shared_width == 5
+    assert ExpertsConfig(activation="swiglu").gated and not ExpertsConfig(activation="gelu").gated
+    # 0 and negative capacity factors are values, not errors
+    assert MoEConfig(**BASE, capacity_factor=0).capacity_factor == 0
+    assert MoEConfig(**BASE, capacity_factor=-2.0).capacity_factor == -2.0
+    # top_k == E is allowed
+    assert MoEConfig(**BASE, top_k=4).top_k == 4
+
+
+# ----------------------------------------------------------------------------- MoE constructor
+
+
+def test_moe_bad_kwargs_raise():
+    with pytest.raises(ValueError, match="top_k"):
+        moeflow.MoE(dim=8, hidden=16, num_experts=4, top_k=5)
+    with pytest.raises(TypeError, match="hiden"):
+        moeflow.MoE(dim=8, hiden=16, num_experts=4)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        moeflow.MoE(dim=8, hidden=16, num_experts=4, capacity_factor=float("nan"))
+    cfg = MoEConfig(**BASE)
+    with pytest.raises(ValueError, match="top_k"):
+        moeflow.MoE(config=cfg, top_k=9)  # override of a ready config is validated too
+    with pytest.raises(TypeError):
+        moeflow.MoE(config=cfg, not_a_field=1)
+    with pytest.raises(TypeError, match="MoEConfig"):
+        moeflow.MoE(config={"dim": 8})
+    with pytest.raises(TypeError):
+        moeflow.MoE(**BASE, experts_module=nn.Linear(8, 8))  # no num_experts attribute
+
+
+def test_moe_config_override_applies():
+    cfg = MoEConfig(**BASE, top_k=1)
+    layer = moeflow.MoE(config=cfg, top_k=3, capacity_factor=0.0)
+    assert layer.config.top_k == 3 and layer.config.capacity_factor == 0.0
+    assert cfg.top_k == 1  # the original config is untouched
+
+
+def test_module_experts_count_must_match():
+    mods = [nn.Linear(8, 8) for _ in range(3)]
+    with pytest.raises(ValueError, match="3"):
+        moeflow.MoE(**BASE, experts_module=moeflow.ModuleExperts(mods))
+    with pytest.raises(ValueError):
+        moeflow.ModuleExperts([])
+    with pytest.raises(TypeError, match=r"modules\[1\]"):
+        moeflow.ModuleExperts([nn.Linear(8, 8), "not a module"])
+
+
+# ----------------------------------------------------------------------------- capacity arithmetic
+
+
+def test_capacity_exact_decimal_rounding():
+    # naive binary floating point: 1.1 * 100 = 110.00000000000001 -> ceil gives 111
+    assert math.ceil(1.1 * 100) == 111 and math.ceil(1.1 * 3000) == 3301
+    assert capacity_rows(1.1, num_tokens=200, top_k=2, num_experts=4) == 110  # T*K/E = 100
+    assert capacity_rows(1.1, num_tokens=6000, top_k=4, num_experts=8) == 3300  # T*K/E = 3000
+    assert capacity_rows(1.1, num_tokens=5000, top_k=1, num_experts=5) == 1100  # T*K/E = 1000
+    assert capacity_rows(1.1, num_tokens=4000, top_k=2, num_experts=8) == 1100
+    assert capacity_rows(1.0, num_tokens=4096, top_k=2, num_experts=8) == 1024
+    assert capacity_rows(1.25, num_tokens=4096, top_k=2, num_experts=8) == 1280
+    assert capacity_rows(1.15, num_tokens=60, top_k=1, num_experts=2) == 35  # 34.5 rounds up
+    assert capacity_rows(1.0, num_tokens=7, top_k=2, num_experts=3) == 5  # ceil(14/3)
+
+
+def test_capacity_clipped_to_tokens():
+    assert capacity_rows(4.0, num_tokens=10, top_k=2, num_experts=2) == 10
+    assert capacity_rows(1e9, num_tokens=3, top_k=1, num_experts=8) == 3
+
+
+@pytest.mark.parametrize("cf", [1e-300, 5e-324, 1e-9, 0.001])
+def test_capacity_tiny_positive_factor_keeps_one_row(cf):
+    assert capacity_rows(cf, num_tokens=16, top_k=1, num_experts=8) == 1
+    plan = resolve_capacity(cf, num_tokens=16, top_k=1, num_experts=8)
+    assert plan.layout_capacity == 1 and plan.row_cap == 1
+    plan = resolve_capacity(-cf, num_tokens=16, top_k=1, num_experts=8)
+    assert plan.layout_capacity is None and plan.row_cap == 1
+
+
+def test_resolve_capacity_modes():
+    fixed = resolve_capacity(1.0, num_tokens=4096, top_k=2, num_experts=8)
+    assert (fixed.layout_capacity, fixed.row_cap) == (1024, 1024)
+    dropless = resolve_capacity(0.0, num_tokens=4096, top_k=2, num_experts=8)
+    assert (dropless.layout_capacity, dropless.row_cap) == (None, None)
+    dropless_int = resolve_capacity(0, num_tokens=10, top_k=2, num_experts=8)
+    assert (dropless_int.layout_capacity, dropless_int.row_cap) == (None, None)
+    capped = resolve_capacity(-0.75, num_tokens=100, top_k=2, num_experts=6)
+    assert capped.layout_capacity is None and capped.row_cap == 25  # ceil(0.75 * 200 / 6) = ceil(25.0)
+    capped = resolve_capacity(-1.1, num_tokens=5000, top_k=1, num_experts=5)
+    assert capped.layout_capacity is None and capped.row_cap == 1100
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            resolve_capacity(bad, num_tokens=8, top_k=1, num_experts=2)
+
+
+@given(
+    num=st.integers(1, 10**6),
+    den=st.sampled_from([1, 2, 4, 5, 8, 10, 100, 1000]),
+    T=st.integers(1, 5000),
+    E=st.integers(1, 64),
+    data=st.data(),
+)
+def test_capacity_rows_matches_exact_fraction(num, den, T, E, data):
+    K = data.draw(st.integers(1, E))
+    cf = num / den  # a short decimal, e.g. 1.1, 0.25, 12.5
+    expected = min(T, math.ceil(Fraction(str(cf)) * T * K / E))
+    assert capacity_rows(cf, num_tokens=T, top_k=K, num_experts=E) == expected
+    assert resolve_capacity(-cf, num_tokens=T, top_k=K, num_experts=E).row_cap == expected
+
+
+# ----------------------------------------------------------------------------- per call + inputs
+
+
+@pytest.fixture
+def small_layer():
+    torch.manual_seed(0)
+    return moeflow.MoE(dim=8, hidden=16, num_experts=4, top_k=2, dtype=torch.float64).eval()
+
+
+def _x(T=5, D=8, dtype=torch.float64):
+    return torch.randn(T, D, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, needle",
+    [
+        ({"top_k": 0}, ValueError, "top_k"),
+        ({"top_k": 5}, ValueError, "top_k"),
+        ({"top_k": -1}, ValueError, "top_k"),
+        ({"top_k": True}, TypeError, "top_k"),
+        ({"top_k": 2.0}, TypeError, "top_k"),
+        ({"capacity_factor": float("nan")}, ValueError, "capacity_factor"),
+        ({"capacity_factor": float("inf")}, ValueError, "capacity_factor"),
+        ({"capacity_factor": "0"}, TypeError, "capacity_factor"),
+    ],
+    ids=["k0", "k>E", "k-neg", "k-bool", "k-float", "cf-nan", "cf-inf", "cf-str"],
+)
+def test_per_call_override_validated(small_layer, kwargs, exc, needle):
+    with pytest.raises(exc, match=needle):
+        small_layer(_x(), **kwargs)
+
+
+def test_per_call_top_k_checked_against_group_limit():
+    layer = moeflow.MoE(
+        dim=8, hidden=16, num_experts=8, top_k=2, router=RouterConfig(num_groups=4, topk_groups=2), dtype=torch.float64
+    )
+    layer(_x(), top_k=4)  # 2 groups x 2 experts: 4 is the most group limiting leaves
+    with pytest.raises(ValueError, match="top_k=5"):
+        layer(_x(), top_k=5)
+
+
+def test_input_checks(small_layer):
+    with pytest.raises(ValueError, match="dim=8") as info:
+        small_layer(_x(D=7))
+    assert "7" in str(info.value)
+    with pytest.raises(ValueError, match="dim=8"):
+        small_layer(torch.tensor(1.0, dtype=torch.float64))  # 0-d
+    with pytest.raises(TypeError, match="floating"):
+        small_layer(torch.ones(5, 8, dtype=torch.int64))
+    with pytest.raises(TypeError, match="float32"):
+        small_layer(_x(dtype=torch.float32))  # layer is float64
+    with pytest.raises(TypeError, match="Tensor"):
+        small_layer([[1.0] * 8])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_check_finite(bad):
+    torch.manual_seed(0)
+    x = _x()
+    x[3, 2] = bad
+    layer = moeflow.MoE(**BASE, check_finite=True, dtype=torch.float64)
+    with pytest.raises(ValueError, match="non-finite"):
+        layer(x)
+    layer(_x())  # finite input passes
+    off = moeflow.MoE(**BASE, dtype=torch.float64)  # off by default: no error, the value propagates
+    y = off(x)
+    assert y.shape == x.shape
+    assert torch.isfinite(y[:3]).all() and torch.isfinite(y[4:]).all()

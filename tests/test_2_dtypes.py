@@ -1,0 +1,89 @@
+"""Tier 2: dtypes. fp64 stays fp64; fp32/bf16/fp16 agree with a higher precision copy of the
+same layer within the tolerance of the dtype (error judged norm-wise, relative to the output)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from moe_testutils import make_layer, output_and_grads, rand
+
+from moeflow import DispatchConfig, ExpertsConfig
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("cf", [1.0, 0.0, -0.75], ids=["cf1", "cf0", "capped"])
+def test_fp64_end_to_end(gen, cf):
+    layer = make_layer(gen, dim=8, hidden=8, num_experts=6, top_k=2, capacity_factor=cf, num_shared_experts=1)
+    assert all(p.dtype == torch.float64 for p in layer.parameters())
+    x = rand(gen, 16, 8)
+    r = layer.router(x, top_k=2)
+    assert r.weights_TK.dtype == r.logits_TE.dtype == r.scores_TE.dtype == torch.float64
+    params = list(layer.parameters())
+    y, grads = output_and_grads(layer, x, params, rand(gen, 16, 8))
+    assert y.dtype == torch.float64
+    assert all(g.dtype == torch.float64 for g in grads)
+    assert all(v.dtype == torch.float64 for v in layer.aux_losses.values())
+
+
+def _low_precision_pair(gen, low: torch.dtype, hi: torch.dtype, cf: float, **kw):
+    """(layer in `low`, the same rounded parameters in `hi`)."""
+    layer_hi = make_layer(gen, dtype=hi, capacity_factor=cf, **kw)
+    layer_low = copy.deepcopy(layer_hi).to(low)
+    with torch.no_grad():  # the high precision copy holds exactly the rounded values
+        for p_hi, p_low in zip(layer_hi.parameters(), layer_low.parameters()):
+            p_hi.copy_(p_low.to(hi))
+    return layer_low, layer_hi
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("cf", [1.0, 0.0, -0.75], ids=["cf1", "cf0", "capped"])
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_matches_fp32(gen, low, cf, activation):
+    T, D = 16, 16
+    layer_low, layer_32 = _low_precision_pair(
+        gen, low, torch.float32, cf, dim=D, hidden=32, num_experts=4, top_k=2,
+        experts_cfg=ExpertsConfig(activation=activation, bias=True), dispatch=DispatchConfig(drop_policy="score"),
+    )
+    x_low = rand(gen, T, D, dtype=low)
+    x_32 = x_low.float()
+    # the router runs in fp32 on identical values, so the routing is identical
+    r_low, r_32 = layer_low.router(x_low, top_k=2), layer_32.router(x_32, top_k=2)
+    assert torch.equal(r_low.ids_TK, r_32.ids_TK)
+    assert torch.equal(r_low.weights_TK, r_32.weights_TK)
+
+    g = rand(gen, T, D, dtype=low)
+    params_low = [layer_low.experts.w_in, layer_low.experts.w_out, layer_low.router.linear.weight]
+    params_32 = [layer_32.experts.w_in, layer_32.experts.w_out, layer_32.router.linear.weight]
+    y_low, grads_low = output_and_grads(layer_low, x_low, params_low, g)
+    y_32, grads_32 = output_and_grads(layer_32, x_32, params_32, g.float())
+    assert y_low.dtype == low and y_low.shape == x_low.shape
+    assert all(gr.dtype == low for gr in grads_low)
+    assert torch.isfinite(y_low).all()
+    assert _rel_err(y_low, y_32) < 3e-2
+    for name, a, b in zip(["x", "w_in", "w_out", "router"], grads_low, grads_32):
+        assert _rel_err(a, b) < 5e-2, name
+
+
+@pytest.mark.parametrize("cf", [1.0, 0.0, -0.75], ids=["cf1", "cf0", "capped"])
+def test_fp32_matches_fp64(gen, cf):
+    T, D = 32, 8
+    layer_32, layer_64 = _low_precision_pair(
+        gen, torch.float32, torch.float64, cf, dim=D, hidden=16, num_experts=6, top_k=2, num_shared_experts=1
+    )
+    x_32 = rand(gen, T, D, dtype=torch.float32)
+    x_64 = x_32.double()
+    assert torch.equal(layer_32.router(x_32, top_k=2).ids_TK, layer_64.router(x_64, top_k=2).ids_TK)
+    g = rand(gen, T, D, dtype=torch.float32)
+    p32, p64 = list(layer_32.parameters()), list(layer_64.parameters())
+    y32, gr32 = output_and_grads(layer_32, x_32, p32, g)
+    y64, gr64 = output_and_grads(layer_64, x_64, p64, g.double())
+    assert y32.dtype == torch.float32 and y64.dtype == torch.float64
+    assert _rel_err(y32, y64) < 1e-5
+    for (name, _), a, b in zip([("x", None), *layer_32.named_parameters()], gr32, gr64):
+        assert _rel_err(a, b) < 1e-5, name
