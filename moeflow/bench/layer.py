@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from moeflow.bench.memory import peak_memory_bytes
+from moeflow.bench.memory import keep_freed_heap, peak_memory_bytes
 from moeflow.config import ExpertsConfig, MoEConfig, check_capacity_factor
 from moeflow.layer.moe import MoE
 from moeflow.testing import einsum_moe, loop_moe
@@ -159,8 +159,10 @@ def _one_pass(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad:
 
 def run_layer_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
     """Time every implementation for forward and forward+backward; return a JSON-able dict."""
+    heap_kept = False
     if cfg.device == "cpu":
         torch.set_num_threads(cfg.threads)
+        heap_kept = keep_freed_heap()
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     layer, x_TD, grad_TD, x_ECD = _build(cfg)
@@ -212,7 +214,7 @@ def run_layer_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = N
     return {
         "benchmark": "moe_layer",
         "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
-        "machine": _machine(cfg),
+        "machine": {**_machine(cfg), "heap_kept": heap_kept},
         "flops": flops,
         "records": [results[name] for name in impls],
     }
@@ -230,7 +232,8 @@ def format_table(report: dict) -> str:
         f"cf={c['capacity_factor']} act={c['activation']} dtype={c['dtype']} device={c['device']} "
         f"threads={m['threads']} repeats={c['repeats']}",
         f"machine: {m['cpu']} ({m['logical_cpus']} logical CPUs), torch {m['torch']}, {m['date']}"
-        + (f", {m['gpu']}" if "gpu" in m else ""),
+        + (f", {m['gpu']}" if "gpu" in m else "")
+        + (", glibc heap kept (mallopt)" if m.get("heap_kept") else ""),
         "",
         f"{'pass':<17}{'impl':<9}{'median ms':>11}{'tokens/s':>12}{'TFLOP/s':>9}{'peak MiB':>10}{'x floor':>9}{'x moeflow':>11}",
     ]
