@@ -18,7 +18,7 @@ from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
 from moeflow.types import DispatchPlan, RoutingResult
 
-__all__ = ["Dispatcher", "LocalDispatcher"]
+__all__ = ["Dispatcher", "LocalDispatcher", "renormalize_kept"]
 
 
 @runtime_checkable
@@ -33,6 +33,8 @@ class Dispatcher(Protocol):
     """
 
     num_experts: int
+    # True when dispatch/combine are collectives that every rank must enter, even with T = 0
+    collective: bool
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float
@@ -48,6 +50,8 @@ class LocalDispatcher:
     (``moeflow.kernels.gather_rows``), whose backward is a gather as well: no scatter-add, no
     one-hot, and no host synchronisation.
     """
+
+    collective = False
 
     def __init__(self, *, num_experts: int, config: DispatchConfig | None = None) -> None:
         self.num_experts = num_experts
@@ -92,7 +96,7 @@ class LocalDispatcher:
 
         weights_TK = routing.weights_TK.to(x_TD.dtype)
         if kept_A is not None and self.config.renormalize_after_drop:
-            weights_TK = _renormalize_kept(weights_TK, kept_A.view(T, K))
+            weights_TK = renormalize_kept(weights_TK, kept_A.view(T, K))
         counts_E = slots.counts_E if cap.row_cap is None else slots.counts_E.clamp(max=cap.row_cap)
 
         token_M = torch.div(assign_M, K, rounding_mode="floor")
@@ -133,7 +137,7 @@ class LocalDispatcher:
         return torch.bmm(plan.weights_TK.unsqueeze(1), rows_TKD).squeeze(1)
 
 
-def _renormalize_kept(weights_TK: torch.Tensor, kept_TK: torch.Tensor) -> torch.Tensor:
+def renormalize_kept(weights_TK: torch.Tensor, kept_TK: torch.Tensor) -> torch.Tensor:
     """Rescale each token's kept weights so they sum to the total of all its k weights
     (tokens with nothing kept keep zero weight)."""
     kept_w_TK = weights_TK * kept_TK

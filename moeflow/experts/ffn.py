@@ -107,7 +107,25 @@ class GroupedExperts(nn.Module):
             f"activation={self.config.activation}, bias={self.config.bias}, backend={self.config.backend}"
         )
 
+    @torch.no_grad()
+    def shard(self, start: int, count: int) -> "GroupedExperts":
+        """A new module holding copies of experts ``[start, start + count)`` (expert parallelism)."""
+        if not 0 <= start < start + count <= self.num_experts:
+            raise ValueError(f"shard [{start}, {start + count}) is outside the {self.num_experts} experts")
+        part = GroupedExperts(
+            num_experts=count, dim=self.dim, hidden=self.hidden, config=self.config,
+            device=self.w_in.device, dtype=self.w_in.dtype,
+        )
+        for name, param in self.named_parameters():
+            getattr(part, name).copy_(param[start : start + count])
+        return part
+
     def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if expert_in.numel() == 0:
+            # no rows here (e.g. this rank's experts got no tokens): an empty output that still
+            # gives every weight a (zero) gradient, so all ranks run the same backward
+            zero = sum(p.sum() for p in self.parameters()) * 0 + expert_in.sum() * 0
+            return expert_in.new_zeros(*expert_in.shape[:-1], self.dim) + zero
         if expert_in.dim() == 3:
             return self._forward_padded(expert_in)
         if expert_in.dim() == 2:

@@ -46,7 +46,7 @@ class _GatherRows(torch.autograd.Function):
         grad_MD = grad_MD.contiguous()
         valid = rev_valid_NK.reshape(-1) if ctx.has_rev_valid else None
         grad_AD = _masked_index_select(grad_MD, rev_NK.reshape(-1), valid)
-        grad_src = grad_AD if K == 1 else grad_AD.view(N, K, -1).sum(dim=1)
+        grad_src = grad_AD if K == 1 else grad_AD.view(N, K, grad_AD.shape[-1]).sum(dim=1)
         return grad_src, None, None, None, None
 
 

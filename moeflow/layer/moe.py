@@ -125,7 +125,7 @@ class MoE(nn.Module):
             cfg.router.validate_for(num_experts=cfg.num_experts, top_k=k)
 
         x_TD = x.reshape(-1, cfg.dim)
-        if x_TD.shape[0] == 0:
+        if x_TD.shape[0] == 0 and not getattr(self.dispatcher, "collective", False):
             self.aux_losses = {}
             self.last_counts_E = torch.zeros(cfg.num_experts, dtype=torch.long, device=x.device)
             return x * 0  # empty, but connected to the graph so backward() works

@@ -119,6 +119,10 @@ class Router(nn.Module):
                 self.load_counts += torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts)
 
         losses: dict[str, torch.Tensor] = {}
+        if x_TD.shape[0] == 0:  # an empty batch (possible on one rank of a group): zero losses
+            zero = logits_TE.sum()
+            losses = {name: zero for name, coef in self._loss_coefs() if coef > 0}
+            return RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=losses)
         if cfg.load_balance_coef > 0:
             if cfg.scoring == "sigmoid":
                 probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
@@ -136,6 +140,10 @@ class Router(nn.Module):
         if cfg.z_loss_coef > 0:
             losses["z_loss"] = cfg.z_loss_coef * router_z_loss(logits_TE)
         return RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=losses)
+
+    def _loss_coefs(self) -> list[tuple[str, float]]:
+        c = self.config
+        return [("load_balance", c.load_balance_coef), ("importance", c.importance_coef), ("load", c.load_coef), ("z_loss", c.z_loss_coef)]
 
     @torch.no_grad()
     def update_bias(self, load_counts_E: torch.Tensor | None = None) -> None:

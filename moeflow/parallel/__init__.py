@@ -1,0 +1,27 @@
+"""Expert parallelism over torch.distributed, applied from outside the model.
+
+The only package of moeflow that touches ``torch.distributed``.
+"""
+
+from moeflow.parallel.api import (
+    all_reduce_gradients,
+    ddp_ignore_expert_parameters,
+    dense_parameters,
+    expert_parallel,
+    expert_parameters,
+)
+from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
+from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups
+
+__all__ = [
+    "expert_parallel",
+    "AllToAllDispatcher",
+    "AllToAllPlan",
+    "init_distributed",
+    "make_groups",
+    "ParallelGroups",
+    "expert_parameters",
+    "dense_parameters",
+    "ddp_ignore_expert_parameters",
+    "all_reduce_gradients",
+]

@@ -1,0 +1,112 @@
+"""Apply expert parallelism to a model from outside, and keep gradients right."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeflow.experts import GroupedExperts, ModuleExperts
+from moeflow.layer.moe import moe_layers
+from moeflow.parallel.dispatcher import AllToAllDispatcher
+
+__all__ = [
+    "expert_parallel",
+    "expert_parameters",
+    "dense_parameters",
+    "ddp_ignore_expert_parameters",
+    "all_reduce_gradients",
+]
+
+
+def _shard_experts(experts: nn.Module, start: int, count: int) -> nn.Module:
+    if isinstance(experts, GroupedExperts):
+        return experts.shard(start, count)
+    if isinstance(experts, ModuleExperts):
+        return ModuleExperts(list(experts.experts)[start : start + count])
+    raise TypeError(
+        f"expert_parallel can shard GroupedExperts and ModuleExperts, got {type(experts).__name__}; "
+        "give your experts module a shard(start, count) method returning the sub-module"
+    )
+
+
+def expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Spread the experts of every ``moeflow.MoE`` layer of ``model`` over ``group``.
+
+    Each rank keeps experts ``[r*E/W, (r+1)*E/W)`` (sliced from the full set it holds now, so
+    build the model with the same seed or load the same weights on every rank first) and gets
+    an ``AllToAllDispatcher``. Call it on every rank of the group; configuration errors
+    (E not divisible by W, expert counts that differ between ranks, a group without this rank)
+    raise ``ValueError`` on every rank instead of hanging. Returns ``model`` (changed in place).
+    """
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the given group")
+    W = dist.get_world_size(group)
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"model contains no moeflow.MoE layer: {type(model).__name__}")
+    # one collective that every rank reaches before anything can fail
+    mine = torch.tensor([len(layers)] + [layer.config.num_experts for layer in layers], dtype=torch.long)
+    width = torch.tensor([mine.numel()], dtype=torch.long)
+    widths = [torch.empty_like(width) for _ in range(W)]
+    dist.all_gather(widths, width, group=group)
+    padded = torch.full((int(max(widths)),), -1, dtype=torch.long)
+    padded[: mine.numel()] = mine
+    every = [torch.empty_like(padded) for _ in range(W)]
+    dist.all_gather(every, padded, group=group)
+    if any(not torch.equal(other, padded) for other in every):
+        raise ValueError(
+            "MoE layers differ between ranks of the expert-parallel group (layer count and experts per layer): "
+            + "; ".join(f"rank {i}: {t[t >= 0].tolist()}" for i, t in enumerate(every))
+        )
+    for layer in layers:
+        E = layer.config.num_experts
+        if E % W:
+            raise ValueError(f"num_experts={E} must be divisible by the expert-parallel group size {W}")
+    for layer in layers:
+        E = layer.config.num_experts
+        e = E // W
+        layer.experts = _shard_experts(layer.experts, rank * e, e)
+        layer.dispatcher = AllToAllDispatcher(num_experts=E, group=group, config=layer.config.dispatch)
+    return model
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of routed experts (tagged ``moeflow_expert``): sharded, never averaged over
+    the expert-parallel group."""
+    return [p for p in model.parameters() if getattr(p, "moeflow_expert", False)]
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every other parameter (router, shared experts, the rest of the model): replicated."""
+    return [p for p in model.parameters() if not getattr(p, "moeflow_expert", False)]
+
+
+def ddp_ignore_expert_parameters(model: nn.Module) -> list[str]:
+    """Make ``DistributedDataParallel`` (built *after* this call) skip the expert parameters.
+
+    DDP then averages only dense gradients over its process group; average the expert gradients
+    over the data-parallel group (ranks holding the same experts) yourself with
+    ``all_reduce_gradients(expert_parameters(model), groups.data)``. Returns the ignored names.
+    """
+    names = [name for name, p in model.named_parameters() if getattr(p, "moeflow_expert", False)]
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    return names
+
+
+def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None, *, average: bool = True) -> None:
+    """Sum (or average) the gradients of ``params`` over ``group``, in one flat buffer."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,59 @@
+"""Differentiable collectives over a process group (legend: moeflow.types).
+
+The only module of moeflow besides the rest of ``moeflow.parallel`` that touches
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_to_all_rows", "all_gather_rows", "group_rank", "group_size"]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows ``x[sum(send[:d]) : sum(send[:d+1])]`` go to rank d; the backward sends the
+    gradients back along the same routes (the reverse exchange)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, send_splits, recv_splits, group):  # type: ignore[override]
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        out = x_ND.new_empty((sum(recv_splits), *x_ND.shape[1:]))
+        dist.all_to_all_single(out, x_ND.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_MD):  # type: ignore[override]
+        grad_in = grad_MD.new_empty((sum(ctx.send_splits), *grad_MD.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_MD.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all_rows(
+    x_ND: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Exchange row blocks of uneven sizes; differentiable (backward = reverse exchange)."""
+    return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group)
+
+
+def all_gather_rows(x_ND: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank's ``x_ND`` (row counts may differ), not differentiable."""
+    W = dist.get_world_size(group)
+    n = torch.tensor([x_ND.shape[0]], dtype=torch.long, device=x_ND.device)
+    sizes = [torch.empty_like(n) for _ in range(W)]
+    dist.all_gather(sizes, n, group=group)
+    counts = [int(s) for s in sizes]
+    padded = x_ND.new_zeros((max(counts), *x_ND.shape[1:]))
+    padded[: x_ND.shape[0]] = x_ND
+    parts = [torch.empty_like(padded) for _ in range(W)]
+    dist.all_gather(parts, padded.contiguous(), group=group)
+    return [p[:c] for p, c in zip(parts, counts)]

@@ -1,0 +1,218 @@
+"""All-to-all dispatcher: experts spread over an expert-parallel group (legend: moeflow.types).
+
+Rank ``r`` of a group of ``W`` ranks holds experts ``[r*e, (r+1)*e)``, ``e = E / W``.
+
+Semantics: the result equals the single-process layer on the batch made by concatenating every
+rank's tokens in rank order, in every capacity mode and drop policy. To get there each rank
+all-gathers the (small) routing metadata of the group, ``ids_TK`` and, when the drop policy
+needs them, the weights, and runs the same slot assignment on the global batch: capacity is
+``C = ceil(cf * T_total * K / E)``, drops follow the global priority order, and every rank
+knows which rows it sends and receives. Ranks with different token counts (zero included)
+therefore always agree on ``C`` and on the split sizes: no hang.
+
+Only kept rows travel (no padding on the wire): one uneven ``all_to_all_single`` each way,
+differentiable (its backward is the reverse exchange). On the expert side the received rows
+are laid out as ``[e, C, D]`` (capacity mode) or grouped by expert (dropless).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeflow.config import DispatchConfig
+from moeflow.dispatch.capacity import resolve_capacity
+from moeflow.dispatch.local import renormalize_kept
+from moeflow.dispatch.slots import assign_slots
+from moeflow.kernels.gather import gather_rows
+from moeflow.parallel.comm import all_gather_rows, all_to_all_rows
+from moeflow.types import RoutingResult
+
+__all__ = ["AllToAllDispatcher", "AllToAllPlan"]
+
+
+@dataclass(frozen=True)
+class AllToAllPlan:
+    """What ``combine`` needs to send expert outputs home and sum them per token.
+
+    J: rows this rank sends (its kept assignments, ordered by destination rank, expert,
+    slot); M: rows of the local expert input; R: rows this rank receives.
+
+    Attributes:
+        send_assign_J: local flat assignment index of each sent row.
+        row_A: sent-row index of each local assignment (arbitrary where dropped).
+        kept_A: bool mask of kept local assignments (None: none dropped).
+        send_splits, recv_splits: rows sent to / received from each rank.
+        recv_of_M: received row feeding each expert-input row (arbitrary where empty).
+        valid_M: bool mask of expert-input rows that hold a row (None: all).
+        M_of_recv: expert-input row of each received row.
+        weights_TK, counts_E (rows per *local* expert), capacity, num_tokens, weight_at: as in
+            ``moeflow.types.DispatchPlan``.
+    """
+
+    send_assign_J: torch.Tensor
+    row_A: torch.Tensor
+    kept_A: torch.Tensor | None
+    send_splits: list[int]
+    recv_splits: list[int]
+    recv_of_M: torch.Tensor
+    valid_M: torch.Tensor | None
+    M_of_recv: torch.Tensor
+    weights_TK: torch.Tensor
+    counts_E: torch.Tensor
+    capacity: int | None
+    num_tokens: int
+    weight_at: str
+
+    @property
+    def top_k(self) -> int:
+        return self.weights_TK.shape[1]
+
+
+class AllToAllDispatcher:
+    """Dispatcher protocol over an expert-parallel process group (see module docstring)."""
+
+    collective = True  # every rank must call dispatch/combine, even with no tokens
+
+    def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None, config: DispatchConfig | None = None) -> None:
+        W = dist.get_world_size(group)
+        if num_experts % W:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel group size {W}")
+        self.num_experts = num_experts
+        self.group = group
+        self.world = W
+        self.rank = dist.get_rank(group)
+        self.num_local_experts = num_experts // W
+        self.config = config if config is not None else DispatchConfig()
+
+    def dispatch(
+        self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float
+    ) -> tuple[torch.Tensor, AllToAllPlan]:
+        T, D = x_TD.shape
+        E, W, e, r = self.num_experts, self.world, self.num_local_experts, self.rank
+        K = routing.top_k
+        device = x_TD.device
+
+        # -- the global batch: every rank's routing metadata, in rank order
+        ids_TK = routing.ids_TK.detach()
+        meta = ids_TK.to(torch.float64)
+        needs_weights = self.config.drop_policy != "position"
+        if needs_weights:
+            meta = torch.cat([meta, routing.weights_TK.detach().to(torch.float64)], dim=1)
+        parts = all_gather_rows(meta, self.group)
+        tokens_W = [p.shape[0] for p in parts]
+        T_total = sum(tokens_W)
+        first_token = sum(tokens_W[:r])
+        all_meta = torch.cat(parts, dim=0)
+        all_ids = all_meta[:, :K].to(torch.long)
+        all_w = all_meta[:, K:] if needs_weights else torch.zeros_like(all_meta[:, :K])
+
+        cap = resolve_capacity(capacity_factor, num_tokens=max(T_total, 1), top_k=K, num_experts=E)
+        policy = None if cap.row_cap is None else self.config.drop_policy
+        slots = assign_slots(all_ids, all_w, num_experts=E, drop_policy=policy)
+        order_S, expert_S, pos_S = slots.order_A, slots.expert_A, slots.pos_A  # S: global, by expert
+        kept_S = torch.ones_like(order_S, dtype=torch.bool) if cap.row_cap is None else pos_S < cap.row_cap
+        src_S = torch.bucketize(torch.div(order_S, K, rounding_mode="floor"), _cumsum(tokens_W, device), right=True)
+        dst_S = torch.div(expert_S, e, rounding_mode="floor")
+
+        # -- send side: my kept assignments, by (destination, expert, slot)
+        mine = kept_S & (src_S == r)
+        send_assign_J = order_S[mine] - first_token * K
+        send_splits = torch.bincount(dst_S[mine], minlength=W).tolist()
+        row_A = torch.zeros(T * K, dtype=torch.long, device=device)
+        row_A[send_assign_J] = torch.arange(send_assign_J.numel(), device=device)
+        kept_A = None
+        if cap.row_cap is not None:
+            kept_A = torch.zeros(T * K, dtype=torch.bool, device=device)
+            kept_A[send_assign_J] = True
+
+        # -- receive side: kept assignments for my experts, in (source, expert, slot) order
+        to_me = kept_S & (dst_S == r)
+        src_R, local_R, pos_R = src_S[to_me], expert_S[to_me] - r * e, pos_S[to_me]
+        by_src = torch.sort(src_R, stable=True).indices
+        src_R, local_R, pos_R = src_R[by_src], local_R[by_src], pos_R[by_src]
+        recv_splits = torch.bincount(src_R, minlength=W).tolist()
+        R = local_R.numel()
+        counts_E = torch.bincount(local_R, minlength=e)
+        if cap.layout_capacity is not None:
+            C = cap.layout_capacity
+            M_of_recv = local_R * C + pos_R
+            M = e * C
+        else:
+            C = None
+            M_of_recv = torch.empty(R, dtype=torch.long, device=device)
+            M_of_recv[torch.sort(local_R, stable=True).indices] = torch.arange(R, device=device)
+            M = R
+        recv_of_M = torch.zeros(M, dtype=torch.long, device=device)
+        recv_of_M[M_of_recv] = torch.arange(R, device=device)
+        valid_M = None
+        if cap.layout_capacity is not None:
+            valid_M = torch.zeros(M, dtype=torch.bool, device=device)
+            valid_M[M_of_recv] = True
+
+        weights_TK = routing.weights_TK.to(x_TD.dtype)
+        if kept_A is not None and self.config.renormalize_after_drop:
+            weights_TK = renormalize_kept(weights_TK, kept_A.view(T, K))
+
+        send_JD = gather_rows(
+            x_TD,
+            torch.div(send_assign_J, K, rounding_mode="floor"),
+            None,
+            row_A.view(T, K),
+            None if kept_A is None else kept_A.view(T, K),
+        )
+        if self.config.weight_at == "dispatch":
+            send_JD = send_JD * weights_TK.reshape(-1)[send_assign_J].unsqueeze(1)
+        recv_RD = all_to_all_rows(send_JD, send_splits, recv_splits, self.group)
+        expert_in = gather_rows(recv_RD, recv_of_M, valid_M, M_of_recv.view(-1, 1), None)
+        if C is not None:
+            expert_in = expert_in.view(e, C, D)
+        plan = AllToAllPlan(
+            send_assign_J=send_assign_J,
+            row_A=row_A,
+            kept_A=kept_A,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            recv_of_M=recv_of_M,
+            valid_M=valid_M,
+            M_of_recv=M_of_recv,
+            weights_TK=weights_TK,
+            counts_E=counts_E,
+            capacity=C,
+            num_tokens=T,
+            weight_at=self.config.weight_at,
+        )
+        return expert_in, plan
+
+    def combine(self, expert_out: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+        D = expert_out.shape[-1]
+        T, K = plan.num_tokens, plan.top_k
+        out_MD = expert_out.reshape(-1, D)
+        back_RD = gather_rows(
+            out_MD,
+            plan.M_of_recv,
+            None,
+            plan.recv_of_M.view(-1, 1),
+            None if plan.valid_M is None else plan.valid_M.view(-1, 1),
+        )
+        home_JD = all_to_all_rows(back_RD, plan.recv_splits, plan.send_splits, self.group)
+        rows_AD = gather_rows(
+            home_JD,
+            plan.row_A,
+            plan.kept_A,
+            plan.send_assign_J.view(-1, 1),
+            None,
+        )
+        rows_TKD = rows_AD.view(T, K, D)
+        if plan.weight_at == "dispatch":
+            return rows_TKD.sum(dim=1)
+        if K == 1:
+            return rows_TKD[:, 0] * plan.weights_TK
+        return torch.bmm(plan.weights_TK.unsqueeze(1), rows_TKD).squeeze(1)
+
+
+def _cumsum(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """Inclusive prefix sums of ``sizes`` (token offsets of the ranks)."""
+    return torch.cumsum(torch.tensor(sizes, dtype=torch.long, device=device), 0)

@@ -1,0 +1,61 @@
+"""Process-group setup: torch.distributed from torchrun's environment, expert/data groups."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_distributed", "ParallelGroups", "make_groups"]
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise the default process group from torchrun's environment variables.
+
+    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. On CUDA the local
+    device is set from ``LOCAL_RANK``. Does nothing if already initialised.
+    """
+    if dist.is_initialized():
+        return
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_distributed needs torchrun's environment; missing {missing}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's expert-parallel group (ranks that share one set of experts between them)
+    and data-parallel group (ranks that hold the same experts, one per expert group)."""
+
+    expert: dist.ProcessGroup
+    data: dist.ProcessGroup
+    expert_size: int
+    data_size: int
+
+
+def make_groups(expert_size: int) -> ParallelGroups:
+    """Split the world into expert-parallel groups of ``expert_size`` consecutive ranks
+    (experts spread inside, e.g. inside a node) and data-parallel groups across them (ranks with
+    the same position in each expert group). Every rank must call this (it creates groups)."""
+    world = dist.get_world_size()
+    if isinstance(expert_size, bool) or not isinstance(expert_size, int) or expert_size < 1 or world % expert_size:
+        raise ValueError(f"expert_size must be a positive divisor of the world size {world}, got {expert_size!r}")
+    rank = dist.get_rank()
+    mine_expert = mine_data = None
+    for start in range(0, world, expert_size):
+        g = dist.new_group(list(range(start, start + expert_size)))
+        if start <= rank < start + expert_size:
+            mine_expert = g
+    for offset in range(expert_size):
+        g = dist.new_group(list(range(offset, world, expert_size)))
+        if rank % expert_size == offset:
+            mine_data = g
+    assert mine_expert is not None and mine_data is not None
+    return ParallelGroups(expert=mine_expert, data=mine_data, expert_size=expert_size, data_size=world // expert_size)
