@@ -21,7 +21,14 @@ import torch.multiprocessing as mp
 
 import moeflow
 from moeflow import DispatchConfig, RouterConfig
-from moeflow.parallel import all_reduce_gradients, dense_parameters, expert_parallel
+from moeflow.parallel import (
+    FlatExchange,
+    HierarchicalExchange,
+    all_reduce_gradients,
+    dense_parameters,
+    expert_parallel,
+    make_groups,
+)
 
 TIMEOUT_S = 240
 D, H = 8, 8
@@ -86,7 +93,9 @@ def _layer(E: int, k: int, cf: float, policy: str, weight_at: str, seed: int, **
     return layer
 
 
-def _check_equivalence(rank: int, world: int, layer: moeflow.MoE, tokens: list[int], seed: int, what: str) -> None:
+def _check_equivalence(
+    rank: int, world: int, layer: moeflow.MoE, tokens: list[int], seed: int, what: str, hierarchy=None
+) -> None:
     gen = torch.Generator().manual_seed(seed + 2)
     xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
     gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
@@ -98,7 +107,7 @@ def _check_equivalence(rank: int, world: int, layer: moeflow.MoE, tokens: list[i
     y_all = ref(x_all)
     (y_all * torch.cat(gs)).sum().backward()
 
-    ep = expert_parallel(copy.deepcopy(layer))
+    ep = expert_parallel(copy.deepcopy(layer), hierarchy=hierarchy)
     x = xs[rank].clone().requires_grad_(True)
     y = ep(x)
     (y * gs[rank]).sum().backward()
@@ -176,7 +185,90 @@ def _case_bad_config(rank: int, world: int) -> None:
         expert_parallel(torch.nn.Linear(2, 2))
 
 
-CASES = {"equivalence": _case_equivalence, "skewed": _case_skewed, "bad_config": _case_bad_config}
+def _case_hierarchical(rank: int, world: int) -> None:
+    """The two-level exchange (2 nodes x 2 ranks) gives the single-process result too."""
+    groups = make_groups(world, node_size=2)
+    assert dist.get_world_size(groups.hierarchy.intra) == 2 and dist.get_world_size(groups.hierarchy.inter) == world // 2
+    for i, (k, cf, policy) in enumerate([(2, 1.0, "position"), (2, 0.0, "position"), (1, -0.8, "score"), (2, 1.0, "bpr")]):
+        tokens = [9, 0, 14, 5][:world]
+        layer = _layer(8, k, cf, policy, "combine", seed=300 + i)
+        _check_equivalence(rank, world, layer, tokens, seed=300 + i, what=f"2-level k={k} cf={cf} {policy}",
+                           hierarchy=groups.hierarchy)
+
+
+def _case_exchange(rank: int, world: int) -> None:
+    """Flat and two-level exchanges deliver the same rows in the same order, and back."""
+    groups = make_groups(world, node_size=2)
+    gen = torch.Generator().manual_seed(11)
+    counts = torch.randint(0, 4, (world, world), generator=gen)
+    counts[0, :] = 0  # a rank that sends nothing
+    counts = counts.tolist()
+    n_send = sum(counts[rank])
+    # row j of rank s bound for d carries (s, d, j) so misplaced rows are visible
+    dest = [d for d in range(world) for _ in range(counts[rank][d])]
+    x = torch.tensor([[rank, d, j] for j, d in enumerate(dest)], dtype=torch.float64).reshape(n_send, 3)
+    x.requires_grad_(True)
+    flat = FlatExchange(None)(x, counts)
+    two = HierarchicalExchange(None, groups.hierarchy)(x, counts)
+    assert torch.equal(flat, two)
+    expected_src = [s for s in range(world) for _ in range(counts[s][rank])]
+    assert flat[:, 0].tolist() == expected_src and all(flat[:, 1] == rank)
+    g = torch.randn(flat.shape, generator=gen, dtype=torch.float64)
+    (gf,) = torch.autograd.grad(flat, x, g)
+    (gt,) = torch.autograd.grad(two, x, g)
+    assert torch.equal(gf, gt)
+
+
+def _case_ddp(rank: int, world: int) -> None:
+    """DDP averages dense gradients only; expert gradients stay this rank's own."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from moeflow.parallel import ddp_ignore_expert_parameters, expert_parameters
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), _layer(8, 2, 0.0, "position", "combine", seed=5))
+    expert_parallel(model)
+    ignored = ddp_ignore_expert_parameters(model)
+    assert ignored and all("experts" in n for n in ignored)
+    ddp = DDP(model)
+    x = torch.randn(10 + rank, D, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    ddp(x).square().sum().backward()
+    plain = copy.deepcopy(model)
+    for p in plain.parameters():
+        p.grad = None
+    plain(x).square().sum().backward()  # same forward without DDP: the local gradients
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if name in ignored:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        else:
+            avg = q.grad.clone()
+            dist.all_reduce(avg)
+            torch.testing.assert_close(p.grad, avg / world, rtol=1e-10, atol=1e-12)
+    assert len(expert_parameters(model)) == len(ignored)
+
+
+def _case_groups(rank: int, world: int) -> None:
+    groups = make_groups(2)
+    assert groups.expert_size == 2 and groups.data_size == world // 2
+    members = [torch.zeros(1, dtype=torch.long) for _ in range(2)]
+    dist.all_gather(members, torch.tensor([rank]), group=groups.expert)
+    assert [int(m) for m in members] == [rank - rank % 2, rank - rank % 2 + 1]
+    data = [torch.zeros(1, dtype=torch.long) for _ in range(world // 2)]
+    dist.all_gather(data, torch.tensor([rank]), group=groups.data)
+    assert [int(m) for m in data] == list(range(rank % 2, world, 2))
+    with pytest.raises(ValueError, match="expert_size"):
+        make_groups(3)
+
+
+CASES = {
+    "equivalence": _case_equivalence,
+    "skewed": _case_skewed,
+    "bad_config": _case_bad_config,
+    "hierarchical": _case_hierarchical,
+    "exchange": _case_exchange,
+    "ddp": _case_ddp,
+    "groups": _case_groups,
+}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -192,3 +284,20 @@ def test_expert_parallel_skewed_routing(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_bad_configuration_raises_everywhere(world):
     run_ranks(world, "bad_config")
+
+
+def test_hierarchical_exchange_matches_flat_on_2x2():
+    run_ranks(4, "exchange")
+
+
+def test_hierarchical_expert_parallel_matches_single_process_on_2x2():
+    run_ranks(4, "hierarchical")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_skips_expert_parameters(world):
+    run_ranks(world, "ddp")
+
+
+def test_make_groups_on_4_ranks():
+    run_ranks(4, "groups")

@@ -11,6 +11,7 @@ from moeflow.parallel.api import (
     expert_parameters,
 )
 from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
+from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups
 
 __all__ = [
@@ -24,4 +25,7 @@ __all__ = [
     "dense_parameters",
     "ddp_ignore_expert_parameters",
     "all_reduce_gradients",
+    "FlatExchange",
+    "HierarchicalExchange",
+    "Hierarchy",
 ]

@@ -9,6 +9,7 @@ from torch import nn
 from moeflow.experts import GroupedExperts, ModuleExperts
 from moeflow.layer.moe import moe_layers
 from moeflow.parallel.dispatcher import AllToAllDispatcher
+from moeflow.parallel.exchange import Hierarchy
 
 __all__ = [
     "expert_parallel",
@@ -30,12 +31,15 @@ def _shard_experts(experts: nn.Module, start: int, count: int) -> nn.Module:
     )
 
 
-def expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+def expert_parallel(
+    model: nn.Module, group: dist.ProcessGroup | None = None, *, hierarchy: Hierarchy | None = None
+) -> nn.Module:
     """Spread the experts of every ``moeflow.MoE`` layer of ``model`` over ``group``.
 
     Each rank keeps experts ``[r*E/W, (r+1)*E/W)`` (sliced from the full set it holds now, so
     build the model with the same seed or load the same weights on every rank first) and gets
-    an ``AllToAllDispatcher``. Call it on every rank of the group; configuration errors
+    an ``AllToAllDispatcher`` (two-level exchange when ``hierarchy`` is given, see
+    ``make_groups``). Call it on every rank of the group; configuration errors
     (E not divisible by W, expert counts that differ between ranks, a group without this rank)
     raise ``ValueError`` on every rank instead of hanging. Returns ``model`` (changed in place).
     """
@@ -68,7 +72,9 @@ def expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) ->
         E = layer.config.num_experts
         e = E // W
         layer.experts = _shard_experts(layer.experts, rank * e, e)
-        layer.dispatcher = AllToAllDispatcher(num_experts=E, group=group, config=layer.config.dispatch)
+        layer.dispatcher = AllToAllDispatcher(
+            num_experts=E, group=group, config=layer.config.dispatch, hierarchy=hierarchy
+        )
     return model
 
 

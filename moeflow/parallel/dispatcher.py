@@ -10,8 +10,9 @@ needs them, the weights, and runs the same slot assignment on the global batch: 
 knows which rows it sends and receives. Ranks with different token counts (zero included)
 therefore always agree on ``C`` and on the split sizes: no hang.
 
-Only kept rows travel (no padding on the wire): one uneven ``all_to_all_single`` each way,
-differentiable (its backward is the reverse exchange). On the expert side the received rows
+Only kept rows travel (no padding on the wire): one uneven exchange each way, flat or
+two-level (``moeflow.parallel.exchange``), differentiable (its backward is the reverse
+exchange). On the expert side the received rows
 are laid out as ``[e, C, D]`` (capacity mode) or grouped by expert (dropless).
 """
 
@@ -27,7 +28,8 @@ from moeflow.dispatch.capacity import resolve_capacity
 from moeflow.dispatch.local import renormalize_kept
 from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.comm import all_gather_rows, all_to_all_rows
+from moeflow.parallel.comm import all_gather_rows
+from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.types import RoutingResult
 
 __all__ = ["AllToAllDispatcher", "AllToAllPlan"]
@@ -44,7 +46,7 @@ class AllToAllPlan:
         send_assign_J: local flat assignment index of each sent row.
         row_A: sent-row index of each local assignment (arbitrary where dropped).
         kept_A: bool mask of kept local assignments (None: none dropped).
-        send_splits, recv_splits: rows sent to / received from each rank.
+        counts: ``[W][W]`` rows sent from rank s to rank d (kept assignments), for the exchange.
         recv_of_M: received row feeding each expert-input row (arbitrary where empty).
         valid_M: bool mask of expert-input rows that hold a row (None: all).
         M_of_recv: expert-input row of each received row.
@@ -55,8 +57,7 @@ class AllToAllPlan:
     send_assign_J: torch.Tensor
     row_A: torch.Tensor
     kept_A: torch.Tensor | None
-    send_splits: list[int]
-    recv_splits: list[int]
+    counts: list[list[int]]
     recv_of_M: torch.Tensor
     valid_M: torch.Tensor | None
     M_of_recv: torch.Tensor
@@ -76,7 +77,14 @@ class AllToAllDispatcher:
 
     collective = True  # every rank must call dispatch/combine, even with no tokens
 
-    def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None, config: DispatchConfig | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        group: dist.ProcessGroup | None,
+        config: DispatchConfig | None = None,
+        hierarchy: Hierarchy | None = None,
+    ) -> None:
         W = dist.get_world_size(group)
         if num_experts % W:
             raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel group size {W}")
@@ -86,6 +94,7 @@ class AllToAllDispatcher:
         self.rank = dist.get_rank(group)
         self.num_local_experts = num_experts // W
         self.config = config if config is not None else DispatchConfig()
+        self.exchange = FlatExchange(group) if hierarchy is None else HierarchicalExchange(group, hierarchy)
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float
@@ -120,7 +129,7 @@ class AllToAllDispatcher:
         # -- send side: my kept assignments, by (destination, expert, slot)
         mine = kept_S & (src_S == r)
         send_assign_J = order_S[mine] - first_token * K
-        send_splits = torch.bincount(dst_S[mine], minlength=W).tolist()
+        counts = torch.bincount(src_S[kept_S] * W + dst_S[kept_S], minlength=W * W).view(W, W).tolist()
         row_A = torch.zeros(T * K, dtype=torch.long, device=device)
         row_A[send_assign_J] = torch.arange(send_assign_J.numel(), device=device)
         kept_A = None
@@ -133,7 +142,6 @@ class AllToAllDispatcher:
         src_R, local_R, pos_R = src_S[to_me], expert_S[to_me] - r * e, pos_S[to_me]
         by_src = torch.sort(src_R, stable=True).indices
         src_R, local_R, pos_R = src_R[by_src], local_R[by_src], pos_R[by_src]
-        recv_splits = torch.bincount(src_R, minlength=W).tolist()
         R = local_R.numel()
         counts_E = torch.bincount(local_R, minlength=e)
         if cap.layout_capacity is not None:
@@ -165,7 +173,7 @@ class AllToAllDispatcher:
         )
         if self.config.weight_at == "dispatch":
             send_JD = send_JD * weights_TK.reshape(-1)[send_assign_J].unsqueeze(1)
-        recv_RD = all_to_all_rows(send_JD, send_splits, recv_splits, self.group)
+        recv_RD = self.exchange(send_JD, counts)
         expert_in = gather_rows(recv_RD, recv_of_M, valid_M, M_of_recv.view(-1, 1), None)
         if C is not None:
             expert_in = expert_in.view(e, C, D)
@@ -173,8 +181,7 @@ class AllToAllDispatcher:
             send_assign_J=send_assign_J,
             row_A=row_A,
             kept_A=kept_A,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
+            counts=counts,
             recv_of_M=recv_of_M,
             valid_M=valid_M,
             M_of_recv=M_of_recv,
@@ -197,7 +204,7 @@ class AllToAllDispatcher:
             plan.recv_of_M.view(-1, 1),
             None if plan.valid_M is None else plan.valid_M.view(-1, 1),
         )
-        home_JD = all_to_all_rows(back_RD, plan.recv_splits, plan.send_splits, self.group)
+        home_JD = self.exchange(back_RD, [list(col) for col in zip(*plan.counts)])  # reverse routes
         rows_AD = gather_rows(
             home_JD,
             plan.row_A,

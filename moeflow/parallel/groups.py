@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moeflow.parallel.exchange import Hierarchy
+
 __all__ = ["init_distributed", "ParallelGroups", "make_groups"]
 
 
@@ -38,15 +40,26 @@ class ParallelGroups:
     data: dist.ProcessGroup
     expert_size: int
     data_size: int
+    hierarchy: Hierarchy | None = None
 
 
-def make_groups(expert_size: int) -> ParallelGroups:
+def make_groups(expert_size: int, *, node_size: int | None = None) -> ParallelGroups:
     """Split the world into expert-parallel groups of ``expert_size`` consecutive ranks
-    (experts spread inside, e.g. inside a node) and data-parallel groups across them (ranks with
-    the same position in each expert group). Every rank must call this (it creates groups)."""
+    (experts spread inside) and data-parallel groups across them (ranks with the same position
+    in each expert group). Every rank must call this (it creates groups).
+
+    ``node_size`` (ranks per node; torchrun's ``LOCAL_WORLD_SIZE`` when it is ``"env"``) also
+    builds the intra-/inter-node groups of the two-level exchange inside each expert group.
+    """
     world = dist.get_world_size()
     if isinstance(expert_size, bool) or not isinstance(expert_size, int) or expert_size < 1 or world % expert_size:
         raise ValueError(f"expert_size must be a positive divisor of the world size {world}, got {expert_size!r}")
+    if node_size == "env":
+        node_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    if node_size is not None and (
+        isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1 or expert_size % node_size
+    ):
+        raise ValueError(f"node_size must be a positive divisor of expert_size={expert_size}, got {node_size!r}")
     rank = dist.get_rank()
     mine_expert = mine_data = None
     for start in range(0, world, expert_size):
@@ -57,5 +70,24 @@ def make_groups(expert_size: int) -> ParallelGroups:
         g = dist.new_group(list(range(offset, world, expert_size)))
         if rank % expert_size == offset:
             mine_data = g
+    hierarchy = None
+    if node_size is not None:
+        L = node_size
+        intra = inter = None
+        for start in range(0, world, expert_size):
+            for node in range(expert_size // L):
+                ranks = list(range(start + node * L, start + (node + 1) * L))
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    intra = g
+            for local in range(L):
+                ranks = list(range(start + local, start + expert_size, L))
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    inter = g
+        assert intra is not None and inter is not None
+        hierarchy = Hierarchy(intra=intra, inter=inter, node_size=L)
     assert mine_expert is not None and mine_data is not None
-    return ParallelGroups(expert=mine_expert, data=mine_data, expert_size=expert_size, data_size=world // expert_size)
+    return ParallelGroups(
+        expert=mine_expert, data=mine_data, expert_size=expert_size, data_size=world // expert_size, hierarchy=hierarchy
+    )

@@ -1,0 +1,111 @@
+"""Row exchanges between the ranks of an expert-parallel group (legend: moeflow.types).
+
+An exchange takes this rank's send buffer, whose rows are grouped by destination rank, and
+returns the rows every rank sent to it, grouped by source rank, given the full ``[W, W]`` count
+matrix ``counts[s][d]`` (rows from s to d; every rank knows it). Both exchanges give identical
+results and are differentiable (the backward runs the same exchange in reverse).
+
+- ``FlatExchange``: one ``all_to_all_single`` over the group: W-1 messages per rank.
+- ``HierarchicalExchange`` (Tutel's 2DH): with ``W = N nodes x L ranks per node`` and rank
+  ``r = n*L + l``: (1) inside each node, send to local peer ``l'`` everything bound for local
+  index ``l'`` on any node; (2) across nodes, between the ranks with the same local index, send
+  each node its rows. L-1 intra-node plus N-1 inter-node messages per rank instead of W-1, and the
+  inter-node messages are L times larger, which is what pays off at many nodes. The block
+  reorders between the phases are row gathers; the result is already in source-rank order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeflow.kernels.gather import gather_rows
+from moeflow.parallel.comm import all_to_all_rows
+
+__all__ = ["FlatExchange", "HierarchicalExchange", "Hierarchy", "permute_blocks"]
+
+Counts = list[list[int]]
+
+
+def permute_blocks(x_ND: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
+    """Reorder consecutive row blocks of ``sizes`` into block order ``order`` (a gather whose
+    backward is the inverse gather)."""
+    starts = [0]
+    for s in sizes[:-1]:
+        starts.append(starts[-1] + s)
+    if order == sorted(order):
+        return x_ND
+    device = x_ND.device
+    pieces = [torch.arange(starts[b], starts[b] + sizes[b], device=device) for b in order]
+    index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=device)
+    return gather_rows(x_ND, index, None, inverse.view(-1, 1), None)
+
+
+class FlatExchange:
+    """One all-to-all over the whole group."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+
+    def __call__(self, x_ND: torch.Tensor, counts: Counts) -> torch.Tensor:
+        r, W = self.rank, self.world
+        return all_to_all_rows(x_ND, counts[r], [counts[s][r] for s in range(W)], self.group)
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """The node structure of an expert-parallel group for the two-level exchange.
+
+    ``intra``: this rank's group of ranks on the same node (group ranks ``n*L .. n*L+L-1`` of
+    the expert group, in order); ``inter``: the ranks with the same local index on every node
+    (``l, L+l, 2L+l, ...``, in order); ``node_size``: L. Build it with
+    ``moeflow.parallel.make_groups(..., node_size=L)``.
+    """
+
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    node_size: int
+
+
+class HierarchicalExchange:
+    """Two-level exchange: inside nodes, then across nodes (see module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, hierarchy: Hierarchy) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        L = hierarchy.node_size
+        if L < 1 or self.world % L:
+            raise ValueError(f"node_size={L} must divide the expert-parallel group size {self.world}")
+        if dist.get_world_size(hierarchy.intra) != L or dist.get_world_size(hierarchy.inter) != self.world // L:
+            raise ValueError(
+                f"hierarchy groups have sizes {dist.get_world_size(hierarchy.intra)} x "
+                f"{dist.get_world_size(hierarchy.inter)}, expected {L} ranks per node x {self.world // L} nodes"
+            )
+        self.hierarchy = hierarchy
+
+    def __call__(self, x_ND: torch.Tensor, counts: Counts) -> torch.Tensor:
+        L = self.hierarchy.node_size
+        N = self.world // L
+        n, l = divmod(self.rank, L)
+        rank_of = lambda node, local: node * L + local  # noqa: E731
+
+        # phase 1, inside the node: blocks (m, l') -> order (l', m), send to local peer l'
+        x1 = permute_blocks(x_ND, counts[self.rank], [rank_of(m, lp) for lp in range(L) for m in range(N)])
+        send1 = [sum(counts[self.rank][rank_of(m, lp)] for m in range(N)) for lp in range(L)]
+        recv1 = [sum(counts[rank_of(n, ls)][rank_of(m, l)] for m in range(N)) for ls in range(L)]
+        y1 = all_to_all_rows(x1, send1, recv1, self.hierarchy.intra)
+
+        # phase 2, across nodes: blocks (ls, m) -> order (m, ls), send to node m
+        sizes1 = [counts[rank_of(n, ls)][rank_of(m, l)] for ls in range(L) for m in range(N)]
+        x2 = permute_blocks(y1, sizes1, [ls * N + m for m in range(N) for ls in range(L)])
+        send2 = [sum(counts[rank_of(n, ls)][rank_of(m, l)] for ls in range(L)) for m in range(N)]
+        recv2 = [sum(counts[rank_of(mm, ls)][self.rank] for ls in range(L)) for mm in range(N)]
+        # arrives grouped by (source node, source local index) = source rank order
+        return all_to_all_rows(x2, send2, recv2, self.hierarchy.inter)
