@@ -301,3 +301,23 @@ def test_ddp_skips_expert_parameters(world):
 
 def test_make_groups_on_4_ranks():
     run_ranks(4, "groups")
+
+
+def test_bench_nproc_cli(tmp_path, capsys):
+    """`moeflow bench --nproc 2` launches torchrun and reports every rank and the scaling."""
+    import json
+
+    from moeflow.cli.main import main
+
+    out = tmp_path / "ep.json"
+    rc = main(["bench", "--nproc", "2", "--tokens", "32", "--dim", "8", "--hidden", "8", "--experts", "4",
+               "--repeats", "2", "--warmup", "1", "--node-size", "1", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert all(0 <= r["exchange_share"] <= 1 and r["exchange_ms"] > 0 for r in report["ranks"])
+    group = report["group"]
+    assert group["tokens_per_s"] == pytest.approx(2 * 32 / (group["step_ms"] / 1e3))
+    assert group["scaling"] == pytest.approx(group["tokens_per_s"] / report["baseline"]["tokens_per_s"])
+    assert "scaling" in capsys.readouterr().out
+    assert main(["bench", "--nproc", "3", "--experts", "4"]) == 2  # E not divisible by N

@@ -6,10 +6,40 @@ The only module of moeflow besides the rest of ``moeflow.parallel`` that touches
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all_rows", "all_gather_rows", "group_rank", "group_size"]
+__all__ = ["all_to_all_rows", "all_gather_rows", "group_rank", "group_size", "barrier", "CommTimer"]
+
+
+class CommTimer:
+    """Accumulates the wall time spent inside exchanges (forward and backward) when attached to
+    an exchange (``exchange.timer = CommTimer()``); the benchmark reads it. On CUDA it
+    synchronises around each exchange, so attach it only when measuring."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def run(self, fn, device: torch.device):  # type: ignore[no-untyped-def]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    dist.barrier(group=group)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -25,24 +55,36 @@ class _AllToAllRows(torch.autograd.Function):
     gradients back along the same routes (the reverse exchange)."""
 
     @staticmethod
-    def forward(ctx, x_ND, send_splits, recv_splits, group):  # type: ignore[override]
-        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
-        out = x_ND.new_empty((sum(recv_splits), *x_ND.shape[1:]))
-        dist.all_to_all_single(out, x_ND.contiguous(), recv_splits, send_splits, group=group)
-        return out
+    def forward(ctx, x_ND, send_splits, recv_splits, group, timer):  # type: ignore[override]
+        ctx.send_splits, ctx.recv_splits, ctx.group, ctx.timer = send_splits, recv_splits, group, timer
+        return _exchange(x_ND, send_splits, recv_splits, group, timer)
 
     @staticmethod
     def backward(ctx, grad_MD):  # type: ignore[override]
-        grad_in = grad_MD.new_empty((sum(ctx.send_splits), *grad_MD.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_MD.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
-        return grad_in, None, None, None
+        grad_in = _exchange(grad_MD, ctx.recv_splits, ctx.send_splits, ctx.group, ctx.timer)
+        return grad_in, None, None, None, None
+
+
+def _exchange(x_ND, send_splits, recv_splits, group, timer):  # type: ignore[no-untyped-def]
+    out = x_ND.new_empty((sum(recv_splits), *x_ND.shape[1:]))
+    src = x_ND.contiguous()
+
+    def run():  # type: ignore[no-untyped-def]
+        dist.all_to_all_single(out, src, recv_splits, send_splits, group=group)
+        return out
+
+    return run() if timer is None else timer.run(run, x_ND.device)
 
 
 def all_to_all_rows(
-    x_ND: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
+    x_ND: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: dist.ProcessGroup | None,
+    timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """Exchange row blocks of uneven sizes; differentiable (backward = reverse exchange)."""
-    return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group)
+    return _AllToAllRows.apply(x_ND, list(send_splits), list(recv_splits), group, timer)
 
 
 def all_gather_rows(x_ND: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.comm import all_to_all_rows
+from moeflow.parallel.comm import CommTimer, all_to_all_rows
 
 __all__ = ["FlatExchange", "HierarchicalExchange", "Hierarchy", "permute_blocks"]
 
@@ -52,10 +52,11 @@ class FlatExchange:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.timer: CommTimer | None = None
 
     def __call__(self, x_ND: torch.Tensor, counts: Counts) -> torch.Tensor:
         r, W = self.rank, self.world
-        return all_to_all_rows(x_ND, counts[r], [counts[s][r] for s in range(W)], self.group)
+        return all_to_all_rows(x_ND, counts[r], [counts[s][r] for s in range(W)], self.group, self.timer)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class HierarchicalExchange:
                 f"{dist.get_world_size(hierarchy.inter)}, expected {L} ranks per node x {self.world // L} nodes"
             )
         self.hierarchy = hierarchy
+        self.timer: CommTimer | None = None
 
     def __call__(self, x_ND: torch.Tensor, counts: Counts) -> torch.Tensor:
         L = self.hierarchy.node_size
@@ -100,7 +102,7 @@ class HierarchicalExchange:
         x1 = permute_blocks(x_ND, counts[self.rank], [rank_of(m, lp) for lp in range(L) for m in range(N)])
         send1 = [sum(counts[self.rank][rank_of(m, lp)] for m in range(N)) for lp in range(L)]
         recv1 = [sum(counts[rank_of(n, ls)][rank_of(m, l)] for m in range(N)) for ls in range(L)]
-        y1 = all_to_all_rows(x1, send1, recv1, self.hierarchy.intra)
+        y1 = all_to_all_rows(x1, send1, recv1, self.hierarchy.intra, self.timer)
 
         # phase 2, across nodes: blocks (ls, m) -> order (m, ls), send to node m
         sizes1 = [counts[rank_of(n, ls)][rank_of(m, l)] for ls in range(L) for m in range(N)]
@@ -108,4 +110,4 @@ class HierarchicalExchange:
         send2 = [sum(counts[rank_of(n, ls)][rank_of(m, l)] for ls in range(L)) for m in range(N)]
         recv2 = [sum(counts[rank_of(mm, ls)][self.rank] for ls in range(L)) for mm in range(N)]
         # arrives grouped by (source node, source local index) = source rank order
-        return all_to_all_rows(x2, send2, recv2, self.hierarchy.inter)
+        return all_to_all_rows(x2, send2, recv2, self.hierarchy.inter, self.timer)

@@ -1,0 +1,236 @@
+"""Expert-parallel benchmark: ``moeflow bench --nproc N``.
+
+One command measures, one after the other on the same machine:
+
+1. the single-process layer with all E experts on one rank's batch (``tokens`` tokens,
+   ``threads`` threads): the baseline a rank would run alone;
+2. N ranks launched by torchrun (gloo on CPU, NCCL on GPU), each with ``tokens`` tokens,
+   ``threads`` threads and E/N experts, exchanging tokens with all-to-all.
+
+Reported: per-rank step time (forward+backward, median over repeats; the group's step is the
+slowest rank's), the share of the step spent inside the exchanges (forward and backward), and
+tokens/s of the whole group next to the baseline: ``scaling = group tokens/s / baseline``
+(ideal: N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from moeflow.bench.layer import _DTYPES, _machine, activation_is_gated
+from moeflow.bench.memory import keep_freed_heap
+from moeflow.config import ExpertsConfig, MoEConfig, check_capacity_factor
+from moeflow.layer.moe import MoE
+
+__all__ = ["ParallelBenchConfig", "run_parallel_bench", "format_parallel_table"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelBenchConfig:
+    nproc: int = 2
+    tokens: int = 4096
+    dim: int = 512
+    hidden: int = 1024
+    experts: int = 8
+    top_k: int = 2
+    capacity_factor: float = 1.0
+    activation: str = "swiglu"
+    dtype: str = "float32"
+    threads: int = 1
+    repeats: int = 7
+    warmup: int = 2
+    seed: int = 0
+    node_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "tokens", "dim", "hidden", "experts", "top_k", "threads", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.experts % self.nproc:
+            raise ValueError(f"--experts={self.experts} must be divisible by --nproc={self.nproc}")
+        if self.top_k > self.experts:
+            raise ValueError(f"--top-k must be <= --experts={self.experts}, got {self.top_k}")
+        check_capacity_factor(self.capacity_factor, "--capacity-factor")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"--dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        if self.node_size is not None and (self.node_size < 1 or self.nproc % self.node_size):
+            raise ValueError(f"--node-size must divide --nproc={self.nproc}, got {self.node_size}")
+
+
+def _layer(cfg: ParallelBenchConfig, device: torch.device) -> MoE:
+    torch.manual_seed(cfg.seed)
+    return MoE(
+        config=MoEConfig(
+            dim=cfg.dim, hidden=cfg.hidden, num_experts=cfg.experts, top_k=cfg.top_k,
+            capacity_factor=cfg.capacity_factor, experts=ExpertsConfig(activation=cfg.activation),
+        ),
+        device=device,
+        dtype=_DTYPES[cfg.dtype],
+    ).train()
+
+
+def _batch(cfg: ParallelBenchConfig, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(cfg.seed + 1000 + rank)
+    x = torch.randn(cfg.tokens, cfg.dim, generator=gen)
+    g = torch.randn(cfg.tokens, cfg.dim, generator=gen)
+    return x.to(device, _DTYPES[cfg.dtype]), g.to(device, _DTYPES[cfg.dtype])
+
+
+def _step(layer: MoE, x: torch.Tensor, g: torch.Tensor) -> None:
+    layer.zero_grad(set_to_none=True)
+    layer(x.detach().requires_grad_(True)).backward(g)
+
+
+def _baseline(cfg: ParallelBenchConfig) -> list[float]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(cfg.threads)
+    layer = _layer(cfg, device)
+    x, g = _batch(cfg, 0, device)
+    times = []
+    for rep in range(cfg.warmup + cfg.repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _step(layer, x, g)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if rep >= cfg.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
+    """Runs on every torchrun rank."""
+    from moeflow.parallel import expert_parallel, init_distributed, make_groups
+    from moeflow.parallel.comm import CommTimer, barrier, group_rank
+
+    init_distributed()
+    rank = group_rank(None)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(cfg.threads)
+    keep_freed_heap()
+    groups = make_groups(cfg.nproc, node_size=cfg.node_size)
+    layer = expert_parallel(_layer(cfg, device), groups.expert, hierarchy=groups.hierarchy)
+    timer = CommTimer()
+    layer.dispatcher.exchange.timer = timer  # type: ignore[attr-defined]
+    x, g = _batch(cfg, rank, device)
+    steps, comms = [], []
+    for rep in range(cfg.warmup + cfg.repeats):
+        barrier()
+        timer.reset()
+        t0 = time.perf_counter()
+        _step(layer, x, g)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if rep >= cfg.warmup:
+            steps.append(time.perf_counter() - t0)
+            comms.append(timer.seconds)
+    barrier()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "step_s": steps, "exchange_s": comms}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
+    """Baseline in this process, then ``cfg.nproc`` ranks under torchrun; a JSON-able report."""
+    keep_freed_heap()
+    baseline = _baseline(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+            "-m", "moeflow.bench.parallel", "--worker", json.dumps(asdict(cfg)), tmp,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(cfg.nproc)]
+    group_steps = [max(rk["step_s"][i] for rk in ranks) for i in range(cfg.repeats)]
+    base_med = statistics.median(baseline)
+    group_med = statistics.median(group_steps)
+    F = (2 if activation_is_gated(cfg.activation) else 1) * cfg.hidden
+    flops = 3.0 * 2.0 * cfg.tokens * cfg.top_k * cfg.dim * (F + cfg.hidden)
+    return {
+        "benchmark": "expert_parallel",
+        "config": asdict(cfg),
+        "machine": {**_machine_info(), "backend": "nccl" if torch.cuda.is_available() else "gloo"},
+        "baseline": {
+            "step_ms": base_med * 1e3,
+            "tokens_per_s": cfg.tokens / base_med,
+            "tflops": flops / base_med / 1e12,
+            "times_ms": [t * 1e3 for t in baseline],
+        },
+        "ranks": [
+            {
+                "rank": rk["rank"],
+                "step_ms": statistics.median(rk["step_s"]) * 1e3,
+                "exchange_ms": statistics.median(rk["exchange_s"]) * 1e3,
+                "exchange_share": statistics.median(c / s for c, s in zip(rk["exchange_s"], rk["step_s"])),
+            }
+            for rk in ranks
+        ],
+        "group": {
+            "step_ms": group_med * 1e3,
+            "tokens_per_s": cfg.nproc * cfg.tokens / group_med,
+            "scaling": (cfg.nproc * cfg.tokens / group_med) / (cfg.tokens / base_med),
+            "efficiency": (cfg.tokens / group_med) / (cfg.tokens / base_med),
+        },
+    }
+
+
+def _machine_info() -> dict:
+    from moeflow.bench.layer import BenchConfig
+
+    return _machine(BenchConfig(device="cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def format_parallel_table(report: dict) -> str:
+    c, b, grp = report["config"], report["baseline"], report["group"]
+    exchange = "two-level" if c["node_size"] else "flat"
+    lines = [
+        f"Expert parallel  ranks={c['nproc']} ({report['machine']['backend']}, {exchange} exchange) "
+        f"T={c['tokens']}/rank D={c['dim']} H={c['hidden']} E={c['experts']} K={c['top_k']} "
+        f"cf={c['capacity_factor']} dtype={c['dtype']} threads/rank={c['threads']} repeats={c['repeats']}",
+        f"machine: {report['machine']['cpu']}, torch {report['machine']['torch']}, {report['machine']['date']}",
+        "",
+        f"{'':<26}{'step ms':>10}{'exchange ms':>13}{'exchange %':>12}{'tokens/s':>12}",
+        f"{'1 rank, all experts':<26}{b['step_ms']:>10.1f}{'-':>13}{'-':>12}{b['tokens_per_s']:>12.0f}",
+    ]
+    for rk in report["ranks"]:
+        lines.append(
+            f"{'rank ' + str(rk['rank']):<26}{rk['step_ms']:>10.1f}{rk['exchange_ms']:>13.1f}"
+            f"{100 * rk['exchange_share']:>11.1f}%{'':>12}"
+        )
+    lines.append(f"{'group (slowest rank)':<26}{grp['step_ms']:>10.1f}{'':>13}{'':>12}{grp['tokens_per_s']:>12.0f}")
+    lines.append("")
+    lines.append(
+        f"scaling: {grp['scaling']:.2f}x the single rank (ideal {c['nproc']}x), "
+        f"efficiency {100 * grp['efficiency']:.0f}%"
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", required=True)
+    parser.add_argument("out_dir", type=Path)
+    a = parser.parse_args()
+    _worker(ParallelBenchConfig(**json.loads(a.worker)), a.out_dir)
