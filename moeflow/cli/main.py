@@ -94,10 +94,100 @@ def _run_parallel_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_a2a_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "a2a-model",
+        help="predicted flat vs two-level all-to-all times for 16..2048 ranks, and the crossover",
+        description="Latency + bytes/bandwidth model of the flat and two-level all-to-all "
+        "(moeflow.parallel.costmodel). Defaults: 8-GPU NVLink nodes on 400 Gb/s InfiniBand.",
+    )
+    p.add_argument("--bytes-per-rank", type=float, default=2 * 4096 * 4096 * 2.0,
+                   help="bytes each rank exchanges (default: T=4096, K=2, D=4096, bf16 = 64 MiB)")
+    p.add_argument("--node-size", type=int, default=8)
+    p.add_argument("--calibrate", action="store_true",
+                   help="also measure gloo all-to-all between 2 local ranks and print the model with those parameters")
+    p.set_defaults(func=_run_a2a_model)
+
+
+def _model_table(bytes_per_rank: float, links, title: str) -> str:  # type: ignore[no-untyped-def]
+    from moeflow.parallel.costmodel import crossover, flat_time, two_level_time
+
+    worlds = [w for w in (16, 32, 64, 128, 256, 512, 1024, 2048) if w % links.node_size == 0]
+    lines = [title, f"{'ranks':>7}{'flat ms':>12}{'2-level ms':>13}{'2-level/flat':>14}"]
+    for w in worlds:
+        f, t = flat_time(w, bytes_per_rank, links), two_level_time(w, bytes_per_rank, links)
+        lines.append(f"{w:>7}{f * 1e3:>12.3f}{t * 1e3:>13.3f}{t / f:>14.2f}")
+    cross = crossover(bytes_per_rank, links, worlds)
+    lines.append(f"crossover: two-level is faster from {cross} ranks on" if cross else "crossover: none in 16..2048")
+    return "\n".join(lines)
+
+
+def _copy_bandwidth() -> float:
+    import statistics
+    import time
+
+    import torch
+
+    src = torch.randn(16 * 2**20)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times[1:])  # read + write
+
+
+def _run_a2a_model(args: argparse.Namespace) -> int:
+    import os
+    import socket
+    import subprocess
+    import tempfile
+
+    from moeflow.parallel.costmodel import LinkModel
+
+    try:
+        links = LinkModel(node_size=args.node_size)
+    except ValueError as err:
+        print(f"moeflow a2a-model: error: {err}", file=sys.stderr)
+        return 2
+    mib = args.bytes_per_rank / 2**20
+    print(_model_table(args.bytes_per_rank, links,
+                       f"NVLink nodes of {links.node_size} on 400 Gb/s InfiniBand, {mib:.0f} MiB per rank:"))
+    if not args.calibrate:
+        return 0
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        out = Path(tmp) / "cal.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+               f"--master-port={port}", "-m", "moeflow.parallel.calibrate", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return 1
+        cal = json.loads(out.read_text())
+    a, b = cal["latency_s"], cal["bandwidth_Bps"]
+    print(f"\ncalibration ({cal['backend']}, {cal['world']} local ranks, all_to_all_single, median of 15):")
+    for sent, sec in cal["points"]:
+        print(f"  {sent / 2**10:>9.0f} KiB sent per rank: {sec * 1e3:8.3f} ms  (fit {(a + sent / b) * 1e3:8.3f} ms)")
+    print(f"  fit: latency {a * 1e6:.1f} us per exchange, bandwidth {b / 1e9:.2f} GB/s per rank")
+    copy_bw = _copy_bandwidth()
+    print(f"  host memory copy: {copy_bw / 1e9:.1f} GB/s (64 MiB tensor copy, median of 5), used for the reorders")
+    gloo = LinkModel(node_size=args.node_size, intra_latency=a, intra_bandwidth=b, inter_latency=a,
+                     inter_bandwidth=b, memory_bandwidth=copy_bw)
+    print()
+    print(_model_table(args.bytes_per_rank, gloo,
+                       f"gloo-calibrated links (intra = inter = this machine's loopback), {mib:.0f} MiB per rank:"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeflow", description="Mixture-of-Experts layers for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_bench(sub)
+    _add_a2a_model(sub)
     return parser
 
 

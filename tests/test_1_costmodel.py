@@ -1,0 +1,38 @@
+"""Tier 1: the all-to-all cost model (pure arithmetic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeflow.parallel.costmodel import LinkModel, crossover, fit_latency_bandwidth, flat_time, two_level_time
+
+
+def test_flat_and_two_level_formulas_by_hand():
+    links = LinkModel(node_size=4, intra_latency=1.0, intra_bandwidth=10.0, inter_latency=2.0,
+                      inter_bandwidth=5.0, memory_bandwidth=100.0)
+    W, S = 16, 160.0  # m = 10 bytes per destination, 4 nodes of 4
+    assert flat_time(W, S, links) == pytest.approx(max(3 * (1 + 10 / 10), 12 * (2 + 10 / 5)))
+    assert two_level_time(W, S, links) == pytest.approx(3 * (1 + 40 / 10) + 3 * (2 + 40 / 5) + 2 * 160 / 100)
+
+
+def test_two_level_wins_at_scale_and_loses_on_few_nodes():
+    links = LinkModel()
+    S = 64 * 2**20
+    assert two_level_time(16, S, links) > flat_time(16, S, links)
+    assert two_level_time(2048, S, links) < flat_time(2048, S, links)
+    worlds = [16, 32, 64, 128, 256, 512, 1024, 2048]
+    w = crossover(S, links, worlds)
+    assert w is not None and 16 < w <= 2048
+    assert all(two_level_time(v, S, links) < flat_time(v, S, links) for v in worlds if v >= w)
+    # smaller messages are latency-bound: the crossover comes earlier
+    assert crossover(S / 64, links, worlds) <= w
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    a, b = fit_latency_bandwidth(sizes, [5e-5 + s / 2e9 for s in sizes])
+    assert a == pytest.approx(5e-5, rel=1e-9) and b == pytest.approx(2e9, rel=1e-9)
+    with pytest.raises(ValueError):
+        fit_latency_bandwidth([1.0], [1.0])
+    with pytest.raises(ValueError):
+        LinkModel(inter_bandwidth=0)
