@@ -247,6 +247,31 @@ def _case_ddp(rank: int, world: int) -> None:
     assert len(expert_parameters(model)) == len(ignored)
 
 
+def _case_fsdp2(rank: int, world: int) -> None:
+    """FSDP2 with the experts ignored: dense gradients averaged (sharded), experts local."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from moeflow.parallel import fsdp_ignored_parameters
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), _layer(8, 2, 0.0, "position", "combine", seed=5))
+    expert_parallel(model)
+    plain = copy.deepcopy(model)
+    ignored = fsdp_ignored_parameters(model)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=ignored)
+    x = torch.randn(6 + rank, D, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if p in ignored:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        else:
+            avg = q.grad.clone()
+            dist.all_reduce(avg)
+            torch.testing.assert_close(p.grad.full_tensor(), avg / world, rtol=1e-10, atol=1e-12)
+
+
 def _case_groups(rank: int, world: int) -> None:
     groups = make_groups(2)
     assert groups.expert_size == 2 and groups.data_size == world // 2
@@ -267,6 +292,7 @@ CASES = {
     "hierarchical": _case_hierarchical,
     "exchange": _case_exchange,
     "ddp": _case_ddp,
+    "fsdp2": _case_fsdp2,
     "groups": _case_groups,
 }
 
@@ -297,6 +323,10 @@ def test_hierarchical_expert_parallel_matches_single_process_on_2x2():
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_skips_expert_parameters(world):
     run_ranks(world, "ddp")
+
+
+def test_fsdp2_ignores_expert_parameters():
+    run_ranks(2, "fsdp2")
 
 
 def test_make_groups_on_4_ranks():

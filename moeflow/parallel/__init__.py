@@ -9,6 +9,7 @@ from moeflow.parallel.api import (
     dense_parameters,
     expert_parallel,
     expert_parameters,
+    fsdp_ignored_parameters,
 )
 from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
@@ -24,6 +25,7 @@ __all__ = [
     "expert_parameters",
     "dense_parameters",
     "ddp_ignore_expert_parameters",
+    "fsdp_ignored_parameters",
     "all_reduce_gradients",
     "FlatExchange",
     "HierarchicalExchange",

@@ -16,6 +16,7 @@ __all__ = [
     "expert_parameters",
     "dense_parameters",
     "ddp_ignore_expert_parameters",
+    "fsdp_ignored_parameters",
     "all_reduce_gradients",
 ]
 
@@ -101,6 +102,16 @@ def ddp_ignore_expert_parameters(model: nn.Module) -> list[str]:
 
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     return names
+
+
+def fsdp_ignored_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The expert parameters as a set for FSDP2: ``fully_shard(model, ignored_params=...)``.
+
+    FSDP2 then shards and reduces only the dense parameters over its mesh; the experts stay
+    whole on their expert-parallel rank (average them over the data-parallel group with
+    ``all_reduce_gradients`` when there are replicas).
+    """
+    return set(expert_parameters(model))
 
 
 def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None, *, average: bool = True) -> None:
