@@ -9,17 +9,13 @@ router/shared (summed over ranks) and expert gradients (its shard), in fp64.
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import moeflow
+from distributed_utils import spawn_ranks
 from moeflow import DispatchConfig, RouterConfig
 from moeflow.parallel import (
     FlatExchange,
@@ -30,52 +26,11 @@ from moeflow.parallel import (
     make_groups,
 )
 
-TIMEOUT_S = 240
 D, H = 8, 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, case: str, errors) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        CASES[case](rank, world)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-
-
 def run_ranks(world: int, case: str) -> None:
-    """Run ``CASES[case]`` on ``world`` gloo ranks; fail (never hang) after TIMEOUT_S."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    proc = mp.start_processes(_entry, args=(world, _free_port(), case, errors), nprocs=world, join=False, start_method="spawn")
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
-    try:
-        while not proc.join(timeout=2):
-            if datetime.datetime.now() > deadline:
-                raise TimeoutError(f"{case} on {world} ranks did not finish in {TIMEOUT_S}s")
-    except Exception as err:
-        for p in proc.processes:
-            if p.is_alive():
-                p.kill()
-        msgs = []
-        while not errors.empty():
-            msgs.append(errors.get())
-        raise AssertionError(f"{case} failed on {world} ranks: {err}\n" + "\n".join(msgs)) from None
+    spawn_ranks(world, __name__, case)
 
 
 def _layer(E: int, k: int, cf: float, policy: str, weight_at: str, seed: int, **fields) -> moeflow.MoE:

@@ -183,11 +183,48 @@ def _run_a2a_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="inspect a checkpoint, or rewrite it for another number of ranks",
+        description="Inspect (--info) or reshard a moeflow checkpoint. Checkpoints store every expert under "
+        "its global index, so any world size can load any checkpoint; resharding only regroups the files "
+        "(e.g. --world-size 1 gathers everything into one file).",
+    )
+    p.add_argument("src", type=Path, help="a checkpoint directory (or a root: its latest complete checkpoint)")
+    p.add_argument("dst", type=Path, nargs="?", help="root directory to write the resharded checkpoint under")
+    p.add_argument("--world-size", type=int, default=None, help="number of rank files to write")
+    p.add_argument("--info", action="store_true", help="print layers, experts, shapes and files, then exit")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from moeflow.checkpoint import CheckpointError, describe_checkpoint, latest_checkpoint, reshard_checkpoint
+
+    src = args.src
+    if not (src / "index.json").exists():
+        src = latest_checkpoint(src) or src
+    try:
+        if args.info:
+            print(describe_checkpoint(src))
+            return 0
+        if args.dst is None or args.world_size is None:
+            print("moeflow convert: error: give DST and --world-size (or --info)", file=sys.stderr)
+            return 2
+        out = reshard_checkpoint(src, args.dst, args.world_size)
+    except (CheckpointError, ValueError) as err:
+        print(f"moeflow convert: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} for {args.world_size} rank(s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeflow", description="Mixture-of-Experts layers for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_bench(sub)
     _add_a2a_model(sub)
+    _add_convert(sub)
     return parser
 
 

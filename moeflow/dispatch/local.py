@@ -35,6 +35,8 @@ class Dispatcher(Protocol):
     num_experts: int
     # True when dispatch/combine are collectives that every rank must enter, even with T = 0
     collective: bool
+    # global index of the first expert whose weights this process holds
+    expert_offset: int
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float
@@ -52,6 +54,7 @@ class LocalDispatcher:
     """
 
     collective = False
+    expert_offset = 0  # global index of the first expert held here
 
     def __init__(self, *, num_experts: int, config: DispatchConfig | None = None) -> None:
         self.num_experts = num_experts

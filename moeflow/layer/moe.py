@@ -140,6 +140,18 @@ class MoE(nn.Module):
         self.last_counts_E = torch.bincount(routing.ids_TK.reshape(-1).detach(), minlength=cfg.num_experts)
         return y_TD.view(x.shape)
 
+    def __getstate__(self) -> dict:
+        # the last call's losses hold autograd graphs, which cannot be copied or pickled;
+        # a copy of the layer starts without them (like a freshly built layer)
+        state = dict(super().__getstate__())
+        state["aux_losses"] = None
+        state["last_counts_E"] = None
+        return state
+
+    def expert_range(self) -> tuple[int, int]:
+        """``(first global expert index, count)`` of the experts whose weights live here."""
+        return getattr(self.dispatcher, "expert_offset", 0), int(self.experts.num_experts)
+
     def aux_loss(self) -> torch.Tensor:
         """Sum of this layer's balance losses from its last call (a scalar with gradient)."""
         if self.aux_losses is None:

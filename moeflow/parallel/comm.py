@@ -11,7 +11,17 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all_rows", "all_gather_rows", "group_rank", "group_size", "barrier", "CommTimer"]
+__all__ = [
+    "all_to_all_rows",
+    "all_gather_rows",
+    "group_rank",
+    "group_size",
+    "barrier",
+    "CommTimer",
+    "process_position",
+    "sync",
+    "gather_objects",
+]
 
 
 class CommTimer:
@@ -40,6 +50,28 @@ class CommTimer:
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
+
+
+def process_position(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(rank, world size)`` in ``group``, or ``(0, 1)`` when torch.distributed is not in use."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def sync(group: dist.ProcessGroup | None = None) -> None:
+    """Barrier when torch.distributed is in use; nothing otherwise."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank's JSON-able ``obj`` (a one-element list without torch.distributed)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -93,6 +93,7 @@ class AllToAllDispatcher:
         self.world = W
         self.rank = dist.get_rank(group)
         self.num_local_experts = num_experts // W
+        self.expert_offset = self.rank * self.num_local_experts
         self.config = config if config is not None else DispatchConfig()
         self.exchange = FlatExchange(group) if hierarchy is None else HierarchicalExchange(group, hierarchy)
 

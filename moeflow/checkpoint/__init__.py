@@ -1,0 +1,25 @@
+"""World-size-independent, crash-safe checkpoints (safetensors + a JSON index)."""
+
+from moeflow.checkpoint.io import (
+    FORMAT,
+    CheckpointError,
+    describe_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    partial_checkpoints,
+    read_index,
+    reshard_checkpoint,
+    save_checkpoint,
+)
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "partial_checkpoints",
+    "read_index",
+    "describe_checkpoint",
+    "reshard_checkpoint",
+    "CheckpointError",
+    "FORMAT",
+]

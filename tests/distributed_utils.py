@@ -1,0 +1,60 @@
+"""Spawn gloo ranks on 127.0.0.1 for the tier-3 tests; a rank's failure or a hang fails the test."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, module: str, case: str, errors) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        getattr(importlib.import_module(module), "CASES")[case](rank, world)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def spawn_ranks(world: int, module: str, case: str) -> None:
+    """Run ``module.CASES[case](rank, world)`` on ``world`` gloo ranks; fail (never hang) after TIMEOUT_S."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    proc = mp.start_processes(_entry, args=(world, _free_port(), module, case, errors), nprocs=world, join=False, start_method="spawn")
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
+    try:
+        while not proc.join(timeout=2):
+            if datetime.datetime.now() > deadline:
+                raise TimeoutError(f"{case} on {world} ranks did not finish in {TIMEOUT_S}s")
+    except Exception as err:
+        for p in proc.processes:
+            if p.is_alive():
+                p.kill()
+        msgs = []
+        while not errors.empty():
+            msgs.append(errors.get())
+        raise AssertionError(f"{case} failed on {world} ranks: {err}\n" + "\n".join(msgs)) from None
+
+
