@@ -20,14 +20,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, module: str, case: str, errors) -> None:
+def _entry(rank: int, world: int, port: int, module: str, case: str, errors, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=30),
     )
     try:
-        getattr(importlib.import_module(module), "CASES")[case](rank, world)
+        getattr(importlib.import_module(module), "CASES")[case](rank, world, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
@@ -38,11 +38,11 @@ def _entry(rank: int, world: int, port: int, module: str, case: str, errors) -> 
             dist.destroy_process_group()
 
 
-def spawn_ranks(world: int, module: str, case: str) -> None:
-    """Run ``module.CASES[case](rank, world)`` on ``world`` gloo ranks; fail (never hang) after TIMEOUT_S."""
+def spawn_ranks(world: int, module: str, case: str, *args: object) -> None:
+    """Run ``module.CASES[case](rank, world, *args)`` on ``world`` gloo ranks; fail (never hang) after TIMEOUT_S."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    proc = mp.start_processes(_entry, args=(world, _free_port(), module, case, errors), nprocs=world, join=False, start_method="spawn")
+    proc = mp.start_processes(_entry, args=(world, _free_port(), module, case, errors, args), nprocs=world, join=False, start_method="spawn")
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
     try:
         while not proc.join(timeout=2):

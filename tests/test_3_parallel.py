@@ -306,3 +306,77 @@ def test_bench_nproc_cli(tmp_path, capsys):
     assert group["scaling"] == pytest.approx(group["tokens_per_s"] / report["baseline"]["tokens_per_s"])
     assert "scaling" in capsys.readouterr().out
     assert main(["bench", "--nproc", "3", "--experts", "4"]) == 2  # E not divisible by N
+
+
+def _case_review_regressions(rank: int, world: int) -> None:
+    """Cases a review found: a rank whose experts get nothing, all tokens dropped, ModuleExperts
+    with an idle rank, applying expert_parallel twice, a custom experts module with shard()."""
+    # k=1, every token to expert 0: ranks > 0 receive nothing (cf > 0 and dropless)
+    for cf in (1.0, 0.0):
+        router = RouterConfig(load_balance_coef=0.0, bias=True)
+        layer = _layer(world * 2, 1, cf, "position", "combine", seed=21, router=router)
+        with torch.no_grad():
+            layer.router.linear.bias.zero_()
+            layer.router.linear.bias[0] = 50.0
+        _check_equivalence(rank, world, layer, [6] * world, seed=21, what=f"nothing received cf={cf}")
+    # every assignment dropped on some ranks (tiny capacity), fixed and capped
+    for cf in (1e-6, -1e-6):
+        layer = _layer(world * 2, 1, cf, "position", "combine", seed=22)
+        _check_equivalence(rank, world, layer, [5] * world, seed=22, what=f"all dropped cf={cf}")
+    # ModuleExperts: a rank with idle experts still joins the backward exchange
+    torch.manual_seed(3)
+    mods = [torch.nn.Sequential(torch.nn.Linear(D, 4, dtype=torch.float64), torch.nn.Tanh(), torch.nn.Linear(4, D, dtype=torch.float64))
+            for _ in range(world * 2)]
+    layer = moeflow.MoE(dim=D, hidden=4, num_experts=world * 2, top_k=1, capacity_factor=0, dtype=torch.float64,
+                        router=RouterConfig(load_balance_coef=0.0, bias=True), experts_module=moeflow.ModuleExperts(mods)).eval()
+    with torch.no_grad():
+        layer.router.linear.bias[0] = 50.0
+    ep = expert_parallel(layer)
+    x = torch.randn(4, D, dtype=torch.float64, requires_grad=True)
+    ep(x).sum().backward()
+    assert x.grad is not None
+    # twice: every rank raises the same error
+    with pytest.raises(ValueError, match="already applied"):
+        expert_parallel(ep)
+    # a custom experts module that knows how to shard itself
+    class Halves(torch.nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.num_experts = n
+            self.scale = torch.nn.Parameter(torch.arange(1.0, n + 1, dtype=torch.float64))
+
+        def shard(self, start: int, count: int) -> "Halves":
+            part = Halves(count)
+            part.scale.data.copy_(self.scale.data[start : start + count])
+            return part
+
+        def forward(self, expert_in, counts_E):
+            expert_E = torch.repeat_interleave(torch.arange(self.num_experts), counts_E)
+            return expert_in * self.scale[expert_E].unsqueeze(1)
+
+    custom = moeflow.MoE(dim=D, hidden=4, num_experts=world * 2, top_k=1, capacity_factor=0, dtype=torch.float64,
+                         experts_module=Halves(world * 2))
+    expert_parallel(custom)
+    assert custom.experts.scale.tolist() == [2.0 * rank + 1, 2.0 * rank + 2]
+
+
+def _case_all_reduce_none_grads(rank: int, world: int) -> None:
+    """Parameters without a gradient on some ranks count as zeros (same layout everywhere)."""
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(2))
+    (a if rank == 0 else b).sum().backward()
+    all_reduce_gradients([a, b], None, average=False)
+    assert a.grad.tolist() == [1.0] * 3 and b.grad.tolist() == [float(world - 1)] * 2
+
+
+CASES["review"] = _case_review_regressions
+CASES["none_grads"] = _case_all_reduce_none_grads
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_review_regressions(world):
+    run_ranks(world, "review")
+
+
+def test_all_reduce_gradients_with_missing_grads():
+    run_ranks(2, "none_grads")

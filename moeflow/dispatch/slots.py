@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.kernels.counts import count_ids
+
 __all__ = ["SlotAssignment", "priority_order", "assign_slots"]
 
 
@@ -61,7 +63,7 @@ def assign_slots(ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, num_experts:
         prio_A = priority_order(weights_TK, drop_policy)
         expert_A, idx = torch.sort(ids_A[prio_A], stable=True)
         order_A = prio_A[idx]
-    counts_E = torch.bincount(ids_A, minlength=num_experts)
+    counts_E = count_ids(ids_A, num_experts)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     pos_A = torch.arange(A, device=ids_A.device) - start_E[expert_A]
     return SlotAssignment(order_A=order_A, expert_A=expert_A, pos_A=pos_A, counts_E=counts_E)

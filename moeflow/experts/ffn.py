@@ -142,20 +142,30 @@ class GroupedExperts(nn.Module):
             return torch.bmm(a_ECH, self.w_out)
         return torch.baddbmm(self.b_out.unsqueeze(1), a_ECH, self.w_out)
 
+    def _weights(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Weights (and x) in the autocast dtype when autocast is on: ``F.grouped_mm`` and our
+        grouped backward are not autocast-aware, unlike ``bmm``."""
+        tensors = (x, self.w_in, self.w_out, self.b_in, self.b_out)
+        if not torch.is_autocast_enabled(x.device.type):
+            return tensors
+        dt = torch.get_autocast_dtype(x.device.type)
+        return tuple(None if t is None else t.to(dt) for t in tensors)
+
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        x_RD, w_in, w_out, b_in, b_out = self._weights(x_RD)
         dims = (self.dim, self.w_in.shape[-1], self.hidden)
         backend = resolve_grouped_mm_backend(self.config.backend, x_RD.device, x_RD.dtype, dims)
         mm = GROUPED_MM_BACKENDS[backend]
         offs_E = torch.cumsum(counts_E, 0)
-        h_RF = mm(x_RD, self.w_in, offs_E)
-        if self.b_in is not None:
+        h_RF = mm(x_RD, w_in, offs_E)
+        if b_in is not None:
             # expert of each row, without a host sync
             expert_R = torch.searchsorted(offs_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
-            h_RF = h_RF + self.b_in[expert_R]
+            h_RF = h_RF + b_in[expert_R]
         a_RH = activate(h_RF, self.config.activation)
-        y_RD = mm(a_RH, self.w_out, offs_E)
-        if self.b_out is not None:
-            y_RD = y_RD + self.b_out[expert_R]
+        y_RD = mm(a_RH, w_out, offs_E)
+        if b_out is not None:
+            y_RD = y_RD + b_out[expert_R]
         return y_RD
 
 
@@ -179,7 +189,9 @@ class ModuleExperts(nn.Module):
 
     def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         counts = counts_E.tolist()
-        out = torch.zeros_like(expert_in)
+        # built from the input (and every parameter) so the output stays in the autograd graph
+        # even when no expert runs here: parallel dispatchers need every rank's backward
+        out = expert_in * 0 + sum((p.sum() for p in self.parameters()), torch.zeros((), dtype=expert_in.dtype)) * 0
         if expert_in.dim() == 3:
             for e, (module, n) in enumerate(zip(self.experts, counts)):
                 if n:

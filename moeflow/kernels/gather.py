@@ -24,6 +24,9 @@ __all__ = ["gather_rows", "gather_rows_reference"]
 
 
 def _masked_index_select(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    if src.shape[0] == 0:
+        # nothing to gather from: by the contract every output row is invalid, i.e. zero
+        return src.new_zeros(index.numel(), *src.shape[1:])
     out = src.index_select(0, index)
     if valid is not None:
         out.masked_fill_(~valid.unsqueeze(1), 0)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.config import RouterConfig
+from moeflow.kernels.counts import count_ids
 from moeflow.routing import (
     importance_loss,
     load_balance_loss,
@@ -72,7 +73,9 @@ class Router(nn.Module):
         # fp32 and only follows device moves; ``load_counts`` is int64 and never cast.
         bias = self.expert_bias
         super()._apply(fn, recurse)
-        self.expert_bias = bias.to(device=self.expert_bias.device)
+        moved = self.expert_bias
+        # meta tensors (to_empty after meta-device init) have no values to keep
+        self.expert_bias = moved.float() if bias.is_meta else bias.to(device=moved.device)
         return self
 
     def extra_repr(self) -> str:
@@ -116,7 +119,7 @@ class Router(nn.Module):
         )
         if use_bias and self.training:
             with torch.no_grad():
-                self.load_counts += torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts)
+                self.load_counts += count_ids(ids_TK, self.num_experts)
 
         losses: dict[str, torch.Tensor] = {}
         if x_TD.shape[0] == 0:  # an empty batch (possible on one rank of a group): zero losses
@@ -135,7 +138,7 @@ class Router(nn.Module):
             if noisy:
                 load_E = smooth_load_E(clean_TE, logits_TE, cfg.noise_std, top_k)
             else:
-                load_E = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).to(logits_TE.dtype)
+                load_E = count_ids(ids_TK, self.num_experts).to(logits_TE.dtype)
             losses["load"] = cfg.load_coef * load_loss(load_E)
         if cfg.z_loss_coef > 0:
             losses["z_loss"] = cfg.z_loss_coef * router_z_loss(logits_TE)

@@ -10,6 +10,7 @@ from moeflow.parallel.api import (
     expert_parallel,
     expert_parameters,
     fsdp_ignored_parameters,
+    sync_load_counts,
 )
 from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
@@ -26,6 +27,7 @@ __all__ = [
     "dense_parameters",
     "ddp_ignore_expert_parameters",
     "fsdp_ignored_parameters",
+    "sync_load_counts",
     "all_reduce_gradients",
     "FlatExchange",
     "HierarchicalExchange",

@@ -17,11 +17,14 @@ __all__ = [
     "dense_parameters",
     "ddp_ignore_expert_parameters",
     "fsdp_ignored_parameters",
+    "sync_load_counts",
     "all_reduce_gradients",
 ]
 
 
 def _shard_experts(experts: nn.Module, start: int, count: int) -> nn.Module:
+    if callable(getattr(experts, "shard", None)):
+        return experts.shard(start, count)
     if isinstance(experts, GroupedExperts):
         return experts.shard(start, count)
     if isinstance(experts, ModuleExperts):
@@ -52,7 +55,16 @@ def expert_parallel(
     if not layers:
         raise ValueError(f"model contains no moeflow.MoE layer: {type(model).__name__}")
     # one collective that every rank reaches before anything can fail
-    mine = torch.tensor([len(layers)] + [layer.config.num_experts for layer in layers], dtype=torch.long)
+    # per layer: experts configured, experts held, whether a collective dispatcher is already in place
+    mine = torch.tensor(
+        [len(layers)]
+        + [
+            v
+            for layer in layers
+            for v in (layer.config.num_experts, int(layer.experts.num_experts), int(getattr(layer.dispatcher, "collective", False)))
+        ],
+        dtype=torch.long,
+    )
     width = torch.tensor([mine.numel()], dtype=torch.long)
     widths = [torch.empty_like(width) for _ in range(W)]
     dist.all_gather(widths, width, group=group)
@@ -65,8 +77,10 @@ def expert_parallel(
             "MoE layers differ between ranks of the expert-parallel group (layer count and experts per layer): "
             + "; ".join(f"rank {i}: {t[t >= 0].tolist()}" for i, t in enumerate(every))
         )
-    for layer in layers:
+    for i, layer in enumerate(layers):
         E = layer.config.num_experts
+        if any(t[3 + 3 * i] == 1 or t[2 + 3 * i] != t[1 + 3 * i] for t in every):
+            raise ValueError(f"expert_parallel was already applied to MoE layer {i} on some rank (it holds a shard)")
         if E % W:
             raise ValueError(f"num_experts={E} must be divisible by the expert-parallel group size {W}")
     for layer in layers:
@@ -114,9 +128,20 @@ def fsdp_ignored_parameters(model: nn.Module) -> set[nn.Parameter]:
     return set(expert_parameters(model))
 
 
+def sync_load_counts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Sum every MoE router's aux-loss-free ``load_counts`` over ``group`` (the ranks that share
+    that router), so ``moeflow.update_expert_bias`` makes the same step on every replica."""
+    for layer in moe_layers(model):
+        dist.all_reduce(layer.router.load_counts, group=group)
+
+
 def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None, *, average: bool = True) -> None:
     """Sum (or average) the gradients of ``params`` over ``group``, in one flat buffer."""
-    grads = [p.grad for p in params if p.grad is not None]
+    # a parameter without a gradient counts as zeros, so every rank reduces the same layout
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -55,6 +55,8 @@ def make_groups(expert_size: int, *, node_size: int | None = None) -> ParallelGr
     if isinstance(expert_size, bool) or not isinstance(expert_size, int) or expert_size < 1 or world % expert_size:
         raise ValueError(f"expert_size must be a positive divisor of the world size {world}, got {expert_size!r}")
     if node_size == "env":
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            raise ValueError("node_size='env' needs torchrun's LOCAL_WORLD_SIZE in the environment")
         node_size = int(os.environ["LOCAL_WORLD_SIZE"])
     if node_size is not None and (
         isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1 or expert_size % node_size

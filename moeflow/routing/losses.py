@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from moeflow.kernels.counts import count_ids
+
 __all__ = ["load_balance_loss", "importance_loss", "load_loss", "smooth_load_E", "router_z_loss", "cv_squared"]
 
 
@@ -27,7 +29,7 @@ def load_balance_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Ten
     ``P_e`` the mean router probability of e. Equals 1 under perfect balance.
     """
     T, E = probs_TE.shape
-    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E).to(probs_TE.dtype)
+    counts_E = count_ids(ids_TK, E).to(probs_TE.dtype)
     frac_E = counts_E / ids_TK.numel()
     return E * (frac_E * probs_TE.mean(dim=0)).sum()
 

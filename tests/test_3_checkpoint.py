@@ -1,0 +1,141 @@
+"""Tier 3: a checkpoint saved on 4 gloo ranks resumes on 2, 1 and 4 ranks with the same
+parameters, optimizer state and continued losses (fp64, dropless routing so that splitting
+the batch over ranks does not change the math)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+import moeflow
+from distributed_utils import spawn_ranks
+from moeflow.checkpoint import load_checkpoint, read_index, save_checkpoint
+from moeflow.parallel import all_reduce_gradients, dense_parameters, expert_parallel
+
+D, E, T_GLOBAL, STEPS = 8, 8, 24, 3
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(D, D, dtype=torch.float64),
+        moeflow.MoE(dim=D, hidden=8, num_experts=E, top_k=2, capacity_factor=0, dtype=torch.float64,
+                    router=moeflow.RouterConfig(load_balance_coef=0.0)),
+    )
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(T_GLOBAL, D, generator=gen, dtype=torch.float64), torch.randn(T_GLOBAL, D, generator=gen, dtype=torch.float64)
+
+
+def _setup(rank: int, world: int):
+    model = _model()
+    if world > 1:
+        expert_parallel(model)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _train(model, opt, rank: int, world: int, steps: range) -> list[float]:
+    """Each step: this rank's slice of the global batch; sum loss; dense grads summed over ranks."""
+    losses = []
+    per = T_GLOBAL // world
+    for step in steps:
+        x, t = _batch(step)
+        sl = slice(rank * per, (rank + 1) * per)
+        loss = (model(x[sl]) - t[sl]).square().sum()
+        loss.backward()
+        if world > 1:
+            all_reduce_gradients(dense_parameters(model), None, average=False)
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+        else:
+            total = loss.detach()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total))
+    return losses
+
+
+def _case_save_then_continue(rank: int, world: int, root: str) -> None:
+    model, opt = _setup(rank, world)
+    _train(model, opt, rank, world, range(STEPS))
+    save_checkpoint(Path(root) / "ck", STEPS, model, opt, extra={"next_step": STEPS})
+    losses = _train(model, opt, rank, world, range(STEPS, 2 * STEPS))
+    if rank == 0:
+        (Path(root) / f"losses_w{world}.json").write_text(json.dumps(losses))
+
+
+def _case_resume(rank: int, world: int, root: str, src: str, tag: str) -> None:
+    model, opt = _setup(rank, world)
+    info = load_checkpoint(Path(root) / src, model, opt)
+    assert info["extra"] == {"next_step": STEPS} and info["world_size"] in (1, 4)
+    if world == 1 and tag == "w1":
+        save_checkpoint(Path(root) / "resaved", STEPS, model, opt, extra=info["extra"])
+    losses = _train(model, opt, rank, world, range(STEPS, 2 * STEPS))
+    if rank == 0:
+        (Path(root) / f"losses_{tag}.json").write_text(json.dumps(losses))
+
+
+CASES = {"save": _case_save_then_continue, "resume": _case_resume}
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for entry in read_index(path)["files"]:
+        with safe_open(str(path / entry["file"]), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith("rng/")})
+    return out
+
+
+def test_save_on_4_resume_on_2_1_4(tmp_path):
+    spawn_ranks(4, __name__, "save", str(tmp_path))
+    reference = json.loads((tmp_path / "losses_w4.json").read_text())
+    spawn_ranks(2, __name__, "resume", str(tmp_path), "ck", "w2")
+    _case_resume(0, 1, str(tmp_path), "ck", "w1")  # one process, no torch.distributed
+    spawn_ranks(4, __name__, "resume", str(tmp_path), "resaved", "w4_from_w1")
+    # parameters and optimizer state survive 4 -> 1 bit for bit
+    saved = _tensors(next((tmp_path / "ck").iterdir()))
+    resaved = _tensors(next((tmp_path / "resaved").iterdir()))
+    assert saved.keys() == resaved.keys()
+    for k in saved:
+        assert torch.equal(saved[k], resaved[k]), k
+    # continuing from the checkpoint gives the uninterrupted run's losses on any world size
+    for tag in ("w2", "w1", "w4_from_w1"):
+        losses = json.loads((tmp_path / f"losses_{tag}.json").read_text())
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=1e-10,
+                                   msg=lambda m, tag=tag: f"{tag}: {m}")
+
+
+def _torchrun(root: Path, *extra: str) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the c10d rendezvous survives a restart (the static --master-port one does not)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=3",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           str(Path(__file__).resolve().parent / "elastic_train.py"), str(root), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow  # torchrun's restarted gloo rounds sometimes fail to connect or hang on loopback
+def test_killed_rank_restarts_from_last_checkpoint(tmp_path):
+    """torchrun restarts the job after rank 1 is SIGKILLed; it resumes and ends with the
+    uninterrupted run's losses."""
+    _torchrun(tmp_path / "clean")
+    _torchrun(tmp_path / "killed", "--kill-rank-at-step", "4")
+    clean = json.loads((tmp_path / "clean" / "losses.json").read_text())
+    killed = json.loads((tmp_path / "killed" / "losses.json").read_text())
+    assert clean["attempt"] == 0 and killed["attempt"] >= 1  # the second run really restarted
+    assert len(killed["losses"]) == 2 * STEPS
+    torch.testing.assert_close(torch.tensor(killed["losses"]), torch.tensor(clean["losses"]), rtol=1e-10, atol=1e-10)
