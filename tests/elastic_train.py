@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--kill-rank-at-step", type=int, default=None, help="first attempt only: rank 1 dies here")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    init_distributed()
+    init_distributed(timeout_s=20)
     rank, world = process_position()
     model, opt = _setup(rank, world)
     start, losses = 0, []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -13,11 +14,13 @@ from moeflow.parallel.exchange import Hierarchy
 __all__ = ["init_distributed", "ParallelGroups", "make_groups"]
 
 
-def init_distributed(backend: str | None = None) -> None:
+def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment variables.
 
     ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. On CUDA the local
-    device is set from ``LOCAL_RANK``. Does nothing if already initialised.
+    device is set from ``LOCAL_RANK``. ``timeout_s`` bounds every collective (torch's default is
+    30 minutes): with torchrun's restart policy, a short timeout turns a peer that died into a
+    quick failure and a restart instead of a long hang. Does nothing if already initialised.
     """
     if dist.is_initialized():
         return
@@ -28,7 +31,8 @@ def init_distributed(backend: str | None = None) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend=backend, **kwargs)
 
 
 @dataclass(frozen=True)
