@@ -24,7 +24,7 @@ def _entry(rank: int, world: int, port: int, module: str, case: str, errors, arg
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=datetime.timedelta(seconds=90),
     )
     try:
         getattr(importlib.import_module(module), "CASES")[case](rank, world, *args)

@@ -18,7 +18,7 @@ from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
 from moeflow.types import DispatchPlan, RoutingResult
 
-__all__ = ["Dispatcher", "LocalDispatcher", "renormalize_kept"]
+__all__ = ["Dispatcher", "LocalDispatcher", "renormalize_kept", "sum_token_rows"]
 
 
 @runtime_checkable
@@ -132,12 +132,17 @@ class LocalDispatcher:
             plan.assign_M.view(-1, 1),
             None if plan.row_valid_M is None else plan.row_valid_M.view(-1, 1),
         )
-        rows_TKD = rows_AD.view(T, K, D)
-        if plan.weight_at == "dispatch":
-            return rows_TKD.sum(dim=1)
-        if K == 1:
-            return rows_TKD[:, 0] * plan.weights_TK
-        return torch.bmm(plan.weights_TK.unsqueeze(1), rows_TKD).squeeze(1)
+        return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK, plan.weight_at)
+
+
+def sum_token_rows(rows_TKD: torch.Tensor, weights_TK: torch.Tensor, weight_at: str) -> torch.Tensor:
+    """``y_TD = sum_k w_TK * rows_TKD`` (or the plain sum when the weights were applied at
+    dispatch), as one ``[T,1,K] x [T,K,D]`` bmm."""
+    if weight_at == "dispatch":
+        return rows_TKD.sum(dim=1)
+    if rows_TKD.shape[1] == 1:
+        return rows_TKD[:, 0] * weights_TK
+    return torch.bmm(weights_TK.unsqueeze(1), rows_TKD).squeeze(1)
 
 
 def renormalize_kept(weights_TK: torch.Tensor, kept_TK: torch.Tensor) -> torch.Tensor:

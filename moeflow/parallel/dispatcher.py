@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moeflow.config import DispatchConfig
 from moeflow.dispatch.capacity import resolve_capacity
-from moeflow.dispatch.local import renormalize_kept
+from moeflow.dispatch.local import renormalize_kept, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
 from moeflow.parallel.comm import all_gather_rows
@@ -213,12 +213,7 @@ class AllToAllDispatcher:
             plan.send_assign_J.view(-1, 1),
             None,
         )
-        rows_TKD = rows_AD.view(T, K, D)
-        if plan.weight_at == "dispatch":
-            return rows_TKD.sum(dim=1)
-        if K == 1:
-            return rows_TKD[:, 0] * plan.weights_TK
-        return torch.bmm(plan.weights_TK.unsqueeze(1), rows_TKD).squeeze(1)
+        return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK, plan.weight_at)
 
 
 def _cumsum(sizes: list[int], device: torch.device) -> torch.Tensor:
