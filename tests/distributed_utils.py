@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import importlib
-import socket
+import os
+import shutil
+import tempfile
 import traceback
 
 import torch
@@ -14,16 +16,11 @@ import torch.multiprocessing as mp
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, module: str, case: str, errors, args: tuple) -> None:
+def _entry(rank: int, world: int, store_file: str, module: str, case: str, errors, args: tuple) -> None:
     torch.set_num_threads(1)
+    # a file rendezvous: no port to pick, so no race with other processes for it
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=90),
     )
     try:
@@ -42,7 +39,11 @@ def spawn_ranks(world: int, module: str, case: str, *args: object) -> None:
     """Run ``module.CASES[case](rank, world, *args)`` on ``world`` gloo ranks; fail (never hang) after TIMEOUT_S."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    proc = mp.start_processes(_entry, args=(world, _free_port(), module, case, errors, args), nprocs=world, join=False, start_method="spawn")
+    store_dir = tempfile.mkdtemp(prefix="moeflow-rdzv-")
+    store_file = os.path.join(store_dir, "store")
+    proc = mp.start_processes(
+        _entry, args=(world, store_file, module, case, errors, args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
     try:
         while not proc.join(timeout=2):
@@ -56,5 +57,7 @@ def spawn_ranks(world: int, module: str, case: str, *args: object) -> None:
         while not errors.empty():
             msgs.append(errors.get())
         raise AssertionError(f"{case} failed on {world} ranks: {err}\n" + "\n".join(msgs)) from None
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
