@@ -11,8 +11,11 @@ Shape legend (every module uses these suffixes on tensor names):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+
+from moeflow.kernels.counts import count_ids
 
 __all__ = ["RoutingResult", "DispatchPlan"]
 
@@ -40,6 +43,12 @@ class RoutingResult:
     @property
     def top_k(self) -> int:
         return self.ids_TK.shape[1]
+
+    @cached_property
+    def counts_E(self) -> torch.Tensor:
+        """Assignments per expert before any drop (int64 ``[E]``), counted once per call and
+        shared by the losses, the balancing counters, the layer and the dispatcher."""
+        return count_ids(self.ids_TK.detach(), self.logits_TE.shape[1])
 
 
 @dataclass(frozen=True)

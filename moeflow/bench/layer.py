@@ -23,7 +23,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -32,14 +32,16 @@ from moeflow.config import ExpertsConfig, MoEConfig, check_capacity_factor
 from moeflow.layer.moe import MoE
 from moeflow.testing import einsum_moe, loop_moe
 
-__all__ = ["BenchConfig", "run_layer_bench", "format_table", "IMPLEMENTATIONS"]
+__all__ = ["LayerBenchFlags", "BenchConfig", "run_layer_bench", "format_table", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("moeflow", "einsum", "loop", "floor")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchConfig:
+class LayerBenchFlags:
+    """The layer shape and timing flags shared by ``moeflow bench`` and ``moeflow bench --nproc``."""
+
     tokens: int = 4096
     dim: int = 512
     hidden: int = 1024
@@ -48,17 +50,15 @@ class BenchConfig:
     capacity_factor: float = 1.0
     activation: str = "swiglu"
     dtype: str = "float32"
-    device: str = "cpu"
     threads: int = 2
     repeats: int = 7
     warmup: int = 1
     seed: int = 0
-    impls: tuple[str, ...] = IMPLEMENTATIONS
-    memory: bool = True
-    extra: dict = field(default_factory=dict)
+
+    _positive = ("tokens", "dim", "hidden", "experts", "top_k", "threads", "repeats")
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "dim", "hidden", "experts", "top_k", "threads", "repeats"):
+        for name in self._positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -69,15 +69,25 @@ class BenchConfig:
         check_capacity_factor(self.capacity_factor, "--capacity-factor")
         if self.dtype not in _DTYPES:
             raise ValueError(f"--dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig(LayerBenchFlags):
+    device: str = "cpu"
+    impls: tuple[str, ...] = IMPLEMENTATIONS
+    memory: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         unknown = [i for i in self.impls if i not in IMPLEMENTATIONS]
         if unknown or not self.impls:
             raise ValueError(f"--impls must be a non-empty subset of {list(IMPLEMENTATIONS)}, got {list(self.impls)}")
         if self.capacity_factor < 0 and "einsum" in self.impls:
             raise ValueError("the einsum reference has no capped-dropless mode; drop it from --impls for capacity_factor < 0")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
 
 
 def _machine(cfg: BenchConfig) -> dict:
@@ -213,7 +223,7 @@ def run_layer_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = N
                 rec["speedup_of_moeflow"] = rec["median_ms"] / results["moeflow"][pass_name]["median_ms"]
     return {
         "benchmark": "moe_layer",
-        "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
+        "config": asdict(cfg),
         "machine": {**_machine(cfg), "heap_kept": heap_kept},
         "flops": flops,
         "records": [results[name] for name in impls],

@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -29,45 +25,51 @@ from pathlib import Path
 
 import torch
 
-from moeflow.bench.layer import _DTYPES, _machine, activation_is_gated
+from moeflow.bench.layer import LayerBenchFlags, _machine, activation_is_gated
 from moeflow.bench.memory import keep_freed_heap
-from moeflow.config import ExpertsConfig, MoEConfig, check_capacity_factor
+from moeflow.config import ExpertsConfig, MoEConfig
 from moeflow.layer.moe import MoE
+from moeflow.parallel.launch import run_torchrun
 
 __all__ = ["ParallelBenchConfig", "run_parallel_bench", "format_parallel_table"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelBenchConfig:
+class ParallelBenchConfig(LayerBenchFlags):
     nproc: int = 2
-    tokens: int = 4096
-    dim: int = 512
-    hidden: int = 1024
-    experts: int = 8
-    top_k: int = 2
-    capacity_factor: float = 1.0
-    activation: str = "swiglu"
-    dtype: str = "float32"
     threads: int = 1
-    repeats: int = 7
     warmup: int = 2
-    seed: int = 0
     node_size: int | None = None
 
+    _positive = ("nproc", *LayerBenchFlags._positive)
+
     def __post_init__(self) -> None:
-        for name in ("nproc", "tokens", "dim", "hidden", "experts", "top_k", "threads", "repeats"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        super().__post_init__()
         if self.experts % self.nproc:
             raise ValueError(f"--experts={self.experts} must be divisible by --nproc={self.nproc}")
-        if self.top_k > self.experts:
-            raise ValueError(f"--top-k must be <= --experts={self.experts}, got {self.top_k}")
-        check_capacity_factor(self.capacity_factor, "--capacity-factor")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"--dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.node_size is not None and (self.node_size < 1 or self.nproc % self.node_size):
             raise ValueError(f"--node-size must divide --nproc={self.nproc}, got {self.node_size}")
+
+
+def _timed_steps(cfg: ParallelBenchConfig, layer: MoE, x: torch.Tensor, g: torch.Tensor, *, before_step=None, timer=None):  # type: ignore[no-untyped-def]
+    """Forward+backward ``warmup + repeats`` times; the timed step seconds (and exchange
+    seconds when a ``timer`` is attached). ``before_step`` runs untimed before each step."""
+    steps, comms = [], []
+    for rep in range(cfg.warmup + cfg.repeats):
+        if before_step is not None:
+            before_step()
+        if timer is not None:
+            timer.reset()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _step(layer, x, g)
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        if rep >= cfg.warmup:
+            steps.append(time.perf_counter() - t0)
+            comms.append(timer.seconds if timer is not None else 0.0)
+    return steps, comms
 
 
 def _layer(cfg: ParallelBenchConfig, device: torch.device) -> MoE:
@@ -78,7 +80,7 @@ def _layer(cfg: ParallelBenchConfig, device: torch.device) -> MoE:
             capacity_factor=cfg.capacity_factor, experts=ExpertsConfig(activation=cfg.activation),
         ),
         device=device,
-        dtype=_DTYPES[cfg.dtype],
+        dtype=cfg.torch_dtype,
     ).train()
 
 
@@ -86,7 +88,7 @@ def _batch(cfg: ParallelBenchConfig, rank: int, device: torch.device) -> tuple[t
     gen = torch.Generator().manual_seed(cfg.seed + 1000 + rank)
     x = torch.randn(cfg.tokens, cfg.dim, generator=gen)
     g = torch.randn(cfg.tokens, cfg.dim, generator=gen)
-    return x.to(device, _DTYPES[cfg.dtype]), g.to(device, _DTYPES[cfg.dtype])
+    return x.to(device, cfg.torch_dtype), g.to(device, cfg.torch_dtype)
 
 
 def _step(layer: MoE, x: torch.Tensor, g: torch.Tensor) -> None:
@@ -99,17 +101,7 @@ def _baseline(cfg: ParallelBenchConfig) -> list[float]:
     torch.set_num_threads(cfg.threads)
     layer = _layer(cfg, device)
     x, g = _batch(cfg, 0, device)
-    times = []
-    for rep in range(cfg.warmup + cfg.repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        _step(layer, x, g)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if rep >= cfg.warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+    return _timed_steps(cfg, layer, x, g)[0]
 
 
 def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
@@ -127,25 +119,9 @@ def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
     timer = CommTimer()
     layer.dispatcher.exchange.timer = timer  # type: ignore[attr-defined]
     x, g = _batch(cfg, rank, device)
-    steps, comms = [], []
-    for rep in range(cfg.warmup + cfg.repeats):
-        barrier()
-        timer.reset()
-        t0 = time.perf_counter()
-        _step(layer, x, g)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if rep >= cfg.warmup:
-            steps.append(time.perf_counter() - t0)
-            comms.append(timer.seconds)
+    steps, comms = _timed_steps(cfg, layer, x, g, before_step=barrier, timer=timer)
     barrier()
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "step_s": steps, "exchange_s": comms}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
@@ -153,15 +129,7 @@ def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
     keep_freed_heap()
     baseline = _baseline(cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-            "-m", "moeflow.bench.parallel", "--worker", json.dumps(asdict(cfg)), tmp,
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+        run_torchrun("moeflow.bench.parallel", ["--worker", json.dumps(asdict(cfg)), tmp], nproc=cfg.nproc, threads=cfg.threads)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(cfg.nproc)]
     group_steps = [max(rk["step_s"][i] for rk in ranks) for i in range(cfg.repeats)]
     base_med = statistics.median(baseline)

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from moeflow.checkpoint.state import expert_slices, model_tensors, optimizer_tensors, split_key
-from moeflow.parallel.comm import gather_objects, process_position, sync
+from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position, sync
 
 __all__ = [
     "CheckpointError",
@@ -119,7 +119,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict | None = None,
-    group: torch.distributed.ProcessGroup | None = None,
+    group: ProcessGroup | None = None,
     keep: int = 3,
 ) -> Path:
     """Save ``model`` (and ``optimizer``) as checkpoint ``step`` under ``root``; every rank of
@@ -260,7 +260,7 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    group: torch.distributed.ProcessGroup | None = None,
+    group: ProcessGroup | None = None,
     restore_rng: bool = True,
 ) -> dict:
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever world size wrote it.

@@ -54,19 +54,31 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     if args.threads is None:
         args.threads = 2
-    try:
-        flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig) if hasattr(args, f.name)}
-        flags["impls"] = tuple(s.strip() for s in args.impls.split(",") if s.strip())
-        cfg = BenchConfig(**flags, memory=not args.no_memory)
-    except (ValueError, TypeError) as err:
-        print(f"moeflow bench: error: {err}", file=sys.stderr)
+    impls = tuple(s.strip() for s in args.impls.split(",") if s.strip())
+    cfg = _config_from_flags(BenchConfig, args, impls=impls, memory=not args.no_memory)
+    if cfg is None:
         return 2
     report = run_layer_bench(cfg, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-    print(format_table(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"\nwrote {args.json}")
+    return _show(format_table(report), report, args.json)
+
+
+def _config_from_flags(config_cls, args: argparse.Namespace, **overrides):  # type: ignore[no-untyped-def]
+    """Build a config dataclass from the parsed flags of the same names; None (after printing
+    the error) when it rejects a value."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls) if hasattr(args, f.name)}
+    try:
+        return config_cls(**{**flags, **overrides})
+    except (ValueError, TypeError) as err:
+        print(f"moeflow bench: error: {err}", file=sys.stderr)
+        return None
+
+
+def _show(table: str, report: dict, json_path: Path | None) -> int:
+    print(table)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {json_path}")
     return 0
 
 
@@ -79,19 +91,11 @@ def _run_parallel_bench(args: argparse.Namespace) -> int:
         print("moeflow bench: error: --nproc runs the moeflow layer on this machine's devices; "
               "--device/--impls do not apply", file=sys.stderr)
         return 2
-    try:
-        flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(ParallelBenchConfig) if hasattr(args, f.name)}
-        cfg = ParallelBenchConfig(**flags)
-    except (ValueError, TypeError) as err:
-        print(f"moeflow bench: error: {err}", file=sys.stderr)
+    cfg = _config_from_flags(ParallelBenchConfig, args)
+    if cfg is None:
         return 2
     report = run_parallel_bench(cfg)
-    print(format_parallel_table(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"\nwrote {args.json}")
-    return 0
+    return _show(format_parallel_table(report), report, args.json)
 
 
 def _add_a2a_model(sub: argparse._SubParsersAction) -> None:
@@ -139,12 +143,10 @@ def _copy_bandwidth() -> float:
 
 
 def _run_a2a_model(args: argparse.Namespace) -> int:
-    import os
-    import socket
-    import subprocess
     import tempfile
 
     from moeflow.parallel.costmodel import LinkModel
+    from moeflow.parallel.launch import run_torchrun
 
     try:
         links = LinkModel(node_size=args.node_size)
@@ -156,16 +158,12 @@ def _run_a2a_model(args: argparse.Namespace) -> int:
                        f"NVLink nodes of {links.node_size} on 400 Gb/s InfiniBand, {mib:.0f} MiB per rank:"))
     if not args.calibrate:
         return 0
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        sock.close()
+    with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cal.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-               f"--master-port={port}", "-m", "moeflow.parallel.calibrate", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
+        try:
+            run_torchrun("moeflow.parallel.calibrate", [str(out)], nproc=2, threads=1)
+        except RuntimeError as err:
+            print(f"moeflow a2a-model: error: {err}", file=sys.stderr)
             return 1
         cal = json.loads(out.read_text())
     a, b = cal["latency_s"], cal["bandwidth_Bps"]

@@ -18,7 +18,7 @@ from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
 from moeflow.types import DispatchPlan, RoutingResult
 
-__all__ = ["Dispatcher", "LocalDispatcher", "renormalize_kept", "sum_token_rows"]
+__all__ = ["Dispatcher", "LocalDispatcher", "combine_weights", "renormalize_kept", "sum_token_rows"]
 
 
 @runtime_checkable
@@ -69,7 +69,7 @@ class LocalDispatcher:
         device = x_TD.device
         cap = resolve_capacity(capacity_factor, num_tokens=T, top_k=K, num_experts=E)
         policy = None if cap.row_cap is None else self.config.drop_policy
-        slots = assign_slots(routing.ids_TK, routing.weights_TK, num_experts=E, drop_policy=policy)
+        slots = assign_slots(routing.ids_TK, routing.weights_TK, num_experts=E, drop_policy=policy, counts_E=routing.counts_E)
         order_S, expert_S, pos_S = slots.order_A, slots.expert_A, slots.pos_A  # S: sorted by expert
         kept_S = None if cap.row_cap is None else pos_S < cap.row_cap
 
@@ -97,9 +97,7 @@ class LocalDispatcher:
         row_A = torch.empty_like(order_S).scatter_(0, order_S, row_S)
         kept_A = None if kept_S is None else torch.empty_like(kept_S).scatter_(0, order_S, kept_S)
 
-        weights_TK = routing.weights_TK.to(x_TD.dtype)
-        if kept_A is not None and self.config.renormalize_after_drop:
-            weights_TK = renormalize_kept(weights_TK, kept_A.view(T, K))
+        weights_TK = combine_weights(routing.weights_TK, kept_A, x_TD.dtype, self.config.renormalize_after_drop)
         counts_E = slots.counts_E if cap.row_cap is None else slots.counts_E.clamp(max=cap.row_cap)
 
         token_M = torch.div(assign_M, K, rounding_mode="floor")
@@ -143,6 +141,17 @@ def sum_token_rows(rows_TKD: torch.Tensor, weights_TK: torch.Tensor, weight_at: 
     if rows_TKD.shape[1] == 1:
         return rows_TKD[:, 0] * weights_TK
     return torch.bmm(weights_TK.unsqueeze(1), rows_TKD).squeeze(1)
+
+
+def combine_weights(
+    weights_TK: torch.Tensor, kept_A: torch.Tensor | None, dtype: torch.dtype, renormalize: bool
+) -> torch.Tensor:
+    """The router weights in the input dtype, renormalised over the kept assignments when asked
+    (``kept_A`` in flat ``t*K + k`` order; None when nothing can be dropped)."""
+    weights_TK = weights_TK.to(dtype)
+    if kept_A is None or not renormalize:
+        return weights_TK
+    return renormalize_kept(weights_TK, kept_A.view(weights_TK.shape))
 
 
 def renormalize_kept(weights_TK: torch.Tensor, kept_TK: torch.Tensor) -> torch.Tensor:

@@ -49,11 +49,19 @@ def priority_order(weights_TK: torch.Tensor, drop_policy: str) -> torch.Tensor:
     raise ValueError(f"unknown drop_policy {drop_policy!r}")
 
 
-def assign_slots(ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, num_experts: int, drop_policy: str | None) -> SlotAssignment:
+def assign_slots(
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    *,
+    num_experts: int,
+    drop_policy: str | None,
+    counts_E: torch.Tensor | None = None,
+) -> SlotAssignment:
     """Group assignments by expert; inside an expert, order by ``drop_policy`` priority.
 
     ``drop_policy=None`` (nothing can be dropped) keeps token order inside each expert and skips
-    the priority sort.
+    the priority sort. ``counts_E`` (assignments per expert) is counted from ``ids_TK`` unless
+    given.
     """
     ids_A = ids_TK.reshape(-1)
     A = ids_A.numel()
@@ -63,7 +71,7 @@ def assign_slots(ids_TK: torch.Tensor, weights_TK: torch.Tensor, *, num_experts:
         prio_A = priority_order(weights_TK, drop_policy)
         expert_A, idx = torch.sort(ids_A[prio_A], stable=True)
         order_A = prio_A[idx]
-    counts_E = count_ids(ids_A, num_experts)
+    counts_E = count_ids(ids_A, num_experts) if counts_E is None else counts_E
     start_E = torch.cumsum(counts_E, 0) - counts_E
     pos_A = torch.arange(A, device=ids_A.device) - start_E[expert_A]
     return SlotAssignment(order_A=order_A, expert_A=expert_A, pos_A=pos_A, counts_E=counts_E)

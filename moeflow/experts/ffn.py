@@ -23,7 +23,7 @@ from torch import nn
 from moeflow.config import ExpertsConfig
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
-__all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "mark_expert_parameters"]
+__all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "mark_expert_parameters", "graph_zero"]
 
 
 @runtime_checkable
@@ -50,6 +50,17 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "silu":
         return F.silu(h)
     raise ValueError(f"unknown activation {activation!r}")
+
+
+def graph_zero(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
+    """A scalar 0 (dtype of ``like``) that depends on ``like`` and every parameter of
+    ``module``: added to an output that no computation produced (no rows, no tokens), it keeps
+    the output in the autograd graph, so backward gives zero gradients everywhere and a
+    parallel dispatcher still runs its backward exchange on this rank."""
+    zero = like.sum() * 0
+    for p in module.parameters():
+        zero = zero + p.sum().to(like.dtype) * 0
+    return zero
 
 
 def mark_expert_parameters(module: nn.Module) -> None:
@@ -124,8 +135,7 @@ class GroupedExperts(nn.Module):
         if expert_in.numel() == 0:
             # no rows here (e.g. this rank's experts got no tokens): an empty output that still
             # gives every weight a (zero) gradient, so all ranks run the same backward
-            zero = sum(p.sum() for p in self.parameters()) * 0 + expert_in.sum() * 0
-            return expert_in.new_zeros(*expert_in.shape[:-1], self.dim) + zero
+            return expert_in.new_zeros(*expert_in.shape[:-1], self.dim) + graph_zero(self, expert_in)
         if expert_in.dim() == 3:
             return self._forward_padded(expert_in)
         if expert_in.dim() == 2:
@@ -191,7 +201,7 @@ class ModuleExperts(nn.Module):
         counts = counts_E.tolist()
         # built from the input (and every parameter) so the output stays in the autograd graph
         # even when no expert runs here: parallel dispatchers need every rank's backward
-        out = expert_in * 0 + sum((p.sum() for p in self.parameters()), torch.zeros((), dtype=expert_in.dtype)) * 0
+        out = torch.zeros_like(expert_in) + graph_zero(self, expert_in)
         if expert_in.dim() == 3:
             for e, (module, n) in enumerate(zip(self.experts, counts)):
                 if n:

@@ -14,7 +14,7 @@ from torch import nn
 from moeflow.config import MoEConfig, check_capacity_factor, check_top_k
 from moeflow.dispatch import Dispatcher, LocalDispatcher
 from moeflow.experts import DenseFFN, Experts, GroupedExperts
-from moeflow.kernels.counts import count_ids
+from moeflow.experts.ffn import graph_zero
 from moeflow.layer.router import Router
 
 __all__ = ["MoE", "aux_loss", "update_expert_bias", "moe_layers"]
@@ -128,10 +128,10 @@ class MoE(nn.Module):
         x_TD = x.reshape(-1, cfg.dim)
         if x_TD.shape[0] == 0 and not getattr(self.dispatcher, "collective", False):
             # empty output and zero losses, connected to the parameters so backward() works
-            zero = sum(p.sum() for p in self.parameters()) * 0
+            zero = graph_zero(self, x)
             self.aux_losses = {name: zero for name, coef in self.router._loss_coefs() if coef > 0}
             self.last_counts_E = torch.zeros(cfg.num_experts, dtype=torch.long, device=x.device)
-            return x * 0 + zero.to(x.dtype)
+            return torch.zeros_like(x) + zero
 
         routing = self.router(x_TD, top_k=k)
         expert_in, plan = self.dispatcher.dispatch(x_TD, routing, capacity_factor=cf)
@@ -140,7 +140,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         self.aux_losses = routing.aux_losses
-        self.last_counts_E = count_ids(routing.ids_TK.detach(), cfg.num_experts)
+        self.last_counts_E = routing.counts_E
         return y_TD.view(x.shape)
 
     def __getstate__(self) -> dict:

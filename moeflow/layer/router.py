@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.config import RouterConfig
-from moeflow.kernels.counts import count_ids
 from moeflow.routing import (
     importance_loss,
     load_balance_loss,
@@ -117,32 +116,35 @@ class Router(nn.Module):
             group_score=cfg.group_score,
             selection_bias_E=self.expert_bias if use_bias else None,
         )
+        losses: dict[str, torch.Tensor] = {}
+        routing = RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=losses)
         if use_bias and self.training:
             with torch.no_grad():
-                self.load_counts += count_ids(ids_TK, self.num_experts)
+                self.load_counts += routing.counts_E
 
-        losses: dict[str, torch.Tensor] = {}
         if x_TD.shape[0] == 0:  # an empty batch (possible on one rank of a group): zero losses
             zero = logits_TE.sum()
-            losses = {name: zero for name, coef in self._loss_coefs() if coef > 0}
-            return RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=losses)
+            losses.update({name: zero for name, coef in self._loss_coefs() if coef > 0})
+            return routing
         if cfg.load_balance_coef > 0:
             if cfg.scoring == "sigmoid":
                 probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+            elif cfg.scoring == "softmax":
+                probs_TE = scores_TE  # already softmax(logits)
             else:
                 probs_TE = torch.softmax(logits_TE, dim=-1)
-            losses["load_balance"] = cfg.load_balance_coef * load_balance_loss(probs_TE, ids_TK)
+            losses["load_balance"] = cfg.load_balance_coef * load_balance_loss(probs_TE, ids_TK, routing.counts_E)
         if cfg.importance_coef > 0:
             losses["importance"] = cfg.importance_coef * importance_loss(weights_TK, ids_TK, self.num_experts)
         if cfg.load_coef > 0:
             if noisy:
                 load_E = smooth_load_E(clean_TE, logits_TE, cfg.noise_std, top_k)
             else:
-                load_E = count_ids(ids_TK, self.num_experts).to(logits_TE.dtype)
+                load_E = routing.counts_E.to(logits_TE.dtype)
             losses["load"] = cfg.load_coef * load_loss(load_E)
         if cfg.z_loss_coef > 0:
             losses["z_loss"] = cfg.z_loss_coef * router_z_loss(logits_TE)
-        return RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=losses)
+        return routing
 
     def _loss_coefs(self) -> list[tuple[str, float]]:
         c = self.config

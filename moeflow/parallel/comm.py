@@ -11,7 +11,10 @@ import time
 import torch
 import torch.distributed as dist
 
+ProcessGroup = dist.ProcessGroup  # for annotations outside this package
+
 __all__ = [
+    "ProcessGroup",
     "all_to_all_rows",
     "all_gather_rows",
     "group_rank",

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moeflow.config import DispatchConfig
 from moeflow.dispatch.capacity import resolve_capacity
-from moeflow.dispatch.local import renormalize_kept, sum_token_rows
+from moeflow.dispatch.local import combine_weights, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
 from moeflow.parallel.comm import all_gather_rows
@@ -161,9 +161,7 @@ class AllToAllDispatcher:
             valid_M = torch.zeros(M, dtype=torch.bool, device=device)
             valid_M[M_of_recv] = True
 
-        weights_TK = routing.weights_TK.to(x_TD.dtype)
-        if kept_A is not None and self.config.renormalize_after_drop:
-            weights_TK = renormalize_kept(weights_TK, kept_A.view(T, K))
+        weights_TK = combine_weights(routing.weights_TK, kept_A, x_TD.dtype, self.config.renormalize_after_drop)
 
         send_JD = gather_rows(
             x_TD,

@@ -22,14 +22,15 @@ def cv_squared(x_E: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
     return x_E.var(unbiased=False) / (x_E.mean() ** 2 + eps)
 
 
-def load_balance_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+def load_balance_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, counts_E: torch.Tensor | None = None) -> torch.Tensor:
     """GShard/Switch balance loss ``E * sum_e f_e * P_e``.
 
     ``f_e`` is the fraction of the T*K assignments (before capacity drops) that chose expert e,
-    ``P_e`` the mean router probability of e. Equals 1 under perfect balance.
+    ``P_e`` the mean router probability of e. Equals 1 under perfect balance. ``counts_E``
+    (assignments per expert) is counted from ``ids_TK`` unless given.
     """
     T, E = probs_TE.shape
-    counts_E = count_ids(ids_TK, E).to(probs_TE.dtype)
+    counts_E = (count_ids(ids_TK, E) if counts_E is None else counts_E).to(probs_TE.dtype)
     frac_E = counts_E / ids_TK.numel()
     return E * (frac_E * probs_TE.mean(dim=0)).sum()
 
