@@ -13,7 +13,7 @@ The output has the input's layout with ``D`` features.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from moeflow.config import ExpertsConfig
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
-__all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "mark_expert_parameters", "graph_zero"]
+__all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero"]
 
 
 @runtime_checkable
@@ -163,20 +163,45 @@ class GroupedExperts(nn.Module):
 
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         x_RD, w_in, w_out, b_in, b_out = self._weights(x_RD)
-        dims = (self.dim, self.w_in.shape[-1], self.hidden)
-        backend = resolve_grouped_mm_backend(self.config.backend, x_RD.device, x_RD.dtype, dims)
-        mm = GROUPED_MM_BACKENDS[backend]
-        offs_E = torch.cumsum(counts_E, 0)
-        h_RF = mm(x_RD, w_in, offs_E)
-        if b_in is not None:
-            # expert of each row, without a host sync
-            expert_R = torch.searchsorted(offs_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
-            h_RF = h_RF + b_in[expert_R]
-        a_RH = activate(h_RF, self.config.activation)
-        y_RD = mm(a_RH, w_out, offs_E)
-        if b_out is not None:
-            y_RD = y_RD + b_out[expert_R]
-        return y_RD
+        return grouped_ffn(
+            x_RD, counts_E, w_in, w_out, b_in, b_out, activation=self.config.activation, backend=self.config.backend
+        )
+
+
+def grouped_ffn(
+    x_RD: torch.Tensor,
+    counts_E: torch.Tensor,
+    w_in_EDF: torch.Tensor,
+    w_out_EHD: torch.Tensor,
+    b_in_EF: torch.Tensor | None = None,
+    b_out_ED: torch.Tensor | None = None,
+    *,
+    activation: str | Callable[[torch.Tensor], torch.Tensor],
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``y_RD = act(x_RD W_in[e] + b_in[e]) W_out[e] + b_out[e]`` on rows grouped by expert.
+
+    ``counts_E[e]`` rows belong to expert ``e`` (``R == counts_E.sum()``). The weights may be
+    any strided views (e.g. the transpose of a ``[E, F, D]`` parameter), so callers holding
+    other layouts (Hugging Face ``gate_up_proj``) use their tensors without a copy.
+    ``activation`` is a name for ``activate`` or a callable ``[R, F] -> [R, H]`` (a custom gate).
+    ``backend`` picks the grouped matmul (``moeflow.kernels.grouped_mm``; ``"auto"`` probes).
+    """
+    dims = (w_in_EDF.shape[-2], w_in_EDF.shape[-1], w_out_EHD.shape[-2])
+    mm = GROUPED_MM_BACKENDS[resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype, dims)]
+    offs_E = torch.cumsum(counts_E, 0)
+    h_RF = mm(x_RD, w_in_EDF, offs_E)
+    expert_R = None
+    if b_in_EF is not None or b_out_ED is not None:
+        # expert of each row, without a host sync
+        expert_R = torch.searchsorted(offs_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
+    if b_in_EF is not None:
+        h_RF = h_RF + b_in_EF[expert_R]
+    a_RH = activate(h_RF, activation) if isinstance(activation, str) else activation(h_RF)
+    y_RD = mm(a_RH, w_out_EHD, offs_E)
+    if b_out_ED is not None:
+        y_RD = y_RD + b_out_ED[expert_R]
+    return y_RD
 
 
 class ModuleExperts(nn.Module):
