@@ -5,6 +5,7 @@ The only package of moeflow that touches ``torch.distributed``.
 
 from moeflow.parallel.api import (
     all_reduce_gradients,
+    clip_grad_norm_,
     ddp_ignore_expert_parameters,
     dense_parameters,
     expert_parallel,
@@ -14,13 +15,14 @@ from moeflow.parallel.api import (
 )
 from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
-from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups
+from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups, shutdown_distributed
 
 __all__ = [
     "expert_parallel",
     "AllToAllDispatcher",
     "AllToAllPlan",
     "init_distributed",
+    "shutdown_distributed",
     "make_groups",
     "ParallelGroups",
     "expert_parameters",
@@ -29,6 +31,7 @@ __all__ = [
     "fsdp_ignored_parameters",
     "sync_load_counts",
     "all_reduce_gradients",
+    "clip_grad_norm_",
     "FlatExchange",
     "HierarchicalExchange",
     "Hierarchy",

@@ -19,6 +19,7 @@ __all__ = [
     "fsdp_ignored_parameters",
     "sync_load_counts",
     "all_reduce_gradients",
+    "clip_grad_norm_",
 ]
 
 
@@ -152,3 +153,32 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip the gradients of ``model`` to a global 2-norm of ``max_norm``; returns the norm
+    before clipping.
+
+    Under expert parallelism the expert gradients are sharded over ``group`` while the dense
+    ones are replicated (already reduced), so the global norm is
+    ``sqrt(|dense|^2 + sum over ranks of |local experts|^2)``: the same number, and the same
+    clipping, as one process holding everything. Without torch.distributed (or ``group`` of
+    one rank) it is ``torch.nn.utils.clip_grad_norm_``.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}")
+    grads_dense = [p.grad for p in dense_parameters(model) if p.grad is not None]
+    grads_expert = [p.grad for p in expert_parameters(model) if p.grad is not None]
+    ref = next(model.parameters())
+    sq_expert = torch.zeros((), dtype=torch.float64, device=ref.device)
+    for g in grads_expert:
+        sq_expert += g.double().square().sum()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sq_expert, group=group)
+    sq = sq_expert + sum((g.double().square().sum() for g in grads_dense), torch.zeros_like(sq_expert))
+    norm = sq.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads_dense + grads_expert:
+        g.mul_(scale.to(g.dtype))
+    return norm

@@ -24,6 +24,7 @@ __all__ = [
     "process_position",
     "sync",
     "gather_objects",
+    "all_reduce_sum",
 ]
 
 
@@ -75,6 +76,14 @@ def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[
     out: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place and return it; ``x`` unchanged without torch.distributed
+    (so single-process code needs no branch)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(x, group=group)
+    return x
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from moeflow.parallel.exchange import Hierarchy
 
-__all__ = ["init_distributed", "ParallelGroups", "make_groups"]
+__all__ = ["init_distributed", "shutdown_distributed", "ParallelGroups", "make_groups"]
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> None:
@@ -33,6 +33,16 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     dist.init_process_group(backend=backend, **kwargs)
+
+
+def shutdown_distributed() -> None:
+    """Barrier, then destroy the default process group (a rank that leaves early would make
+    the others' last collective fail); nothing if torch.distributed is not initialised."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(module: str, args: list[str], *, nproc: int, threads: int) -> subprocess.CompletedProcess:
+def run_torchrun(
+    module: str, args: list[str], *, nproc: int, threads: int, stream: bool = False
+) -> subprocess.CompletedProcess:
     """Run ``python -m module *args`` on ``nproc`` local ranks (torchrun, rendezvous on
     127.0.0.1) with ``threads`` OpenMP threads each; returns the finished process (output
-    captured). Raises ``RuntimeError`` with the tail of its output if it fails."""
+    captured, or passed through to this process's stdout/stderr with ``stream=True``).
+    Raises ``RuntimeError`` (with the tail of the captured output) if it fails."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *args,
     ]
-    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(cmd, env=env, capture_output=not stream, text=True)
+    if done.returncode != 0 and stream:
+        raise RuntimeError(f"torchrun {module} failed (exit {done.returncode}); its output is above")
     if done.returncode != 0:
         raise RuntimeError(f"torchrun {module} failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
     return done

@@ -1,0 +1,313 @@
+"""A decoder-only MoE language model you can read on one screen (legend below).
+
+Llama/Mixtral-style blocks: RMSNorm, rotary position embeddings, grouped-query attention,
+gated FFNs. Every ``moe_every``-th block (fairseq's ``moe_freq``: block ``i`` is MoE when
+``(i + 1) % moe_every == 0``) replaces its FFN with a ``moeflow.MoE`` layer; ``moe_every=1``
+makes every block MoE (Mixtral), 0 makes a dense model. Parameter names follow Hugging Face's
+Llama/Mixtral naming where there is one (``q_proj``, ``o_proj``), which keeps
+``moeflow.checkpoint.hf`` a table of renames.
+
+Legend: ``B`` batch, ``S`` sequence length, ``D`` model dim, ``V`` vocabulary, ``N`` heads,
+``G`` key/value heads, ``Hd`` head dim, ``T = B*S`` tokens seen by the MoE layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig, _int
+from moeflow.experts import DenseFFN
+from moeflow.layer import MoE
+
+__all__ = ["GPTConfig", "MoEGPT", "RMSNorm", "GPT_PRESETS", "gpt_config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Shape of a ``MoEGPT``; validated on construction (the MoE part through ``MoEConfig``).
+
+    ``dense_hidden`` is the FFN width of the dense blocks (default ``expert_hidden``), and
+    ``expert_hidden`` the width of each routed expert. ``tie_embeddings`` shares the input
+    embedding with the output projection (GPT-2/3); Mixtral unties them.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    max_seq_len: int = 256
+    moe_every: int = 1
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 256
+    dense_hidden: int | None = None
+    capacity_factor: float = 0.0
+    router: RouterConfig = field(default_factory=RouterConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    num_shared_experts: int = 0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "expert_hidden"):
+            _int(name, getattr(self, name), minimum=1)
+        _int("moe_every", self.moe_every, minimum=0)
+        if self.n_kv_heads is not None:
+            _int("n_kv_heads", self.n_kv_heads, minimum=1)
+            if self.n_heads % self.n_kv_heads:
+                raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of even size")
+        if self.dense_hidden is not None:
+            _int("dense_hidden", self.dense_hidden, minimum=1)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not (self.norm_eps > 0 and self.rope_theta > 0 and self.init_std > 0):
+            raise ValueError(
+                f"norm_eps, rope_theta and init_std must be > 0, got {self.norm_eps}, {self.rope_theta}, {self.init_std}"
+            )
+        if self.moe_every:
+            self.moe_config()  # validates the MoE fields (k <= E, router groups, ...)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe_every > 0 and (i + 1) % self.moe_every == 0
+
+    def moe_config(self) -> MoEConfig:
+        return MoEConfig(
+            dim=self.dim, hidden=self.expert_hidden, num_experts=self.num_experts, top_k=self.top_k,
+            capacity_factor=self.capacity_factor, router=self.router, dispatch=self.dispatch,
+            experts=dataclasses.replace(self.experts, init_std=self.init_std),
+            num_shared_experts=self.num_shared_experts,
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-able form (nested configs as dicts, dtypes as names); ``from_dict`` inverts it."""
+        out = dataclasses.asdict(self)
+        if self.router.dtype is not None:
+            out["router"]["dtype"] = str(self.router.dtype).removeprefix("torch.")
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        if not isinstance(d, dict):
+            raise TypeError(f"GPTConfig.from_dict needs a dict, got {type(d).__name__}")
+        d = dict(d)
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields: {sorted(unknown)}")
+        router = dict(d.get("router", {}))
+        if isinstance(router.get("dtype"), str):
+            router["dtype"] = getattr(torch, router["dtype"])
+        d["router"] = RouterConfig(**router)
+        d["dispatch"] = DispatchConfig(**d.get("dispatch", {}))
+        d["experts"] = ExpertsConfig(**d.get("experts", {}))
+        return cls(**d)
+
+
+# name -> shape. Sizes follow GPT-3's table (Brown et al. 2020) with 8 experts on every other
+# block (GShard/Switch placement); "tiny" trains on a 2-core CPU in minutes; "mixtral-8x7b" is
+# Mixtral's published shape.
+GPT_PRESETS: dict[str, dict] = {
+    "tiny": dict(dim=128, n_layers=4, n_heads=4, max_seq_len=128, moe_every=1, num_experts=8, top_k=2,
+                 expert_hidden=256, tie_embeddings=True),
+    "small": dict(dim=768, n_layers=12, n_heads=12, max_seq_len=2048, moe_every=2, num_experts=8,
+                  expert_hidden=2048, tie_embeddings=True),
+    "medium": dict(dim=1024, n_layers=24, n_heads=16, max_seq_len=2048, moe_every=2, num_experts=8,
+                   expert_hidden=2816, tie_embeddings=True),
+    "large": dict(dim=1536, n_layers=24, n_heads=16, max_seq_len=2048, moe_every=2, num_experts=8,
+                  expert_hidden=4096, tie_embeddings=True),
+    "xl": dict(dim=2048, n_layers=24, n_heads=16, max_seq_len=2048, moe_every=2, num_experts=8,
+               expert_hidden=5632, tie_embeddings=True),
+    "gpt3-13b": dict(dim=5120, n_layers=40, n_heads=40, max_seq_len=2048, moe_every=2, num_experts=16,
+                     expert_hidden=13824, tie_embeddings=True),
+    "gpt3-175b": dict(dim=12288, n_layers=96, n_heads=96, max_seq_len=2048, moe_every=2, num_experts=16,
+                      expert_hidden=32768, tie_embeddings=True),
+    "mixtral-8x7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, max_seq_len=32768,
+                         moe_every=1, num_experts=8, top_k=2, expert_hidden=14336, norm_eps=1e-5,
+                         rope_theta=1e6, router=RouterConfig(scoring="topk_softmax", load_balance_coef=0.02)),
+}
+
+
+def gpt_config(preset: str, **overrides: object) -> GPTConfig:
+    """``GPTConfig`` of a named preset with ``overrides`` applied (e.g. ``vocab_size=256``)."""
+    if preset not in GPT_PRESETS:
+        raise ValueError(f"preset must be one of {sorted(GPT_PRESETS)}, got {preset!r}")
+    fields = {"vocab_size": 50304, **GPT_PRESETS[preset], **overrides}
+    return GPTConfig(**fields)  # type: ignore[arg-type]
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in fp32 (as Llama/Mixtral do) and cast back."""
+
+    def __init__(self, dim: int, eps: float, **kw: object) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, **kw))  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype):
+    """``cos, sin [S, Hd]`` of rotary embeddings, computed in fp32 (fp64 stays fp64), halves
+    duplicated (the "rotate half" convention of GPT-NeoX/Llama)."""
+    cdt = torch.promote_types(dtype, torch.float32)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).to(cdt) / head_dim))
+    angles_SH = torch.outer(torch.arange(seq_len, device=device, dtype=torch.int64).to(cdt), inv_freq)
+    emb = torch.cat([angles_SH, angles_SH], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_BNSH.chunk(2, dim=-1)
+    return x_BNSH * cos_SH + torch.cat([-x2, x1], dim=-1) * sin_SH
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, config: GPTConfig, **kw: object) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv = config.n_heads, config.kv_heads
+        self.head_dim = config.dim // config.n_heads
+        self.theta, self.dropout = config.rope_theta, config.dropout
+        self.q_proj = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False, **kw)
+        self.k_proj = nn.Linear(config.dim, self.n_kv * self.head_dim, bias=False, **kw)
+        self.v_proj = nn.Linear(config.dim, self.n_kv * self.head_dim, bias=False, **kw)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False, **kw)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(S, self.head_dim, self.theta, x_BSD.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv != self.n_heads,
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``; the FFN
+    is a ``moeflow.MoE`` on MoE blocks and a ``DenseFFN`` otherwise."""
+
+    def __init__(self, config: GPTConfig, moe: bool, **kw: object) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps, **kw)
+        self.attn = Attention(config, **kw)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, **kw)
+        self.ffn: nn.Module
+        if moe:
+            self.ffn = MoE(config=config.moe_config(), **kw)  # type: ignore[arg-type]
+        else:
+            self.ffn = DenseFFN(dim=config.dim, hidden=config.dense_hidden or config.expert_hidden,
+                                activation=config.experts.activation, bias=config.experts.bias,
+                                init_std=config.init_std, **kw)  # type: ignore[arg-type]
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD)))
+        return x_BSD + self.drop(self.ffn(self.ffn_norm(x_BSD)))
+
+
+class MoEGPT(nn.Module):
+    """Decoder-only MoE language model: ``logits [B, S, V] = model(idx [B, S])``.
+
+    ``model.loss(idx, targets)`` is the mean next-token cross-entropy (fp32); add
+    ``moeflow.aux_loss(model)`` for the balance losses of the same call.
+    """
+
+    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        kw = {"device": device, "dtype": dtype}
+        self.embed = nn.Embedding(config.vocab_size, config.dim, **kw)
+        self.layers = nn.ModuleList(Block(config, config.is_moe_layer(i), **kw) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps, **kw)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, **kw)
+        self.drop = nn.Dropout(config.dropout)
+        self._init_dense(config.init_std)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def _init_dense(self, std: float) -> None:
+        # GPT-2's scheme: N(0, std) everywhere, output projections scaled by 1/sqrt(2 * layers)
+        # so the residual stream's variance does not grow with depth. Experts init themselves.
+        nn.init.normal_(self.embed.weight, std=std)
+        nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.layers:
+            attn = block.attn
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+                nn.init.normal_(lin.weight, std=std)
+            nn.init.normal_(attn.o_proj.weight, std=std / math.sqrt(2 * self.config.n_layers))
+
+    def forward(self, idx_BS: torch.Tensor) -> torch.Tensor:
+        if not isinstance(idx_BS, torch.Tensor) or idx_BS.dtype not in (torch.int64, torch.int32) or idx_BS.dim() != 2:
+            raise TypeError(f"idx must be an int64/int32 tensor [batch, seq], got {getattr(idx_BS, 'dtype', type(idx_BS))} "
+                            f"{tuple(getattr(idx_BS, 'shape', ()))}")
+        if idx_BS.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {idx_BS.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
+        x_BSD = self.drop(self.embed(idx_BS))
+        for block in self.layers:
+            x_BSD = block(x_BSD)
+        return self.lm_head(self.norm(x_BSD))
+
+    def loss(self, idx_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``targets`` given ``idx`` (computed in fp32)."""
+        logits_BSV = self(idx_BS)
+        return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+    @torch.no_grad()
+    def generate(self, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to each row of ``idx [B, S]`` (the context is
+        cropped to the last ``max_seq_len`` tokens); ``temperature=0`` is greedy."""
+        _int("max_new_tokens", max_new_tokens, minimum=0)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None:
+            _int("top_k", top_k, minimum=1)
+        for _ in range(max_new_tokens):
+            logits_BV = self(idx_BS[:, -self.config.max_seq_len:])[:, -1, :].float()
+            if temperature == 0:
+                nxt = logits_BV.argmax(-1, keepdim=True)
+            else:
+                logits_BV = logits_BV / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1])).values[:, -1:]
+                    logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits_BV, -1), 1, generator=generator)
+            idx_BS = torch.cat([idx_BS, nxt], dim=1)
+        return idx_BS
+
+    def num_parameters(self) -> tuple[int, int]:
+        """``(total, active per token)``: active counts k of the E experts of each MoE block."""
+        total = sum(p.numel() for p in self.parameters())
+        expert = sum(p.numel() for p in self.parameters() if getattr(p, "moeflow_expert", False))
+        c = self.config
+        active = total - expert + (expert * c.top_k // c.num_experts if c.moe_every else 0)
+        return total, active

@@ -1,0 +1,326 @@
+"""Train the MoE GPT on the Shakespeare corpus, on one process or on expert-parallel ranks.
+
+One code path for both: with ``group`` of W ranks (torchrun), the experts are spread over the
+ranks, each rank takes ``1/W`` of every global batch, and the step is the one a single process
+would take on the whole batch:
+
+- each rank back-propagates ``(loss_r + aux_r) / (W * accum)``; the all-to-all backward already
+  sums the expert gradients over the ranks' tokens, and the dense gradients are summed over the
+  group (``all_reduce_gradients(..., average=False)``), so both equal the gradient of the
+  global mean loss;
+- gradient clipping uses the global norm (``moeflow.parallel.clip_grad_norm_``);
+- batches are drawn by step number, so the global batch does not depend on W.
+
+Balance losses are per rank (on its own tokens), as in Switch/GShard; with W > 1 and a nonzero
+``load_balance_coef`` the training trajectory therefore differs slightly from one process (the
+task loss of the first step is identical).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import moeflow
+from moeflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from moeflow.config import RouterConfig, _int
+from moeflow.models import GPT_PRESETS, MoEGPT, gpt_config
+from moeflow.parallel import (
+    all_reduce_gradients,
+    clip_grad_norm_,
+    dense_parameters,
+    expert_parallel,
+    sync_load_counts,
+)
+from moeflow.parallel.comm import ProcessGroup, all_reduce_sum, gather_objects, process_position
+from moeflow.train.data import DEFAULT_VAL_WORKS, BPETokenizer, ByteTokenizer, Tokenizer, TokenStream, load_corpus
+
+__all__ = ["LMTrainConfig", "train_lm", "MODEL_FAMILY", "build_from_checkpoint"]
+
+MODEL_FAMILY = "moeflow.MoEGPT"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMTrainConfig:
+    """Everything a language-model training run needs; validated on construction.
+
+    ``batch_size`` is the global number of sequences per optimizer step (split over
+    ``grad_accum`` micro-batches and over the ranks). ``lr`` warms up linearly for
+    ``warmup_steps`` and then follows a cosine down to ``min_lr`` at ``steps``. ``amp``:
+    ``"auto"`` uses bf16 autocast on a CUDA device that supports it and full fp32 on CPU
+    (CPUs without native bf16 run it 50-90x slower).
+    """
+
+    out_dir: Path
+    preset: str = "tiny"
+    num_experts: int | None = None
+    top_k: int | None = None
+    capacity_factor: float | None = None
+    moe_every: int | None = None
+    load_balance_coef: float | None = None
+    seq_len: int = 128
+    tokenizer: str = "byte"
+    bpe_vocab: int = 1024
+    val_works: tuple[str, ...] = DEFAULT_VAL_WORKS
+    steps: int = 300
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    seed: int = 0
+    amp: str = "auto"
+    device: str = "cpu"
+    resume: bool = False
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+        object.__setattr__(self, "val_works", tuple(self.val_works))
+        if self.preset not in GPT_PRESETS:
+            raise ValueError(f"preset must be one of {sorted(GPT_PRESETS)}, got {self.preset!r}")
+        if self.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+        if self.amp not in ("auto", "bf16", "fp16", "off"):
+            raise ValueError(f"amp must be one of auto, bf16, fp16, off, got {self.amp!r}")
+        for name in ("seq_len", "steps", "batch_size", "grad_accum", "eval_batches", "keep_checkpoints", "bpe_vocab"):
+            _int(name, getattr(self, name), minimum=1)
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            _int(name, getattr(self, name), minimum=0)
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ValueError(f"need weight_decay >= 0 and grad_clip > 0, got {self.weight_decay}, {self.grad_clip}")
+        self.model_config(vocab_size=256)  # validates the model overrides
+
+    def model_config(self, *, vocab_size: int):  # type: ignore[no-untyped-def]
+        overrides = {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor", "moe_every")
+                     if getattr(self, k) is not None}
+        if self.load_balance_coef is not None:
+            router = GPT_PRESETS[self.preset].get("router", RouterConfig())
+            overrides["router"] = dataclasses.replace(router, load_balance_coef=self.load_balance_coef)
+        return gpt_config(self.preset, vocab_size=vocab_size, max_seq_len=self.seq_len, **overrides)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        d["val_works"] = list(self.val_works)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LMTrainConfig":
+        return cls(**d)
+
+
+def lr_at(step: int, cfg: LMTrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``cfg.steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _autocast(cfg: LMTrainConfig, device: torch.device):  # type: ignore[no-untyped-def]
+    amp = cfg.amp
+    if amp == "auto":
+        amp = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "off"
+    if amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+def _optimizer(model: MoEGPT, cfg: LMTrainConfig) -> torch.optim.Optimizer:
+    # no weight decay on norms and biases (1-D), decay on matrices and 3-D expert weights
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _build_tokenizer(cfg: LMTrainConfig, train_text: str, group: ProcessGroup | None) -> Tokenizer:
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    rank, _ = process_position(group)
+    # trained once, on rank 0, and shared, so every rank encodes with the very same merges
+    desc = BPETokenizer.train(train_text, cfg.bpe_vocab).to_dict() if rank == 0 else None
+    from moeflow.train.data import tokenizer_from_dict
+
+    return tokenizer_from_dict(gather_objects(desc, group)[0])  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def evaluate(model: MoEGPT, stream: TokenStream, cfg: LMTrainConfig, group: ProcessGroup | None,
+             device: torch.device) -> float:
+    """Mean validation cross-entropy over ``eval_batches`` fixed global batches."""
+    rank, world = process_position(group)
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with _autocast(cfg, device):
+        for i in range(cfg.eval_batches):
+            x, y = stream.batch(i, cfg.batch_size, rank=rank, world=world)
+            total += model.loss(x.to(device), y.to(device)).double()
+    model.train()
+    return float(all_reduce_sum(total, group)) / (cfg.eval_batches * world)
+
+
+def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
+    """Run the training; every rank of ``group`` calls it. Returns (on every rank) the history:
+    ``{"step": [...], "train_loss": [...], "val": [[step, loss], ...], "load": [[step, [[frac per
+    expert] per MoE layer]], ...], "tokens_per_s": float, "checkpoint": path, ...}``; rank 0
+    also writes it to ``out_dir/history.json`` and, with ``plot``, ``out_dir/training.png``."""
+    rank, world = process_position(group)
+    device = torch.device(cfg.device)
+    if cfg.batch_size % (cfg.grad_accum * world):
+        raise ValueError(
+            f"batch_size={cfg.batch_size} must be divisible by grad_accum x ranks = {cfg.grad_accum} x {world}"
+        )
+    corpus = load_corpus(cfg.val_works)
+    tok = _build_tokenizer(cfg, corpus.train_text, group)
+    train = TokenStream.from_text(corpus.train_text, tok, cfg.seq_len, cfg.seed)
+    val = TokenStream.from_text(corpus.val_text, tok, cfg.seq_len, cfg.seed + 1)
+
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank
+    model_cfg = cfg.model_config(vocab_size=tok.vocab_size)
+    model = MoEGPT(model_cfg, device=device)
+    if world > 1:
+        expert_parallel(model, group)
+    opt = _optimizer(model, cfg)
+    ckpt_root = cfg.out_dir / "checkpoints"
+    extra = {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "tokenizer": tok.to_dict(), "train": cfg.to_dict()}
+
+    start = 0
+    history: dict = {"step": [], "train_loss": [], "val": [], "load": [], "lr": []}
+    if cfg.resume and latest_checkpoint(ckpt_root) is not None:
+        info = load_checkpoint(ckpt_root, model, opt, group=group)
+        if info["extra"].get("model") != model_cfg.to_dict():
+            raise ValueError(f"{info['path']}: checkpoint model config differs from this run's; use another out_dir")
+        start = info["step"]
+        history = info["extra"].get("history", history)
+
+    layers = moeflow.moe_layers(model)
+    E = model_cfg.num_experts
+    micro = cfg.batch_size // cfg.grad_accum
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    bias_update = model_cfg.router.bias_update_rate > 0
+
+    if start == 0:
+        history["val"].append([0, evaluate(model, val, cfg, group, device)])
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
+    counts_LE = torch.zeros(len(layers), E, dtype=torch.float64, device=device)
+    since_log, t_start, t_log = 0, time.perf_counter(), time.perf_counter()
+    log_every = max(1, min(10, cfg.steps // 50 or 1))
+    for step in range(start, cfg.steps):
+        for group_ in opt.param_groups:
+            group_["lr"] = lr_at(step, cfg)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for m in range(cfg.grad_accum):
+            x, y = train.batch(step * cfg.grad_accum + m, micro, rank=rank, world=world)
+            with _autocast(cfg, device):
+                loss = model.loss(x.to(device), y.to(device))
+                objective = (loss + moeflow.aux_loss(model)) / (world * cfg.grad_accum)
+            objective.backward()
+            loss_sum += loss.detach().double()
+            for i, layer in enumerate(layers):
+                counts_LE[i] += layer.last_counts_E.to(counts_LE.dtype)
+        if world > 1:
+            all_reduce_gradients(dense_parameters(model), group, average=False)
+        clip_grad_norm_(model, cfg.grad_clip, group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if bias_update:
+            if world > 1:
+                sync_load_counts(model, group)
+            moeflow.update_expert_bias(model)
+        since_log += 1
+
+        step_loss = float(all_reduce_sum(loss_sum, group)) / (world * cfg.grad_accum)
+        history["step"].append(step + 1)
+        history["train_loss"].append(step_loss)
+        history["lr"].append(lr_at(step, cfg))
+        if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
+            all_reduce_sum(counts_LE, group)
+            frac_LE = counts_LE / counts_LE.sum(-1, keepdim=True).clamp(min=1)
+            history["load"].append([step + 1, frac_LE.tolist()])
+            balance = float((frac_LE.max(-1).values * E).mean())  # max/mean load, 1.0 = balanced
+            now = time.perf_counter()
+            tok_s = tokens_per_step * since_log / (now - t_log)
+            counts_LE.zero_()
+            since_log, t_log = 0, now
+            if bar is not None:
+                bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tok_s:,.0f}", max_load=f"{balance:.2f}x", refresh=False)
+        if bar is not None:
+            bar.update(1)
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 != cfg.steps:
+            history["val"].append([step + 1, evaluate(model, val, cfg, group, device)])
+            if bar is not None:
+                bar.write(f"step {step + 1}: val loss {history['val'][-1][1]:.4f}")
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 != cfg.steps:
+            save_checkpoint(ckpt_root, step + 1, model, opt, extra={**extra, "history": history}, group=group,
+                            keep=cfg.keep_checkpoints)
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_start
+    if not history["val"] or history["val"][-1][0] != cfg.steps:
+        history["val"].append([cfg.steps, evaluate(model, val, cfg, group, device)])
+    history["tokens_per_s"] = tokens_per_step * (cfg.steps - start) / max(elapsed, 1e-9)
+    history["world_size"] = world
+    path = save_checkpoint(ckpt_root, cfg.steps, model, opt, extra={**extra, "history": history}, group=group,
+                           keep=cfg.keep_checkpoints)
+    history["checkpoint"] = str(path)
+    if rank == 0:
+        (cfg.out_dir / "history.json").write_text(json.dumps(history))
+        if cfg.plot:
+            from moeflow.train.plots import plot_training
+
+            plot_training(history, cfg.out_dir / "training.png")
+    return history
+
+
+def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoEGPT, Tokenizer, dict]:
+    """Rebuild the model and tokenizer a ``moeflow train`` checkpoint was written with and load
+    its weights (one process, whatever world size wrote it). Returns ``(model, tokenizer, info)``."""
+    from moeflow.checkpoint import CheckpointError, read_index
+    from moeflow.models import GPTConfig
+    from moeflow.train.data import tokenizer_from_dict
+
+    path = Path(path)
+    if not (path / "index.json").exists():
+        found = latest_checkpoint(path) or latest_checkpoint(path / "checkpoints")
+        if found is None:
+            raise CheckpointError(f"{path}: no complete checkpoint here (nor under {path / 'checkpoints'})")
+        path = found
+    extra = read_index(path).get("extra", {})
+    if extra.get("family") != MODEL_FAMILY:
+        raise CheckpointError(
+            f"{path}: not a {MODEL_FAMILY} checkpoint (family {extra.get('family')!r}); "
+            "it was not written by `moeflow train`"
+        )
+    try:
+        model_cfg = GPTConfig.from_dict(extra["model"])
+        tok = tokenizer_from_dict(extra["tokenizer"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}/index.json: corrupt model or tokenizer description: {err}") from err
+    model = MoEGPT(model_cfg, device=device)
+    info = load_checkpoint(path, model, restore_rng=False)
+    model.eval()
+    return model, tok, info
