@@ -385,29 +385,34 @@ def test_importance_load_loss_when_not_gshard():
 
 def _case_group(rank: int, world: int) -> None:
     solo = [dist.new_group([r]) for r in range(world)][rank]  # a one-rank group: no parallelism
-    E, T = 4, 6
-    kw = dict(gate_type={"type": "top", "k": 2, "capacity_factor": 0.0}, model_dim=D, seeds=(1, 2, 3))
-    ref = tutel_moe.moe_layer(experts={"type": "ffn", "count_per_node": E, "hidden_size_per_expert": H}, group=solo, **kw)
-    ep = tutel_moe.moe_layer(experts={"type": "ffn", "count_per_node": E // world, "hidden_size_per_expert": H}, **kw)
-    ref, ep = ref.to(F64), ep.to(F64)
-    assert ep.num_global_experts == E and ep.num_local_experts == E // world
-    gen = torch.Generator().manual_seed(7)
-    xs = torch.randn(world, T, D, generator=gen, dtype=F64)
-    x_all = xs.reshape(-1, D).requires_grad_(True)
-    y_all = ref(x_all)
-    y_all.sum().backward()
-    x = xs[rank].clone().requires_grad_(True)
-    y = ep(x)
+    E = 4
+    for tokens, cf in (((6, 6), 0.0), ((5, 7), 4.0), ((0, 7), 0.0)):  # 4.0: C >= T, nothing dropped
+        kw = dict(gate_type={"type": "top", "k": 2, "capacity_factor": cf}, model_dim=D, seeds=(1, 2, 3))
+        ffn = {"type": "ffn", "hidden_size_per_expert": H}
+        ref = tutel_moe.moe_layer(experts={**ffn, "count_per_node": E}, group=solo, **kw).to(F64)
+        ep = tutel_moe.moe_layer(experts={**ffn, "count_per_node": E // world}, **kw).to(F64)
+        assert ep.num_global_experts == E and ep.num_local_experts == E // world
+        gen = torch.Generator().manual_seed(7)
+        xs = [torch.randn(t, D, generator=gen, dtype=F64) for t in tokens]
+        x_all = torch.cat(xs).requires_grad_(True)
+        y_all = ref(x_all)
+        y_all.sum().backward()
+        x = xs[rank].clone().requires_grad_(True)
+        y = ep(x)
+        y.sum().backward()
+        sl = slice(sum(tokens[:rank]), sum(tokens[: rank + 1]))
+        tol = dict(rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(y, y_all[sl].detach(), **tol)
+        torch.testing.assert_close(x.grad, x_all.grad[sl], **tol)
+        e = E // world
+        for name, p in ep.experts.named_parameters():
+            want = dict(ref.experts.named_parameters())[name].grad[rank * e : (rank + 1) * e]
+            torch.testing.assert_close(p.grad, want, **tol)
+        if tokens[rank]:  # l_aux is per rank (Tutel): the GShard loss of this rank's tokens
+            torch.testing.assert_close(y.l_aux, ref(x.detach()).l_aux)
+    # drops with unequal token counts: every rank agrees on C (no hang)
+    y = ep(torch.randn(3 + 4 * rank, D, dtype=F64), capacity_factor=0.5)
     y.sum().backward()
-    sl = slice(rank * T, (rank + 1) * T)
-    torch.testing.assert_close(y, y_all[sl].detach(), rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(x.grad, x_all.grad[sl], rtol=1e-10, atol=1e-10)
-    e = E // world
-    for name, p in ep.experts.named_parameters():
-        want = dict(ref.experts.named_parameters())[name].grad[rank * e : (rank + 1) * e]
-        torch.testing.assert_close(p.grad, want, rtol=1e-10, atol=1e-10)
-    # l_aux is per rank (Tutel): the GShard loss of this rank's tokens
-    torch.testing.assert_close(y.l_aux, ref(x.detach()).l_aux)
 
 
 CASES = {"group": _case_group}  # looked up by the spawned ranks

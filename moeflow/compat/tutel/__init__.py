@@ -60,9 +60,11 @@ Differences from Tutel (bugs fixed or choices made; each deliberate):
        expert-parallel semantics: the result equals the single-process layer on the group's
        concatenated batch (one pool of about ``W * C`` slots per expert, global first-choice
        priority); Tutel gives every source rank its own ``C`` slots. Identical when nothing
-       is dropped (always with cf = 0). ``l_aux`` is per rank, as in Tutel.
-       ``inequivalent_tokens`` is accepted and needs nothing: ranks may hold different token
-       counts (moeflow never pads or hangs on them).
+       is dropped (always with cf = 0). ``T`` in the capacity rule is the group's largest
+       token count (Tutel's ``inequivalent_tokens=True`` rule, equal to its default when every
+       rank holds as many tokens), so every rank agrees on ``C`` and ranks may hold different
+       token counts (never a hang); ``inequivalent_tokens`` is therefore accepted and needs
+       nothing. ``l_aux`` is per rank, as in Tutel.
     6. ``fp32_gate=False`` computes the gate in the input dtype promoted to at least fp32
        (moeflow's router rule), not in fp16/bf16. Dispatch/combine run in the experts' dtype
        (Tutel: the gate's dtype).

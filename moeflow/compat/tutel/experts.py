@@ -123,14 +123,19 @@ class TutelFFNExperts(nn.Module):
             return y_eCO
         if expert_in.dim() != 2:
             raise ValueError(f"expert_in must be [e, C, D] or [R, D], got shape {tuple(expert_in.shape)}")
+        x_RD, w1, b1, w2, b2 = expert_in, self.batched_fc1_w, self.batched_fc1_bias, self.batched_fc2_w, self.batched_fc2_bias
+        if torch.is_autocast_enabled(x_RD.device.type):
+            # the grouped GEMM is not autocast-aware (unlike bmm): cast by hand
+            dt = torch.get_autocast_dtype(x_RD.device.type)
+            x_RD, w1, b1, w2, b2 = (None if t is None else t.to(dt) for t in (x_RD, w1, b1, w2, b2))
         offs_E = torch.cumsum(counts_E, 0)
-        expert_R = torch.searchsorted(offs_E, torch.arange(expert_in.shape[0], device=expert_in.device), right=True)
-        h_RH = grouped_mm(expert_in, self.batched_fc1_w.transpose(1, 2).contiguous(), offs_E)
-        if self.batched_fc1_bias is not None:
-            h_RH = h_RH + self.batched_fc1_bias[expert_R]
-        y_RO = grouped_mm(self.activation_fn(h_RH), self.batched_fc2_w, offs_E)
-        if self.batched_fc2_bias is not None:
-            y_RO = y_RO + self.batched_fc2_bias[expert_R]
+        expert_R = torch.searchsorted(offs_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
+        h_RH = grouped_mm(x_RD, w1.transpose(1, 2).contiguous(), offs_E)
+        if b1 is not None:
+            h_RH = h_RH + b1[expert_R]
+        y_RO = grouped_mm(self.activation_fn(h_RH), w2, offs_E)
+        if b2 is not None:
+            y_RO = y_RO + b2[expert_R]
         return y_RO
 
 

@@ -28,7 +28,7 @@ from moeflow.dispatch.capacity import capacity_rows
 from moeflow.experts.ffn import graph_zero
 from moeflow.layer.moe import MoE
 from moeflow.layer.router import Router
-from moeflow.parallel.comm import process_position
+from moeflow.parallel.comm import all_gather_rows, process_position
 from moeflow.routing import select_experts
 from moeflow.types import RoutingResult
 
@@ -327,8 +327,10 @@ class MOELayer(MoE):
 
         ``capacity_factor`` and ``top_k`` override the gate's values for this call (0 is a
         value: dropless). ``reserve_dims``: how many trailing dims form one token
-        (their product must be ``model_dim``). ``inequivalent_tokens`` needs no action here
-        (moeflow's all-to-all handles different token counts per rank without padding).
+        (their product must be ``model_dim``). ``inequivalent_tokens`` needs no action here:
+        with ``group=`` the capacity always uses the group's largest token count (Tutel's
+        ``inequivalent_tokens=True`` rule) and moeflow's all-to-all handles different token
+        counts per rank without padding.
         """
         if a2a_ffn_overlap_degree not in (None, 1):
             raise ValueError(f"a2a_ffn_overlap_degree={a2a_ffn_overlap_degree!r} is not supported yet; only 1 (or None) is")
@@ -382,7 +384,13 @@ class MOELayer(MoE):
             routing = RoutingResult(
                 weights_TK=raw_TK if late_weights else gates_TK, ids_TK=ids_TK, logits_TE=noisy_TE, scores_TE=scores_TE
             )
-            mf_cf = moeflow_capacity_factor(cf, num_tokens=T, top_k=k, num_experts=E)
+            T_cap = T
+            if self.world_size > 1:
+                # every rank must pass the same capacity factor to the collective dispatcher:
+                # translate Tutel's C from the group's largest token count (one tiny all-gather)
+                sizes = all_gather_rows(torch.tensor([[T]], dtype=torch.long, device=x_TD.device), self.group)
+                T_cap = max(int(s.sum()) for s in sizes)
+            mf_cf = moeflow_capacity_factor(cf, num_tokens=T_cap, top_k=k, num_experts=E)
             expert_in, plan = self.dispatcher.dispatch(x_TD, routing, capacity_factor=mf_cf)
             if late_weights and gates_TK is not raw_TK:
                 plan = dataclasses.replace(plan, weights_TK=gates_TK.to(plan.weights_TK.dtype))
