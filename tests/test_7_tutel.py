@@ -124,7 +124,8 @@ LAYER_CASES = [  # k, cf, bpr, is_postscore, normalize_gate
     (2, 1.0, False, True, True),
     (2, 0.5, False, True, False),
     (2, 0.5, True, True, True),
-    (3, 0.7, True, False, False),  # (with normalize_gate: difference 7 of the module docstring)
+    (3, 0.7, True, False, True),
+    (2, 0.5, True, False, False),
     (2, 0.5, False, False, True),
     (2, -0.5, False, True, True),
     (2, 0.0, False, True, True),

@@ -68,10 +68,8 @@ Differences from Tutel (bugs fixed or choices made; each deliberate):
     6. ``fp32_gate=False`` computes the gate in the input dtype promoted to at least fp32
        (moeflow's router rule), not in fp16/bf16. Dispatch/combine run in the experts' dtype
        (Tutel: the gate's dtype).
-    7. ``batch_prioritized_routing`` with ``is_postscore=False``, ``normalize_gate`` and k > 1
-       orders tokens by their largest *normalised* gate (Tutel: largest raw score); in every
-       other case the order is Tutel's. Ties are broken by token index (Tutel's argsort is
-       not stable).
+    7. ``batch_prioritized_routing`` ties (equal best scores) are broken by token index
+       (Tutel's argsort is not stable).
     8. Custom experts (``{'type': 'custom', 'module': cls, ...}``): ``cls`` is called with the
        other entries plus whichever of ``model_dim``, ``local_experts``/``num_experts_per_device``
        and ``sharded_count`` (=1) its signature takes (an ``nn.Module`` instance is used as

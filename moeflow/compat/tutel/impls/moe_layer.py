@@ -377,13 +377,19 @@ class MOELayer(MoE):
             O = getattr(self.experts, "output_dim", self.model_dim)
             y_TO = x_TD.new_zeros(0, O) + graph_zero(self, x_TD)
         else:
-            # the dispatcher orders batch-prioritized routing by the largest weight it is given:
-            # hand it Tutel's raw scores and put the normalised gates into the plan afterwards
-            # (weights applied at dispatch must be the final ones, see the module docstring)
-            late_weights = self.dispatcher.config.weight_at == "combine" if hasattr(self.dispatcher, "config") else False
-            routing = RoutingResult(
-                weights_TK=raw_TK if late_weights else gates_TK, ids_TK=ids_TK, logits_TE=noisy_TE, scores_TE=scores_TE
-            )
+            # the dispatcher orders batch-prioritized routing by the largest weight it is given,
+            # and Tutel orders by the largest *raw* score: so the dispatcher gets the raw scores.
+            # Gates applied at combine: the normalised gates replace them in the plan afterwards.
+            # Gates applied at dispatch: the token is divided by its normaliser first
+            # ((x / s) * raw == x * (raw / s), the normaliser being shared by the token's k rows).
+            late_weights = self.is_postscore
+            x_in_TD = x_TD
+            weights_TK = gates_TK
+            if self.batch_prioritized_routing and gates_TK is not raw_TK:
+                weights_TK = raw_TK
+                if not late_weights:
+                    x_in_TD = x_TD / raw_TK.sum(dim=1, keepdim=True).clamp(min=torch.finfo(raw_TK.dtype).eps).to(x_TD.dtype)
+            routing = RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=noisy_TE, scores_TE=scores_TE)
             T_cap = T
             if self.world_size > 1:
                 # every rank must pass the same capacity factor to the collective dispatcher:
@@ -391,8 +397,8 @@ class MOELayer(MoE):
                 sizes = all_gather_rows(torch.tensor([[T]], dtype=torch.long, device=x_TD.device), self.group)
                 T_cap = max(int(s.sum()) for s in sizes)
             mf_cf = moeflow_capacity_factor(cf, num_tokens=T_cap, top_k=k, num_experts=E)
-            expert_in, plan = self.dispatcher.dispatch(x_TD, routing, capacity_factor=mf_cf)
-            if late_weights and gates_TK is not raw_TK:
+            expert_in, plan = self.dispatcher.dispatch(x_in_TD, routing, capacity_factor=mf_cf)
+            if late_weights and weights_TK is not gates_TK:
                 plan = dataclasses.replace(plan, weights_TK=gates_TK.to(plan.weights_TK.dtype))
             expert_out = self.experts(expert_in, plan.counts_E)
             y_TO = self.dispatcher.combine(expert_out, plan)
