@@ -277,9 +277,10 @@ class MoEGPT(nn.Module):
         return self.lm_head(self.norm(x_BSD))
 
     def loss(self, idx_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of ``targets`` given ``idx`` (computed in fp32)."""
+        """Mean next-token cross-entropy of ``targets`` given ``idx`` (computed in at least fp32)."""
         logits_BSV = self(idx_BS)
-        return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+        logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
 
     @torch.no_grad()
     def generate(self, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,

@@ -55,7 +55,8 @@ class LMTrainConfig:
     ``grad_accum`` micro-batches and over the ranks). ``lr`` warms up linearly for
     ``warmup_steps`` and then follows a cosine down to ``min_lr`` at ``steps``. ``amp``:
     ``"auto"`` uses bf16 autocast on a CUDA device that supports it and full fp32 on CPU
-    (CPUs without native bf16 run it 50-90x slower).
+    (CPUs without native bf16 run it 50-90x slower). ``dtype`` is the parameter dtype
+    (``float64`` for exact comparisons, e.g. one process against expert-parallel ranks).
     """
 
     out_dir: Path
@@ -83,6 +84,7 @@ class LMTrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     amp: str = "auto"
+    dtype: str = "float32"
     device: str = "cpu"
     resume: bool = False
     progress: bool = True
@@ -95,6 +97,8 @@ class LMTrainConfig:
             raise ValueError(f"preset must be one of {sorted(GPT_PRESETS)}, got {self.preset!r}")
         if self.tokenizer not in ("byte", "bpe"):
             raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+        if self.dtype not in ("float32", "float64", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
         if self.amp not in ("auto", "bf16", "fp16", "off"):
             raise ValueError(f"amp must be one of auto, bf16, fp16, off, got {self.amp!r}")
         for name in ("seq_len", "steps", "batch_size", "grad_accum", "eval_batches", "keep_checkpoints", "bpe_vocab"):
@@ -197,12 +201,13 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model_cfg = cfg.model_config(vocab_size=tok.vocab_size)
-    model = MoEGPT(model_cfg, device=device)
+    model = MoEGPT(model_cfg, device=device, dtype=getattr(torch, cfg.dtype))
     if world > 1:
         expert_parallel(model, group)
     opt = _optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"
-    extra = {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "tokenizer": tok.to_dict(), "train": cfg.to_dict()}
+    extra = {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "dtype": cfg.dtype, "tokenizer": tok.to_dict(),
+             "train": cfg.to_dict()}
 
     start = 0
     history: dict = {"step": [], "train_loss": [], "val": [], "load": [], "lr": []}
@@ -318,9 +323,12 @@ def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoE
     try:
         model_cfg = GPTConfig.from_dict(extra["model"])
         tok = tokenizer_from_dict(extra["tokenizer"])
-    except (KeyError, TypeError, ValueError) as err:
+        dtype = getattr(torch, extra.get("dtype", "float32"))
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype {extra.get('dtype')!r} is not a torch dtype")
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{path}/index.json: corrupt model or tokenizer description: {err}") from err
-    model = MoEGPT(model_cfg, device=device)
+    model = MoEGPT(model_cfg, device=device, dtype=dtype)
     info = load_checkpoint(path, model, restore_rng=False)
     model.eval()
     return model, tok, info

@@ -97,7 +97,7 @@ def train_vision(cfg: VisionTrainConfig, *, log=print) -> dict:  # type: ignore[
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-            total += float(loss) * len(idx)
+            total += loss.item() * len(idx)
         losses.append(total / len(y_tr))
         log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {losses[-1]:.4f}")
     return {"test_accuracy_before": before, "test_accuracy": accuracy(model, x_te, y_te), "train_loss": losses,

@@ -1,0 +1,58 @@
+"""Tier 3: `moeflow train` on 2 and 4 gloo ranks (expert parallel) against one process on the
+same global batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed_utils import spawn_ranks
+from moeflow.train import LMTrainConfig, train_lm
+
+
+def _cfg(out: str, **kw) -> LMTrainConfig:
+    base = dict(out_dir=Path(out), steps=3, batch_size=8, seq_len=32, warmup_steps=1, eval_every=0,
+                eval_batches=1, progress=False, plot=False, val_works=("sonnets",))
+    return LMTrainConfig(**{**base, **kw})
+
+
+def _case_train(rank: int, world: int, out: str, aux: float, steps: int = 3, dtype: str = "float64") -> None:
+    torch.manual_seed(1234 + rank)  # train_lm must not depend on the ranks' RNG state before it
+    train_lm(_cfg(out, load_balance_coef=aux, steps=steps, dtype=dtype))
+
+
+CASES = {"train": _case_train}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_training_equals_one_process(tmp_path, world: int) -> None:
+    torch.set_num_threads(2)
+    single = train_lm(_cfg(str(tmp_path / "one"), load_balance_coef=0.0, dtype="float64"))
+    spawn_ranks(world, __name__, "train", str(tmp_path / "ep"), 0.0)  # fp64: exact up to summation order
+    ep = json.loads((tmp_path / "ep" / "history.json").read_text())
+    assert ep["world_size"] == world
+    # without balance losses (which are per rank) the whole trajectory is the same step
+    torch.testing.assert_close(torch.tensor(ep["train_loss"]), torch.tensor(single["train_loss"]), rtol=1e-10, atol=0)
+    torch.testing.assert_close(torch.tensor([v for _, v in ep["val"]]), torch.tensor([v for _, v in single["val"]]),
+                               rtol=1e-10, atol=0)
+    # the final checkpoints hold the same parameters
+    from moeflow.train import build_from_checkpoint
+
+    m1, _, _ = build_from_checkpoint(tmp_path / "one")
+    mw, _, info = build_from_checkpoint(tmp_path / "ep")
+    assert info["world_size"] == world
+    for (n, p), (_, q) in zip(m1.named_parameters(), mw.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-8, atol=1e-10, msg=n)
+
+
+def test_first_step_loss_equals_one_process_with_balance_loss(tmp_path) -> None:
+    torch.set_num_threads(2)
+    # fp32, the dtype people train in
+    single = train_lm(_cfg(str(tmp_path / "one"), steps=1, load_balance_coef=0.01))
+    spawn_ranks(2, __name__, "train", str(tmp_path / "ep"), 0.01, 1, "float32")
+    ep = json.loads((tmp_path / "ep" / "history.json").read_text())
+    torch.testing.assert_close(ep["train_loss"][0], single["train_loss"][0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(ep["val"][0][1], single["val"][0][1], rtol=1e-5, atol=0)
