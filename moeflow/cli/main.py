@@ -185,36 +185,72 @@ def _run_a2a_model(args: argparse.Namespace) -> int:
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="inspect a checkpoint, or rewrite it for another number of ranks",
+        help="inspect or reshard a checkpoint; import/export Mixtral weights from/to Hugging Face",
         description="Inspect (--info) or reshard a moeflow checkpoint. Checkpoints store every expert under "
         "its global index, so any world size can load any checkpoint; resharding only regroups the files "
-        "(e.g. --world-size 1 gathers everything into one file).",
+        "(e.g. --world-size 1 gathers everything into one file). --from-hf HF_DIR DST writes a moeflow "
+        "checkpoint of a Mixtral model directory; SRC --to-hf HF_DIR writes a moeflow MoE GPT checkpoint "
+        "as a Mixtral directory (both exact).",
     )
-    p.add_argument("src", type=Path, help="a checkpoint directory (or a root: its latest complete checkpoint)")
-    p.add_argument("dst", type=Path, nargs="?", help="root directory to write the resharded checkpoint under")
+    p.add_argument("paths", type=Path, nargs="*", metavar="PATH",
+                   help="SRC [DST]: a checkpoint directory (or a root: its latest complete checkpoint) and the "
+                   "destination root; with --from-hf only DST")
     p.add_argument("--world-size", type=int, default=None, help="number of rank files to write")
     p.add_argument("--info", action="store_true", help="print layers, experts, shapes and files, then exit")
+    p.add_argument("--from-hf", type=Path, default=None, metavar="HF_DIR", help="import a Mixtral model directory")
+    p.add_argument("--to-hf", type=Path, default=None, metavar="HF_DIR", help="export to a Mixtral model directory")
     p.set_defaults(func=_run_convert)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
     from moeflow.checkpoint import CheckpointError, describe_checkpoint, latest_checkpoint, reshard_checkpoint
 
-    src = args.src
-    if not (src / "index.json").exists():
-        src = latest_checkpoint(src) or src
+    def fail(msg: str) -> int:
+        print(f"moeflow convert: error: {msg}", file=sys.stderr)
+        return 2
+
+    paths = list(args.paths)
     try:
+        if args.from_hf is not None:
+            if len(paths) != 1 or args.to_hf is not None:
+                return fail("usage: moeflow convert --from-hf HF_DIR DST")
+            return _convert_from_hf(args.from_hf, paths[0])
+        if not paths:
+            return fail("give SRC (and DST --world-size N, --info or --to-hf HF_DIR)")
+        src = paths[0]
+        if not (src / "index.json").exists():
+            src = latest_checkpoint(src) or latest_checkpoint(src / "checkpoints") or src
+        if args.to_hf is not None:
+            from moeflow.models.hf import gpt_to_hf
+            from moeflow.train import build_from_checkpoint
+
+            model, _, _ = build_from_checkpoint(src)
+            print(f"wrote {gpt_to_hf(model, args.to_hf)} (Mixtral, {model.config.n_layers} layers, "
+                  f"{model.config.num_experts} experts)")
+            return 0
         if args.info:
             print(describe_checkpoint(src))
             return 0
-        if args.dst is None or args.world_size is None:
-            print("moeflow convert: error: give DST and --world-size (or --info)", file=sys.stderr)
-            return 2
-        out = reshard_checkpoint(src, args.dst, args.world_size)
-    except (CheckpointError, ValueError) as err:
-        print(f"moeflow convert: error: {err}", file=sys.stderr)
-        return 2
+        if len(paths) != 2 or args.world_size is None:
+            return fail("give DST and --world-size (or --info, --to-hf)")
+        out = reshard_checkpoint(src, paths[1], args.world_size)
+    except (CheckpointError, ValueError, TypeError) as err:
+        return fail(str(err))
     print(f"wrote {out} for {args.world_size} rank(s)")
+    return 0
+
+
+def _convert_from_hf(hf_dir: Path, dst: Path) -> int:
+    from moeflow.checkpoint import save_checkpoint
+    from moeflow.models.hf import gpt_from_hf
+    from moeflow.train.lm import MODEL_FAMILY
+
+    model = gpt_from_hf(hf_dir)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    extra = {"family": MODEL_FAMILY, "model": model.config.to_dict(), "dtype": dtype, "tokenizer": None,
+             "source": str(hf_dir)}
+    out = save_checkpoint(dst, 0, model, extra=extra)
+    print(f"wrote {out} (MoE GPT from Mixtral: {model.config.n_layers} layers, {model.config.num_experts} experts)")
     return 0
 
 
@@ -318,6 +354,9 @@ def _sample(checkpoint: str, prompt: str, tokens: int, temperature: float, top_k
     from moeflow.train import build_from_checkpoint
 
     model, tok, _ = build_from_checkpoint(checkpoint)
+    if tok is None:
+        raise ValueError(f"{checkpoint}: the checkpoint has no tokenizer (converted from Hugging Face); "
+                         "sample with transformers' tokenizer instead")
     ids = tok.encode(prompt) or [0]
     out = model.generate(torch.tensor([ids]), tokens, temperature=temperature, top_k=top_k,
                          generator=torch.Generator().manual_seed(seed))

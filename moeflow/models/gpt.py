@@ -5,7 +5,7 @@ gated FFNs. Every ``moe_every``-th block (fairseq's ``moe_freq``: block ``i`` is
 ``(i + 1) % moe_every == 0``) replaces its FFN with a ``moeflow.MoE`` layer; ``moe_every=1``
 makes every block MoE (Mixtral), 0 makes a dense model. Parameter names follow Hugging Face's
 Llama/Mixtral naming where there is one (``q_proj``, ``o_proj``), which keeps
-``moeflow.checkpoint.hf`` a table of renames.
+``moeflow.models.hf`` (Mixtral import/export) a table of renames.
 
 Legend: ``B`` batch, ``S`` sequence length, ``D`` model dim, ``V`` vocabulary, ``N`` heads,
 ``G`` key/value heads, ``Hd`` head dim, ``T = B*S`` tokens seen by the MoE layers.
@@ -120,11 +120,11 @@ class GPTConfig:
 
 
 # name -> shape. Sizes follow GPT-3's table (Brown et al. 2020) with 8 experts on every other
-# block (GShard/Switch placement); "tiny" trains on a 2-core CPU in minutes; "mixtral-8x7b" is
-# Mixtral's published shape.
+# block (GShard/Switch placement); "tiny" trains on a 2-core CPU in minutes and is Mixtral-shaped
+# (exports to transformers with ``moeflow convert --to-hf``); "mixtral-8x7b" is Mixtral's published shape.
 GPT_PRESETS: dict[str, dict] = {
     "tiny": dict(dim=128, n_layers=4, n_heads=4, max_seq_len=128, moe_every=1, num_experts=8, top_k=2,
-                 expert_hidden=256, tie_embeddings=True),
+                 expert_hidden=256, tie_embeddings=True, router=RouterConfig(scoring="topk_softmax")),
     "small": dict(dim=768, n_layers=12, n_heads=12, max_seq_len=2048, moe_every=2, num_experts=8,
                   expert_hidden=2048, tie_embeddings=True),
     "medium": dict(dim=1024, n_layers=24, n_heads=16, max_seq_len=2048, moe_every=2, num_experts=8,

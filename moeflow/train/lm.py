@@ -301,9 +301,11 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     return history
 
 
-def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoEGPT, Tokenizer, dict]:
-    """Rebuild the model and tokenizer a ``moeflow train`` checkpoint was written with and load
-    its weights (one process, whatever world size wrote it). Returns ``(model, tokenizer, info)``."""
+def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoEGPT, Tokenizer | None, dict]:
+    """Rebuild the model and tokenizer a ``moeflow train`` (or ``moeflow convert --from-hf``)
+    checkpoint was written with and load its weights (one process, whatever world size wrote
+    it). Returns ``(model, tokenizer, info)``; the tokenizer is ``None`` for a converted model,
+    whose tokenizer lives with the Hugging Face files."""
     from moeflow.checkpoint import CheckpointError, read_index
     from moeflow.models import GPTConfig
     from moeflow.train.data import tokenizer_from_dict
@@ -322,7 +324,7 @@ def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoE
         )
     try:
         model_cfg = GPTConfig.from_dict(extra["model"])
-        tok = tokenizer_from_dict(extra["tokenizer"])
+        tok = tokenizer_from_dict(extra["tokenizer"]) if extra.get("tokenizer") is not None else None
         dtype = getattr(torch, extra.get("dtype", "float32"))
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype {extra.get('dtype')!r} is not a torch dtype")
