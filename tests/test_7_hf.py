@@ -178,6 +178,8 @@ def test_experts_forward_empty_and_bad_shapes(gen: torch.Generator) -> None:
         hf.experts_forward(experts, x[None], torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2))
     with pytest.raises(TypeError, match="dtype"):
         hf.experts_forward(experts, x.double(), torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2))
+    with pytest.raises(TypeError, match="integer expert ids"):
+        hf.experts_forward(experts, x, torch.zeros(5, 2), torch.rand(5, 2))
     with pytest.raises(TypeError, match="use_experts_implementation"):
         hf.experts_forward(torch.nn.Linear(32, 32), x, torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2))
 
@@ -205,3 +207,26 @@ def test_patch_rejects_bad_inputs(gen: torch.Generator) -> None:
         hf.patch("mixtral")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pass family="):
         hf.patch(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_patched_block_jitter_and_tuple_output_match_eager(gen: torch.Generator) -> None:
+    """Mixtral's training-time input jitter draws the same random numbers; GPT-OSS's block
+    returns ``(y, router weights)`` like HF."""
+    ref_model = build("mixtral", gen, router_jitter_noise=0.1).train()
+    model = copy.deepcopy(ref_model)
+    hf.patch(model)
+    ids = torch.randint(3, VOCAB, (2, 12), generator=gen)
+    probe = torch.randn(2, 12, VOCAB, generator=gen)
+    torch.manual_seed(123)
+    ref, ref_grads = run(ref_model, ids, probe)
+    torch.manual_seed(123)
+    out, grads = run(model, ids, probe)
+    assert_same(out, grads, ref, ref_grads, tol=1e-5)
+
+    oss = build("gpt_oss", gen)
+    block = oss.model.layers[0].mlp
+    x = torch.randn(2, 5, 32, generator=gen)
+    y_ref, w_ref = block(x)
+    hf.patch(oss)
+    y, w = oss.model.layers[0].mlp(x)
+    assert rel_err(y, y_ref) <= 1e-5 and torch.equal(w, w_ref)

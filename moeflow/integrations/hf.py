@@ -113,6 +113,8 @@ def experts_forward(
             f"ids_TK {tuple(ids_TK.shape)} and weights_TK {tuple(weights_TK.shape)} must both be "
             f"[T, K] with T = {hidden_TD.shape[0]}"
         )
+    if ids_TK.is_floating_point() or ids_TK.is_complex():
+        raise TypeError(f"ids_TK must hold integer expert ids, got dtype {ids_TK.dtype}")
     w_in, w_out, b_in, b_out = _expert_weights(experts)
     if torch.is_autocast_enabled(hidden_TD.device.type):
         # F.grouped_mm is not autocast-aware: run the whole FFN in the autocast dtype
@@ -292,6 +294,8 @@ def patch(model: nn.Module, *, family: str | None = None) -> list[str]:
         if isinstance(module, _MoeflowBlock):
             names.append(name)
         elif type(module).__name__ == spec.block_class:
+            if name == "":
+                raise ValueError(f"model is itself a {spec.block_class}; patch a module that contains it")
             _check_block(name, module, spec)
             targets.append((name, module))
     if not targets and not names:
@@ -299,12 +303,11 @@ def patch(model: nn.Module, *, family: str | None = None) -> list[str]:
             f"model ({type(model).__name__}) contains no {spec.block_class} block (family={family!r}); nothing to patch"
         )
     for name, block in targets:
-        new = _patched_class(type(block)).__new__(_patched_class(type(block)))
+        cls = _patched_class(type(block))
+        new = cls.__new__(cls)  # no __init__: it adopts the existing children below
         # same children, parameters, buffers and hooks; fresh registries so the old block is untouched
         new.__dict__.update({k: (v.copy() if isinstance(v, dict) else v) for k, v in block.__dict__.items()})
         new._moeflow_spec = spec
-        if name == "":
-            raise ValueError(f"model is itself a {spec.block_class}; patch the model that contains it")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
         names.append(name)
