@@ -1,4 +1,5 @@
-# Two entry points (see README): `make demo` runs the main job, `make test` the test suite.
+# Two entry points (see README): `make demo` runs the main job (train the tiny MoE GPT on
+# Shakespeare on 2 expert-parallel ranks), `make test` the test suite.
 # Both create or reuse the local virtual environment .venv and install what they need; the
 # CPU build of torch is pinned through constraints.txt so pip never pulls a CUDA build.
 
@@ -6,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.moeflow-installed
 
-.PHONY: demo test bench-targets clean
+.PHONY: demo test bench bench-targets clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -15,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/moeflow train --nproc 2 --steps 800 --eval-every 200 --out runs/demo
+
+bench: $(STAMP)
 	$(VENV)/bin/moeflow bench
 
 test: $(STAMP)
