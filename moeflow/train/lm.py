@@ -278,7 +278,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 != cfg.steps:
             history["val"].append([step + 1, evaluate(model, val, cfg, group, device)])
             if bar is not None:
-                bar.write(f"step {step + 1}: val loss {history['val'][-1][1]:.4f}")
+                v = history["val"][-1][1]
+                bar.write(f"step {step + 1}: validation loss {v:.4f}, perplexity {math.exp(v):.2f}")
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 != cfg.steps:
             save_checkpoint(ckpt_root, step + 1, model, opt, extra={**extra, "history": history}, group=group,
                             keep=cfg.keep_checkpoints)
