@@ -7,7 +7,16 @@ the building blocks (router, dispatcher, experts) for people who assemble their 
 from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig
 from moeflow.dispatch import Dispatcher, LocalDispatcher
 from moeflow.experts import Experts, GroupedExperts, ModuleExperts
-from moeflow.layer import MoE, Router, aux_loss, moe_layers, update_expert_bias
+from moeflow.layer import (
+    MoE,
+    Router,
+    RoutingTape,
+    aux_loss,
+    moe_layers,
+    record_routing,
+    replay_routing,
+    update_expert_bias,
+)
 from moeflow.types import DispatchPlan, RoutingResult
 
 __version__ = "0.1.0"
@@ -29,4 +38,7 @@ __all__ = [
     "aux_loss",
     "update_expert_bias",
     "moe_layers",
+    "RoutingTape",
+    "record_routing",
+    "replay_routing",
 ]

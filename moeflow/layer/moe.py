@@ -90,6 +90,8 @@ class MoE(nn.Module):
             self.shared = None
         self.aux_losses: dict[str, torch.Tensor] | None = None
         self.last_counts_E: torch.Tensor | None = None
+        # (mode, layer name, RoutingTape) while moeflow.record_routing / replay_routing is active
+        self._routing_tape: tuple | None = None
 
     def extra_repr(self) -> str:
         c = self.config
@@ -133,7 +135,11 @@ class MoE(nn.Module):
             self.last_counts_E = torch.zeros(cfg.num_experts, dtype=torch.long, device=x.device)
             return torch.zeros_like(x) + zero
 
-        routing = self.router(x_TD, top_k=k)
+        tape = self._routing_tape
+        forced = tape[2].next(tape[1]) if tape is not None and tape[0] == "replay" else None
+        routing = self.router(x_TD, top_k=k, forced_ids_TK=forced)
+        if tape is not None and tape[0] == "record":
+            tape[2].record(tape[1], routing.ids_TK)
         expert_in, plan = self.dispatcher.dispatch(x_TD, routing, capacity_factor=cf)
         expert_out = self.experts(expert_in, plan.counts_E)
         y_TD = self.dispatcher.combine(expert_out, plan)
@@ -149,6 +155,7 @@ class MoE(nn.Module):
         state = dict(super().__getstate__())
         state["aux_losses"] = None
         state["last_counts_E"] = None
+        state["_routing_tape"] = None
         return state
 
     def expert_range(self) -> tuple[int, int]:

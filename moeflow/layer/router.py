@@ -94,8 +94,12 @@ class Router(nn.Module):
         scale = torch.clamp(self.log_scale.to(dt), max=math.log(1.0 / self.config.cosine_min_temperature)).exp()
         return (z_TP @ m_EP.t()) * scale
 
-    def forward(self, x_TD: torch.Tensor, *, top_k: int) -> RoutingResult:
+    def forward(self, x_TD: torch.Tensor, *, top_k: int, forced_ids_TK: torch.Tensor | None = None) -> RoutingResult:
+        """Route ``x_TD``; ``forced_ids_TK [T, top_k]`` (router replay) replaces the choice of
+        experts, while weights, losses and load counts follow from the current logits."""
         cfg = self.config
+        if forced_ids_TK is not None:
+            self._check_forced(forced_ids_TK, x_TD.shape[0], top_k)
         if self.training and cfg.jitter_eps > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter_eps, 1.0 + cfg.jitter_eps)
         if self.training and cfg.input_dropout > 0:
@@ -115,6 +119,7 @@ class Router(nn.Module):
             topk_groups=cfg.topk_groups,
             group_score=cfg.group_score,
             selection_bias_E=self.expert_bias if use_bias else None,
+            forced_ids_TK=None if forced_ids_TK is None else forced_ids_TK.to(x_TD.device),
         )
         losses: dict[str, torch.Tensor] = {}
         routing = RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=losses)
@@ -145,6 +150,16 @@ class Router(nn.Module):
         if cfg.z_loss_coef > 0:
             losses["z_loss"] = cfg.z_loss_coef * router_z_loss(logits_TE)
         return routing
+
+    def _check_forced(self, ids_TK: torch.Tensor, T: int, top_k: int) -> None:
+        if not isinstance(ids_TK, torch.Tensor) or ids_TK.dtype != torch.int64:
+            raise TypeError(f"replayed ids must be an int64 tensor, got {getattr(ids_TK, 'dtype', type(ids_TK))}")
+        if tuple(ids_TK.shape) != (T, top_k):
+            raise ValueError(
+                f"replayed ids have shape {tuple(ids_TK.shape)} but this call routes {T} tokens with top_k={top_k}"
+            )
+        if ids_TK.numel() and not (0 <= int(ids_TK.min()) and int(ids_TK.max()) < self.num_experts):
+            raise ValueError(f"replayed ids must be in [0, {self.num_experts}), got {int(ids_TK.min())}..{int(ids_TK.max())}")
 
     def _loss_coefs(self) -> list[tuple[str, float]]:
         c = self.config

@@ -39,6 +39,7 @@ def select_experts(
     topk_groups: int = 1,
     group_score: str = "max",
     selection_bias_E: torch.Tensor | None = None,
+    forced_ids_TK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick ``top_k`` experts per token and their weights.
 
@@ -46,6 +47,9 @@ def select_experts(
         logits_TE: router logits ``[T, E]``.
         selection_bias_E: added to the scores for *choosing* experts only (aux-loss-free
             balancing); the weights come from the unbiased scores.
+        forced_ids_TK: router replay: take these experts instead of choosing; the weights are
+            computed from the scores at these ids exactly as for a choice, so the router still
+            gets gradients (the caller validates shape and range).
 
     Returns:
         ``(weights_TK, ids_TK, scores_TE)`` where ``scores_TE`` are the probabilities
@@ -60,12 +64,15 @@ def select_experts(
     else:
         raise ValueError(f"unknown scoring {scoring!r}")
 
-    sel_TE = scores_TE.detach()
-    if selection_bias_E is not None:
-        sel_TE = sel_TE + selection_bias_E.to(sel_TE.dtype)
-    if num_groups > 1:
-        sel_TE = limit_groups(sel_TE, num_groups=num_groups, topk_groups=topk_groups, group_score=group_score)
-    ids_TK = sel_TE.topk(top_k, dim=-1).indices
+    if forced_ids_TK is not None:
+        ids_TK = forced_ids_TK
+    else:
+        sel_TE = scores_TE.detach()
+        if selection_bias_E is not None:
+            sel_TE = sel_TE + selection_bias_E.to(sel_TE.dtype)
+        if num_groups > 1:
+            sel_TE = limit_groups(sel_TE, num_groups=num_groups, topk_groups=topk_groups, group_score=group_score)
+        ids_TK = sel_TE.topk(top_k, dim=-1).indices
 
     picked_TK = scores_TE.gather(1, ids_TK)
     if scoring == "topk_softmax":
