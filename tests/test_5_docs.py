@@ -184,8 +184,10 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
     bin_dir = str(Path(sys.executable).parent)
     env = {
         **os.environ,
-        "OMP_NUM_THREADS": "2",
-        "MKL_NUM_THREADS": "2",
+        # one thread: the snippets are tiny, and on a shared 2-core machine two OpenMP threads per
+        # process spin against the other processes' threads (10-100x slower steps, measured)
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
         "TMP": str(work),
         "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
         "HF_HUB_OFFLINE": "1",
