@@ -15,12 +15,20 @@ on the same block (same parameters and input), median of --repeats timed runs af
 runs, the candidates taking turns within each repeat (fair under a fluctuating load). Prints a table (ms and the ratio eager/candidate: > 1 is faster than eager) and writes JSON.
 
     .venv/bin/python bench/hf_bench.py            # writes bench/results/hf_bench.json
+
+Allocator: with glibc's default settings, the large activations of a 2048-token block are
+mmapped and returned to the OS on every call, and the page faults that follow swamp the matmuls
+(fwd+bwd of the DeepSeek-like block measured 3-6 s instead of ~0.35 s, for every candidate).
+``--malloc tuned`` (default) raises glibc's trim threshold to 1 GiB and fixes the mmap threshold
+at 32 MiB (the ceiling glibc's own adaptive threshold reaches) through ``mallopt``, for all
+candidates alike, as tcmalloc/jemalloc would; ``--malloc default`` leaves glibc alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import datetime
 import json
 import platform
@@ -35,6 +43,16 @@ from torch import nn
 from moeflow.integrations import hf
 
 IMPLS = ["eager", "grouped_mm", "batched_mm", "moeflow", "moeflow_patch"]
+
+
+def tune_glibc_malloc() -> bool:
+    """Keep freed heap memory in the process (see the module docstring); False if not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameter numbers
+    return bool(libc.mallopt(m_trim_threshold, 1 << 30)) and bool(libc.mallopt(m_mmap_threshold, 32 << 20))
 
 
 def make_block(kind: str, args: argparse.Namespace) -> tuple[nn.Module, str, int, int]:
@@ -159,11 +177,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batched-mm-max-gb", type=float, default=2.0)
+    parser.add_argument("--malloc", choices=["tuned", "default"], default="tuned", help="see the module docstring")
     parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "hf_bench.json")
     args = parser.parse_args()
     if args.repeats < 1 or args.warmup < 0:
         parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     torch.set_num_threads(args.threads)
+    malloc = "default"
+    if args.malloc == "tuned":
+        if not tune_glibc_malloc():
+            parser.error("--malloc tuned needs glibc (libc.so.6 with mallopt); pass --malloc default")
+        malloc = "glibc mallopt: M_TRIM_THRESHOLD=1GiB, M_MMAP_THRESHOLD=32MiB"
     rows = [bench_one(kind, args) for kind in args.blocks]
     print(table(rows))
     result = {
@@ -172,6 +196,7 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "dtype": "float32",
+        "malloc": malloc,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "statistic": "median",
