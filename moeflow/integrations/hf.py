@@ -100,8 +100,9 @@ def experts_forward(
         experts: a transformers experts module (``@use_experts_implementation``).
         hidden_TD: ``[T, D]`` token rows.
         ids_TK: ``[T, K]`` expert ids from the HF router.
-        weights_TK: ``[T, K]`` combine weights from the HF router (any float dtype; cast to the
-            input dtype as the HF eager path does when it accumulates).
+        weights_TK: ``[T, K]`` combine weights from the HF router (any float dtype), cast to the
+            input dtype before the weighted sum. HF eager multiplies in the promoted dtype and
+            casts after: identical for fp32/fp64 models, within rounding for bf16/fp16.
         backend: grouped-matmul backend (``moeflow.kernels.grouped_mm``); ``"auto"`` probes.
     Returns:
         ``[T, D]`` in ``hidden_TD``'s dtype.
