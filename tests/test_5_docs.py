@@ -95,7 +95,7 @@ def parse_blocks(path: Path) -> list[Block]:
 # The program that runs one page: argv[1] is a JSON file with the page path and its blocks.
 _RUNNER = textwrap.dedent(
     r'''
-    import json, os, socket, subprocess, sys, traceback
+    import json, os, socket, subprocess, sys, time, traceback
 
     spec = json.load(open(sys.argv[1]))
     page, status, source = spec["page"], spec["status"], spec["source"]
@@ -114,6 +114,7 @@ _RUNNER = textwrap.dedent(
         line, kind, code = block["line"], block["kind"], block["code"]
         report(line, kind, False)
         print(f"----- {page}:{line} ({kind})", flush=True)
+        t0 = time.perf_counter()
         padded = "\n" * line + code  # the code's first line is the line after the fence
         if kind == "python":
             try:
@@ -139,6 +140,7 @@ _RUNNER = textwrap.dedent(
                 print(f"exit status {done.returncode}", flush=True)
                 sys.exit(1)
         report(line, kind, True)
+        print(f"----- {page}:{line} done in {time.perf_counter() - t0:.1f} s", flush=True)
     '''
 )
 
