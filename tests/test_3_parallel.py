@@ -49,7 +49,8 @@ def _layer(E: int, k: int, cf: float, policy: str, weight_at: str, seed: int, **
 
 
 def _check_equivalence(
-    rank: int, world: int, layer: moeflow.MoE, tokens: list[int], seed: int, what: str, hierarchy=None
+    rank: int, world: int, layer: moeflow.MoE, tokens: list[int], seed: int, what: str, hierarchy=None,
+    overlap_degree: int | str = 1,
 ) -> None:
     gen = torch.Generator().manual_seed(seed + 2)
     xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
@@ -64,7 +65,7 @@ def _check_equivalence(
 
     ep = expert_parallel(copy.deepcopy(layer), hierarchy=hierarchy)
     x = xs[rank].clone().requires_grad_(True)
-    y = ep(x)
+    y = ep(x, overlap_degree=overlap_degree)
     (y * gs[rank]).sum().backward()
 
     tol = dict(rtol=1e-10, atol=1e-10)
@@ -240,7 +241,35 @@ def _case_groups(rank: int, world: int) -> None:
         make_groups(3)
 
 
+def _case_pipelined(rank: int, world: int) -> None:
+    """overlap_degree > 1 (chunked, asynchronous exchange) and "auto" equal the single process."""
+    configs = [(k, cf, policy, weight_at) for k, cf, policy, weight_at in
+               [(2, 1.0, "position", "combine"), (1, 0.5, "bpr", "dispatch"), (2, 0.0, "position", "combine"),
+                (2, -0.8, "score", "combine")]]
+    for i, (k, cf, policy, weight_at) in enumerate(configs):
+        for degree in (2, 3, 5):
+            tokens = [9 + 4 * r for r in range(world)]
+            tokens[-1] = 0 if i == 1 else tokens[-1]  # an empty rank
+            layer = _layer(8, k, cf, policy, weight_at, seed=300 + i, num_shared_experts=1)
+            _check_equivalence(rank, world, layer, tokens, seed=300 + i, overlap_degree=degree,
+                               what=f"degree={degree} k={k} cf={cf} {policy} {weight_at}")
+    # "auto": tries 1, 2, 4 twice each on the first calls, then keeps one; every call is exact
+    layer = _layer(8, 2, 1.0, "position", "combine", seed=400)
+    ep = expert_parallel(copy.deepcopy(layer))
+    gen = torch.Generator().manual_seed(401)
+    xs = [torch.randn(6, D, generator=gen, dtype=torch.float64) for _ in range(world)]
+    ref = layer(torch.cat(xs))[rank * 6 : (rank + 1) * 6]
+    for _ in range(8):
+        torch.testing.assert_close(ep(xs[rank], overlap_degree="auto"), ref, rtol=1e-10, atol=1e-10)
+    choices = ep.dispatcher.tuner.choices
+    assert list(choices) == [(6 * world, 2, 1.0)] and choices[(6 * world, 2, 1.0)] in (1, 2, 4)
+    agreed = [None] * world
+    dist.all_gather_object(agreed, choices)
+    assert all(c == choices for c in agreed)
+
+
 CASES = {
+    "pipelined": _case_pipelined,
     "equivalence": _case_equivalence,
     "skewed": _case_skewed,
     "bad_config": _case_bad_config,
@@ -255,6 +284,11 @@ CASES = {
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_single_process(world):
     run_ranks(world, "equivalence")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipelined_exchange_matches_single_process(world):
+    run_ranks(world, "pipelined")
 
 
 @pytest.mark.parametrize("world", [2, 4])

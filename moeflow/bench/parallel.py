@@ -11,6 +11,10 @@ Reported: per-rank step time (forward+backward, median over repeats; the group's
 slowest rank's), the share of the step spent inside the exchanges (forward and backward), and
 tokens/s of the whole group next to the baseline: ``scaling = group tokens/s / baseline``
 (ideal: N).
+
+``sweep=True`` (``--sweep``) also times every pipelining degree in ``SWEEP_DEGREES`` on the
+ranks, interleaved repeat by repeat so that machine noise hits them alike, then lets a fresh
+layer with ``overlap_degree="auto"`` tune itself on its first calls and times its choice.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class ParallelBenchConfig(LayerBenchFlags):
     threads: int = 1
     warmup: int = 2
     node_size: int | None = None
+    sweep: bool = False
 
     _positive = ("nproc", *LayerBenchFlags._positive)
 
@@ -91,9 +96,34 @@ def _batch(cfg: ParallelBenchConfig, rank: int, device: torch.device) -> tuple[t
     return x.to(device, cfg.torch_dtype), g.to(device, cfg.torch_dtype)
 
 
-def _step(layer: MoE, x: torch.Tensor, g: torch.Tensor) -> None:
+def _step(layer: MoE, x: torch.Tensor, g: torch.Tensor, overlap_degree: int | str | None = None) -> None:
     layer.zero_grad(set_to_none=True)
-    layer(x.detach().requires_grad_(True)).backward(g)
+    layer(x.detach().requires_grad_(True), overlap_degree=overlap_degree).backward(g)
+
+
+SWEEP_DEGREES = (1, 2, 4, 8)
+
+
+def _sweep(cfg: ParallelBenchConfig, layer: MoE, tuned: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """Forward+backward seconds per degree (interleaved) on ``layer``, and the choice of a fresh
+    expert-parallel copy ``tuned`` that runs ``overlap_degree="auto"``, with its times."""
+    from moeflow.parallel.comm import barrier
+
+    times: dict[str, list[float]] = {str(d): [] for d in SWEEP_DEGREES}
+    calls = 0
+    while not tuned.dispatcher.tuner.choices:  # let "auto" tune itself on its first calls
+        _step(tuned, x, g, overlap_degree="auto")
+        calls += 1
+    times["auto"] = []
+    for rep in range(cfg.warmup + cfg.repeats):
+        for name in times:
+            barrier()
+            t0 = time.perf_counter()
+            _step(tuned if name == "auto" else layer, x, g, overlap_degree=name if name == "auto" else int(name))
+            if rep >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+    (choice,) = tuned.dispatcher.tuner.choices.values()
+    return {"times_s": times, "auto_choice": choice, "tuning_calls": calls}
 
 
 def _baseline(cfg: ParallelBenchConfig) -> list[float]:
@@ -120,8 +150,15 @@ def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
     layer.dispatcher.exchange.timer = timer  # type: ignore[attr-defined]
     x, g = _batch(cfg, rank, device)
     steps, comms = _timed_steps(cfg, layer, x, g, before_step=barrier, timer=timer)
+    layer.dispatcher.exchange.timer = None  # type: ignore[attr-defined]
+    sweep = None
+    if cfg.sweep:
+        tuned = expert_parallel(_layer(cfg, device), groups.expert, hierarchy=groups.hierarchy)
+        sweep = _sweep(cfg, layer, tuned, x, g)
     barrier()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "step_s": steps, "exchange_s": comms}))
+    (out_dir / f"rank{rank}.json").write_text(
+        json.dumps({"rank": rank, "step_s": steps, "exchange_s": comms, "sweep": sweep})
+    )
 
 
 def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
@@ -136,7 +173,18 @@ def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
     group_med = statistics.median(group_steps)
     F = (2 if activation_is_gated(cfg.activation) else 1) * cfg.hidden
     flops = 3.0 * 2.0 * cfg.tokens * cfg.top_k * cfg.dim * (F + cfg.hidden)
+    sweep = None
+    if cfg.sweep:
+        names = list(ranks[0]["sweep"]["times_s"])
+        per = {n: [max(rk["sweep"]["times_s"][n][i] for rk in ranks) for i in range(cfg.repeats)] for n in names}
+        med = {n: statistics.median(v) * 1e3 for n, v in per.items()}
+        best = min((n for n in names if n != "auto"), key=lambda n: med[n])
+        sweep = {"step_ms": med, "best": int(best), "auto_choice": ranks[0]["sweep"]["auto_choice"],
+                 "auto_choices_agree": len({rk["sweep"]["auto_choice"] for rk in ranks}) == 1,
+                 "tuning_calls": ranks[0]["sweep"]["tuning_calls"],
+                 "auto_vs_best": med["auto"] / med[best], "best_vs_degree1": med[best] / med["1"]}
     return {
+        "sweep": sweep,
         "benchmark": "expert_parallel",
         "config": asdict(cfg),
         "machine": {**_machine_info(), "backend": "nccl" if torch.cuda.is_available() else "gloo"},
@@ -193,6 +241,19 @@ def format_parallel_table(report: dict) -> str:
         f"scaling: {grp['scaling']:.2f}x the single rank (ideal {c['nproc']}x), "
         f"efficiency {100 * grp['efficiency']:.0f}%"
     )
+    sw = report.get("sweep")
+    if sw:
+        lines += ["", "pipelining sweep (forward+backward, slowest rank, median; interleaved repeats):",
+                  f"{'overlap_degree':<26}{'step ms':>10}{'vs degree 1':>13}"]
+        for name, ms in sw["step_ms"].items():
+            label = f"auto (chose {sw['auto_choice']})" if name == "auto" else name
+            mark = "  <- fastest" if name == str(sw["best"]) else ""
+            lines.append(f"{label:<26}{ms:>10.1f}{ms / sw['step_ms']['1']:>12.3f}x{mark}")
+        lines.append(
+            f"tuner: chose {sw['auto_choice']} after {sw['tuning_calls']} calls (all ranks agree: "
+            f"{sw['auto_choices_agree']}); its time is {sw['auto_vs_best']:.3f}x the fastest degree's; "
+            f"fastest degree is {sw['best_vs_degree1']:.3f}x degree 1"
+        )
     return "\n".join(lines)
 
 

@@ -25,6 +25,8 @@ __all__ = [
     "sync",
     "gather_objects",
     "all_reduce_sum",
+    "start_all_to_all_rows",
+    "wait_all_to_all_rows",
 ]
 
 
@@ -143,3 +145,77 @@ def all_gather_rows(x_ND: torch.Tensor, group: dist.ProcessGroup | None) -> list
     parts = [torch.empty_like(padded) for _ in range(W)]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return [p[:c] for p, c in zip(parts, counts)]
+
+
+class _Pending:
+    """The in-flight halves of one asynchronous exchange: the forward's work handle and, once
+    backward has started it, the reverse exchange's handle and buffer."""
+
+    __slots__ = ("work", "back_work", "back_out")
+
+    def __init__(self) -> None:
+        self.work = self.back_work = self.back_out = None
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Launch the exchange (``async_op``) and return its not-yet-filled output buffer; only
+    ``_WaitAllToAll`` may read it. Backward: wait for the reverse exchange that
+    ``_WaitAllToAll.backward`` launched and return its result as the input gradient (the
+    incoming gradient is the one that exchange is already sending)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, send_splits, recv_splits, group, pending):  # type: ignore[override]
+        out = x_ND.new_empty((sum(recv_splits), *x_ND.shape[1:]))
+        pending.work = dist.all_to_all_single(out, x_ND.contiguous(), recv_splits, send_splits, group=group, async_op=True)
+        ctx.pending = pending
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        pending = ctx.pending
+        pending.back_work.wait()
+        return pending.back_out, None, None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """Wait for the exchange, then pass its buffer on (as a view). Backward: launch the reverse
+    exchange of the incoming gradient asynchronously (``_StartAllToAll.backward`` collects it)
+    and pass the gradient through unchanged, so the exchange runs while autograd
+    back-propagates other chunks."""
+
+    @staticmethod
+    def forward(ctx, out_MD, send_splits, recv_splits, group, pending):  # type: ignore[override]
+        pending.work.wait()
+        ctx.splits, ctx.group, ctx.pending = (send_splits, recv_splits), group, pending
+        return out_MD.view_as(out_MD)
+
+    @staticmethod
+    def backward(ctx, grad_MD):  # type: ignore[override]
+        send_splits, recv_splits = ctx.splits
+        grad_MD = grad_MD.contiguous()
+        back = grad_MD.new_empty((sum(send_splits), *grad_MD.shape[1:]))
+        ctx.pending.back_out = back
+        ctx.pending.back_work = dist.all_to_all_single(
+            back, grad_MD, send_splits, recv_splits, group=ctx.group, async_op=True
+        )
+        return grad_MD, None, None, None, None
+
+
+def start_all_to_all_rows(
+    x_ND: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, _Pending]:
+    """Asynchronous, differentiable ``all_to_all_rows``: returns ``(buffer, pending)``; pass both
+    to ``wait_all_to_all_rows`` before reading the rows. Every rank must start its exchanges in
+    the same order (they are collectives); in backward the reverse exchanges run asynchronously
+    too, overlapping with the back-propagation of whatever autograd runs in between."""
+    pending = _Pending()
+    out = _StartAllToAll.apply(x_ND, list(send_splits), list(recv_splits), group, pending)
+    return out, pending
+
+
+def wait_all_to_all_rows(
+    out_MD: torch.Tensor, pending: _Pending, send_splits: list[int], recv_splits: list[int],
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """The received rows of an exchange started with ``start_all_to_all_rows`` (same splits)."""
+    return _WaitAllToAll.apply(out_MD, list(send_splits), list(recv_splits), group, pending)

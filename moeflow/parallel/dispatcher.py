@@ -18,6 +18,7 @@ are laid out as ``[e, C, D]`` (capacity mode) or grouped by expert (dropless).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +29,9 @@ from moeflow.dispatch.capacity import resolve_capacity
 from moeflow.dispatch.local import combine_weights, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.comm import all_gather_rows
+from moeflow.parallel.comm import all_gather_rows, start_all_to_all_rows, wait_all_to_all_rows
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
+from moeflow.parallel.tuner import OverlapTuner
 from moeflow.types import RoutingResult
 
 __all__ = ["AllToAllDispatcher", "AllToAllPlan"]
@@ -96,10 +98,23 @@ class AllToAllDispatcher:
         self.expert_offset = self.rank * self.num_local_experts
         self.config = config if config is not None else DispatchConfig()
         self.exchange = FlatExchange(group) if hierarchy is None else HierarchicalExchange(group, hierarchy)
+        self.tuner = OverlapTuner(group)
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float
     ) -> tuple[torch.Tensor, AllToAllPlan]:
+        send_JD, plan, _ = self._prepare(x_TD, routing, capacity_factor)
+        recv_RD = self.exchange(send_JD, plan.counts)
+        expert_in = gather_rows(recv_RD, plan.recv_of_M, plan.valid_M, plan.M_of_recv.view(-1, 1), None)
+        if plan.capacity is not None:
+            expert_in = expert_in.view(self.num_local_experts, plan.capacity, x_TD.shape[1])
+        return expert_in, plan
+
+    def _prepare(
+        self, x_TD: torch.Tensor, routing: RoutingResult, capacity_factor: float
+    ) -> tuple[torch.Tensor, AllToAllPlan, _Global]:
+        """Agree with the group on every kept assignment; return this rank's send rows, the plan,
+        and the global view (for the pipelined path)."""
         T, D = x_TD.shape
         E, W, e, r = self.num_experts, self.world, self.num_local_experts, self.rank
         K = routing.top_k
@@ -140,9 +155,9 @@ class AllToAllDispatcher:
 
         # -- receive side: kept assignments for my experts, in (source, expert, slot) order
         to_me = kept_S & (dst_S == r)
-        src_R, local_R, pos_R = src_S[to_me], expert_S[to_me] - r * e, pos_S[to_me]
+        src_R, local_R, pos_R, order_R = src_S[to_me], expert_S[to_me] - r * e, pos_S[to_me], order_S[to_me]
         by_src = torch.sort(src_R, stable=True).indices
-        src_R, local_R, pos_R = src_R[by_src], local_R[by_src], pos_R[by_src]
+        src_R, local_R, pos_R, order_R = src_R[by_src], local_R[by_src], pos_R[by_src], order_R[by_src]
         R = local_R.numel()
         counts_E = torch.bincount(local_R, minlength=e)
         if cap.layout_capacity is not None:
@@ -172,10 +187,6 @@ class AllToAllDispatcher:
         )
         if self.config.weight_at == "dispatch":
             send_JD = send_JD * weights_TK.reshape(-1)[send_assign_J].unsqueeze(1)
-        recv_RD = self.exchange(send_JD, counts)
-        expert_in = gather_rows(recv_RD, recv_of_M, valid_M, M_of_recv.view(-1, 1), None)
-        if C is not None:
-            expert_in = expert_in.view(e, C, D)
         plan = AllToAllPlan(
             send_assign_J=send_assign_J,
             row_A=row_A,
@@ -190,7 +201,9 @@ class AllToAllDispatcher:
             num_tokens=T,
             weight_at=self.config.weight_at,
         )
-        return expert_in, plan
+        glob = _Global(tokens_W=tokens_W, kept_S=kept_S, src_S=src_S, dst_S=dst_S, order_S=order_S,
+                       expert_S=expert_S, src_R=src_R, local_R=local_R, order_R=order_R)
+        return send_JD, plan, glob
 
     def combine(self, expert_out: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         D = expert_out.shape[-1]
@@ -212,6 +225,108 @@ class AllToAllDispatcher:
             None,
         )
         return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK, plan.weight_at)
+
+
+    # -- pipelining (overlap_degree > 1) ------------------------------------------------------
+
+    def run(
+        self, x_TD: torch.Tensor, routing: RoutingResult, experts: Callable[..., torch.Tensor], *,
+        capacity_factor: float, overlap_degree: int | str,
+    ) -> torch.Tensor:
+        """Dispatch, run ``experts`` and combine, with the exchange split into ``overlap_degree``
+        chunks that overlap with the expert compute (``"auto"``: tuned, see ``OverlapTuner``).
+
+        Chunk ``i`` holds, on every rank, the kept assignments of that rank's tokens
+        ``[i*T_r/n, (i+1)*T_r/n)``: all send exchanges are started asynchronously, then each
+        chunk is received, computed (rows grouped by local expert) and sent home
+        asynchronously while the next chunk's rows arrive. Drops and capacity are decided on
+        the whole batch first, so the result equals degree 1 (to rounding: experts see grouped
+        rows instead of the ``[e, C, D]`` layout). In backward the reverse exchanges are
+        asynchronous too (see ``start_all_to_all_rows``).
+        """
+        if overlap_degree == "auto":
+            return self.tuner.run(self, x_TD, routing, experts, capacity_factor)
+        if overlap_degree == 1:
+            expert_in, plan = self.dispatch(x_TD, routing, capacity_factor=capacity_factor)
+            return self.combine(experts(expert_in, plan.counts_E), plan)
+        if not isinstance(self.exchange, FlatExchange):
+            raise ValueError(f"overlap_degree={overlap_degree} needs the flat exchange; the two-level exchange "
+                             "runs unpipelined (use overlap_degree=1)")
+        return self._run_chunked(x_TD, routing, experts, capacity_factor, int(overlap_degree))
+
+    def _run_chunked(self, x_TD, routing, experts, capacity_factor: float, n: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor)
+        W, r, e, K = self.world, self.rank, self.num_local_experts, routing.top_k
+        device, D = x_TD.device, x_TD.shape[1]
+        T = plan.num_tokens
+        first = _cumsum(g.tokens_W, device) - torch.tensor(g.tokens_W, device=device)
+        tokens = torch.tensor(g.tokens_W, device=device).clamp(min=1)
+
+        def chunk_of(order: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+            local_token = torch.div(order, K, rounding_mode="floor") - first[src]
+            return torch.div(local_token * n, tokens[src], rounding_mode="floor")
+
+        chunk_S = chunk_of(g.order_S, g.src_S)
+        kept = g.kept_S
+        counts_nWW = torch.bincount((chunk_S[kept] * W + g.src_S[kept]) * W + g.dst_S[kept],
+                                    minlength=n * W * W).view(n, W, W).tolist()
+        chunk_J = torch.div(torch.div(plan.send_assign_J, K, rounding_mode="floor") * n, max(T, 1),
+                            rounding_mode="floor")
+        chunk_R = chunk_of(g.order_R, g.src_R)
+
+        # sent rows regrouped by chunk (a permutation of J), then split into the chunks
+        J_by_chunk = torch.sort(chunk_J, stable=True).indices
+        send_cat = _permute_rows(send_JD, J_by_chunk)
+        send_sizes = [sum(counts_nWW[i][r]) for i in range(n)]
+        sends = torch.split(send_cat, send_sizes)
+        started = []
+        for i in range(n):  # every chunk's exchange starts now; they complete in order
+            send = counts_nWW[i][r]
+            recv = [counts_nWW[i][s][r] for s in range(W)]
+            buf, pending = start_all_to_all_rows(sends[i], send, recv, self.group)
+            started.append((buf, pending, send, recv))
+        homes = []
+        for i, (buf, pending, send, recv) in enumerate(started):
+            recv_RD = wait_all_to_all_rows(buf, pending, send, recv, self.group)
+            in_chunk = (chunk_R == i).nonzero().squeeze(1)
+            local = g.local_R[in_chunk]
+            by_expert = torch.sort(local, stable=True).indices
+            expert_in = _permute_rows(recv_RD, by_expert)
+            expert_out = experts(expert_in, torch.bincount(local, minlength=e))
+            back_RD = _permute_rows(expert_out, _inverse(by_expert))
+            bbuf, bpending = start_all_to_all_rows(back_RD, recv, send, self.group)
+            homes.append((bbuf, bpending, recv, send))
+        home_cat = torch.cat([wait_all_to_all_rows(b, p, s_, r_, self.group) for b, p, s_, r_ in homes])
+        home_JD = _permute_rows(home_cat, _inverse(J_by_chunk))
+        rows_AD = gather_rows(home_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
+        return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK, plan.weight_at)
+
+
+@dataclass(frozen=True)
+class _Global:
+    """The group-wide assignment view the pipelined path chunks by (S: kept or not, global, by
+    expert; R: received here, by source)."""
+
+    tokens_W: list[int]
+    kept_S: torch.Tensor
+    src_S: torch.Tensor
+    dst_S: torch.Tensor
+    order_S: torch.Tensor
+    expert_S: torch.Tensor
+    src_R: torch.Tensor
+    local_R: torch.Tensor
+    order_R: torch.Tensor
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def _permute_rows(x_ND: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``x_ND[perm]`` for a permutation, backward by the inverse gather."""
+    return gather_rows(x_ND, perm, None, _inverse(perm).view(-1, 1), None)
 
 
 def _cumsum(sizes: list[int], device: torch.device) -> torch.Tensor:
