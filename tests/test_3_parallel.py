@@ -202,6 +202,23 @@ def _case_ddp(rank: int, world: int) -> None:
             torch.testing.assert_close(p.grad, avg / world, rtol=1e-10, atol=1e-12)
     assert len(expert_parameters(model)) == len(ignored)
 
+    # with reduce_expert_gradients, every gradient is that of the mean loss over the ranks
+    from moeflow.parallel import reduce_expert_gradients
+
+    torch.manual_seed(5)
+    ref = torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), _layer(8, 2, 0.0, "position", "combine", seed=5))
+    xs = [torch.randn(10 + r, D, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(world)]
+    # each rank's loss is a sum over its rows; the group minimises their mean
+    (sum(ref(xr).square().sum() for xr in xs) / world).backward()
+    reduce_expert_gradients(model, make_groups(world))
+    e = 8 // world
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        expected = ref_grads[name].grad
+        if name in ignored:
+            expected = expected[rank * e : (rank + 1) * e]
+        torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12, msg=name)
+
 
 def _case_fsdp2(rank: int, world: int) -> None:
     """FSDP2 with the experts ignored: dense gradients averaged (sharded), experts local."""

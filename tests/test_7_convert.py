@@ -70,6 +70,9 @@ def test_trained_tiny_model_exports_to_transformers(tmp_path, gen) -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     idx = torch.randint(0, 64, (2, 16), generator=gen)
     torch.testing.assert_close(hf(idx).logits, model(idx), rtol=1e-5, atol=1e-5)
+    back = gpt_from_hf(tmp_path / "hf").eval()  # tied embeddings come back tied
+    assert back.lm_head.weight is back.embed.weight
+    torch.testing.assert_close(back(idx), model(idx), rtol=0, atol=0)
 
 
 def test_conversion_errors_name_the_problem(tmp_path, gen) -> None:

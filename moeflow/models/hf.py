@@ -108,8 +108,9 @@ def state_dict_from_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str,
 
     out["embed.weight"] = take("model.embed_tokens.weight")
     out["norm.weight"] = take("model.norm.weight")
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings:  # one tensor under both names, as MoEGPT.state_dict() has it
         sd.pop("lm_head.weight", None)
+        out["lm_head.weight"] = out["embed.weight"]
     else:
         out["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.n_layers):

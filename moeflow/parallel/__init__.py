@@ -6,6 +6,7 @@ The only package of moeflow that touches ``torch.distributed``.
 from moeflow.parallel.api import (
     all_reduce_gradients,
     clip_grad_norm_,
+    reduce_expert_gradients,
     ddp_ignore_expert_parameters,
     dense_parameters,
     expert_parallel,
@@ -32,6 +33,7 @@ __all__ = [
     "sync_load_counts",
     "all_reduce_gradients",
     "clip_grad_norm_",
+    "reduce_expert_gradients",
     "FlatExchange",
     "HierarchicalExchange",
     "Hierarchy",

@@ -10,6 +10,7 @@ from moeflow.experts import GroupedExperts, ModuleExperts
 from moeflow.layer.moe import moe_layers
 from moeflow.parallel.dispatcher import AllToAllDispatcher
 from moeflow.parallel.exchange import Hierarchy
+from moeflow.parallel.groups import ParallelGroups
 
 __all__ = [
     "expert_parallel",
@@ -20,6 +21,7 @@ __all__ = [
     "sync_load_counts",
     "all_reduce_gradients",
     "clip_grad_norm_",
+    "reduce_expert_gradients",
 ]
 
 
@@ -134,6 +136,22 @@ def sync_load_counts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     that router), so ``moeflow.update_expert_bias`` makes the same step on every replica."""
     for layer in moe_layers(model):
         dist.all_reduce(layer.router.load_counts, group=group)
+
+
+def reduce_expert_gradients(model: nn.Module, groups: ParallelGroups) -> None:
+    """Turn the expert gradients into the gradient of the loss averaged over every rank (what
+    DDP/FSDP make of the dense gradients). Call after backward, on every rank.
+
+    The all-to-all backward already *sums* each expert's gradient over the ranks of its expert
+    group (each rank's loss reaches it), so averaging over the data group alone would leave them
+    ``expert_size`` times too large next to DDP's averaged dense gradients: this sums over
+    ``groups.data`` and divides by the world size (``expert_size * data_size``).
+    """
+    params = expert_parameters(model)
+    all_reduce_gradients(params, groups.data, average=False)
+    scale = 1.0 / (groups.expert_size * groups.data_size)
+    for p in params:
+        p.grad.mul_(scale)
 
 
 def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None, *, average: bool = True) -> None:
