@@ -230,3 +230,25 @@ def test_patched_block_jitter_and_tuple_output_match_eager(gen: torch.Generator)
     hf.patch(oss)
     y, w = oss.model.layers[0].mlp(x)
     assert rel_err(y, y_ref) <= 1e-5 and torch.equal(w, w_ref)
+
+
+def test_grouped_mm_on_transposed_weight_views_matches_loop(gen: torch.Generator) -> None:
+    """HF stores ``[E, F, D]``; moeflow reads it as the ``[E, D, F]`` transpose. The native
+    grouped matmul (and its weight gradient, produced in the parameter's layout) must agree
+    with the per-expert loop."""
+    from moeflow.kernels.grouped_mm import grouped_mm_loop, grouped_mm_native, native_grouped_mm_supported
+
+    if not native_grouped_mm_supported(torch.device("cpu"), torch.float32, (16, 24)):
+        pytest.skip("F.grouped_mm is not available for fp32 on this CPU build")
+    counts = torch.tensor([3, 0, 7, 5])
+    offs = torch.cumsum(counts, 0)
+    x = torch.randn(int(counts.sum()), 16, generator=gen, requires_grad=True)
+    w_EFD = torch.randn(4, 24, 16, generator=gen, requires_grad=True)
+    dy = torch.randn(int(counts.sum()), 24, generator=gen)
+    grads = []
+    for fn in (grouped_mm_native, grouped_mm_loop):
+        y = fn(x, w_EFD.transpose(-2, -1), offs)
+        gx, gw = torch.autograd.grad(y, (x, w_EFD), dy)
+        grads.append((y, gx, gw))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
