@@ -12,7 +12,9 @@ forward+backward (training mode) of:
     moeflow_patch the block replaced by moeflow.integrations.hf.patch
 
 on the same block (same parameters and input), median of --repeats timed runs after --warmup
-runs, the candidates taking turns within each repeat (fair under a fluctuating load). Prints a table (ms and the ratio eager/candidate: > 1 is faster than eager) and writes JSON.
+runs, the candidates taking turns within each repeat (fair under a fluctuating load). Prints a
+table (median ms with the minimum in parentheses, and the ratio of medians eager/candidate: > 1
+is faster than eager) and writes JSON.
 
     .venv/bin/python bench/hf_bench.py            # writes bench/results/hf_bench.json
 
@@ -85,8 +87,8 @@ def make_block(kind: str, args: argparse.Namespace) -> tuple[nn.Module, str, int
     return nn.ModuleDict({"mlp": block}), family, k, h
 
 
-def interleaved_median_ms(fns: dict[str, object], warmup: int, repeats: int) -> dict[str, float]:
-    """Median wall time of each callable; the repeats go round-robin over the candidates so a
+def interleaved_times_ms(fns: dict[str, object], warmup: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """``(median, min)`` wall time of each callable; the repeats go round-robin over the candidates so a
     change in the load of a shared machine hits all of them alike."""
     for _ in range(warmup):
         for fn in fns.values():
@@ -97,7 +99,7 @@ def interleaved_median_ms(fns: dict[str, object], warmup: int, repeats: int) -> 
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
 def bench_one(kind: str, args: argparse.Namespace) -> dict:
@@ -135,18 +137,22 @@ def bench_one(kind: str, args: argparse.Namespace) -> dict:
         block.eval()
     ref_y = fwd(blocks["eager"])
     errs = {impl: float((fwd(b) - ref_y).abs().max() / ref_y.abs().max()) for impl, b in blocks.items()}
-    f_ms = interleaved_median_ms({i: (lambda b=b: fwd(b)) for i, b in blocks.items()}, args.warmup, args.repeats)
+    f_ms = interleaved_times_ms({i: (lambda b=b: fwd(b)) for i, b in blocks.items()}, args.warmup, args.repeats)
     for block in blocks.values():
         block.train()
-    fb_ms = interleaved_median_ms({i: (lambda b=b: fwd_bwd(b)) for i, b in blocks.items()}, args.warmup, args.repeats)
+    fb_ms = interleaved_times_ms({i: (lambda b=b: fwd_bwd(b)) for i, b in blocks.items()}, args.warmup, args.repeats)
     for impl in blocks:
-        row["impl"][impl] = {"forward_ms": f_ms[impl], "fwd_bwd_ms": fb_ms[impl], "rel_err_vs_eager": errs[impl]}
+        row["impl"][impl] = {
+            "forward_ms": f_ms[impl][0], "forward_min_ms": f_ms[impl][1],
+            "fwd_bwd_ms": fb_ms[impl][0], "fwd_bwd_min_ms": fb_ms[impl][1],
+            "rel_err_vs_eager": errs[impl],
+        }
     return row
 
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| block | impl | forward ms | vs eager | fwd+bwd ms | vs eager | rel err vs eager |",
+        "| block | impl | forward ms (min) | vs eager | fwd+bwd ms (min) | vs eager | rel err vs eager |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -160,8 +166,9 @@ def table(rows: list[dict]) -> str:
                 lines.append(f"| {name} | {impl} | skipped: {m['skipped']} | | | | |")
                 continue
             lines.append(
-                f"| {name} | {impl} | {m['forward_ms']:.1f} | {eager['forward_ms'] / m['forward_ms']:.2f}x | "
-                f"{m['fwd_bwd_ms']:.1f} | {eager['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x | {m['rel_err_vs_eager']:.1e} |"
+                f"| {name} | {impl} | {m['forward_ms']:.1f} ({m['forward_min_ms']:.1f}) | "
+                f"{eager['forward_ms'] / m['forward_ms']:.2f}x | {m['fwd_bwd_ms']:.1f} ({m['fwd_bwd_min_ms']:.1f}) | "
+                f"{eager['fwd_bwd_ms'] / m['fwd_bwd_ms']:.2f}x | {m['rel_err_vs_eager']:.1e} |"
             )
     return "\n".join(lines)
 
