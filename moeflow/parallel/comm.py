@@ -174,7 +174,9 @@ class _StartAllToAll(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         pending = ctx.pending
         pending.back_work.wait()
-        return pending.back_out, None, None, None, None
+        grad_in = pending.back_out
+        pending.back_work = pending.back_out = None  # the work holds its tensors: break the cycle
+        return grad_in, None, None, None, None
 
 
 class _WaitAllToAll(torch.autograd.Function):
@@ -186,6 +188,7 @@ class _WaitAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out_MD, send_splits, recv_splits, group, pending):  # type: ignore[override]
         pending.work.wait()
+        pending.work = None  # it holds the buffer, whose grad_fn holds ``pending``: no cycle
         ctx.splits, ctx.group, ctx.pending = (send_splits, recv_splits), group, pending
         return out_MD.view_as(out_MD)
 
