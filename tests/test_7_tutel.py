@@ -341,7 +341,7 @@ def test_bad_arguments_name_the_argument():
         (dict(gate_type={"type": "top", "kk": 1}), "unsupported keys"),
         (dict(parallel_type="adaptive:0"), "parallel_type='adaptive:0'"),
         (dict(parallel_type="data"), "parallel_type='data'"),
-        (dict(a2a_ffn_overlap_degree=2), "a2a_ffn_overlap_degree=2"),
+        (dict(a2a_ffn_overlap_degree=0), "a2a_ffn_overlap_degree must be an int >= 1"),
         (dict(use_2dh=True), "use_2dh=True"),
         (dict(experts={**ffn, "count_per_node": -2}), "experts['count_per_node']=-2"),
         (dict(experts={**ffn, "count_per_node": 0}), "experts['count_per_node']"),
@@ -359,7 +359,7 @@ def test_bad_arguments_name_the_argument():
         tutel_moe.moe_layer(gate_type=gate, model_dim=D, experts=ffn, fancy=1)
     layer = tutel_moe.moe_layer(gate_type=gate, model_dim=D, experts=ffn)
     x = torch.randn(4, D)
-    for kw, needle in ((dict(a2a_ffn_overlap_degree=2), "a2a_ffn_overlap_degree=2"), (dict(adaptive_r=2), "adaptive_r=2"),
+    for kw, needle in ((dict(a2a_ffn_overlap_degree=0), "a2a_ffn_overlap_degree"), (dict(adaptive_r=2), "adaptive_r=2"),
                        (dict(gate_index=1), "gate_index"), (dict(top_k=3), "top_k")):
         with pytest.raises(ValueError, match=needle):
             layer(x, **kw)
@@ -398,17 +398,19 @@ def _case_group(rank: int, world: int) -> None:
         x_all = torch.cat(xs).requires_grad_(True)
         y_all = ref(x_all)
         y_all.sum().backward()
-        x = xs[rank].clone().requires_grad_(True)
-        y = ep(x)
-        y.sum().backward()
         sl = slice(sum(tokens[:rank]), sum(tokens[: rank + 1]))
         tol = dict(rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(y, y_all[sl].detach(), **tol)
-        torch.testing.assert_close(x.grad, x_all.grad[sl], **tol)
         e = E // world
-        for name, p in ep.experts.named_parameters():
-            want = dict(ref.experts.named_parameters())[name].grad[rank * e : (rank + 1) * e]
-            torch.testing.assert_close(p.grad, want, **tol)
+        for degree in (1, 2):  # a2a_ffn_overlap_degree: the pipelined exchange gives the same result
+            ep.zero_grad(set_to_none=True)
+            x = xs[rank].clone().requires_grad_(True)
+            y = ep(x, a2a_ffn_overlap_degree=degree)
+            y.sum().backward()
+            torch.testing.assert_close(y, y_all[sl].detach(), **tol)
+            torch.testing.assert_close(x.grad, x_all.grad[sl], **tol)
+            for name, p in ep.experts.named_parameters():
+                want = dict(ref.experts.named_parameters())[name].grad[rank * e : (rank + 1) * e]
+                torch.testing.assert_close(p.grad, want, **tol)
         if tokens[rank]:  # l_aux is per rank (Tutel): the GShard loss of this rank's tokens
             torch.testing.assert_close(y.l_aux, ref(x.detach()).l_aux)
     # drops with unequal token counts: every rank agrees on C (no hang)

@@ -53,8 +53,9 @@ Differences from Tutel (bugs fixed or choices made; each deliberate):
     3. ``ffn`` experts without ``activation_fn`` use ReLU (some Tutel versions crash).
     4. Bad arguments raise ``ValueError``/``TypeError`` naming the argument and value: unknown
        gate types or gate/expert keys, ``k`` > E (Tutel clamps k silently), negative or zero
-       ``count_per_node`` (sharded experts are not supported), ``a2a_ffn_overlap_degree`` != 1,
-       ``parallel_type`` != ``'adaptive:1'``, ``adaptive_r`` not in (None, 1), ``use_2dh=True``,
+       ``count_per_node`` (sharded experts are not supported), ``a2a_ffn_overlap_degree`` < 1
+       (and > 1 together with batch-prioritized routing, normalised gates at k > 1 and
+       ``is_postscore``), ``parallel_type`` != ``'adaptive:1'``, ``adaptive_r`` not in (None, 1), ``use_2dh=True``,
        unknown keyword arguments (Tutel warned and went on).
     5. With ``group=`` and drops (cf != 0), capacity and drop priority are moeflow's
        expert-parallel semantics: the result equals the single-process layer on the group's

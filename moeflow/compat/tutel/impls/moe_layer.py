@@ -147,8 +147,12 @@ class MOELayer(MoE):
         seeds: ``(gate_seed, experts_seed, seed_after)``; each non-None entry seeds torch's RNG
             before building the gates (gate i uses ``gate_seed + i``), before building the
             experts, and at the end.
-        a2a_ffn_overlap_degree, parallel_type, use_2dh: only ``1``, ``'adaptive:1'`` and
-            ``False`` are supported (anything else raises ``ValueError``).
+        a2a_ffn_overlap_degree: pipelining of the expert-parallel exchange (moeflow's
+            ``overlap_degree``: an int >= 1; also settable per call). Not with
+            ``batch_prioritized_routing`` and ``normalize_gate`` at k > 1 on ``is_postscore``
+            layers (their raw-score priority and normalised gates need the unpipelined path).
+        parallel_type, use_2dh: only ``'adaptive:1'`` and ``False`` are supported (anything
+            else raises ``ValueError``).
         is_postscore: weight expert outputs by the gate (True) or expert inputs (False).
         batch_prioritized_routing, normalize_gate, is_gshard_loss: as in Tutel.
     """
@@ -174,11 +178,7 @@ class MOELayer(MoE):
         if kwargs:
             raise TypeError(f"moe_layer got unsupported arguments {sorted(kwargs)}")
         model_dim = _count("model_dim", model_dim)
-        if a2a_ffn_overlap_degree != 1:
-            raise ValueError(
-                f"a2a_ffn_overlap_degree={a2a_ffn_overlap_degree!r} is not supported yet; only 1 is "
-                "(all-to-all/expert pipelining is being added to moeflow.parallel)"
-            )
+        _count("a2a_ffn_overlap_degree", a2a_ffn_overlap_degree)
         if parallel_type not in SUPPORTED_PARALLEL_TYPES:
             raise ValueError(
                 f"parallel_type={parallel_type!r} is not supported yet; only {list(SUPPORTED_PARALLEL_TYPES)} "
@@ -278,7 +278,7 @@ class MOELayer(MoE):
         self.batch_prioritized_routing = batch_prioritized_routing
         self.normalize_gate = normalize_gate
         self.is_gshard_loss = is_gshard_loss
-        self.a2a_ffn_overlap_degree = 1
+        self.a2a_ffn_overlap_degree = a2a_ffn_overlap_degree
         self.result_func = result_func
         self.l_aux: torch.Tensor | None = None
 
@@ -332,8 +332,8 @@ class MOELayer(MoE):
         ``inequivalent_tokens=True`` rule) and moeflow's all-to-all handles different token
         counts per rank without padding.
         """
-        if a2a_ffn_overlap_degree not in (None, 1):
-            raise ValueError(f"a2a_ffn_overlap_degree={a2a_ffn_overlap_degree!r} is not supported yet; only 1 (or None) is")
+        degree = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _count(
+            "a2a_ffn_overlap_degree", a2a_ffn_overlap_degree)
         if adaptive_r not in (None, 1):
             raise ValueError(f"adaptive_r={adaptive_r!r} is not supported yet; only 1 (expert parallel) or None is")
         if not isinstance(input, torch.Tensor) or not input.is_floating_point():
@@ -397,11 +397,20 @@ class MOELayer(MoE):
                 sizes = all_gather_rows(torch.tensor([[T]], dtype=torch.long, device=x_TD.device), self.group)
                 T_cap = max(int(s.sum()) for s in sizes)
             mf_cf = moeflow_capacity_factor(cf, num_tokens=T_cap, top_k=k, num_experts=E)
-            expert_in, plan = self.dispatcher.dispatch(x_in_TD, routing, capacity_factor=mf_cf)
-            if late_weights and weights_TK is not gates_TK:
-                plan = dataclasses.replace(plan, weights_TK=gates_TK.to(plan.weights_TK.dtype))
-            expert_out = self.experts(expert_in, plan.counts_E)
-            y_TO = self.dispatcher.combine(expert_out, plan)
+            run = getattr(self.dispatcher, "run", None)
+            if degree != 1 and run is not None:
+                if late_weights and weights_TK is not gates_TK:
+                    raise ValueError(
+                        f"a2a_ffn_overlap_degree={degree} is not supported with batch_prioritized_routing and "
+                        "normalize_gate at k > 1 on an is_postscore layer; use a2a_ffn_overlap_degree=1"
+                    )
+                y_TO = run(x_in_TD, routing, self.experts, capacity_factor=mf_cf, overlap_degree=degree)
+            else:
+                expert_in, plan = self.dispatcher.dispatch(x_in_TD, routing, capacity_factor=mf_cf)
+                if late_weights and weights_TK is not gates_TK:
+                    plan = dataclasses.replace(plan, weights_TK=gates_TK.to(plan.weights_TK.dtype))
+                expert_out = self.experts(expert_in, plan.counts_E)
+                y_TO = self.dispatcher.combine(expert_out, plan)
             self.last_counts_E = routing.counts_E
         O = y_TO.shape[-1]
         out_shape = tuple(shape) if O == self.model_dim else (*shape[:-reserve_dims], O)
