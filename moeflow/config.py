@@ -28,6 +28,7 @@ Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 DropPolicy = Literal["position", "score", "bpr"]
 WeightAt = Literal["combine", "dispatch"]
+ParallelMode = Literal["expert", "data", "auto"]
 Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
 ExpertsBackend = Literal["auto", "grouped_mm", "loop"]
 
@@ -184,17 +185,24 @@ class DispatchConfig:
     chunk is exchanged, forward and backward; ``"auto"`` lets the dispatcher time 1, 2 and 4 on
     the first calls of each batch size and keep the fastest. Results do not depend on it. A
     single-process dispatcher has no exchange to overlap and ignores it.
+    ``parallel``: how an expert-parallel dispatcher runs a call, on the same stored shards:
+    ``"expert"`` (tokens travel to the ranks holding their experts), ``"data"`` (tokens stay;
+    the expert weights are all-gathered for the call and their gradients summed back onto the
+    shards: cheaper when tokens are few), or ``"auto"`` (timed on the first calls of each batch
+    size together with the overlap degrees; the fastest is kept). Results do not depend on it.
     """
 
     drop_policy: DropPolicy = "position"
     weight_at: WeightAt = "combine"
     renormalize_after_drop: bool = False
     overlap_degree: int | str = 1
+    parallel: ParallelMode = "expert"
 
     def __post_init__(self) -> None:
         _choice("drop_policy", self.drop_policy, DropPolicy)
         _choice("weight_at", self.weight_at, WeightAt)
         check_overlap_degree(self.overlap_degree)
+        _choice("parallel", self.parallel, ParallelMode)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,6 +280,12 @@ class MoEConfig:
     def shared_width(self) -> int:
         """Hidden width of the fused shared-expert FFN (``num_shared_experts * hidden`` by default)."""
         return self.shared_hidden if self.shared_hidden is not None else self.num_shared_experts * self.hidden
+
+
+def check_parallel_mode(value: object) -> str:
+    """``parallel``: ``"expert"``, ``"data"`` or ``"auto"``."""
+    _choice("parallel", value, ParallelMode)
+    return value  # type: ignore[return-value]
 
 
 def check_overlap_degree(value: object) -> int | str:

@@ -50,7 +50,7 @@ def _layer(E: int, k: int, cf: float, policy: str, weight_at: str, seed: int, **
 
 def _check_equivalence(
     rank: int, world: int, layer: moeflow.MoE, tokens: list[int], seed: int, what: str, hierarchy=None,
-    overlap_degree: int | str = 1,
+    overlap_degree: int | str = 1, parallel: str = "expert",
 ) -> None:
     gen = torch.Generator().manual_seed(seed + 2)
     xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
@@ -65,7 +65,7 @@ def _check_equivalence(
 
     ep = expert_parallel(copy.deepcopy(layer), hierarchy=hierarchy)
     x = xs[rank].clone().requires_grad_(True)
-    y = ep(x, overlap_degree=overlap_degree)
+    y = ep(x, overlap_degree=overlap_degree, parallel=parallel)
     (y * gs[rank]).sum().backward()
 
     tol = dict(rtol=1e-10, atol=1e-10)
@@ -276,17 +276,42 @@ def _case_pipelined(rank: int, world: int) -> None:
     gen = torch.Generator().manual_seed(401)
     xs = [torch.randn(6, D, generator=gen, dtype=torch.float64) for _ in range(world)]
     ref = layer(torch.cat(xs))[rank * 6 : (rank + 1) * 6]
-    for _ in range(8):
-        torch.testing.assert_close(ep(xs[rank], overlap_degree="auto"), ref, rtol=1e-10, atol=1e-10)
+    for _ in range(10):
+        torch.testing.assert_close(ep(xs[rank], overlap_degree="auto", parallel="auto"), ref, rtol=1e-10, atol=1e-10)
     choices = ep.dispatcher.tuner.choices
-    assert list(choices) == [(6 * world, 2, 1.0)] and choices[(6 * world, 2, 1.0)] in (1, 2, 4)
+    key = (6 * world, 2, 1.0, "auto", "auto")
+    assert list(choices) == [key] and choices[key] in [("expert", 1), ("expert", 2), ("expert", 4), ("data", 1)]
     agreed = [None] * world
     dist.all_gather_object(agreed, choices)
     assert all(c == choices for c in agreed)
 
 
+def _case_data_parallel(rank: int, world: int) -> None:
+    """parallel="data" (weights gathered, tokens stay) on the same shards equals the single
+    process: outputs, input/expert/dense gradients, in every capacity mode; bad uses raise."""
+    configs = [(2, 1.0, "position", "combine"), (1, 0.5, "bpr", "dispatch"), (2, 0.0, "position", "combine"),
+               (2, -0.8, "score", "combine")]
+    for i, (k, cf, policy, weight_at) in enumerate(configs):
+        tokens = [9 + 4 * r for r in range(world)]
+        tokens[0] = 0 if i == 2 else tokens[0]
+        layer = _layer(8, k, cf, policy, weight_at, seed=500 + i, num_shared_experts=1,
+                       experts=moeflow.ExpertsConfig(activation="gelu", bias=True))
+        _check_equivalence(rank, world, layer, tokens, seed=500 + i, parallel="data",
+                           what=f"data k={k} cf={cf} {policy} {weight_at}")
+    ep = expert_parallel(_layer(8, 2, 1.0, "position", "combine", seed=1))
+    for kw, needle in ((dict(parallel="data", overlap_degree=2), "overlap_degree=2"),
+                       (dict(parallel="model"), "parallel must be one of")):
+        try:
+            ep(torch.randn(4, D, dtype=torch.float64), **kw)
+        except ValueError as err:
+            assert needle in str(err), err
+        else:
+            raise AssertionError(f"{kw} was accepted")
+
+
 CASES = {
     "pipelined": _case_pipelined,
+    "data_parallel": _case_data_parallel,
     "equivalence": _case_equivalence,
     "skewed": _case_skewed,
     "bad_config": _case_bad_config,
@@ -306,6 +331,11 @@ def test_expert_parallel_matches_single_process(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipelined_exchange_matches_single_process(world):
     run_ranks(world, "pipelined")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_parallel_mode_matches_single_process(world):
+    run_ranks(world, "data_parallel")
 
 
 @pytest.mark.parametrize("world", [2, 4])

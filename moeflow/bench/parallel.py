@@ -12,9 +12,10 @@ slowest rank's), the share of the step spent inside the exchanges (forward and b
 tokens/s of the whole group next to the baseline: ``scaling = group tokens/s / baseline``
 (ideal: N).
 
-``sweep=True`` (``--sweep``) also times every pipelining degree in ``SWEEP_DEGREES`` on the
-ranks, interleaved repeat by repeat so that machine noise hits them alike, then lets a fresh
-layer with ``overlap_degree="auto"`` tune itself on its first calls and times its choice.
+``sweep=True`` (``--sweep``) also times every setting in ``SWEEP_SETTINGS`` (parallel mode and
+pipelining degree) on the ranks, interleaved repeat by repeat so that machine noise hits them
+alike, then lets a fresh layer with ``parallel="auto", overlap_degree="auto"`` tune itself on
+its first calls and times its choice in the same rounds.
 """
 
 from __future__ import annotations
@@ -96,12 +97,18 @@ def _batch(cfg: ParallelBenchConfig, rank: int, device: torch.device) -> tuple[t
     return x.to(device, cfg.torch_dtype), g.to(device, cfg.torch_dtype)
 
 
-def _step(layer: MoE, x: torch.Tensor, g: torch.Tensor, overlap_degree: int | str | None = None) -> None:
+def _step(layer: MoE, x: torch.Tensor, g: torch.Tensor, setting: tuple | None = None) -> None:
     layer.zero_grad(set_to_none=True)
-    layer(x.detach().requires_grad_(True), overlap_degree=overlap_degree).backward(g)
+    kw = {} if setting is None else {"parallel": setting[0], "overlap_degree": setting[1]}
+    layer(x.detach().requires_grad_(True), **kw).backward(g)
 
 
-SWEEP_DEGREES = (1, 2, 4, 8)
+SWEEP_SETTINGS = (("expert", 1), ("expert", 2), ("expert", 4), ("expert", 8), ("data", 1))
+AUTO = ("auto", "auto")
+
+
+def _label(setting: tuple) -> str:
+    return f"{setting[0]}/{setting[1]}"
 
 
 def _sweep(cfg: ParallelBenchConfig, layer: MoE, tuned: MoE, x: torch.Tensor, g: torch.Tensor) -> dict:
@@ -109,21 +116,21 @@ def _sweep(cfg: ParallelBenchConfig, layer: MoE, tuned: MoE, x: torch.Tensor, g:
     expert-parallel copy ``tuned`` that runs ``overlap_degree="auto"``, with its times."""
     from moeflow.parallel.comm import barrier
 
-    times: dict[str, list[float]] = {str(d): [] for d in SWEEP_DEGREES}
+    settings = [*SWEEP_SETTINGS, AUTO]
+    times: dict[str, list[float]] = {_label(s): [] for s in settings}
     calls = 0
     while not tuned.dispatcher.tuner.choices:  # let "auto" tune itself on its first calls
-        _step(tuned, x, g, overlap_degree="auto")
+        _step(tuned, x, g, AUTO)
         calls += 1
-    times["auto"] = []
     for rep in range(cfg.warmup + cfg.repeats):
-        for name in times:
+        for setting in settings:
             barrier()
             t0 = time.perf_counter()
-            _step(tuned if name == "auto" else layer, x, g, overlap_degree=name if name == "auto" else int(name))
+            _step(tuned if setting == AUTO else layer, x, g, setting)
             if rep >= cfg.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[_label(setting)].append(time.perf_counter() - t0)
     (choice,) = tuned.dispatcher.tuner.choices.values()
-    return {"times_s": times, "auto_choice": choice, "tuning_calls": calls}
+    return {"times_s": times, "auto_choice": _label(choice), "tuning_calls": calls}
 
 
 def _baseline(cfg: ParallelBenchConfig) -> list[float]:
@@ -176,13 +183,14 @@ def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
     sweep = None
     if cfg.sweep:
         names = list(ranks[0]["sweep"]["times_s"])
+        auto, base = _label(AUTO), _label(SWEEP_SETTINGS[0])
         per = {n: [max(rk["sweep"]["times_s"][n][i] for rk in ranks) for i in range(cfg.repeats)] for n in names}
         med = {n: statistics.median(v) * 1e3 for n, v in per.items()}
-        best = min((n for n in names if n != "auto"), key=lambda n: med[n])
-        sweep = {"step_ms": med, "best": int(best), "auto_choice": ranks[0]["sweep"]["auto_choice"],
+        best = min((n for n in names if n != auto), key=lambda n: med[n])
+        sweep = {"step_ms": med, "best": best, "auto_choice": ranks[0]["sweep"]["auto_choice"],
                  "auto_choices_agree": len({rk["sweep"]["auto_choice"] for rk in ranks}) == 1,
                  "tuning_calls": ranks[0]["sweep"]["tuning_calls"],
-                 "auto_vs_best": med["auto"] / med[best], "best_vs_degree1": med[best] / med["1"]}
+                 "auto_vs_best": med[auto] / med[best], "best_vs_baseline": med[best] / med[base]}
     return {
         "sweep": sweep,
         "benchmark": "expert_parallel",
@@ -243,16 +251,17 @@ def format_parallel_table(report: dict) -> str:
     )
     sw = report.get("sweep")
     if sw:
-        lines += ["", "pipelining sweep (forward+backward, slowest rank, median; interleaved repeats):",
-                  f"{'overlap_degree':<26}{'step ms':>10}{'vs degree 1':>13}"]
+        base = _label(SWEEP_SETTINGS[0])
+        lines += ["", "parallel mode / overlap degree sweep (forward+backward, slowest rank, median; interleaved):",
+                  f"{'parallel/overlap_degree':<26}{'step ms':>10}{'vs ' + base:>15}"]
         for name, ms in sw["step_ms"].items():
-            label = f"auto (chose {sw['auto_choice']})" if name == "auto" else name
-            mark = "  <- fastest" if name == str(sw["best"]) else ""
-            lines.append(f"{label:<26}{ms:>10.1f}{ms / sw['step_ms']['1']:>12.3f}x{mark}")
+            label = f"auto (chose {sw['auto_choice']})" if name == _label(AUTO) else name
+            mark = "  <- fastest" if name == sw["best"] else ""
+            lines.append(f"{label:<26}{ms:>10.1f}{ms / sw['step_ms'][base]:>14.3f}x{mark}")
         lines.append(
             f"tuner: chose {sw['auto_choice']} after {sw['tuning_calls']} calls (all ranks agree: "
-            f"{sw['auto_choices_agree']}); its time is {sw['auto_vs_best']:.3f}x the fastest degree's; "
-            f"fastest degree is {sw['best_vs_degree1']:.3f}x degree 1"
+            f"{sw['auto_choices_agree']}); its time is {sw['auto_vs_best']:.3f}x the fastest setting's; "
+            f"the fastest setting is {sw['best_vs_baseline']:.3f}x {base}"
         )
     return "\n".join(lines)
 

@@ -45,7 +45,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--node-size", type=int, default=None, help="with --nproc: ranks per node for the two-level exchange")
     p.add_argument("--sweep", action="store_true",
-                   help="with --nproc: also time every overlap_degree and the auto-tuner's choice")
+                   help="with --nproc: also time every parallel mode / overlap_degree and the auto-tuner's choice")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the full report as JSON")
     p.set_defaults(func=_run_bench)
 
@@ -54,7 +54,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _run_parallel_bench(args)
     if args.sweep:
-        print("moeflow bench: error: --sweep needs --nproc N (it sweeps the exchange's pipelining)", file=sys.stderr)
+        print("moeflow bench: error: --sweep needs --nproc N (it sweeps the parallel modes and pipelining)", file=sys.stderr)
         return 2
     from moeflow.bench import BenchConfig, format_table, run_layer_bench
 

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from moeflow.config import MoEConfig, check_capacity_factor, check_overlap_degree, check_top_k
+from moeflow.config import MoEConfig, check_capacity_factor, check_overlap_degree, check_parallel_mode, check_top_k
 from moeflow.dispatch import Dispatcher, LocalDispatcher
 from moeflow.experts import DenseFFN, Experts, GroupedExperts
 from moeflow.experts.ffn import graph_zero
@@ -33,8 +33,8 @@ class MoE(nn.Module):
     protocol (see ``moeflow.experts``), e.g. ``ModuleExperts([...])``; ``dispatcher`` replaces the
     local dispatcher (expert parallelism does this from outside).
 
-    Per call, ``capacity_factor``, ``top_k`` and ``overlap_degree`` override the configured
-    values (0 is a value: ``capacity_factor=0`` means dropless). After each call, ``layer.aux_losses`` holds the
+    Per call, ``capacity_factor``, ``top_k``, ``overlap_degree`` and ``parallel`` override the
+    configured values (0 is a value: ``capacity_factor=0`` means dropless). After each call, ``layer.aux_losses`` holds the
     balance losses of that call (each already multiplied by its coefficient) and
     ``layer.last_counts_E`` the assignments per expert before drops.
     """
@@ -120,11 +120,13 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         top_k: int | None = None,
         overlap_degree: int | str | None = None,
+        parallel: str | None = None,
     ) -> torch.Tensor:
         self._check_input(x)
         cfg = self.config
         cf = cfg.capacity_factor if capacity_factor is None else check_capacity_factor(capacity_factor)
         degree = cfg.dispatch.overlap_degree if overlap_degree is None else check_overlap_degree(overlap_degree)
+        mode = cfg.dispatch.parallel if parallel is None else check_parallel_mode(parallel)
         k = cfg.top_k if top_k is None else check_top_k(top_k, cfg.num_experts)
         if top_k is not None:
             cfg.router.validate_for(num_experts=cfg.num_experts, top_k=k)
@@ -143,9 +145,9 @@ class MoE(nn.Module):
         if tape is not None and tape[0] == "record":
             tape[2].record(tape[1], routing.ids_TK)
         run = getattr(self.dispatcher, "run", None)
-        if run is not None and degree != 1:
-            # a dispatcher that interleaves the expert compute with its exchange (pipelining)
-            y_TD = run(x_TD, routing, self.experts, capacity_factor=cf, overlap_degree=degree)
+        if run is not None and (degree != 1 or mode != "expert"):
+            # a dispatcher that runs the experts itself (pipelining, other parallel modes)
+            y_TD = run(x_TD, routing, self.experts, capacity_factor=cf, overlap_degree=degree, parallel=mode)
         else:
             expert_in, plan = self.dispatcher.dispatch(x_TD, routing, capacity_factor=cf)
             expert_out = self.experts(expert_in, plan.counts_E)

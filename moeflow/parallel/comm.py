@@ -26,6 +26,7 @@ __all__ = [
     "gather_objects",
     "all_reduce_sum",
     "start_all_to_all_rows",
+    "all_gather_shards",
     "wait_all_to_all_rows",
 ]
 
@@ -222,3 +223,28 @@ def wait_all_to_all_rows(
 ) -> torch.Tensor:
     """The received rows of an exchange started with ``start_all_to_all_rows`` (same splits)."""
     return _WaitAllToAll.apply(out_MD, list(send_splits), list(recv_splits), group, pending)
+
+
+class _AllGatherShards(torch.autograd.Function):
+    """Forward: every rank's ``[e, ...]`` shard, concatenated in rank order (``[W*e, ...]``).
+    Backward: the gradients of the full tensor summed over the ranks (each rank used it on its
+    own tokens), then this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x_eX, group):  # type: ignore[override]
+        W = dist.get_world_size(group)
+        ctx.group, ctx.rank, ctx.e = group, dist.get_rank(group), x_eX.shape[0]
+        out = x_eX.new_empty((W * x_eX.shape[0], *x_eX.shape[1:]))
+        dist.all_gather_into_tensor(out, x_eX.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_EX):  # type: ignore[override]
+        grad_EX = grad_EX.contiguous()
+        dist.all_reduce(grad_EX, group=ctx.group)  # gloo has no reduce_scatter: reduce, then slice
+        return grad_EX[ctx.rank * ctx.e : (ctx.rank + 1) * ctx.e], None
+
+
+def all_gather_shards(x_eX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Differentiable all-gather of equal shards along dim 0 (backward: sum, then this shard)."""
+    return _AllGatherShards.apply(x_eX, group)

@@ -29,9 +29,10 @@ from moeflow.dispatch.capacity import resolve_capacity
 from moeflow.dispatch.local import combine_weights, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.comm import all_gather_rows, start_all_to_all_rows, wait_all_to_all_rows
+from moeflow.experts.ffn import GroupedExperts, grouped_ffn
+from moeflow.parallel.comm import all_gather_rows, all_gather_shards, start_all_to_all_rows, wait_all_to_all_rows
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
-from moeflow.parallel.tuner import OverlapTuner
+from moeflow.parallel.tuner import ParallelTuner
 from moeflow.types import RoutingResult
 
 __all__ = ["AllToAllDispatcher", "AllToAllPlan"]
@@ -98,7 +99,7 @@ class AllToAllDispatcher:
         self.expert_offset = self.rank * self.num_local_experts
         self.config = config if config is not None else DispatchConfig()
         self.exchange = FlatExchange(group) if hierarchy is None else HierarchicalExchange(group, hierarchy)
-        self.tuner = OverlapTuner(group)
+        self.tuner = ParallelTuner(group)
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float
@@ -231,21 +232,36 @@ class AllToAllDispatcher:
 
     def run(
         self, x_TD: torch.Tensor, routing: RoutingResult, experts: Callable[..., torch.Tensor], *,
-        capacity_factor: float, overlap_degree: int | str,
+        capacity_factor: float, overlap_degree: int | str = 1, parallel: str = "expert",
     ) -> torch.Tensor:
-        """Dispatch, run ``experts`` and combine, with the exchange split into ``overlap_degree``
-        chunks that overlap with the expert compute (``"auto"``: tuned, see ``OverlapTuner``).
+        """Dispatch, run ``experts`` and combine in one call, in one of the parallel modes.
 
-        Chunk ``i`` holds, on every rank, the kept assignments of that rank's tokens
-        ``[i*T_r/n, (i+1)*T_r/n)``: all send exchanges are started asynchronously, then each
-        chunk is received, computed (rows grouped by local expert) and sent home
-        asynchronously while the next chunk's rows arrive. Drops and capacity are decided on
-        the whole batch first, so the result equals degree 1 (to rounding: experts see grouped
-        rows instead of the ``[e, C, D]`` layout). In backward the reverse exchanges are
-        asynchronous too (see ``start_all_to_all_rows``).
+        ``parallel="expert"``: rows travel to their experts' ranks; with ``overlap_degree > 1``
+        the exchange is split into chunks that overlap with the expert compute: chunk ``i``
+        holds, on every rank, the kept assignments of that rank's tokens ``[i*T_r/n,
+        (i+1)*T_r/n)``; all send exchanges start asynchronously, then each chunk is received,
+        computed (rows grouped by local expert) and sent home asynchronously while the next
+        chunk's rows arrive; in backward the reverse exchanges are asynchronous too (see
+        ``start_all_to_all_rows``).
+
+        ``parallel="data"``: no row leaves its rank; the experts' weights are all-gathered for
+        the call (``GroupedExperts`` only) and their gradients summed back onto the shards.
+
+        ``"auto"`` in either argument: the tuner times the candidate settings on the first
+        calls of each global batch size and keeps the fastest (``ParallelTuner``). Drops and
+        capacity are always decided on the whole group's batch first, so every setting gives
+        the single-process result (to rounding: the experts see grouped rows instead of the
+        ``[e, C, D]`` layout).
         """
-        if overlap_degree == "auto":
-            return self.tuner.run(self, x_TD, routing, experts, capacity_factor)
+        if parallel == "auto" or overlap_degree == "auto":
+            return self.tuner.run(self, x_TD, routing, experts, capacity_factor, parallel, overlap_degree)
+        if parallel == "data":
+            if overlap_degree != 1:
+                raise ValueError(f"overlap_degree={overlap_degree} applies to parallel='expert'; parallel='data' "
+                                 "exchanges no tokens")
+            return self._run_data_parallel(x_TD, routing, experts, capacity_factor)
+        if parallel != "expert":
+            raise ValueError(f"parallel must be 'expert', 'data' or 'auto', got {parallel!r}")
         if overlap_degree == 1:
             expert_in, plan = self.dispatch(x_TD, routing, capacity_factor=capacity_factor)
             return self.combine(experts(expert_in, plan.counts_E), plan)
@@ -253,6 +269,27 @@ class AllToAllDispatcher:
             raise ValueError(f"overlap_degree={overlap_degree} needs the flat exchange; the two-level exchange "
                              "runs unpipelined (use overlap_degree=1)")
         return self._run_chunked(x_TD, routing, experts, capacity_factor, int(overlap_degree))
+
+    def _run_data_parallel(self, x_TD, routing, experts, capacity_factor: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        if not isinstance(experts, GroupedExperts):
+            raise ValueError(f"parallel='data' gathers GroupedExperts weights; got {type(experts).__name__} "
+                             "(use parallel='expert')")
+        send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor)
+        # my kept rows are already grouped by global expert (the send order is by destination
+        # rank, then expert): count them per global expert and run every expert here
+        mine = g.kept_S & (g.src_S == self.rank)
+        counts_E = torch.bincount(g.expert_S[mine], minlength=self.num_experts)
+        weights = [None if w is None else all_gather_shards(w, self.group)
+                   for w in (experts.w_in, experts.w_out, experts.b_in, experts.b_out)]
+        if torch.is_autocast_enabled(x_TD.device.type):
+            dt = torch.get_autocast_dtype(x_TD.device.type)
+            send_JD = send_JD.to(dt)
+            weights = [None if w is None else w.to(dt) for w in weights]
+        out_JD = grouped_ffn(send_JD, counts_E, *weights, activation=experts.config.activation,
+                             backend=experts.config.backend)
+        T, K, D = plan.num_tokens, routing.top_k, x_TD.shape[1]
+        rows_AD = gather_rows(out_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
+        return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK.to(out_JD.dtype), plan.weight_at)
 
     def _run_chunked(self, x_TD, routing, experts, capacity_factor: float, n: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
         send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor)
