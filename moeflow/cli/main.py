@@ -302,6 +302,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--nproc", type=int, default=None, help="expert parallelism: N local ranks through torchrun (gloo on CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2; 1 with --nproc)")
+    p.add_argument("--parallel", default="expert", choices=["expert", "data", "auto"],
+                   help="with --nproc: the MoE layers' parallel mode (auto: tuned at run time)")
+    p.add_argument("--overlap-degree", type=lambda v: v if v == "auto" else int(v), default=1,
+                   help="with --nproc: pipelining chunks of the exchange (an int, or auto)")
     p.add_argument("--sample-tokens", type=int, default=300, help="tokens to sample from the final checkpoint (0: none)")
     p.add_argument("--prompt", default="ROMEO.\n")
     p.set_defaults(func=_run_train)

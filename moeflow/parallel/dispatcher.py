@@ -102,32 +102,39 @@ class AllToAllDispatcher:
         self.tuner = ParallelTuner(group)
 
     def dispatch(
-        self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float
+        self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float,
+        meta: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, AllToAllPlan]:
-        send_JD, plan, _ = self._prepare(x_TD, routing, capacity_factor)
+        send_JD, plan, _ = self._prepare(x_TD, routing, capacity_factor, meta)
         recv_RD = self.exchange(send_JD, plan.counts)
         expert_in = gather_rows(recv_RD, plan.recv_of_M, plan.valid_M, plan.M_of_recv.view(-1, 1), None)
         if plan.capacity is not None:
             expert_in = expert_in.view(self.num_local_experts, plan.capacity, x_TD.shape[1])
         return expert_in, plan
 
+    def gather_routing(self, routing: RoutingResult) -> list[torch.Tensor]:
+        """Every rank's routing metadata (ids, and weights when the drop policy needs them), in
+        rank order: the one collective that makes every rank agree on the global batch."""
+        meta = routing.ids_TK.detach().to(torch.float64)
+        if self.config.drop_policy != "position":
+            meta = torch.cat([meta, routing.weights_TK.detach().to(torch.float64)], dim=1)
+        return all_gather_rows(meta, self.group)
+
     def _prepare(
-        self, x_TD: torch.Tensor, routing: RoutingResult, capacity_factor: float
+        self, x_TD: torch.Tensor, routing: RoutingResult, capacity_factor: float,
+        meta: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, AllToAllPlan, _Global]:
-        """Agree with the group on every kept assignment; return this rank's send rows, the plan,
-        and the global view (for the pipelined path)."""
+        """Agree with the group on every kept assignment (from ``meta`` = ``gather_routing``'s
+        result when the caller has it already); return this rank's send rows, the plan, and the
+        global view (for ``run``)."""
         T, D = x_TD.shape
         E, W, e, r = self.num_experts, self.world, self.num_local_experts, self.rank
         K = routing.top_k
         device = x_TD.device
 
         # -- the global batch: every rank's routing metadata, in rank order
-        ids_TK = routing.ids_TK.detach()
-        meta = ids_TK.to(torch.float64)
+        parts = self.gather_routing(routing) if meta is None else meta
         needs_weights = self.config.drop_policy != "position"
-        if needs_weights:
-            meta = torch.cat([meta, routing.weights_TK.detach().to(torch.float64)], dim=1)
-        parts = all_gather_rows(meta, self.group)
         tokens_W = [p.shape[0] for p in parts]
         T_total = sum(tokens_W)
         first_token = sum(tokens_W[:r])
@@ -233,6 +240,7 @@ class AllToAllDispatcher:
     def run(
         self, x_TD: torch.Tensor, routing: RoutingResult, experts: Callable[..., torch.Tensor], *,
         capacity_factor: float, overlap_degree: int | str = 1, parallel: str = "expert",
+        meta: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Dispatch, run ``experts`` and combine in one call, in one of the parallel modes.
 
@@ -259,22 +267,22 @@ class AllToAllDispatcher:
             if overlap_degree != 1:
                 raise ValueError(f"overlap_degree={overlap_degree} applies to parallel='expert'; parallel='data' "
                                  "exchanges no tokens")
-            return self._run_data_parallel(x_TD, routing, experts, capacity_factor)
+            return self._run_data_parallel(x_TD, routing, experts, capacity_factor, meta)
         if parallel != "expert":
             raise ValueError(f"parallel must be 'expert', 'data' or 'auto', got {parallel!r}")
         if overlap_degree == 1:
-            expert_in, plan = self.dispatch(x_TD, routing, capacity_factor=capacity_factor)
+            expert_in, plan = self.dispatch(x_TD, routing, capacity_factor=capacity_factor, meta=meta)
             return self.combine(experts(expert_in, plan.counts_E), plan)
         if not isinstance(self.exchange, FlatExchange):
             raise ValueError(f"overlap_degree={overlap_degree} needs the flat exchange; the two-level exchange "
                              "runs unpipelined (use overlap_degree=1)")
-        return self._run_chunked(x_TD, routing, experts, capacity_factor, int(overlap_degree))
+        return self._run_chunked(x_TD, routing, experts, capacity_factor, int(overlap_degree), meta)
 
-    def _run_data_parallel(self, x_TD, routing, experts, capacity_factor: float) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def _run_data_parallel(self, x_TD, routing, experts, capacity_factor: float, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         if not isinstance(experts, GroupedExperts):
             raise ValueError(f"parallel='data' gathers GroupedExperts weights; got {type(experts).__name__} "
                              "(use parallel='expert')")
-        send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor)
+        send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
         # my kept rows are already grouped by global expert (the send order is by destination
         # rank, then expert): count them per global expert and run every expert here
         mine = g.kept_S & (g.src_S == self.rank)
@@ -291,8 +299,8 @@ class AllToAllDispatcher:
         rows_AD = gather_rows(out_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
         return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK.to(out_JD.dtype), plan.weight_at)
 
-    def _run_chunked(self, x_TD, routing, experts, capacity_factor: float, n: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor)
+    def _run_chunked(self, x_TD, routing, experts, capacity_factor: float, n: int, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
         W, r, e, K = self.world, self.rank, self.num_local_experts, routing.top_k
         device, D = x_TD.device, x_TD.shape[1]
         T = plan.num_tokens

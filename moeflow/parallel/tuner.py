@@ -2,9 +2,13 @@
 
 The best setting depends on the batch, the routing and the machine (Tutel's observation), so it
 is measured, not guessed: for each global batch size the dispatcher times every candidate
-``(parallel mode, overlap degree)`` on real calls (``trials`` calls each, forward only, the
-slowest rank's time counts), then keeps the fastest. All ranks take the same decision because
-they time the same calls and reduce the times with a MAX all-reduce. A routing whose load
+``(parallel mode, overlap degree)`` on real calls, round-robin (one warm-up call each, whose
+time is dropped, then ``trials`` timed calls each; the median decides), then keeps the fastest. A trial's time is its forward plus,
+when the call is back-propagated, this layer's backward (stamped by two identity autograd
+nodes around it; modes differ most in backward: data parallelism all-reduces the expert
+gradients); it is reduced over the ranks (MAX: the slowest rank sets the pace) at the start of
+the next tuning call, a point every rank reaches in the same order. All ranks therefore take the
+same decision. A routing whose load
 imbalance (busiest expert over the mean) moves by more than ``retune_ratio`` from the one the
 choice was made under is tuned again. Choices are logged on the ``moeflow.parallel`` logger and
 readable from ``tuner.choices``. The settings' results are identical, so tuning never changes
@@ -32,7 +36,7 @@ log = logging.getLogger("moeflow.parallel")
 class ParallelTuner:
     """Per-dispatcher tuner of ``parallel`` and ``overlap_degree`` (see module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, *, degrees: tuple[int, ...] = (1, 2, 4), trials: int = 2,
+    def __init__(self, group: dist.ProcessGroup | None, *, degrees: tuple[int, ...] = (1, 2, 4), trials: int = 3,
                  retune_ratio: float = 1.5) -> None:
         if not degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degrees):
             raise ValueError(f"degrees must be ints >= 1, got {degrees!r}")
@@ -40,6 +44,7 @@ class ParallelTuner:
         self.choices: dict[tuple, tuple[str, int]] = {}  # key -> locked (parallel, overlap_degree)
         self._imbalance: dict[tuple, float] = {}
         self._times: dict[tuple, dict[tuple[str, int], list[float]]] = {}
+        self._pending: list[tuple] = []  # trials whose backward may still be running: (key, setting, fwd s, stamps)
 
     def candidates(self, experts: object, parallel: str, overlap_degree: int | str) -> list[tuple[str, int]]:
         degrees = self.degrees if overlap_degree == "auto" else (int(overlap_degree),)
@@ -53,10 +58,13 @@ class ParallelTuner:
     def run(self, dispatcher, x_TD: torch.Tensor, routing: RoutingResult,  # type: ignore[no-untyped-def]
             experts: Callable[..., torch.Tensor], capacity_factor: float, parallel: str,
             overlap_degree: int | str) -> torch.Tensor:
-        stats = torch.cat([routing.counts_E.to(torch.float64),
-                           torch.tensor([routing.ids_TK.shape[0]], dtype=torch.float64, device=routing.ids_TK.device)])
-        dist.all_reduce(stats, group=self.group)  # one small collective: the global counts and T
-        counts_E, T_total = stats[:-1], int(stats[-1])
+        self._finish_trials(routing.ids_TK.device)
+        # the routing metadata every setting gathers anyway gives the global T and load: the
+        # tuner adds no collective to a call once it has chosen
+        meta = dispatcher.gather_routing(routing)
+        all_ids = torch.cat(meta)[:, : routing.top_k].to(torch.long)
+        counts_E = torch.bincount(all_ids.flatten(), minlength=dispatcher.num_experts).to(torch.float64)
+        T_total = all_ids.shape[0]
         key = (T_total, routing.top_k, float(capacity_factor), parallel, overlap_degree)
         imbalance = float(counts_E.max() / counts_E.mean().clamp(min=1e-9))
         if key in self.choices:
@@ -64,24 +72,58 @@ class ParallelTuner:
             if max(imbalance, tuned) / max(min(imbalance, tuned), 1e-9) <= self.retune_ratio:
                 mode, degree = self.choices[key]
                 return dispatcher.run(x_TD, routing, experts, capacity_factor=capacity_factor,
-                                      overlap_degree=degree, parallel=mode)
+                                      overlap_degree=degree, parallel=mode, meta=meta)
             log.info("moeflow tuner: routing imbalance moved %.2f -> %.2f for %s; tuning again", tuned, imbalance, key)
             del self.choices[key]
             self._times.pop(key, None)
         times = self._times.setdefault(key, {c: [] for c in self.candidates(experts, parallel, overlap_degree)})
-        mode, degree = next(c for c, v in times.items() if len(v) < self.trials)
+        runs = {c: len(v) + sum(1 for p in self._pending if p[0] == key and p[1] == c) for c, v in times.items()}
+        setting = min(runs, key=lambda c: runs[c])  # round-robin in candidate order
+        if runs[setting] > self.trials:  # every trial ran; their times arrive at the next call
+            setting = next(iter(runs))
+        stamps: dict[str, float] = {}
         t0 = time.perf_counter()
-        y = dispatcher.run(x_TD, routing, experts, capacity_factor=capacity_factor, overlap_degree=degree,
-                           parallel=mode)
+        x_in = _Stamp.apply(x_TD, stamps, "backward_end") if x_TD.requires_grad else x_TD
+        y = dispatcher.run(x_in, routing, experts, capacity_factor=capacity_factor, overlap_degree=setting[1],
+                           parallel=setting[0], meta=meta)
         if y.device.type == "cuda":
             torch.cuda.synchronize(y.device)
-        elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=stats.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=self.group)
-        times[(mode, degree)].append(float(elapsed))
-        if all(len(v) >= self.trials for v in times.values()):
-            medians = {c: statistics.median(v) for c, v in times.items()}
-            best = min(medians, key=lambda c: (medians[c], c[0] != "expert", c[1]))
-            self.choices[key], self._imbalance[key] = best, imbalance
-            log.info("moeflow tuner: chose parallel=%r overlap_degree=%d for %s (median forward ms: %s)", *best, key,
-                     {f"{m}/{d}": round(t * 1e3, 3) for (m, d), t in medians.items()})
-        return y
+        self._pending.append((key, setting, time.perf_counter() - t0, stamps, imbalance))
+        return _Stamp.apply(y, stamps, "backward_start") if y.requires_grad else y
+
+    def _finish_trials(self, device: torch.device) -> None:
+        """Reduce the pending trials' times over the ranks (one collective) and lock the keys
+        whose candidates all have ``trials`` times."""
+        if not self._pending:
+            return
+        local = [fwd + max(0.0, st.get("backward_end", 0.0) - st.get("backward_start", 0.0))
+                 for _, _, fwd, st, _ in self._pending]
+        t = torch.tensor(local, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        for (key, setting, _, _, imbalance), seconds in zip(self._pending, t.tolist()):
+            times = self._times.get(key)
+            if times is None or key in self.choices:
+                continue
+            times[setting].append(seconds)
+            if all(len(v) > self.trials for v in times.values()):
+                medians = {c: statistics.median(v[1:]) for c, v in times.items()}  # [0]: warm-up
+                best = min(medians, key=lambda c: (medians[c], c[0] != "expert", c[1]))
+                self.choices[key], self._imbalance[key] = best, imbalance
+                log.info("moeflow tuner: chose parallel=%r overlap_degree=%d for %s (median ms: %s)", *best, key,
+                         {f"{m}/{d}": round(v * 1e3, 3) for (m, d), v in medians.items()})
+        self._pending.clear()
+
+
+class _Stamp(torch.autograd.Function):
+    """Identity whose backward records the time under ``name`` in ``stamps`` (the tuner puts one
+    after the layer's output, fired first in backward, and one before its input, fired last)."""
+
+    @staticmethod
+    def forward(ctx, x, stamps, name):  # type: ignore[override]
+        ctx.stamps, ctx.name = stamps, name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.stamps[ctx.name] = time.perf_counter()
+        return grad, None, None

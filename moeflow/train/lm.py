@@ -30,7 +30,7 @@ import torch
 
 import moeflow
 from moeflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from moeflow.config import RouterConfig, _int
+from moeflow.config import DispatchConfig, RouterConfig, _int
 from moeflow.models import GPT_PRESETS, MoEGPT, gpt_config
 from moeflow.parallel import (
     all_reduce_gradients,
@@ -57,6 +57,8 @@ class LMTrainConfig:
     ``"auto"`` uses bf16 autocast on a CUDA device that supports it and full fp32 on CPU
     (CPUs without native bf16 run it 50-90x slower). ``dtype`` is the parameter dtype
     (``float64`` for exact comparisons, e.g. one process against expert-parallel ranks).
+    ``parallel`` and ``overlap_degree`` set the MoE layers' parallel mode and pipelining under
+    ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.DispatchConfig``).
     """
 
     out_dir: Path
@@ -66,6 +68,8 @@ class LMTrainConfig:
     capacity_factor: float | None = None
     moe_every: int | None = None
     load_balance_coef: float | None = None
+    parallel: str = "expert"
+    overlap_degree: int | str = 1
     seq_len: int = 128
     tokenizer: str = "byte"
     bpe_vocab: int = 1024
@@ -119,6 +123,9 @@ class LMTrainConfig:
         if self.load_balance_coef is not None:
             router = GPT_PRESETS[self.preset].get("router", RouterConfig())
             overrides["router"] = dataclasses.replace(router, load_balance_coef=self.load_balance_coef)
+        if (self.parallel, self.overlap_degree) != ("expert", 1):
+            dispatch = GPT_PRESETS[self.preset].get("dispatch", DispatchConfig())
+            overrides["dispatch"] = dataclasses.replace(dispatch, parallel=self.parallel, overlap_degree=self.overlap_degree)
         return gpt_config(self.preset, vocab_size=vocab_size, max_seq_len=self.seq_len, **overrides)
 
     def to_dict(self) -> dict:
