@@ -62,6 +62,8 @@ def test_gpt_bad_input_names_the_problem() -> None:
         model(torch.randn(2, 5))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 25, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least one token"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 1, temperature=-1.0)
     with pytest.raises(TypeError, match="GPTConfig"):

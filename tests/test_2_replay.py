@@ -74,6 +74,9 @@ def test_replay_errors_name_the_problem(gen) -> None:
     bad = moeflow.RoutingTape({n: [c[0] + 10] for n, c in tape.calls.items()})
     with moeflow.replay_routing(model, bad), pytest.raises(ValueError, match="in \\[0, 6\\)"):
         model(idx)
+    dup = moeflow.RoutingTape({n: [c[0][:, :1].repeat(1, 2)] for n, c in tape.calls.items()})
+    with moeflow.replay_routing(model, dup), pytest.raises(ValueError, match="repeat an expert"):
+        model(idx)
     with pytest.raises(ValueError, match="no calls for MoE layer"), moeflow.replay_routing(model, moeflow.RoutingTape()):
         model(idx)
     with pytest.raises(RuntimeError, match="already"), moeflow.record_routing(model), moeflow.record_routing(model):

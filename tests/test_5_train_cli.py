@@ -77,6 +77,9 @@ def test_resume_continues_the_same_run(tmp_path) -> None:
     shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-00000006")
     resumed = train_lm(LMTrainConfig(out_dir=tmp_path / "part", resume=True, **kw))
     torch.testing.assert_close(torch.tensor(resumed["train_loss"]), torch.tensor(full["train_loss"]), rtol=1e-10, atol=0)
+    # other data settings would silently train on other batches: refused
+    with pytest.raises(ValueError, match="grad_accum"):
+        train_lm(LMTrainConfig(out_dir=tmp_path / "part", resume=True, **{**kw, "steps": 8, "grad_accum": 2}))
 
 
 def test_cli_generate_and_its_errors(tmp_path, capsys) -> None:

@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers (moeflow[hf])")
 
+import moeflow  # noqa: E402
 from moeflow.checkpoint import CheckpointError  # noqa: E402
 from moeflow.cli.main import main  # noqa: E402
 from moeflow.models import MoEGPT, gpt_config  # noqa: E402
@@ -90,3 +91,11 @@ def test_conversion_errors_name_the_problem(tmp_path, gen) -> None:
     with pytest.raises(ValueError, match="moe_every"):
         gpt_to_hf(MoEGPT(gpt_config("tiny", vocab_size=16, moe_every=2)), tmp_path / "x")
     assert main(["convert", "--from-hf", str(tmp_path / "q"), str(tmp_path / "y")]) == 2
+    # aux-loss-free balancing's bias changes the choice of experts: Mixtral cannot hold it
+    biased = MoEGPT(gpt_config("tiny", vocab_size=16, n_layers=1,
+                               router=moeflow.RouterConfig(scoring="topk_softmax", bias_update_rate=0.01)))
+    gpt_to_hf(biased, tmp_path / "zero-bias")  # a zero bias changes nothing: exported
+    with torch.no_grad():
+        biased.layers[0].ffn.router.expert_bias[0] = 0.5
+    with pytest.raises(ValueError, match="expert_bias is nonzero"):
+        gpt_to_hf(biased, tmp_path / "b")

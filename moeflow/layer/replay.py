@@ -5,8 +5,10 @@ rollout's tokens; if routing changed in between (other weights, noise, a differe
 composition under capacity), the update optimises a different network than the one that
 produced the samples. Replay pins the choice of experts to the recorded one while everything
 else is recomputed: the router's weights for the replayed experts come from the current logits
-(so the router still gets gradients), and the balance losses and load counts follow the current
-logits too.
+(so the router still gets gradients). Everything that counts assignments (the count term of the
+load-balance loss, the ``load`` loss without noise, ``router.load_counts`` for the aux-loss-free
+bias, ``layer.last_counts_E``) counts the replayed choice; the probability terms and the z-loss
+use the current logits.
 
     with moeflow.record_routing(model) as tape:
         rollout = model(x)

@@ -96,7 +96,8 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, *, top_k: int, forced_ids_TK: torch.Tensor | None = None) -> RoutingResult:
         """Route ``x_TD``; ``forced_ids_TK [T, top_k]`` (router replay) replaces the choice of
-        experts, while weights, losses and load counts follow from the current logits."""
+        experts: the weights of those experts come from the current logits, and assignment
+        counts (losses' count terms, load counters) count the replayed choice."""
         cfg = self.config
         if forced_ids_TK is not None:
             self._check_forced(forced_ids_TK, x_TD.shape[0], top_k)
@@ -160,6 +161,8 @@ class Router(nn.Module):
             )
         if ids_TK.numel() and not (0 <= int(ids_TK.min()) and int(ids_TK.max()) < self.num_experts):
             raise ValueError(f"replayed ids must be in [0, {self.num_experts}), got {int(ids_TK.min())}..{int(ids_TK.max())}")
+        if top_k > 1 and bool((ids_TK.sort(dim=1).values.diff(dim=1) == 0).any()):
+            raise ValueError("replayed ids repeat an expert within a token's row; each row needs top_k distinct experts")
 
     def _loss_coefs(self) -> list[tuple[str, float]]:
         c = self.config

@@ -288,6 +288,8 @@ class MoEGPT(nn.Module):
         """Append ``max_new_tokens`` sampled tokens to each row of ``idx [B, S]`` (the context is
         cropped to the last ``max_seq_len`` tokens); ``temperature=0`` is greedy."""
         _int("max_new_tokens", max_new_tokens, minimum=0)
+        if idx_BS.dim() != 2 or idx_BS.shape[1] == 0:
+            raise ValueError(f"idx must be [batch, seq] with at least one token per row, got {tuple(idx_BS.shape)}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None:

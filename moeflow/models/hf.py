@@ -213,6 +213,10 @@ def gpt_to_hf(model: MoEGPT, path: str | os.PathLike) -> Path:
     if not isinstance(model, MoEGPT):
         raise TypeError(f"model must be a MoEGPT, got {type(model).__name__}")
     config = hf_config_from_gpt(model.config)
+    for name, buf in model.named_buffers():
+        if name.endswith("router.expert_bias") and bool(buf.ne(0).any()):
+            raise ValueError(f"cannot export to Mixtral: {name} is nonzero (aux-loss-free balancing changes which "
+                             "experts are chosen, and Mixtral's router has no such bias)")
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     config["dtype"] = str(sd["embed.weight"].dtype).removeprefix("torch.")
     return write_hf(path, config, state_dict_to_hf(sd, model.config))

@@ -222,6 +222,13 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
         info = load_checkpoint(ckpt_root, model, opt, group=group)
         if info["extra"].get("model") != model_cfg.to_dict():
             raise ValueError(f"{info['path']}: checkpoint model config differs from this run's; use another out_dir")
+        saved = info["extra"].get("train", {})
+        # these decide which data each step sees: a resumed run must keep them
+        changed = {k: (saved.get(k), v) for k, v in cfg.to_dict().items()
+                   if k in ("batch_size", "grad_accum", "seq_len", "seed", "tokenizer", "bpe_vocab", "val_works")
+                   and saved.get(k) != v}
+        if changed:
+            raise ValueError(f"{info['path']}: resuming with other data settings (saved, now): {changed}")
         start = info["step"]
         history = info["extra"].get("history", history)
 
