@@ -242,6 +242,9 @@ class MoEConfig:
         ``[E, C, D]``.
         cf == 0: dropless; grouped GEMM over exactly the routed rows, no padding.
         cf < 0: dropless but capped at ``ceil(|cf| * T * K / E)`` rows per expert.
+
+    ``load_window``: keep the per-expert assignment counts of the last ``load_window`` training
+    calls (``MoE.load_stats()``; 0 = off). The counts stay on the device (no host sync).
     """
 
     dim: int
@@ -256,6 +259,7 @@ class MoEConfig:
     shared_hidden: int | None = None
     shared_gate: bool = False
     check_finite: bool = False
+    load_window: int = 0
 
     def __post_init__(self) -> None:
         _int("dim", self.dim, minimum=1)
@@ -275,6 +279,7 @@ class MoEConfig:
                 raise ValueError("shared_hidden is set but num_shared_experts=0")
         if self.shared_gate and self.num_shared_experts == 0:
             raise ValueError("shared_gate=True needs num_shared_experts >= 1")
+        _int("load_window", self.load_window, minimum=0)
 
     @property
     def shared_width(self) -> int:

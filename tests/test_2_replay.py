@@ -83,3 +83,20 @@ def test_replay_errors_name_the_problem(gen) -> None:
         pass
     with pytest.raises(TypeError, match="RoutingTape"):
         moeflow.replay_routing(model, {})
+
+
+def test_load_stats_sum_the_last_training_calls(gen) -> None:
+    layer = moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, load_window=3)
+    xs = [torch.randn(n, 8, generator=gen) for n in (5, 6, 7, 8)]
+    seen = []
+    for x in xs:
+        layer(x)
+        seen.append(layer.last_counts_E.clone())
+    assert torch.equal(layer.load_stats(), sum(seen[1:]))  # the window keeps the last 3 calls
+    assert int(layer.load_stats().sum()) == 2 * (6 + 7 + 8)
+    layer.eval()(xs[0])  # evaluation calls are not training load
+    assert torch.equal(layer.load_stats(), sum(seen[1:]))
+    with pytest.raises(RuntimeError, match="load_window"):
+        moeflow.MoE(dim=8, hidden=8, num_experts=4).load_stats()
+    with pytest.raises(ValueError, match="load_window"):
+        moeflow.MoE(dim=8, hidden=8, num_experts=4, load_window=-1)

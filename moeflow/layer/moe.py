@@ -6,6 +6,7 @@ parallelism is applied from outside by swapping it, never by a branch in here.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
@@ -92,6 +93,7 @@ class MoE(nn.Module):
         self.last_counts_E: torch.Tensor | None = None
         # (mode, layer name, RoutingTape) while moeflow.record_routing / replay_routing is active
         self._routing_tape: tuple | None = None
+        self._load_window: collections.deque = collections.deque(maxlen=max(1, config.load_window))
 
     def extra_repr(self) -> str:
         c = self.config
@@ -156,6 +158,8 @@ class MoE(nn.Module):
             y_TD = y_TD + self.shared(x_TD)
         self.aux_losses = routing.aux_losses
         self.last_counts_E = routing.counts_E
+        if cfg.load_window and self.training:
+            self._load_window.append(routing.counts_E)
         return y_TD.view(x.shape)
 
     def __getstate__(self) -> dict:
@@ -165,7 +169,19 @@ class MoE(nn.Module):
         state["aux_losses"] = None
         state["last_counts_E"] = None
         state["_routing_tape"] = None
+        state["_load_window"] = collections.deque(maxlen=self._load_window.maxlen)
         return state
+
+    def load_stats(self) -> torch.Tensor:
+        """Assignments per expert (int64 ``[E]``, before drops) summed over the last
+        ``config.load_window`` training calls of this process. Under data or expert parallelism
+        each rank counts its own tokens: sum over the group for the global load."""
+        if not self.config.load_window:
+            raise RuntimeError("load_stats() needs MoEConfig(load_window > 0)")
+        ref = self.router.load_counts
+        if not self._load_window:
+            return torch.zeros_like(ref)
+        return torch.stack(list(self._load_window)).sum(0)
 
     def expert_range(self) -> tuple[int, int]:
         """``(first global expert index, count)`` of the experts whose weights live here."""
