@@ -298,6 +298,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="autocast; auto = bf16 on CUDA, fp32 on CPU (no native bf16 on most CPUs)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms: the run repeats bit for bit (same machine and ranks)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--no-plot", dest="plot", action="store_false")
     p.add_argument("--nproc", type=int, default=None, help="expert parallelism: N local ranks through torchrun (gloo on CPU)")

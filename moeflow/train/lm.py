@@ -59,6 +59,11 @@ class LMTrainConfig:
     (``float64`` for exact comparisons, e.g. one process against expert-parallel ranks).
     ``parallel`` and ``overlap_degree`` set the MoE layers' parallel mode and pipelining under
     ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.DispatchConfig``).
+    ``deterministic`` turns on ``torch.use_deterministic_algorithms`` (an op without a
+    deterministic kernel then raises instead of varying; on CUDA set
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` as torch asks); with it a run repeats bit for bit on the
+    same machine and world size. moeflow's own dispatch and combine are gathers (no atomic adds),
+    so they need no change; the auto-tuner is refused (its choice depends on timings).
     """
 
     out_dir: Path
@@ -91,6 +96,7 @@ class LMTrainConfig:
     dtype: str = "float32"
     device: str = "cpu"
     resume: bool = False
+    deterministic: bool = False
     progress: bool = True
     plot: bool = True
 
@@ -109,6 +115,9 @@ class LMTrainConfig:
             _int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
             _int(name, getattr(self, name), minimum=0)
+        if self.deterministic and "auto" in (self.parallel, self.overlap_degree):
+            raise ValueError("deterministic=True needs a fixed parallel mode and overlap_degree: "
+                             "'auto' chooses by timing, which differs from run to run")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
@@ -206,11 +215,14 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     train = TokenStream.from_text(corpus.train_text, tok, cfg.seq_len, cfg.seed)
     val = TokenStream.from_text(corpus.val_text, tok, cfg.seq_len, cfg.seed + 1)
 
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model_cfg = cfg.model_config(vocab_size=tok.vocab_size)
     model = MoEGPT(model_cfg, device=device, dtype=getattr(torch, cfg.dtype))
     if world > 1:
         expert_parallel(model, group)
+    torch.manual_seed(cfg.seed * 1_000 + 1 + rank)  # router noise and dropout: per rank, reproducible
     opt = _optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"
     extra = {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "dtype": cfg.dtype, "tokenizer": tok.to_dict(),
