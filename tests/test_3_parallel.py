@@ -312,7 +312,25 @@ def _case_data_parallel(rank: int, world: int) -> None:
             raise AssertionError(f"{kw} was accepted")
 
 
+def _case_replay(rank: int, world: int) -> None:
+    """Router replay under expert parallelism: each rank records and replays its own tokens;
+    the replayed forward equals the recorded one, also after the router weights moved."""
+    ep = expert_parallel(_layer(8, 2, 1.0, "position", "combine", seed=600))
+    x = torch.randn(5 + rank, D, generator=torch.Generator().manual_seed(600 + rank), dtype=torch.float64)
+    with moeflow.record_routing(ep) as tape:
+        ref = ep(x)
+    with moeflow.replay_routing(ep, tape):
+        torch.testing.assert_close(ep(x), ref, rtol=0, atol=0)
+    with torch.no_grad():
+        ep.router.linear.weight.add_(torch.randn(ep.router.linear.weight.shape, dtype=torch.float64,
+                                                 generator=torch.Generator().manual_seed(601)))
+    with moeflow.replay_routing(ep, tape):
+        ep(x)
+    assert torch.equal(ep.last_counts_E, torch.bincount(tape.calls[""][0].flatten(), minlength=8))
+
+
 CASES = {
+    "replay": _case_replay,
     "pipelined": _case_pipelined,
     "data_parallel": _case_data_parallel,
     "equivalence": _case_equivalence,
@@ -329,6 +347,10 @@ CASES = {
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_matches_single_process(world):
     run_ranks(world, "equivalence")
+
+
+def test_router_replay_under_expert_parallelism():
+    run_ranks(2, "replay")
 
 
 @pytest.mark.parametrize("world", [2, 4])
