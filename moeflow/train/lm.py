@@ -40,7 +40,15 @@ from moeflow.parallel import (
     sync_load_counts,
 )
 from moeflow.parallel.comm import ProcessGroup, all_reduce_sum, gather_objects, process_position
-from moeflow.train.data import DEFAULT_VAL_WORKS, BPETokenizer, ByteTokenizer, Tokenizer, TokenStream, load_corpus
+from moeflow.train.data import (
+    DEFAULT_VAL_WORKS,
+    BPETokenizer,
+    ByteTokenizer,
+    Tokenizer,
+    TokenStream,
+    load_corpus,
+    tokenizer_from_dict,
+)
 
 __all__ = ["LMTrainConfig", "train_lm", "MODEL_FAMILY", "build_from_checkpoint"]
 
@@ -179,8 +187,6 @@ def _build_tokenizer(cfg: LMTrainConfig, train_text: str, group: ProcessGroup | 
     rank, _ = process_position(group)
     # trained once, on rank 0, and shared, so every rank encodes with the very same merges
     desc = BPETokenizer.train(train_text, cfg.bpe_vocab).to_dict() if rank == 0 else None
-    from moeflow.train.data import tokenizer_from_dict
-
     return tokenizer_from_dict(gather_objects(desc, group)[0])  # type: ignore[arg-type]
 
 
@@ -335,7 +341,6 @@ def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoE
     whose tokenizer lives with the Hugging Face files."""
     from moeflow.checkpoint import CheckpointError, read_index
     from moeflow.models import GPTConfig
-    from moeflow.train.data import tokenizer_from_dict
 
     path = Path(path)
     if not (path / "index.json").exists():
