@@ -184,8 +184,15 @@ class MoE(nn.Module):
         return torch.stack(list(self._load_window)).sum(0)
 
     def expert_range(self) -> tuple[int, int]:
-        """``(first global expert index, count)`` of the experts whose weights live here."""
-        return getattr(self.dispatcher, "expert_offset", 0), int(self.experts.num_experts)
+        """``(first global expert index, count)`` of the experts whose weights live here.
+
+        Raises ``ValueError`` under a load-aware placement (``moeflow.parallel.placement``),
+        whose slots are not one contiguous block: restore ``Placement.contiguous`` first."""
+        offset = getattr(self.dispatcher, "expert_offset", 0)
+        if offset is None:
+            raise ValueError("this layer's experts follow a non-contiguous placement; apply "
+                             "Placement.contiguous(E, W) with moeflow.parallel.apply_placement first")
+        return offset, int(self.experts.num_experts)
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of this layer's balance losses from its last call (a scalar with gradient)."""

@@ -15,6 +15,14 @@ from moeflow.parallel.api import (
     sync_load_counts,
 )
 from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
+from moeflow.parallel.placement import (
+    Placement,
+    apply_placement,
+    placement_of,
+    plan_placement,
+    rebalance,
+    sync_replica_gradients,
+)
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups, shutdown_distributed
 
@@ -37,4 +45,10 @@ __all__ = [
     "FlatExchange",
     "HierarchicalExchange",
     "Hierarchy",
+    "Placement",
+    "plan_placement",
+    "apply_placement",
+    "rebalance",
+    "sync_replica_gradients",
+    "placement_of",
 ]

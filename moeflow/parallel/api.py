@@ -176,7 +176,7 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip the gradients of ``model`` to a global 2-norm of ``max_norm``; returns the norm
-    before clipping.
+    before clipping. With replicated experts, call ``sync_replica_gradients`` first.
 
     Under expert parallelism the expert gradients are sharded over ``group`` while the dense
     ones are replicated (already reduced), so the global norm is
@@ -190,8 +190,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup 
     grads_expert = [p.grad for p in expert_parameters(model) if p.grad is not None]
     ref = next(model.parameters())
     sq_expert = torch.zeros((), dtype=torch.float64, device=ref.device)
-    for g in grads_expert:
-        sq_expert += g.double().square().sum()
+    # a replicated expert (load-aware placement) counts once: weight each slot by 1/replicas
+    slot_weight = {}
+    for layer in moe_layers(model):
+        placement = getattr(layer.dispatcher, "placement", None)
+        if placement is not None and max(placement.num_replicas) > 1:
+            w = torch.tensor([1.0 / placement.num_replicas[x] for x in placement.slots[layer.dispatcher.rank]],
+                             dtype=torch.float64, device=ref.device)
+            slot_weight.update({id(p): w for p in layer.experts.parameters()})
+    for p in expert_parameters(model):
+        if p.grad is None:
+            continue
+        sq = p.grad.double().square()
+        if id(p) in slot_weight:
+            sq_expert += (sq.reshape(p.shape[0], -1).sum(1) * slot_weight[id(p)]).sum()
+        else:
+            sq_expert += sq.sum()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(sq_expert, group=group)
     sq = sq_expert + sum((g.double().square().sum() for g in grads_dense), torch.zeros_like(sq_expert))

@@ -32,6 +32,7 @@ from moeflow.kernels.gather import gather_rows
 from moeflow.experts.ffn import GroupedExperts, grouped_ffn
 from moeflow.parallel.comm import all_gather_rows, all_gather_shards, start_all_to_all_rows, wait_all_to_all_rows
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
+from moeflow.parallel.placement import Placement
 from moeflow.parallel.tuner import ParallelTuner
 from moeflow.types import RoutingResult
 
@@ -95,11 +96,44 @@ class AllToAllDispatcher:
         self.group = group
         self.world = W
         self.rank = dist.get_rank(group)
-        self.num_local_experts = num_experts // W
-        self.expert_offset = self.rank * self.num_local_experts
+        self.set_placement(Placement.contiguous(num_experts, W))
         self.config = config if config is not None else DispatchConfig()
         self.exchange = FlatExchange(group) if hierarchy is None else HierarchicalExchange(group, hierarchy)
         self.tuner = ParallelTuner(group)
+
+    def set_placement(self, placement: Placement) -> None:
+        """Route to the slots of ``placement`` (``moeflow.parallel.placement``); the experts
+        module must hold this rank's slots in that order (``apply_placement`` does both)."""
+        if placement.num_experts != self.num_experts or placement.world != self.world:
+            raise ValueError(f"placement is for {placement.num_experts} experts on {placement.world} ranks; "
+                             f"this dispatcher has {self.num_experts} experts on {self.world} ranks")
+        self.placement = placement
+        self.num_local_experts = placement.slots_per_rank
+        # the global index of the first expert held here, while the slots are the plain
+        # contiguous block (checkpoints use it); None under any other placement
+        self.expert_offset = self.rank * self.num_local_experts if placement.is_contiguous else None
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _slots(self, expert_S: torch.Tensor, pos_S: torch.Tensor, kept_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global slot of every assignment and its row position within the slot.
+
+        ``expert_S``, ``pos_S``: expert and position among that expert's assignments (global
+        priority order); ``kept_E``: kept assignments per expert. The ``k`` kept rows of expert
+        ``x`` are cut at ``floor(cum_j * k / total)`` (``cum_j``: running sum of its replicas'
+        shares), part ``j`` going to replica ``j``; integer arithmetic, so every rank cuts the
+        same way. Dropped assignments go to the last replica (they travel nowhere).
+        """
+        if self.placement.is_contiguous:
+            return expert_S, pos_S
+        device = expert_S.device
+        if device not in self._tables:
+            self._tables[device] = self.placement.tables(device)
+        replica_EN, cum_EN1, n_E = self._tables[device]
+        cum_SN1 = cum_EN1[expert_S]
+        cut_SN1 = torch.div(cum_SN1 * kept_E[expert_S].unsqueeze(1), cum_SN1[:, -1:], rounding_mode="floor")
+        j_S = torch.minimum((cut_SN1[:, 1:] <= pos_S.unsqueeze(1)).sum(1), n_E[expert_S] - 1)
+        start_S = cut_SN1.gather(1, j_S.unsqueeze(1)).squeeze(1)
+        return replica_EN[expert_S, j_S], pos_S - start_S
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float,
@@ -147,8 +181,16 @@ class AllToAllDispatcher:
         slots = assign_slots(all_ids, all_w, num_experts=E, drop_policy=policy)
         order_S, expert_S, pos_S = slots.order_A, slots.expert_A, slots.pos_A  # S: global, by expert
         kept_S = torch.ones_like(order_S, dtype=torch.bool) if cap.row_cap is None else pos_S < cap.row_cap
+        if not self.placement.is_contiguous:
+            # rows travel by (destination rank, slot): regroup the global view by slot (a stable
+            # sort keeps each slot's rows in priority order)
+            slot_S, pos_S = self._slots(expert_S, pos_S, torch.bincount(expert_S[kept_S], minlength=E))
+            by_slot = torch.sort(slot_S, stable=True).indices
+            order_S, expert_S, pos_S, kept_S, slot_S = (t[by_slot] for t in (order_S, expert_S, pos_S, kept_S, slot_S))
+        else:
+            slot_S = expert_S
         src_S = torch.bucketize(torch.div(order_S, K, rounding_mode="floor"), _cumsum(tokens_W, device), right=True)
-        dst_S = torch.div(expert_S, e, rounding_mode="floor")
+        dst_S = torch.div(slot_S, e, rounding_mode="floor")
 
         # -- send side: my kept assignments, by (destination, expert, slot)
         mine = kept_S & (src_S == r)
@@ -163,7 +205,7 @@ class AllToAllDispatcher:
 
         # -- receive side: kept assignments for my experts, in (source, expert, slot) order
         to_me = kept_S & (dst_S == r)
-        src_R, local_R, pos_R, order_R = src_S[to_me], expert_S[to_me] - r * e, pos_S[to_me], order_S[to_me]
+        src_R, local_R, pos_R, order_R = src_S[to_me], slot_S[to_me] - r * e, pos_S[to_me], order_S[to_me]
         by_src = torch.sort(src_R, stable=True).indices
         src_R, local_R, pos_R, order_R = src_R[by_src], local_R[by_src], pos_R[by_src], order_R[by_src]
         R = local_R.numel()
@@ -210,7 +252,7 @@ class AllToAllDispatcher:
             weight_at=self.config.weight_at,
         )
         glob = _Global(tokens_W=tokens_W, kept_S=kept_S, src_S=src_S, dst_S=dst_S, order_S=order_S,
-                       expert_S=expert_S, src_R=src_R, local_R=local_R, order_R=order_R)
+                       expert_S=expert_S, slot_S=slot_S, src_R=src_R, local_R=local_R, order_R=order_R)
         return send_JD, plan, glob
 
     def combine(self, expert_out: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
@@ -285,8 +327,9 @@ class AllToAllDispatcher:
         send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
         # my kept rows are already grouped by global expert (the send order is by destination
         # rank, then expert): count them per global expert and run every expert here
+        # (by global slot: with replicas, each slot computes its share with its own copy)
         mine = g.kept_S & (g.src_S == self.rank)
-        counts_E = torch.bincount(g.expert_S[mine], minlength=self.num_experts)
+        counts_E = torch.bincount(g.slot_S[mine], minlength=self.world * self.num_local_experts)
         weights = [None if w is None else all_gather_shards(w, self.group)
                    for w in (experts.w_in, experts.w_out, experts.b_in, experts.b_out)]
         if torch.is_autocast_enabled(x_TD.device.type):
@@ -358,6 +401,7 @@ class _Global:
     dst_S: torch.Tensor
     order_S: torch.Tensor
     expert_S: torch.Tensor
+    slot_S: torch.Tensor
     src_R: torch.Tensor
     local_R: torch.Tensor
     order_R: torch.Tensor

@@ -1,0 +1,307 @@
+"""Tier 1 + 3: load-aware expert placement with replicas (moeflow.parallel.placement).
+
+The planner is checked on its own (tier 1); on 2 and 4 gloo ranks a layer under a replicated
+placement must give the single-process outputs and gradients (replica gradients summed) in every
+capacity mode and parallel setting, lower the busiest rank's rows under skewed routing, and moving
+experts mid-training must keep parameters, optimizer state and the loss curve exact.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moeflow
+from distributed_utils import spawn_ranks
+from moeflow import DispatchConfig, RouterConfig
+from moeflow.parallel import (
+    Placement,
+    all_reduce_gradients,
+    apply_placement,
+    clip_grad_norm_,
+    dense_parameters,
+    expert_parallel,
+    placement_of,
+    plan_placement,
+    rebalance,
+    sync_replica_gradients,
+)
+
+D, H = 8, 12
+
+
+# -- tier 1: the planner ------------------------------------------------------------------------
+
+
+def test_plan_placement_replicates_the_hot_expert():
+    load = [0.5] + [0.5 / 7] * 7
+    plain = Placement.contiguous(8, 4)
+    plan = plan_placement(load, world=4, slots_per_rank=3)
+    assert plan.slots_per_rank == 3 and plan.num_replicas[0] == 4
+    assert max(plan.rank_load(load)) <= 0.6 * max(plain.rank_load(load))
+    # no spare memory: nothing to gain, but still a valid placement
+    tight = plan_placement(load, world=4, slots_per_rank=2)
+    assert sorted(x for r in tight.slots for x in r) == list(range(8))
+
+
+def test_plan_placement_is_never_worse_than_contiguous():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        E, W = [(8, 2), (8, 4), (16, 4), (12, 3)][trial % 4]
+        load = (torch.rand(E, generator=gen) ** 4 * 1000).tolist()
+        for s in range(E // W, min(E, E // W + 3) + 1):
+            plan = plan_placement(load, world=W, slots_per_rank=s)
+            assert max(plan.rank_load(load)) <= max(Placement.contiguous(E, W).rank_load(load)) + 1e-9
+            assert all(len(set(r)) == s for r in plan.slots)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(load_E=[1, 2], world=0, slots_per_rank=1), "world"),
+        (dict(load_E=[1, 2, 3], world=1, slots_per_rank=2), "cannot hold"),
+        (dict(load_E=[1, -2], world=2, slots_per_rank=1), "non-negative"),
+        (dict(load_E=[1, 2], world=2, slots_per_rank=3), "exceeds"),
+        (dict(load_E=[1, 2], world=2, slots_per_rank=0), "slots_per_rank"),
+    ],
+)
+def test_plan_placement_rejects_bad_arguments(kwargs, match):
+    load = kwargs.pop("load_E")
+    with pytest.raises(ValueError, match=match):
+        plan_placement(load, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "slots, match",
+    [(((0, 1), (1,)), "same positive number"), (((0, 0), (1, 2)), "twice"), (((0, 1), (1, 2)), r"\[3\] have no slot"),
+     (((0, 9), (1, 2)), "outside")],
+)
+def test_placement_validates(slots, match):
+    with pytest.raises(ValueError, match=match):
+        Placement(num_experts=4, slots=slots)
+
+
+# -- tier 3: equivalence on gloo ranks ----------------------------------------------------------
+
+
+def _layer(E: int, k: int, cf: float, policy: str, seed: int) -> moeflow.MoE:
+    torch.manual_seed(seed)
+    layer = moeflow.MoE(
+        dim=D, hidden=H, num_experts=E, top_k=k, capacity_factor=cf,
+        router=RouterConfig(load_balance_coef=0.0), dispatch=DispatchConfig(drop_policy=policy),
+        dtype=torch.float64,
+    ).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return layer
+
+
+def _check(rank, world, layer, placement, tokens, seed, what, **call):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed + 2)
+    xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+    gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+    start = sum(tokens[:rank])
+    sl = slice(start, start + tokens[rank])
+    ref = copy.deepcopy(layer)
+    x_all = torch.cat(xs).requires_grad_(True)
+    y_all = ref(x_all)
+    (y_all * torch.cat(gs)).sum().backward()
+
+    ep = expert_parallel(copy.deepcopy(layer))
+    apply_placement(ep, [placement])
+    assert placement_of(ep) == placement
+    x = xs[rank].clone().requires_grad_(True)
+    y = ep(x, **call)
+    (y * gs[rank]).sum().backward()
+    sync_replica_gradients(ep)
+
+    tol = dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(y, y_all[sl].detach(), **tol, msg=lambda m: f"{what} output: {m}")
+    torch.testing.assert_close(x.grad, x_all.grad[sl], **tol, msg=lambda m: f"{what} input grad: {m}")
+    ref_params = dict(ref.experts.named_parameters())
+    mine = list(placement.slots[rank])
+    for name, p in ep.experts.named_parameters():
+        torch.testing.assert_close(p, ref_params[name].detach()[mine], rtol=0, atol=0)
+        torch.testing.assert_close(p.grad, ref_params[name].grad[mine], **tol,
+                                   msg=lambda m: f"{what} expert {name} grad: {m}")
+    all_reduce_gradients(dense_parameters(ep), None, average=False)
+    ref_all = dict(ref.named_parameters())
+    for name, p in ep.named_parameters():
+        if not getattr(p, "moeflow_expert", False):
+            torch.testing.assert_close(p.grad, ref_all[name].grad, **tol, msg=lambda m: f"{what} {name} grad: {m}")
+    # the global gradient norm counts each replicated expert once
+    norm_ref = torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters()))
+    norm = clip_grad_norm_(ep, 1e9)
+    torch.testing.assert_close(norm, norm_ref, rtol=1e-12, atol=0, msg=lambda m: f"{what} grad norm: {m}")
+
+
+def _placements(E: int, world: int) -> list[Placement]:
+    gen = torch.Generator().manual_seed(world)
+    skewed = [8.0] + [1.0] * (E - 1)
+    out = [
+        plan_placement(skewed, world=world, slots_per_rank=E // world + 1),
+        plan_placement(skewed, world=world, slots_per_rank=E // world),
+        plan_placement(torch.rand(E, generator=gen).tolist(), world=world, slots_per_rank=E // world + 2),
+    ]
+    # a permutation without replicas: experts on other ranks than the contiguous block
+    perm = torch.randperm(E, generator=gen).view(world, -1).tolist()
+    out.append(Placement(num_experts=E, slots=tuple(tuple(sorted(r)) for r in perm)))
+    return out
+
+
+def _case_equivalence(rank: int, world: int) -> None:
+    E = 8
+    placements = _placements(E, world)
+    configs = [(1, 1.0, "position"), (2, 0.0, "position"), (2, 1.25, "score"), (2, -0.8, "position")]
+    i = 0
+    for placement in placements:
+        for k, cf, policy in configs:
+            tokens = [9 + 4 * r for r in range(world)]
+            tokens[-1] = 0  # a rank without tokens
+            layer = _layer(E, k, cf, policy, seed=300 + i)
+            _check(rank, world, layer, placement, tokens, 300 + i, f"{placement.slots} k={k} cf={cf} {policy}")
+            i += 1
+    # the other run paths use the same slot assignment
+    layer = _layer(E, 2, 0.0, "position", seed=900)
+    _check(rank, world, layer, placements[0], [11] * world, 900, "pipelined", overlap_degree=2)
+    _check(rank, world, layer, placements[0], [11] * world, 901, "data mode", parallel="data")
+
+
+def _case_skewed_load(rank: int, world: int) -> None:
+    """Half of the tokens choose expert 0 (top-1): the busiest rank's rows drop by >= 40%."""
+    E, T = 8, 64
+    torch.manual_seed(7)
+    layer = moeflow.MoE(dim=D, hidden=H, num_experts=E, top_k=1, capacity_factor=0.0, dtype=torch.float64,
+                        router=RouterConfig(load_balance_coef=0.0), load_window=4).train()
+    gen = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    forced = torch.randint(1, E, (T, 1), generator=gen)
+    forced[: T // 2] = 0
+    ep = expert_parallel(layer)
+
+    def busiest_rows() -> int:
+        _, plan = ep.dispatcher.dispatch(x, ep.router(x, top_k=1, forced_ids_TK=forced), capacity_factor=0.0)
+        rows = torch.tensor([int(plan.counts_E.sum())])
+        torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX)
+        return int(rows)
+
+    before = busiest_rows()
+    with moeflow.replay_routing(ep, moeflow.RoutingTape({"": [forced]})):
+        ep(x)  # one training call with the skewed routing: the load statistics see it
+    plans = rebalance(ep, slots_per_rank=E // world + 1)
+    after = busiest_rows()
+    assert plans[0].num_replicas[0] > 1
+    assert after <= 0.6 * before, (before, after, plans[0].slots)
+
+
+def _tiny_model(E: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = [moeflow.MoE(dim=D, hidden=H, num_experts=E, top_k=2, capacity_factor=0.0, dtype=torch.float64,
+                          router=RouterConfig(load_balance_coef=0.01)) for _ in range(2)]
+    return torch.nn.Sequential(layers[0], torch.nn.Tanh(), layers[1])
+
+
+def _train(rank, world, moves: dict[int, str], steps: int = 8):  # type: ignore[no-untyped-def]
+    """AdamW on a 2-layer MoE; ``moves[step]``: 'replicated', 'shuffled' or 'contiguous'."""
+    E = 8
+    model = expert_parallel(_tiny_model(E, seed=5))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(20 + rank)
+    losses = []
+    for step in range(steps):
+        if step in moves:
+            kind = moves[step]
+            pgen = torch.Generator().manual_seed(step)
+            if kind == "replicated":
+                plans = [plan_placement(torch.rand(E, generator=pgen).tolist(), world=world, slots_per_rank=E // world + 1)
+                         for _ in range(2)]
+            elif kind == "shuffled":
+                plans = [Placement(num_experts=E, slots=tuple(tuple(r) for r in torch.randperm(E, generator=pgen).view(world, -1).tolist()))
+                         for _ in range(2)]
+            else:
+                plans = [Placement.contiguous(E, world)] * 2
+            before = {(i, x): _expert_state(layer, opt, x) for i, layer in enumerate(moeflow.moe_layers(model))
+                      for x in placement_of(layer).slots[rank]}
+            apply_placement(model, plans, opt)
+            after = {(i, x): _expert_state(layer, opt, x) for i, layer in enumerate(moeflow.moe_layers(model))
+                     for x in placement_of(layer).slots[rank]}
+            _check_moved(before, after, world)
+        x = torch.randn(16, D, generator=gen, dtype=torch.float64)
+        loss = model(x).square().mean() + moeflow.aux_loss(model)
+        (loss / world).backward()
+        sync_replica_gradients(model)
+        all_reduce_gradients(dense_parameters(model), None, average=False)
+        clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(float(total))
+    return model, opt, losses
+
+
+def _expert_state(layer, opt, x):  # type: ignore[no-untyped-def]
+    """Parameters and optimizer moments of global expert ``x`` held here (first replica)."""
+    l = list(placement_of(layer).slots[layer.dispatcher.rank]).index(x)
+    out = []
+    for p in layer.experts.parameters():
+        out.append(p.detach()[l].clone())
+        for key in ("exp_avg", "exp_avg_sq"):
+            if p in opt.state and key in opt.state[p]:
+                out.append(opt.state[p][key][l].clone())
+    return out
+
+
+def _check_moved(before, after, world):  # type: ignore[no-untyped-def]
+    """Every expert held after the move equals its state before the move, wherever it was."""
+    gathered = [None] * world
+    torch.distributed.all_gather_object(gathered, before)
+    everywhere = {k: v for d in gathered for k, v in d.items()}
+    for key, tensors in after.items():
+        for a, b in zip(tensors, everywhere[key], strict=True):
+            assert torch.equal(a, b), key
+
+
+def _case_move(rank: int, world: int) -> None:
+    _, _, plain = _train(rank, world, {})
+    model, opt, moved = _train(rank, world, {2: "replicated", 4: "shuffled", 6: "contiguous"})
+    torch.testing.assert_close(torch.tensor(moved), torch.tensor(plain), rtol=1e-12, atol=0)
+    ref, _, _ = _train(rank, world, {})
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-11, atol=1e-13, msg=lambda m: f"{name}: {m}")
+
+
+def _case_bad_move(rank: int, world: int) -> None:
+    model = expert_parallel(_tiny_model(8, seed=1))
+    with pytest.raises(ValueError, match="placements has 1 entries for 2 MoE layers"):
+        apply_placement(model, [Placement.contiguous(8, world)])
+    with pytest.raises(ValueError, match="16 experts"):
+        apply_placement(model, [Placement.contiguous(16, world)] * 2)
+    apply_placement(model, [plan_placement([5.0] + [1.0] * 7, world=world, slots_per_rank=8 // world + 1)] * 2)
+    with pytest.raises(ValueError, match="non-contiguous placement"):
+        moeflow.moe_layers(model)[0].expert_range()
+
+
+CASES = {"equivalence": _case_equivalence, "skewed": _case_skewed_load, "move": _case_move, "bad": _case_bad_move}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_replicated_placement_matches_single_process(world):
+    spawn_ranks(world, __name__, "equivalence")
+
+
+def test_replication_lowers_busiest_rank_on_4_ranks():
+    spawn_ranks(4, __name__, "skewed")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moving_experts_mid_training_is_exact(world):
+    spawn_ranks(world, __name__, "move")
+
+
+def test_bad_placements_raise():
+    spawn_ranks(2, __name__, "bad")
