@@ -64,6 +64,11 @@ def model_tensors(model: nn.Module, *, include_dense: bool) -> dict[str, torch.T
                 f"cannot checkpoint expert parameter {name!r}: only GroupedExperts (stacked [e, ...] "
                 "weights) have a world-size-independent layout"
             )
+        elif getattr(p, "moeflow_vocab_shard", False):
+            raise ValueError(
+                f"cannot checkpoint {name!r}: it is a vocabulary shard (moeflow.parallel.vocab_parallel); "
+                "gather it with moeflow.parallel.gather_vocab_weight and save the unsplit model"
+            )
         elif include_dense:
             out[f"param/{name}"] = p.detach()
     if include_dense:

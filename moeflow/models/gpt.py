@@ -266,18 +266,33 @@ class MoEGPT(nn.Module):
             nn.init.normal_(attn.o_proj.weight, std=std / math.sqrt(2 * self.config.n_layers))
 
     def forward(self, idx_BS: torch.Tensor) -> torch.Tensor:
+        self._check_idx(idx_BS)
+        return self.lm_head(self.hidden_states(idx_BS))
+
+    def _check_idx(self, idx_BS: torch.Tensor) -> None:
         if not isinstance(idx_BS, torch.Tensor) or idx_BS.dtype not in (torch.int64, torch.int32) or idx_BS.dim() != 2:
             raise TypeError(f"idx must be an int64/int32 tensor [batch, seq], got {getattr(idx_BS, 'dtype', type(idx_BS))} "
                             f"{tuple(getattr(idx_BS, 'shape', ()))}")
         if idx_BS.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {idx_BS.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
+
+    def hidden_states(self, idx_BS: torch.Tensor) -> torch.Tensor:
+        """The final normed hidden states ``[B, S, D]`` (what the output projection reads)."""
         x_BSD = self.drop(self.embed(idx_BS))
         for block in self.layers:
             x_BSD = block(x_BSD)
-        return self.lm_head(self.norm(x_BSD))
+        return self.norm(x_BSD)
 
     def loss(self, idx_BS: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of ``targets`` given ``idx`` (computed in at least fp32)."""
+        """Mean next-token cross-entropy of ``targets`` given ``idx`` (computed in at least fp32).
+
+        An output projection with a ``cross_entropy(h_TD, targets_T)`` method (the
+        vocabulary-parallel head of ``moeflow.parallel.vocab_parallel``) computes the per-token
+        losses itself, without full logits."""
+        head_loss = getattr(self.lm_head, "cross_entropy", None)
+        if head_loss is not None:
+            self._check_idx(idx_BS)
+            return head_loss(self.hidden_states(idx_BS).flatten(0, 1), targets_BS.flatten()).mean()
         logits_BSV = self(idx_BS)
         logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
         return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())

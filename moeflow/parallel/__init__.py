@@ -9,6 +9,7 @@ from moeflow.parallel.api import (
     reduce_expert_gradients,
     ddp_ignore_expert_parameters,
     dense_parameters,
+    vocab_parameters,
     expert_parallel,
     expert_parameters,
     fsdp_ignored_parameters,
@@ -22,6 +23,13 @@ from moeflow.parallel.placement import (
     plan_placement,
     rebalance,
     sync_replica_gradients,
+)
+from moeflow.parallel.vocab import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    gather_vocab_weight,
+    vocab_parallel,
+    vocab_range,
 )
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups, shutdown_distributed
@@ -51,4 +59,10 @@ __all__ = [
     "rebalance",
     "sync_replica_gradients",
     "placement_of",
+    "vocab_parallel",
+    "vocab_parameters",
+    "vocab_range",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "gather_vocab_weight",
 ]

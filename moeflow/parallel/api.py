@@ -15,6 +15,7 @@ from moeflow.parallel.groups import ParallelGroups
 __all__ = [
     "expert_parallel",
     "expert_parameters",
+    "vocab_parameters",
     "dense_parameters",
     "ddp_ignore_expert_parameters",
     "fsdp_ignored_parameters",
@@ -102,9 +103,16 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "moeflow_expert", False)]
 
 
+def vocab_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Vocabulary shards (``moeflow.parallel.vocab_parallel``, tagged ``moeflow_vocab_shard``):
+    split over the group like experts, their gradients already summed over it."""
+    return [p for p in model.parameters() if getattr(p, "moeflow_vocab_shard", False)]
+
+
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Every other parameter (router, shared experts, the rest of the model): replicated."""
-    return [p for p in model.parameters() if not getattr(p, "moeflow_expert", False)]
+    return [p for p in model.parameters()
+            if not getattr(p, "moeflow_expert", False) and not getattr(p, "moeflow_vocab_shard", False)]
 
 
 def ddp_ignore_expert_parameters(model: nn.Module) -> list[str]:
@@ -187,7 +195,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup 
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     grads_dense = [p.grad for p in dense_parameters(model) if p.grad is not None]
-    grads_expert = [p.grad for p in expert_parameters(model) if p.grad is not None]
+    grads_expert = [p.grad for p in expert_parameters(model) + vocab_parameters(model) if p.grad is not None]
     ref = next(model.parameters())
     sq_expert = torch.zeros((), dtype=torch.float64, device=ref.device)
     # a replicated expert (load-aware placement) counts once: weight each slot by 1/replicas
@@ -198,7 +206,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup 
             w = torch.tensor([1.0 / placement.num_replicas[x] for x in placement.slots[layer.dispatcher.rank]],
                              dtype=torch.float64, device=ref.device)
             slot_weight.update({id(p): w for p in layer.experts.parameters()})
-    for p in expert_parameters(model):
+    for p in expert_parameters(model) + vocab_parameters(model):
         if p.grad is None:
             continue
         sq = p.grad.double().square()

@@ -1,0 +1,141 @@
+"""Tier 3: vocabulary-parallel embedding, output projection and cross-entropy on 2 and 4 gloo
+ranks against the unsplit modules on the concatenated batch (fp64), alone and inside MoEGPT."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moeflow
+from moeflow.checkpoint import save_checkpoint
+from distributed_utils import spawn_ranks
+from moeflow.models import GPTConfig, MoEGPT
+from moeflow.parallel import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    all_reduce_gradients,
+    clip_grad_norm_,
+    dense_parameters,
+    expert_parallel,
+    gather_vocab_weight,
+    vocab_parallel,
+    vocab_range,
+)
+
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def test_vocab_range_covers_the_vocabulary():
+    for V in (4, 5, 37, 50):
+        for W in (1, 2, 3, 4):
+            parts = [vocab_range(V, r, W) for r in range(W)]
+            assert parts[0][0] == 0 and sum(c for _, c in parts) == V
+            assert all(a + c == b for (a, c), (b, _) in zip(parts, parts[1:]))
+            assert max(c for _, c in parts) - min(c for _, c in parts) <= 1
+
+
+def _case_modules(rank: int, world: int) -> None:
+    V, D = 37, 6  # V not a multiple of the world size
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(V, D, generator=gen, dtype=torch.float64)
+    tokens = [5 + 3 * r for r in range(world)]
+    tokens[-1] = 0  # a rank without tokens
+    ids = [torch.randint(0, V, (t,), generator=gen) for t in tokens]
+    targets = [torch.randint(0, V, (t,), generator=gen) for t in tokens]
+    hs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+    gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+    first = sum(tokens[:rank])
+    sl = slice(first, first + tokens[rank])
+    start, count = vocab_range(V, rank, world)
+
+    # embedding: values and the shard's gradient
+    ref = torch.nn.Embedding(V, D, dtype=torch.float64)
+    with torch.no_grad():
+        ref.weight.copy_(weight)
+    (ref(torch.cat(ids)) * torch.cat(gs)).sum().backward()
+    emb = VocabParallelEmbedding(weight, None)
+    out = emb(ids[rank])
+    (out * gs[rank]).sum().backward()
+    torch.testing.assert_close(out, ref(torch.cat(ids))[sl].detach(), **TOL)
+    torch.testing.assert_close(emb.weight.grad, ref.weight.grad[start : start + count], **TOL)
+    torch.testing.assert_close(gather_vocab_weight(emb.weight.detach()), weight, rtol=0, atol=0)
+
+    # tied head: per-token losses, input and weight gradients
+    w_ref = weight.clone().requires_grad_(True)
+    h_all = torch.cat(hs).requires_grad_(True)
+    loss_ref = F.cross_entropy(h_all @ w_ref.t(), torch.cat(targets), reduction="none")
+    loss_ref.sum().backward()
+    head = VocabParallelHead(torch.nn.Parameter(weight[start : start + count].clone()), vocab_size=V)
+    h = hs[rank].clone().requires_grad_(True)
+    loss = head.cross_entropy(h, targets[rank])
+    loss.sum().backward()
+    torch.testing.assert_close(loss, loss_ref[sl].detach(), **TOL)
+    torch.testing.assert_close(h.grad, h_all.grad[sl], **TOL)
+    torch.testing.assert_close(head.weight.grad, w_ref.grad[start : start + count], **TOL)
+    # full logits for sampling
+    torch.testing.assert_close(head(hs[rank]), hs[rank] @ weight.t(), **TOL)
+
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 37\)"):
+        emb(torch.tensor([0, 37]))
+
+
+def _gpt(tied: bool) -> MoEGPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=41, dim=16, n_layers=2, n_heads=2, max_seq_len=8, num_experts=4, top_k=2,
+                    expert_hidden=12, tie_embeddings=tied, router=moeflow.RouterConfig(load_balance_coef=0.0))
+    return MoEGPT(cfg, dtype=torch.float64)
+
+
+def _case_gpt(rank: int, world: int) -> None:
+    """MoEGPT with experts and vocabulary split over the group equals the unsplit model."""
+    for tied in (True, False):
+        model = _gpt(tied)
+        gen = torch.Generator().manual_seed(10)
+        B, S = 2, 8
+        idx = [torch.randint(0, 41, (B, S), generator=gen) for _ in range(world)]
+        tgt = [torch.randint(0, 41, (B, S), generator=gen) for _ in range(world)]
+        ref = copy.deepcopy(model)
+        # (no balance loss: it depends on each rank's batch statistics, not on the vocabulary split)
+        loss_ref = ref.loss(torch.cat(idx), torch.cat(tgt))
+        loss_ref.backward()
+        ref_norm = torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters()))
+
+        par = vocab_parallel(expert_parallel(copy.deepcopy(model)))
+        assert (par.lm_head.weight is par.embed.weight) == tied
+        loss = par.loss(idx[rank], tgt[rank])
+        (loss / world).backward()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        torch.testing.assert_close(total / world, ref.loss(torch.cat(idx), torch.cat(tgt)).detach(), **TOL)
+        all_reduce_gradients(dense_parameters(par), None, average=False)
+        ref_params = dict(ref.named_parameters())
+        start, count = vocab_range(41, rank, world)
+        for name, p in par.named_parameters():
+            expected = ref_params[name].grad
+            if name in ("embed.weight", "lm_head.weight"):
+                expected = expected[start : start + count]
+            elif getattr(p, "moeflow_expert", False):
+                e = 4 // world
+                expected = expected[rank * e : (rank + 1) * e]
+            torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"tied={tied} {name}: {m}")
+        norm = clip_grad_norm_(par, 1e9)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=0)
+        with tempfile.TemporaryDirectory() as tmp, pytest.raises(ValueError, match="vocabulary shard"):
+            save_checkpoint(tmp, 0, par)
+
+
+CASES = {"modules": _case_modules, "gpt": _case_gpt}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_modules_match_unsplit(world):
+    spawn_ranks(world, __name__, "modules")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_gpt_matches_unsplit(world):
+    spawn_ranks(world, __name__, "gpt")
