@@ -286,7 +286,30 @@ def _case_bad_move(rank: int, world: int) -> None:
         moeflow.moe_layers(model)[0].expert_range()
 
 
-CASES = {"equivalence": _case_equivalence, "skewed": _case_skewed_load, "move": _case_move, "bad": _case_bad_move}
+def _case_checkpoint(rank: int, world: int, root: str) -> None:
+    """Saved under a replicated placement (each expert once), loaded under another placement:
+    every slot gets its expert's parameters and optimizer state."""
+    from moeflow.checkpoint import load_checkpoint, save_checkpoint
+
+    model, opt, _ = _train(rank, world, {1: "replicated"}, steps=3)
+    save_checkpoint(root, 3, model, opt)
+    fresh = expert_parallel(_tiny_model(8, seed=99))
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    apply_placement(fresh, [Placement(num_experts=8, slots=tuple(tuple(r) for r in
+                     torch.randperm(8, generator=torch.Generator().manual_seed(4)).view(world, -1).tolist()))] * 2, opt2)
+    load_checkpoint(root, fresh, opt2)
+    saved = {(i, x): _expert_state(layer, opt, x) for i, layer in enumerate(moeflow.moe_layers(model))
+             for x in placement_of(layer).slots[rank]}
+    loaded = {(i, x): _expert_state(layer, opt2, x) for i, layer in enumerate(moeflow.moe_layers(fresh))
+              for x in placement_of(layer).slots[rank]}
+    _check_moved(saved, loaded, world)
+    for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
+        if not getattr(p, "moeflow_expert", False):
+            assert torch.equal(p, q), name
+
+
+CASES = {"equivalence": _case_equivalence, "skewed": _case_skewed_load, "move": _case_move, "bad": _case_bad_move,
+         "checkpoint": _case_checkpoint}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -305,3 +328,8 @@ def test_moving_experts_mid_training_is_exact(world):
 
 def test_bad_placements_raise():
     spawn_ranks(2, __name__, "bad")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_checkpoint_under_replicated_placement(world, tmp_path):
+    spawn_ranks(world, __name__, "checkpoint", str(tmp_path))

@@ -245,9 +245,9 @@ def _load_into(target: torch.Tensor, value: torch.Tensor, key: str, file: str) -
         target.copy_(value)
 
 
-def _gather_experts(reader: _Reader, base: str, start: int, count: int, like: torch.Tensor) -> torch.Tensor:
+def _gather_experts(reader: _Reader, base: str, ids: list[int], like: torch.Tensor) -> torch.Tensor:
     parts = []
-    for g in range(start, start + count):
+    for g in ids:
         key = f"{base}@{g}"
         if not reader.has(key):
             raise CheckpointError(f"{reader.path}: expert {g} of {base.split('/', 1)[1]} is missing (key {key!r})")
@@ -266,7 +266,7 @@ def load_checkpoint(
     """Load a checkpoint into ``model`` (and ``optimizer``), whatever world size wrote it.
 
     ``path`` is a checkpoint directory, or a root whose latest complete checkpoint is used.
-    Each rank reads the experts it holds now (``MoE.expert_range``). Returns
+    Each rank reads the experts it holds now (``MoE.expert_slots``: any placement). Returns
     ``{"step": ..., "extra": ..., "world_size": <at save>, "path": ...}``.
     """
     path = Path(path)
@@ -289,9 +289,9 @@ def load_checkpoint(
     expected = set()
     for name, p in model.named_parameters():
         if name in slices:
-            start, count, _ = slices[name]
-            value = _gather_experts(reader, f"param/{name}", start, count, p)
-            _load_into(p, value, f"param/{name}@{start}..{start + count - 1}", str(path))
+            ids = slices[name][0]
+            value = _gather_experts(reader, f"param/{name}", ids, p)
+            _load_into(p, value, f"param/{name}@{ids}", str(path))
             expected.update(f"param/{name}@{g}" for g in range(index["experts"][name]))
         else:
             key = f"param/{name}"
@@ -347,8 +347,7 @@ def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: t
         state: dict[str, object] = dict(scalars.get(name, {}))
         for state_key, keys in entries.items():
             if any(g is not None for g, _ in keys):
-                start, count, _ = slices[name]
-                state[state_key] = _gather_experts(reader, f"optim/{name}/{state_key}", start, count, p).to(p.device)
+                state[state_key] = _gather_experts(reader, f"optim/{name}/{state_key}", slices[name][0], p).to(p.device)
             else:
                 state[state_key] = reader.get(keys[0][1]).to(p.device)
         if state:

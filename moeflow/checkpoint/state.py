@@ -25,16 +25,17 @@ from moeflow.layer.moe import MoE
 __all__ = ["expert_slices", "model_tensors", "optimizer_tensors", "split_key"]
 
 
-def expert_slices(model: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """Name -> ``(first global expert, local count, global E)`` for the stacked ``[e, ...]``
-    parameters of every ``GroupedExperts`` inside a ``moeflow.MoE``."""
-    out: dict[str, tuple[int, int, int]] = {}
+def expert_slices(model: nn.Module) -> dict[str, tuple[list[int], list[bool], int]]:
+    """Name -> ``(global expert of each local slot, whether that slot is saved, global E)`` for
+    the stacked ``[slots, ...]`` parameters of every ``GroupedExperts`` inside a ``moeflow.MoE``
+    (``MoE.expert_slots``: a replicated expert is saved from its first replica only)."""
+    out: dict[str, tuple[list[int], list[bool], int]] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, MoE) and isinstance(module.experts, GroupedExperts):
-            start, count = module.expert_range()
+            ids, saved = module.expert_slots()
             for name, _ in module.experts.named_parameters():
                 full = f"{prefix}.experts.{name}" if prefix else f"experts.{name}"
-                out[full] = (start, count, module.config.num_experts)
+                out[full] = (ids, saved, module.config.num_experts)
     return out
 
 
@@ -46,10 +47,11 @@ def split_key(key: str) -> tuple[str, int | None]:
     return key, None
 
 
-def _expand(prefix: str, name: str, tensor: torch.Tensor, layout: tuple[int, int, int]) -> Iterator[tuple[str, torch.Tensor]]:
-    start, count, _ = layout
-    for i in range(count):
-        yield f"{prefix}/{name}@{start + i}", tensor[i]
+def _expand(prefix: str, name: str, tensor: torch.Tensor, layout: tuple[list[int], list[bool], int]) -> Iterator[tuple[str, torch.Tensor]]:
+    ids, saved, _ = layout
+    for i, (g, keep) in enumerate(zip(ids, saved)):
+        if keep:
+            yield f"{prefix}/{name}@{g}", tensor[i]
 
 
 def model_tensors(model: nn.Module, *, include_dense: bool) -> dict[str, torch.Tensor]:

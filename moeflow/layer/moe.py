@@ -194,6 +194,16 @@ class MoE(nn.Module):
                              "Placement.contiguous(E, W) with moeflow.parallel.apply_placement first")
         return offset, int(self.experts.num_experts)
 
+    def expert_slots(self) -> tuple[list[int], list[bool]]:
+        """The global expert of each expert slot held here, and whether the slot is its expert's
+        first replica (the one a checkpoint saves). Without a load-aware placement that is
+        ``expert_range``'s block, every slot first."""
+        slots = getattr(self.dispatcher, "slot_experts", None)
+        if slots is None:
+            start, count = self.expert_range()
+            return list(range(start, start + count)), [True] * count
+        return list(slots), list(self.dispatcher.slot_primary)
+
     def aux_loss(self) -> torch.Tensor:
         """Sum of this layer's balance losses from its last call (a scalar with gradient)."""
         if self.aux_losses is None:

@@ -112,6 +112,9 @@ class AllToAllDispatcher:
         # the global index of the first expert held here, while the slots are the plain
         # contiguous block (checkpoints use it); None under any other placement
         self.expert_offset = self.rank * self.num_local_experts if placement.is_contiguous else None
+        s = placement.slots_per_rank
+        self.slot_experts = placement.slots[self.rank]
+        self.slot_primary = tuple(placement.replicas(x)[0] == self.rank * s + l for l, x in enumerate(self.slot_experts))
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _slots(self, expert_S: torch.Tensor, pos_S: torch.Tensor, kept_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
