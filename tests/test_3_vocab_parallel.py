@@ -4,6 +4,7 @@ ranks against the unsplit modules on the concatenated batch (fp64), alone and in
 from __future__ import annotations
 
 import copy
+import shutil
 import tempfile
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import moeflow
-from moeflow.checkpoint import save_checkpoint
+from moeflow.checkpoint import load_checkpoint, save_checkpoint
 from distributed_utils import spawn_ranks
 from moeflow.models import GPTConfig, MoEGPT
 from moeflow.parallel import (
@@ -124,8 +125,24 @@ def _case_gpt(rank: int, world: int) -> None:
             torch.testing.assert_close(p.grad, expected, **TOL, msg=lambda m: f"tied={tied} {name}: {m}")
         norm = clip_grad_norm_(par, 1e9)
         torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=0)
-        with tempfile.TemporaryDirectory() as tmp, pytest.raises(ValueError, match="vocabulary shard"):
-            save_checkpoint(tmp, 0, par)
+        # checkpoints hold the unsplit table and optimizer state; they load into split models
+        opt = torch.optim.AdamW(par.parameters(), lr=1e-2)
+        opt.step()
+        root = [tempfile.mkdtemp(prefix="moeflow-vocab-") if rank == 0 else None]
+        torch.distributed.broadcast_object_list(root)
+        save_checkpoint(root[0], 1, par, opt)
+        again = vocab_parallel(expert_parallel(_gpt(tied)))
+        opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
+        load_checkpoint(root[0], again, opt2)
+        for (name, p), q in zip(par.named_parameters(), again.parameters()):
+            assert torch.equal(p, q), name
+            assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"]), name
+        plain = _gpt(tied)
+        load_checkpoint(root[0], plain)  # the unsplit model reads the same files
+        torch.testing.assert_close(plain.embed.weight[start : start + count], par.embed.weight, rtol=0, atol=0)
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(root[0])
 
 
 CASES = {"modules": _case_modules, "gpt": _case_gpt}

@@ -33,8 +33,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from moeflow.checkpoint.state import expert_slices, model_tensors, optimizer_tensors, split_key
+from moeflow.checkpoint.state import expert_slices, model_tensors, optimizer_tensors, split_key, vocab_shards
 from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position, sync
+from moeflow.parallel.vocab import gather_vocab_weight
 
 __all__ = [
     "CheckpointError",
@@ -147,6 +148,10 @@ def save_checkpoint(
     if optimizer is not None:
         optim_tensors, optim_meta = optimizer_tensors(model, optimizer, include_dense=rank == 0)
         tensors.update(optim_tensors)
+    for key, shard in vocab_shards(model, optimizer):  # every rank joins each gather; rank 0 writes
+        full = gather_vocab_weight(shard, group)
+        if rank == 0:
+            tensors[key] = full
     tensors[f"rng/rank{rank}/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors[f"rng/rank{rank}/cuda"] = torch.cuda.get_rng_state()
@@ -245,6 +250,14 @@ def _load_into(target: torch.Tensor, value: torch.Tensor, key: str, file: str) -
         target.copy_(value)
 
 
+def _vocab_rows(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a saved unsplit table when ``p`` is a vocabulary shard."""
+    if not getattr(p, "moeflow_vocab_shard", False):
+        return value
+    start = p.moeflow_vocab_start  # type: ignore[attr-defined]
+    return value[start : start + p.shape[0]]
+
+
 def _gather_experts(reader: _Reader, base: str, ids: list[int], like: torch.Tensor) -> torch.Tensor:
     parts = []
     for g in ids:
@@ -297,7 +310,7 @@ def load_checkpoint(
             key = f"param/{name}"
             if not reader.has(key):
                 raise CheckpointError(f"{path}: parameter {name!r} is not in the checkpoint")
-            _load_into(p, reader.get(key), key, reader.where[key]["file"])
+            _load_into(p, _vocab_rows(p, reader.get(key)), key, reader.where[key]["file"])
             expected.add(key)
     for name, b in model.named_buffers():
         key = f"buffer/{name}"
@@ -349,7 +362,8 @@ def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: t
             if any(g is not None for g, _ in keys):
                 state[state_key] = _gather_experts(reader, f"optim/{name}/{state_key}", slices[name][0], p).to(p.device)
             else:
-                state[state_key] = reader.get(keys[0][1]).to(p.device)
+                value = reader.get(keys[0][1])
+                state[state_key] = (_vocab_rows(p, value) if value.dim() and value.shape[1:] == p.shape[1:] else value).to(p.device)
         if state:
             optimizer.state[p] = state
 

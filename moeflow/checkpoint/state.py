@@ -22,7 +22,7 @@ from torch import nn
 from moeflow.experts import GroupedExperts
 from moeflow.layer.moe import MoE
 
-__all__ = ["expert_slices", "model_tensors", "optimizer_tensors", "split_key"]
+__all__ = ["expert_slices", "model_tensors", "optimizer_tensors", "split_key", "vocab_shards"]
 
 
 def expert_slices(model: nn.Module) -> dict[str, tuple[list[int], list[bool], int]]:
@@ -36,6 +36,19 @@ def expert_slices(model: nn.Module) -> dict[str, tuple[list[int], list[bool], in
             for name, _ in module.experts.named_parameters():
                 full = f"{prefix}.experts.{name}" if prefix else f"experts.{name}"
                 out[full] = (ids, saved, module.config.num_experts)
+    return out
+
+
+def vocab_shards(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
+    """``(key, shard)`` of every vocabulary-parallel parameter and its optimizer state shaped like
+    it, in the same order on every rank: the checkpoint stores them gathered under ``key``."""
+    out = []
+    for name, p in model.named_parameters():
+        if getattr(p, "moeflow_vocab_shard", False):
+            out.append((f"param/{name}", p.detach()))
+            state = optimizer.state.get(p, {}) if optimizer is not None else {}
+            for key in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape):
+                out.append((f"optim/{name}/{key}", state[key].detach()))
     return out
 
 
@@ -67,10 +80,7 @@ def model_tensors(model: nn.Module, *, include_dense: bool) -> dict[str, torch.T
                 "weights) have a world-size-independent layout"
             )
         elif getattr(p, "moeflow_vocab_shard", False):
-            raise ValueError(
-                f"cannot checkpoint {name!r}: it is a vocabulary shard (moeflow.parallel.vocab_parallel); "
-                "gather it with moeflow.parallel.gather_vocab_weight and save the unsplit model"
-            )
+            continue  # saved gathered (``vocab_tensors``)
         elif include_dense:
             out[f"param/{name}"] = p.detach()
     if include_dense:
@@ -94,6 +104,8 @@ def optimizer_tensors(
             raise ValueError("the optimizer holds a parameter that is not in the model")
         is_expert = name in layouts
         for key, value in state.items():
+            if getattr(p, "moeflow_vocab_shard", False) and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                continue  # saved gathered (``vocab_tensors``)
             if isinstance(value, torch.Tensor) and is_expert and value.shape == p.shape:
                 tensors.update(_expand("optim", f"{name}/{key}", value.detach(), layouts[name]))
             elif not include_dense:

@@ -19,7 +19,9 @@ group see *different* tokens (they are data parallel outside the experts), so:
 
 Each shard's gradient is the sum over every rank's loss, like an expert's: the parameters are
 tagged ``moeflow_vocab_shard`` and excluded from ``dense_parameters`` (not averaged again), and
-``clip_grad_norm_`` counts them once across the group. The results equal the unsplit model's.
+``clip_grad_norm_`` counts them once across the group. Checkpoints hold the gathered, unsplit
+tables (and optimizer state), so they load into split and unsplit models alike. The results
+equal the unsplit model's.
 """
 
 from __future__ import annotations
@@ -62,8 +64,11 @@ def _sum_to_owners(rows_NX: torch.Tensor, tokens_W: list[int], rank: int, group:
     return recv.view(W, T, *rows_NX.shape[1:]).sum(0)
 
 
-def _mark(p: nn.Parameter) -> nn.Parameter:
+def _mark(p: nn.Parameter, start: int) -> nn.Parameter:
+    """Tag a vocabulary shard and where its rows start (checkpoints save the gathered table and
+    load this slice of it)."""
     p.moeflow_vocab_shard = True  # type: ignore[attr-defined]
+    p.moeflow_vocab_start = start  # type: ignore[attr-defined]
     return p
 
 
@@ -85,7 +90,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.num_embeddings < self.world:
             raise ValueError(f"vocab size {self.num_embeddings} is smaller than the group size {self.world}")
         self.start, count = vocab_range(self.num_embeddings, self.rank, self.world)
-        self.weight = _mark(nn.Parameter(weight_VD.detach()[self.start : self.start + count].clone()))
+        self.weight = _mark(nn.Parameter(weight_VD.detach()[self.start : self.start + count].clone()), self.start)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.start + self.weight.shape[0]})"
@@ -165,7 +170,7 @@ class VocabParallelHead(nn.Module):
         if weight_vD.shape[0] != count:
             raise ValueError(f"weight_vD has {weight_vD.shape[0]} rows; rank {self.rank} of {self.world} holds "
                              f"{count} of vocab_size={vocab_size}")
-        self.weight = _mark(weight_vD)
+        self.weight = _mark(weight_vD, self.start)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h_TD = h.reshape(-1, h.shape[-1])
