@@ -82,3 +82,33 @@ def _case_train_noisy(rank: int, world: int, out: str) -> None:
 
 
 CASES["train_noisy"] = _case_train_noisy
+
+
+def _case_train_placed(rank: int, world: int, out: str) -> None:
+    train_lm(_cfg(out, load_balance_coef=0.0, steps=5, dtype="float64", vocab_parallel=True, rebalance_every=2,
+                  expert_slots=8 // world + 1))
+
+
+CASES["train_placed"] = _case_train_placed
+
+
+@pytest.mark.parametrize("world", [2])  # the modules are tested on 4 ranks too (test_3_placement, test_3_vocab_parallel)
+def test_rebalanced_vocab_parallel_training_equals_one_process(tmp_path, world: int) -> None:
+    """Experts moved (with replicas) every 2 steps and the vocabulary split over the ranks: the
+    same trajectory and final parameters as one process (fp64)."""
+    torch.set_num_threads(2)
+    single = train_lm(_cfg(str(tmp_path / "one"), load_balance_coef=0.0, steps=5, dtype="float64"))
+    spawn_ranks(world, __name__, "train_placed", str(tmp_path / "ep"))
+    ep = json.loads((tmp_path / "ep" / "history.json").read_text())
+    assert [s for s, _ in ep["rebalance"]] == [2, 4]
+    assert any(len(set(x for r in layer for x in r)) < sum(len(r) for r in layer)  # replicas were made
+               for _, moved in ep["rebalance"] for layer in moved["slots"])
+    torch.testing.assert_close(torch.tensor(ep["train_loss"]), torch.tensor(single["train_loss"]), rtol=1e-10, atol=0)
+    from moeflow.train import build_from_checkpoint
+
+    m1, _, _ = build_from_checkpoint(tmp_path / "one")
+    mw, _, _ = build_from_checkpoint(tmp_path / "ep")
+    for (n, p), (_, q) in zip(m1.named_parameters(), mw.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-8, atol=1e-10, msg=n)
+    with pytest.raises(ValueError, match="more than one rank"):
+        train_lm(_cfg(str(tmp_path / "bad"), vocab_parallel=True))

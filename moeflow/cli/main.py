@@ -1,4 +1,4 @@
-"""``moeflow`` command line: ``moeflow bench|train|generate|train-vision|a2a-model|convert ...``."""
+"""``moeflow`` command line: ``moeflow bench|train|generate|infer|train-vision|a2a-model|convert ...``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import math
 import sys
 from pathlib import Path
+
+from moeflow.cli.infer import add_infer
 
 __all__ = ["main", "build_parser"]
 
@@ -308,6 +310,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="with --nproc: the MoE layers' parallel mode (auto: tuned at run time)")
     p.add_argument("--overlap-degree", type=lambda v: v if v == "auto" else int(v), default=1,
                    help="with --nproc: pipelining chunks of the exchange (an int, or auto)")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="with --nproc: split the embedding and tied output projection by vocabulary rows")
+    p.add_argument("--rebalance-every", type=int, default=0,
+                   help="with --nproc: move experts to a load-aware placement every N steps (0: never)")
+    p.add_argument("--expert-slots", type=int, default=0,
+                   help="with --rebalance-every: experts each rank may hold (default E/ranks; more allows replicas)")
     p.add_argument("--sample-tokens", type=int, default=300, help="tokens to sample from the final checkpoint (0: none)")
     p.add_argument("--prompt", default="ROMEO.\n")
     p.set_defaults(func=_run_train)
@@ -439,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_train(sub)
     _add_generate(sub)
+    add_infer(sub)
     _add_train_vision(sub)
     return parser
 

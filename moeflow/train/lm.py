@@ -34,10 +34,15 @@ from moeflow.config import DispatchConfig, RouterConfig, _int
 from moeflow.models import GPT_PRESETS, MoEGPT, gpt_config
 from moeflow.parallel import (
     all_reduce_gradients,
+    apply_placement,
     clip_grad_norm_,
     dense_parameters,
     expert_parallel,
+    placement_of,
+    plan_placement,
     sync_load_counts,
+    sync_replica_gradients,
+    vocab_parallel,
 )
 from moeflow.parallel.comm import ProcessGroup, all_reduce_sum, gather_objects, process_position
 from moeflow.train.data import (
@@ -72,6 +77,11 @@ class LMTrainConfig:
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` as torch asks); with it a run repeats bit for bit on the
     same machine and world size. moeflow's own dispatch and combine are gathers (no atomic adds),
     so they need no change; the auto-tuner is refused (its choice depends on timings).
+    With several ranks: ``vocab_parallel`` splits the embedding and the tied output projection
+    by vocabulary rows (``moeflow.parallel.vocab_parallel``); ``rebalance_every`` moves experts
+    (and their optimizer state) every that many steps to a load-aware placement computed from the
+    expert load since the last move, with ``expert_slots`` experts per rank (0: E / ranks, i.e.
+    no memory for replicas; more lets hot experts be replicated).
     """
 
     out_dir: Path
@@ -105,6 +115,9 @@ class LMTrainConfig:
     device: str = "cpu"
     resume: bool = False
     deterministic: bool = False
+    vocab_parallel: bool = False
+    rebalance_every: int = 0
+    expert_slots: int = 0
     progress: bool = True
     plot: bool = True
 
@@ -121,7 +134,7 @@ class LMTrainConfig:
             raise ValueError(f"amp must be one of auto, bf16, fp16, off, got {self.amp!r}")
         for name in ("seq_len", "steps", "batch_size", "grad_accum", "eval_batches", "keep_checkpoints", "bpe_vocab"):
             _int(name, getattr(self, name), minimum=1)
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "rebalance_every", "expert_slots"):
             _int(name, getattr(self, name), minimum=0)
         if self.deterministic and "auto" in (self.parallel, self.overlap_degree):
             raise ValueError("deterministic=True needs a fixed parallel mode and overlap_degree: "
@@ -205,6 +218,22 @@ def evaluate(model: MoEGPT, stream: TokenStream, cfg: LMTrainConfig, group: Proc
     return float(all_reduce_sum(total, group)) / (cfg.eval_batches * world)
 
 
+def _rebalance(model: MoEGPT, opt: torch.optim.Optimizer, window_LE: torch.Tensor, group: ProcessGroup | None,
+               slots: int) -> dict:
+    """Move every MoE layer's experts to a placement planned from the group's load since the last
+    move; returns, per layer, the busiest rank's share of that load before and after, and the
+    slots."""
+    load_LE = all_reduce_sum(window_LE.clone(), group)
+    layers = moeflow.moe_layers(model)
+    plans = [plan_placement(load_E, world=placement_of(layer).world, slots_per_rank=slots)
+             for layer, load_E in zip(layers, load_LE)]
+    total = load_LE.sum(-1).clamp(min=1).tolist()
+    before = [max(placement_of(layer).rank_load(load_E.tolist())) / t for layer, load_E, t in zip(layers, load_LE, total)]
+    after = [max(plan.rank_load(load_E.tolist())) / t for plan, load_E, t in zip(plans, load_LE, total)]
+    apply_placement(model, plans, opt)
+    return {"before": before, "after": after, "slots": [[list(r) for r in plan.slots] for plan in plans]}
+
+
 def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     """Run the training; every rank of ``group`` calls it. Returns (on every rank) the history:
     ``{"step": [...], "train_loss": [...], "val": [[step, loss], ...], "load": [[step, [[frac per
@@ -228,6 +257,14 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     model = MoEGPT(model_cfg, device=device, dtype=getattr(torch, cfg.dtype))
     if world > 1:
         expert_parallel(model, group)
+        if cfg.vocab_parallel:
+            vocab_parallel(model, group)
+    elif cfg.vocab_parallel or cfg.rebalance_every:
+        raise ValueError("vocab_parallel and rebalance_every need more than one rank (--nproc >= 2)")
+    slots = cfg.expert_slots or model_cfg.num_experts // world
+    if cfg.rebalance_every and not model_cfg.num_experts // world <= slots <= model_cfg.num_experts:
+        raise ValueError(f"expert_slots={cfg.expert_slots} must lie in [E / ranks, E] = "
+                         f"[{model_cfg.num_experts // world}, {model_cfg.num_experts}]")
     torch.manual_seed(cfg.seed * 1_000 + 1 + rank)  # router noise and dropout: per rank, reproducible
     opt = _optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"
@@ -264,6 +301,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
     counts_LE = torch.zeros(len(layers), E, dtype=torch.float64, device=device)
+    window_LE = torch.zeros_like(counts_LE)  # load since the last rebalance (this rank's tokens)
+    history.setdefault("rebalance", [])
     since_log, t_start, t_log = 0, time.perf_counter(), time.perf_counter()
     log_every = max(1, min(10, cfg.steps // 50 or 1))
     for step in range(start, cfg.steps):
@@ -279,7 +318,9 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
             loss_sum += loss.detach().double()
             for i, layer in enumerate(layers):
                 counts_LE[i] += layer.last_counts_E.to(counts_LE.dtype)
+                window_LE[i] += layer.last_counts_E.to(counts_LE.dtype)
         if world > 1:
+            sync_replica_gradients(model)
             all_reduce_gradients(dense_parameters(model), group, average=False)
         clip_grad_norm_(model, cfg.grad_clip, group)
         opt.step()
@@ -289,6 +330,14 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
                 sync_load_counts(model, group)
             moeflow.update_expert_bias(model)
         since_log += 1
+        if cfg.rebalance_every and (step + 1) % cfg.rebalance_every == 0 and step + 1 != cfg.steps:
+            moved = _rebalance(model, opt, window_LE, group, slots)
+            history["rebalance"].append([step + 1, moved])
+            window_LE.zero_()
+            if bar is not None:
+                mean = lambda v: sum(v) / len(v)  # noqa: E731
+                bar.write(f"step {step + 1}: experts moved; busiest rank's share of the rows since the last move "
+                          f"{mean(moved['before']):.1%} -> {mean(moved['after']):.1%} (mean over layers)")
 
         step_loss = float(all_reduce_sum(loss_sum, group)) / (world * cfg.grad_accum)
         history["step"].append(step + 1)
