@@ -402,9 +402,14 @@ def test_bench_nproc_cli(tmp_path, capsys):
 
     out = tmp_path / "ep.json"
     rc = main(["bench", "--nproc", "2", "--tokens", "32", "--dim", "8", "--hidden", "8", "--experts", "4",
-               "--repeats", "2", "--warmup", "1", "--node-size", "1", "--json", str(out)])
+               "--repeats", "2", "--warmup", "1", "--node-size", "1", "--skew", "0.6", "--expert-slots", "3",
+               "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
+    # the skewed-routing comparison: the placement replicates expert 0 and relieves its rank
+    placement = report["placement"]
+    assert sum(0 in r for r in placement["slots"]) == 2
+    assert placement["busiest_rows"]["placed"] < placement["busiest_rows"]["contiguous"]
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     assert all(0 <= r["exchange_share"] <= 1 and r["exchange_ms"] > 0 for r in report["ranks"])
     group = report["group"]
@@ -412,6 +417,8 @@ def test_bench_nproc_cli(tmp_path, capsys):
     assert group["scaling"] == pytest.approx(group["tokens_per_s"] / report["baseline"]["tokens_per_s"])
     assert "scaling" in capsys.readouterr().out
     assert main(["bench", "--nproc", "3", "--experts", "4"]) == 2  # E not divisible by N
+    assert main(["bench", "--nproc", "2", "--experts", "4", "--expert-slots", "5"]) == 2  # more slots than experts
+    assert main(["bench", "--skew", "0.5"]) == 2  # needs --nproc
 
 
 def _case_review_regressions(rank: int, world: int) -> None:

@@ -16,6 +16,11 @@ tokens/s of the whole group next to the baseline: ``scaling = group tokens/s / b
 pipelining degree) on the ranks, interleaved repeat by repeat so that machine noise hits them
 alike, then lets a fresh layer with ``parallel="auto", overlap_degree="auto"`` tune itself on
 its first calls and times its choice in the same rounds.
+
+``skew > 0`` (``--skew 0.5``) forces routing where that share of the tokens picks expert 0
+first, and times the layer with contiguous experts against a copy moved to the load-aware
+placement (``moeflow.parallel.plan_placement``, ``expert_slots`` experts per rank; replicas need
+more than E/N), interleaved; it reports the busiest rank's received rows and the step times.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class ParallelBenchConfig(LayerBenchFlags):
     warmup: int = 2
     node_size: int | None = None
     sweep: bool = False
+    skew: float = 0.0
+    expert_slots: int = 0
 
     _positive = ("nproc", *LayerBenchFlags._positive)
 
@@ -55,6 +62,11 @@ class ParallelBenchConfig(LayerBenchFlags):
             raise ValueError(f"--experts={self.experts} must be divisible by --nproc={self.nproc}")
         if self.node_size is not None and (self.node_size < 1 or self.nproc % self.node_size):
             raise ValueError(f"--node-size must divide --nproc={self.nproc}, got {self.node_size}")
+        if not 0.0 <= self.skew < 1.0:
+            raise ValueError(f"--skew must lie in [0, 1), got {self.skew}")
+        e = self.experts // self.nproc
+        if self.expert_slots and not e <= self.expert_slots <= self.experts:
+            raise ValueError(f"--expert-slots must lie in [E/nproc, E] = [{e}, {self.experts}], got {self.expert_slots}")
 
 
 def _timed_steps(cfg: ParallelBenchConfig, layer: MoE, x: torch.Tensor, g: torch.Tensor, *, before_step=None, timer=None):  # type: ignore[no-untyped-def]
@@ -133,6 +145,51 @@ def _sweep(cfg: ParallelBenchConfig, layer: MoE, tuned: MoE, x: torch.Tensor, g:
     return {"times_s": times, "auto_choice": _label(choice), "tuning_calls": calls}
 
 
+def _skewed_ids(cfg: ParallelBenchConfig, rank: int) -> torch.Tensor:
+    """``ids_TK`` where a ``skew`` share of the tokens choose expert 0 first and the rest of the
+    choices are uniform (distinct per token): a synthetic hot expert."""
+    gen = torch.Generator().manual_seed(cfg.seed + 2000 + rank)
+    scores = torch.rand(cfg.tokens, cfg.experts, generator=gen)
+    hot = torch.rand(cfg.tokens, generator=gen) < cfg.skew
+    scores[hot, 0] = 2.0
+    scores[~hot, 0] = -1.0  # a token that is not hot does not pick expert 0 at all
+    return scores.topk(cfg.top_k, dim=1).indices
+
+
+def _placement_compare(cfg: ParallelBenchConfig, layer: MoE, x: torch.Tensor, g: torch.Tensor, rank: int) -> dict:
+    """Under skewed routing: the busiest rank's rows and the step time of ``layer`` as built
+    (contiguous experts) and of a copy under ``plan_placement`` of the measured load with
+    ``expert_slots`` slots (interleaved, slowest rank per repeat taken by the caller)."""
+    import moeflow
+    from moeflow.parallel import apply_placement, expert_parallel, plan_placement
+    from moeflow.parallel.comm import all_reduce_sum, barrier
+
+    ids = _skewed_ids(cfg, rank)
+    tape = moeflow.RoutingTape({"": [ids]})
+    load_E = all_reduce_sum(torch.bincount(ids.view(-1), minlength=cfg.experts).double(), None)
+    slots = cfg.expert_slots or cfg.experts // cfg.nproc
+    placed = expert_parallel(_layer(cfg, x.device))  # the same weights (seeded), moved below
+    plan = plan_placement(load_E, world=cfg.nproc, slots_per_rank=slots)
+    apply_placement(placed, [plan])
+
+    def rows(m: MoE) -> int:
+        _, p = m.dispatcher.dispatch(x, m.router(x, top_k=cfg.top_k, forced_ids_TK=ids), capacity_factor=cfg.capacity_factor)
+        return int(p.counts_E.sum())
+
+    times: dict[str, list[float]] = {"contiguous": [], "placed": []}
+    for rep in range(cfg.warmup + cfg.repeats):
+        for name, m in (("contiguous", layer), ("placed", placed)):
+            barrier()
+            t0 = time.perf_counter()
+            tape.rewind()
+            with moeflow.replay_routing(m, tape):
+                _step(m, x, g)
+            if rep >= cfg.warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {"times_s": times, "rows": {"contiguous": rows(layer), "placed": rows(placed)},
+            "slots": [list(r) for r in plan.slots], "load": load_E.tolist()}
+
+
 def _baseline(cfg: ParallelBenchConfig) -> list[float]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(cfg.threads)
@@ -162,9 +219,10 @@ def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
     if cfg.sweep:
         tuned = expert_parallel(_layer(cfg, device), groups.expert, hierarchy=groups.hierarchy)
         sweep = _sweep(cfg, layer, tuned, x, g)
+    placement = _placement_compare(cfg, layer, x, g, rank) if cfg.skew > 0 else None
     barrier()
     (out_dir / f"rank{rank}.json").write_text(
-        json.dumps({"rank": rank, "step_s": steps, "exchange_s": comms, "sweep": sweep})
+        json.dumps({"rank": rank, "step_s": steps, "exchange_s": comms, "sweep": sweep, "placement": placement})
     )
 
 
@@ -191,8 +249,19 @@ def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
                  "auto_choices_agree": len({rk["sweep"]["auto_choice"] for rk in ranks}) == 1,
                  "tuning_calls": ranks[0]["sweep"]["tuning_calls"],
                  "auto_vs_best": med[auto] / med[best], "best_vs_baseline": med[best] / med[base]}
+    placement = None
+    if cfg.skew > 0:
+        per = {n: [max(rk["placement"]["times_s"][n][i] for rk in ranks) for i in range(cfg.repeats)]
+               for n in ("contiguous", "placed")}
+        med = {n: statistics.median(v) * 1e3 for n, v in per.items()}
+        busiest = {n: max(rk["placement"]["rows"][n] for rk in ranks) for n in ("contiguous", "placed")}
+        placement = {"step_ms": med, "busiest_rows": busiest, "slots": ranks[0]["placement"]["slots"],
+                     "load": ranks[0]["placement"]["load"],
+                     "rows_reduction": 1 - busiest["placed"] / busiest["contiguous"],
+                     "speedup": med["contiguous"] / med["placed"]}
     return {
         "sweep": sweep,
+        "placement": placement,
         "benchmark": "expert_parallel",
         "config": asdict(cfg),
         "machine": {**_machine_info(), "backend": "nccl" if torch.cuda.is_available() else "gloo"},
@@ -263,6 +332,16 @@ def format_parallel_table(report: dict) -> str:
             f"{sw['auto_choices_agree']}); its time is {sw['auto_vs_best']:.3f}x the fastest setting's; "
             f"the fastest setting is {sw['best_vs_baseline']:.3f}x {base}"
         )
+    pl = report.get("placement")
+    if pl:
+        total = sum(pl["load"])
+        lines += ["", f"skewed routing (skew={c['skew']}: expert 0 gets {pl['load'][0] / total:.0%} of the assignments); "
+                  f"load-aware placement with {len(pl['slots'][0])} slots/rank {pl['slots']}:",
+                  f"{'':<26}{'busiest rank rows':>18}{'step ms':>10}",
+                  f"{'contiguous experts':<26}{pl['busiest_rows']['contiguous']:>18}{pl['step_ms']['contiguous']:>10.1f}",
+                  f"{'placed (replicas)':<26}{pl['busiest_rows']['placed']:>18}{pl['step_ms']['placed']:>10.1f}",
+                  f"busiest rank's rows {100 * pl['rows_reduction']:.0f}% lower; step {pl['speedup']:.2f}x faster "
+                  "(forward+backward, slowest rank, median; interleaved)"]
     return "\n".join(lines)
 
 

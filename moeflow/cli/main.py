@@ -46,6 +46,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "and compare with one rank holding all experts",
     )
     p.add_argument("--node-size", type=int, default=None, help="with --nproc: ranks per node for the two-level exchange")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="with --nproc: force this share of tokens onto expert 0 and compare contiguous experts "
+                        "with a load-aware placement")
+    p.add_argument("--expert-slots", type=int, default=0,
+                   help="with --skew: experts per rank for the placement (default E/nproc; more allows replicas)")
     p.add_argument("--sweep", action="store_true",
                    help="with --nproc: also time every parallel mode / overlap_degree and the auto-tuner's choice")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the full report as JSON")
@@ -55,8 +60,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _run_parallel_bench(args)
-    if args.sweep:
-        print("moeflow bench: error: --sweep needs --nproc N (it sweeps the parallel modes and pipelining)", file=sys.stderr)
+    if args.sweep or args.skew or args.expert_slots:
+        print("moeflow bench: error: --sweep, --skew and --expert-slots need --nproc N", file=sys.stderr)
         return 2
     from moeflow.bench import BenchConfig, format_table, run_layer_bench
 
