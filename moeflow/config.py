@@ -30,7 +30,7 @@ DropPolicy = Literal["position", "score", "bpr"]
 WeightAt = Literal["combine", "dispatch"]
 ParallelMode = Literal["expert", "data", "auto"]
 Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
-ExpertsBackend = Literal["auto", "grouped_mm", "loop"]
+ExpertsBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 
 GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
 
@@ -212,8 +212,10 @@ class ExpertsConfig:
     Gated activations (``"swiglu"``, ``"geglu"``) use ``act(x W_gate) * (x W_up)``; the gate and
     up projections are stored fused in ``w_in [E, D, 2H]`` (gate first).
     ``backend`` picks the grouped GEMM used in dropless mode: ``"grouped_mm"``
-    (``torch.nn.functional.grouped_mm``), ``"loop"`` (one matmul per expert, the reference), or
-    ``"auto"`` (``grouped_mm`` where it supports the device and dtype, else ``loop``).
+    (``torch.nn.functional.grouped_mm``), ``"loop"`` (one matmul per expert, the reference),
+    ``"triton"`` (``moeflow.kernels.triton``: the FFN with its activation fused; CUDA, or CPU
+    under the Triton interpreter for tests), or ``"auto"`` (Triton for bf16/fp16 on CUDA,
+    ``grouped_mm`` where it supports the device and dtype, else ``loop``).
     """
 
     activation: Activation = "swiglu"

@@ -43,7 +43,7 @@ BAD_CONFIGS = [
     ("scoring", lambda: RouterConfig(scoring="relu"), ValueError, ["scoring", "'relu'"]),
     ("group-score", lambda: RouterConfig(group_score="mean"), ValueError, ["group_score", "'mean'"]),
     ("activation", lambda: ExpertsConfig(activation="tanh"), ValueError, ["activation", "'tanh'"]),
-    ("backend", lambda: ExpertsConfig(backend="triton"), ValueError, ["backend", "'triton'"]),
+    ("backend", lambda: ExpertsConfig(backend="cutlass"), ValueError, ["backend", "'cutlass'"]),
     ("drop-policy", lambda: DispatchConfig(drop_policy="random"), ValueError, ["drop_policy", "'random'"]),
     ("weight-at", lambda: DispatchConfig(weight_at="both"), ValueError, ["weight_at", "'both'"]),
     (

@@ -4,7 +4,8 @@ Every experts module follows one protocol, ``forward(expert_in, counts_E) -> exp
 two input layouts chosen by the dispatcher:
 
 - ``[E, C, D]`` (capacity mode): expert ``e`` owns slice ``e``; only its first ``counts_E[e]``
-  rows are real, the rest are zero padding whose output is ignored. Computed as batched matmul.
+  rows are real, the rest are zero padding whose output is ignored. Computed as batched matmul
+  for every backend (equal-size groups are what ``bmm`` is for).
 - ``[R, D]`` grouped (dropless): rows grouped contiguously by expert, ``counts_E[e]`` rows each,
   ``R == counts_E.sum()``. Computed as a grouped GEMM.
 
@@ -186,9 +187,18 @@ def grouped_ffn(
     other layouts (Hugging Face ``gate_up_proj``) use their tensors without a copy.
     ``activation`` is a name for ``activate`` or a callable ``[R, F] -> [R, H]`` (a custom gate).
     ``backend`` picks the grouped matmul (``moeflow.kernels.grouped_mm``; ``"auto"`` probes).
+    With ``"triton"``, a named activation and no biases, the whole FFN is
+    ``moeflow.kernels.triton.grouped_ffn_triton`` (activation fused into the GEMM epilogues);
+    otherwise the Triton grouped GEMM runs with the activation and biases in torch.
     """
     dims = (w_in_EDF.shape[-2], w_in_EDF.shape[-1], w_out_EHD.shape[-2])
-    mm = GROUPED_MM_BACKENDS[resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype, dims)]
+    name = resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype, dims)
+    if name == "triton" and b_in_EF is None and b_out_ED is None and isinstance(activation, str):
+        # both GEMMs and the activation (and its backward) in fused Triton kernels
+        from moeflow.kernels.triton.grouped_gemm import grouped_ffn_triton
+
+        return grouped_ffn_triton(x_RD, counts_E, w_in_EDF, w_out_EHD, activation=activation)
+    mm = GROUPED_MM_BACKENDS[name]
     offs_E = torch.cumsum(counts_E, 0)
     h_RF = mm(x_RD, w_in_EDF, offs_E)
     expert_R = None

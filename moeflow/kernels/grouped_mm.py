@@ -5,11 +5,18 @@
 ``offs_E[-1] == R``: no padding rows (``F.grouped_mm`` leaves rows past the last offset
 uninitialised, so the dispatcher never produces any).
 
-Two backends:
+Three backends:
 - ``"loop"``: one ``mm`` per group; the reference, works for every dtype (fp64 included) but
   reads the group sizes on the host.
 - ``"grouped_mm"``: ``torch.nn.functional.grouped_mm``, one call, no host sync; only where the
   probe shows it supports the device and dtype (fp32/bf16/fp16 on CPU in torch 2.13).
+- ``"triton"``: ``moeflow.kernels.triton.grouped_mm_triton``, no host sync; fp32/bf16/fp16 on
+  CUDA, or on CPU under the Triton interpreter (tests only; see ``triton_available``).
+
+``"auto"`` picks ``"triton"`` for bf16/fp16 on CUDA when Triton is importable, else
+``"grouped_mm"`` where the probe allows it, else ``"loop"``. It never picks Triton on CPU (the
+interpreter is for tests) nor for fp32 (the kernels' fp32 path is exact IEEE fp32 on CUDA
+cores, slower than cuBLAS); an explicit ``"triton"`` accepts fp32.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from moeflow.kernels.triton import triton_available
+
 __all__ = [
     "grouped_mm",
     "grouped_mm_loop",
@@ -27,7 +36,13 @@ __all__ = [
     "native_grouped_mm_supported",
     "resolve_grouped_mm_backend",
     "GROUPED_MM_BACKENDS",
+    "TRITON_DTYPES",
+    "triton_grouped_mm_supported",
 ]
+
+# dtypes the Triton kernels take (fp32 accumulation for all of them), and those "auto" sends there
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+AUTO_TRITON_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def grouped_mm_loop(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -76,9 +91,17 @@ def grouped_mm_native(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Ten
     return _NativeGroupedMM.apply(x_RD, w_EDF, offs_E.to(torch.int32))
 
 
+def grouped_mm_triton(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``moeflow.kernels.triton.grouped_mm_triton``, imported on first call (it imports Triton)."""
+    from moeflow.kernels.triton.grouped_gemm import grouped_mm_triton as impl
+
+    return impl(x_RD, w_EDF, offs_E)
+
+
 GROUPED_MM_BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "loop": grouped_mm_loop,
     "grouped_mm": grouped_mm_native,
+    "triton": grouped_mm_triton,
 }
 
 
@@ -105,12 +128,21 @@ def native_grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: 
     return _probe(torch.device(device).type, dtype)
 
 
+def triton_grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Capability probe for ``"triton"``: a supported dtype on a device where the kernels run
+    (CUDA with Triton importable, or CPU under the Triton interpreter)."""
+    return dtype in TRITON_DTYPES and triton_available(device)
+
+
 def resolve_grouped_mm_backend(name: str, device: torch.device, dtype: torch.dtype, dims: tuple[int, ...] = ()) -> str:
     """Map ``"auto"`` to a concrete backend; reject a named backend that cannot run here.
 
     ``dims``: the feature sizes of the matrices involved (see ``native_grouped_mm_supported``).
+    ``"auto"`` considers Triton for 16-bit dtypes on CUDA only (module docstring).
     """
     if name == "auto":
+        if torch.device(device).type == "cuda" and dtype in AUTO_TRITON_DTYPES and triton_grouped_mm_supported(device, dtype):
+            return "triton"
         return "grouped_mm" if native_grouped_mm_supported(device, dtype, dims) else "loop"
     if name not in GROUPED_MM_BACKENDS:
         raise ValueError(f"grouped-mm backend must be one of {['auto', *GROUPED_MM_BACKENDS]}, got {name!r}")
@@ -118,6 +150,12 @@ def resolve_grouped_mm_backend(name: str, device: torch.device, dtype: torch.dty
         raise ValueError(
             f"backend='grouped_mm' does not support device={torch.device(device).type}, dtype={dtype}, "
             f"feature sizes {list(dims)} (needs row strides that are multiples of 16 bytes)"
+        )
+    if name == "triton" and not triton_grouped_mm_supported(device, dtype):
+        raise ValueError(
+            f"backend='triton' does not support device={torch.device(device).type}, dtype={dtype}: it needs "
+            f"a dtype in {[str(d) for d in TRITON_DTYPES]} on CUDA with Triton installed, or CPU tensors under "
+            "the Triton interpreter (TRITON_INTERPRET=1 set before importing triton; for tests)"
         )
     return name
 
