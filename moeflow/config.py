@@ -28,7 +28,7 @@ Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 DropPolicy = Literal["position", "score", "bpr"]
 WeightAt = Literal["combine", "dispatch"]
-ParallelMode = Literal["expert", "data", "auto"]
+ParallelMode = Literal["expert", "data", "sharded", "auto"]
 Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
 ExpertsBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 
@@ -188,8 +188,11 @@ class DispatchConfig:
     ``parallel``: how an expert-parallel dispatcher runs a call, on the same stored shards:
     ``"expert"`` (tokens travel to the ranks holding their experts), ``"data"`` (tokens stay;
     the expert weights are all-gathered for the call and their gradients summed back onto the
-    shards: cheaper when tokens are few), or ``"auto"`` (timed on the first calls of each batch
-    size together with the overlap degrees; the fastest is kept). Results do not depend on it.
+    shards: cheaper when tokens are few), ``"sharded"`` (every rank computes a 1/W slice of every
+    expert's hidden dimension for all the group's kept rows, whose partial outputs are summed
+    back onto their ranks: the work is even however skewed the routing), or ``"auto"`` (timed
+    on the first calls of each batch size together with the overlap degrees; the fastest is
+    kept). Results do not depend on it.
     """
 
     drop_policy: DropPolicy = "position"
@@ -290,7 +293,7 @@ class MoEConfig:
 
 
 def check_parallel_mode(value: object) -> str:
-    """``parallel``: ``"expert"``, ``"data"`` or ``"auto"``."""
+    """``parallel``: ``"expert"``, ``"data"``, ``"sharded"`` or ``"auto"``."""
     _choice("parallel", value, ParallelMode)
     return value  # type: ignore[return-value]
 

@@ -312,6 +312,33 @@ def _case_data_parallel(rank: int, world: int) -> None:
             raise AssertionError(f"{kw} was accepted")
 
 
+def _case_sharded(rank: int, world: int) -> None:
+    """parallel="sharded" (every rank a slice of every expert's hidden units) on the same shards
+    equals the single process, gated and not, with biases, in every capacity mode; bad uses raise."""
+    configs = [(2, 1.0, "position", "combine", "swiglu", False), (1, 0.5, "bpr", "dispatch", "gelu", True),
+               (2, 0.0, "position", "combine", "geglu", True), (2, -0.8, "score", "combine", "relu", False)]
+    for i, (k, cf, policy, weight_at, act, bias) in enumerate(configs):
+        tokens = [9 + 4 * r for r in range(world)]
+        tokens[0] = 0 if i == 2 else tokens[0]
+        layer = _layer(8, k, cf, policy, weight_at, seed=700 + i, num_shared_experts=1,
+                       experts=moeflow.ExpertsConfig(activation=act, bias=bias))
+        _check_equivalence(rank, world, layer, tokens, seed=700 + i, parallel="sharded",
+                           what=f"sharded k={k} cf={cf} {policy} {weight_at} {act} bias={bias}")
+    # the tuner may pick it: "auto" gives the same result
+    layer = _layer(8, 2, 0.0, "position", "combine", seed=710)
+    _check_equivalence(rank, world, layer, [12] * world, seed=710, parallel="auto", what="auto with sharded")
+    torch.manual_seed(0)
+    odd = expert_parallel(moeflow.MoE(dim=D, hidden=6 if world == 4 else 5, num_experts=8, top_k=2, dtype=torch.float64))
+    for kw, needle in ((dict(parallel="sharded"), "must be divisible"),
+                       (dict(parallel="sharded", overlap_degree=2), "overlap_degree=2")):
+        try:
+            odd(torch.randn(4, D, dtype=torch.float64), **kw)
+        except ValueError as err:
+            assert needle in str(err), err
+        else:
+            raise AssertionError(f"{kw} was accepted")
+
+
 def _case_replay(rank: int, world: int) -> None:
     """Router replay under expert parallelism: each rank records and replays its own tokens;
     the replayed forward equals the recorded one, also after the router weights moved."""
@@ -333,6 +360,7 @@ CASES = {
     "replay": _case_replay,
     "pipelined": _case_pipelined,
     "data_parallel": _case_data_parallel,
+    "sharded": _case_sharded,
     "equivalence": _case_equivalence,
     "skewed": _case_skewed,
     "bad_config": _case_bad_config,
@@ -361,6 +389,11 @@ def test_pipelined_exchange_matches_single_process(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_mode_matches_single_process(world):
     run_ranks(world, "data_parallel")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_expert_mode_matches_single_process(world):
+    run_ranks(world, "sharded")
 
 
 @pytest.mark.parametrize("world", [2, 4])

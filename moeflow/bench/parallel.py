@@ -115,7 +115,7 @@ def _step(layer: MoE, x: torch.Tensor, g: torch.Tensor, setting: tuple | None = 
     layer(x.detach().requires_grad_(True), **kw).backward(g)
 
 
-SWEEP_SETTINGS = (("expert", 1), ("expert", 2), ("expert", 4), ("expert", 8), ("data", 1))
+SWEEP_SETTINGS = (("expert", 1), ("expert", 2), ("expert", 4), ("expert", 8), ("data", 1), ("sharded", 1))
 AUTO = ("auto", "auto")
 
 
@@ -128,7 +128,7 @@ def _sweep(cfg: ParallelBenchConfig, layer: MoE, tuned: MoE, x: torch.Tensor, g:
     expert-parallel copy ``tuned`` that runs ``overlap_degree="auto"``, with its times."""
     from moeflow.parallel.comm import barrier
 
-    settings = [*SWEEP_SETTINGS, AUTO]
+    settings = [*(st for st in SWEEP_SETTINGS if st[0] != "sharded" or cfg.hidden % cfg.nproc == 0), AUTO]
     times: dict[str, list[float]] = {_label(s): [] for s in settings}
     calls = 0
     while not tuned.dispatcher.tuner.choices:  # let "auto" tune itself on its first calls
@@ -176,14 +176,17 @@ def _placement_compare(cfg: ParallelBenchConfig, layer: MoE, x: torch.Tensor, g:
         _, p = m.dispatcher.dispatch(x, m.router(x, top_k=cfg.top_k, forced_ids_TK=ids), capacity_factor=cfg.capacity_factor)
         return int(p.counts_E.sum())
 
-    times: dict[str, list[float]] = {"contiguous": [], "placed": []}
+    runs = [("contiguous", layer, None), ("placed", placed, None)]
+    if cfg.hidden % cfg.nproc == 0:  # the sharded-expert mode balances the work without replicas
+        runs.append(("sharded", layer, ("sharded", 1)))
+    times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for rep in range(cfg.warmup + cfg.repeats):
-        for name, m in (("contiguous", layer), ("placed", placed)):
+        for name, m, setting in runs:
             barrier()
             t0 = time.perf_counter()
             tape.rewind()
             with moeflow.replay_routing(m, tape):
-                _step(m, x, g)
+                _step(m, x, g, setting)
             if rep >= cfg.warmup:
                 times[name].append(time.perf_counter() - t0)
     return {"times_s": times, "rows": {"contiguous": rows(layer), "placed": rows(placed)},
@@ -252,7 +255,7 @@ def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
     placement = None
     if cfg.skew > 0:
         per = {n: [max(rk["placement"]["times_s"][n][i] for rk in ranks) for i in range(cfg.repeats)]
-               for n in ("contiguous", "placed")}
+               for n in ranks[0]["placement"]["times_s"]}
         med = {n: statistics.median(v) * 1e3 for n, v in per.items()}
         busiest = {n: max(rk["placement"]["rows"][n] for rk in ranks) for n in ("contiguous", "placed")}
         placement = {"step_ms": med, "busiest_rows": busiest, "slots": ranks[0]["placement"]["slots"],
@@ -340,6 +343,8 @@ def format_parallel_table(report: dict) -> str:
                   f"{'':<26}{'busiest rank rows':>18}{'step ms':>10}",
                   f"{'contiguous experts':<26}{pl['busiest_rows']['contiguous']:>18}{pl['step_ms']['contiguous']:>10.1f}",
                   f"{'placed (replicas)':<26}{pl['busiest_rows']['placed']:>18}{pl['step_ms']['placed']:>10.1f}",
+                  *([f"{'sharded-expert mode':<26}{'1/N of all':>18}{pl['step_ms']['sharded']:>10.1f}"]
+                    if "sharded" in pl["step_ms"] else []),
                   f"busiest rank's rows {100 * pl['rows_reduction']:.0f}% lower; step {pl['speedup']:.2f}x faster "
                   "(forward+backward, slowest rank, median; interleaved)"]
     return "\n".join(lines)

@@ -30,7 +30,13 @@ from moeflow.dispatch.local import combine_weights, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
 from moeflow.experts.ffn import GroupedExperts, grouped_ffn
-from moeflow.parallel.comm import all_gather_rows, all_gather_shards, start_all_to_all_rows, wait_all_to_all_rows
+from moeflow.parallel.comm import (
+    all_gather_rows,
+    all_gather_shards,
+    all_to_all_rows,
+    start_all_to_all_rows,
+    wait_all_to_all_rows,
+)
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.parallel.placement import Placement
 from moeflow.parallel.tuner import ParallelTuner
@@ -308,13 +314,13 @@ class AllToAllDispatcher:
         """
         if parallel == "auto" or overlap_degree == "auto":
             return self.tuner.run(self, x_TD, routing, experts, capacity_factor, parallel, overlap_degree)
-        if parallel == "data":
+        if parallel in ("data", "sharded"):
             if overlap_degree != 1:
-                raise ValueError(f"overlap_degree={overlap_degree} applies to parallel='expert'; parallel='data' "
-                                 "exchanges no tokens")
-            return self._run_data_parallel(x_TD, routing, experts, capacity_factor, meta)
+                raise ValueError(f"overlap_degree={overlap_degree} applies to parallel='expert', not {parallel!r}")
+            run = self._run_data_parallel if parallel == "data" else self._run_sharded
+            return run(x_TD, routing, experts, capacity_factor, meta)
         if parallel != "expert":
-            raise ValueError(f"parallel must be 'expert', 'data' or 'auto', got {parallel!r}")
+            raise ValueError(f"parallel must be 'expert', 'data', 'sharded' or 'auto', got {parallel!r}")
         if overlap_degree == 1:
             expert_in, plan = self.dispatch(x_TD, routing, capacity_factor=capacity_factor, meta=meta)
             return self.combine(experts(expert_in, plan.counts_E), plan)
@@ -344,6 +350,49 @@ class AllToAllDispatcher:
         T, K, D = plan.num_tokens, routing.top_k, x_TD.shape[1]
         rows_AD = gather_rows(out_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
         return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK.to(out_JD.dtype), plan.weight_at)
+
+    def sharded_supported(self, experts: object) -> str | None:
+        """Why ``parallel="sharded"`` cannot run ``experts`` here (None when it can)."""
+        if not isinstance(experts, GroupedExperts):
+            return f"parallel='sharded' slices GroupedExperts weights; got {type(experts).__name__}"
+        if experts.hidden % self.world:
+            return (f"parallel='sharded' splits the expert hidden size {experts.hidden} over the {self.world} "
+                    "ranks: it must be divisible")
+        if not self.placement.is_contiguous:
+            return "parallel='sharded' needs the contiguous expert placement"
+        return None
+
+    def _run_sharded(self, x_TD, routing, experts, capacity_factor: float, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Sharded-expert mode (Tutel's ``r = W``): every rank holds (for this call) hidden
+        columns ``[r*H/W, (r+1)*H/W)`` of *every* expert, received from the experts' owners; the
+        group's kept rows are all-gathered, each rank computes its partial expert outputs
+        (``act(x W_in[:, cols]) W_out[cols, :]``: the hidden units are independent, so the
+        partials add up to the full output), and the partials are summed back onto the rows'
+        ranks. Per-rank work is ``1/W`` of the whole, whatever the routing."""
+        why = self.sharded_supported(experts)
+        if why is not None:
+            raise ValueError(why)
+        send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
+        W, r, E, D = self.world, self.rank, self.num_experts, x_TD.shape[1]
+        rows_W = [sum(plan.counts[s]) for s in range(W)]  # kept rows of each rank
+        J = rows_W[r]
+        rows_ND = all_to_all_rows(send_JD.repeat(W, 1), [J] * W, rows_W, self.group)  # all-gather
+        expert_N = torch.cat([g.expert_S[g.kept_S & (g.src_S == s)] for s in range(W)])
+        by_expert = torch.sort(expert_N, stable=True).indices
+        w_in, w_out, b_in = _hidden_slices(experts, self.group)
+        if torch.is_autocast_enabled(x_TD.device.type):
+            dt = torch.get_autocast_dtype(x_TD.device.type)
+            rows_ND = rows_ND.to(dt)
+            w_in, w_out, b_in = (None if w is None else w.to(dt) for w in (w_in, w_out, b_in))
+        out = grouped_ffn(_permute_rows(rows_ND, by_expert), torch.bincount(expert_N, minlength=E), w_in, w_out, b_in,
+                          None, activation=experts.config.activation, backend=experts.config.backend)
+        out_ND = _permute_rows(out, _inverse(by_expert))
+        if experts.b_out is not None:  # added once (by rank 0); every rank keeps it in its graph
+            out_ND = out_ND + all_gather_shards(experts.b_out, self.group).to(out_ND.dtype)[expert_N] * float(r == 0)
+        home_JD = all_to_all_rows(out_ND, rows_W, [J] * W, self.group).view(W, J, D).sum(0)  # reduce-scatter
+        T, K = plan.num_tokens, routing.top_k
+        rows_AD = gather_rows(home_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
+        return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK.to(home_JD.dtype), plan.weight_at)
 
     def _run_chunked(self, x_TD, routing, experts, capacity_factor: float, n: int, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
@@ -408,6 +457,33 @@ class _Global:
     src_R: torch.Tensor
     local_R: torch.Tensor
     order_R: torch.Tensor
+
+
+def _hidden_slices(experts: GroupedExperts, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's hidden columns of every expert of the group: ``(w_in [E, D, F/W], w_out
+    [E, H/W, D], b_in [E, F/W] or None)``, from one differentiable all-to-all of the owners'
+    slices (its backward returns each slice's gradient to the owner). Gated activations keep
+    the (gate, up) halves: the slice takes the same columns of both."""
+    W, e, H = dist.get_world_size(group), experts.num_experts, experts.hidden
+    h = H // W
+    halves = experts.w_in.shape[-1] // H  # 2 for gated activations, else 1
+
+    def cols(t: torch.Tensor, d: int) -> torch.Tensor:  # [..., halves*H] -> [..., halves*h]
+        return t.unflatten(-1, (halves, H))[..., d * h : (d + 1) * h].flatten(-2)
+
+    parts = []
+    for d in range(W):
+        per = [cols(experts.w_in, d).reshape(e, -1), experts.w_out[:, d * h : (d + 1) * h].reshape(e, -1)]
+        if experts.b_in is not None:
+            per.append(cols(experts.b_in, d))
+        parts.append(torch.cat(per, dim=1))
+    recv_EX = all_to_all_rows(torch.cat(parts), [e] * W, [e] * W, group)  # global experts in order
+    D = experts.w_in.shape[1]
+    n_in, n_out = D * halves * h, h * D
+    w_in = recv_EX[:, :n_in].view(-1, D, halves * h)
+    w_out = recv_EX[:, n_in : n_in + n_out].view(-1, h, D)
+    b_in = recv_EX[:, n_in + n_out :] if experts.b_in is not None else None
+    return w_in, w_out, b_in
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ class ParallelTuner:
         if not degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degrees):
             raise ValueError(f"degrees must be ints >= 1, got {degrees!r}")
         self.group, self.degrees, self.trials, self.retune_ratio = group, tuple(degrees), trials, retune_ratio
+        self.world = dist.get_world_size(group)
         self.choices: dict[tuple, tuple[str, int]] = {}  # key -> locked (parallel, overlap_degree)
         self._imbalance: dict[tuple, float] = {}
         self._times: dict[tuple, dict[tuple[str, int], list[float]]] = {}
@@ -51,6 +52,8 @@ class ParallelTuner:
         out = [("expert", d) for d in degrees] if parallel in ("expert", "auto") else []
         if parallel in ("data", "auto") and isinstance(experts, GroupedExperts):
             out.append(("data", 1))
+        if parallel == "auto" and isinstance(experts, GroupedExperts) and experts.hidden % self.world == 0:
+            out.append(("sharded", 1))
         if not out:
             raise ValueError(f"parallel={parallel!r} needs GroupedExperts, got {type(experts).__name__}")
         return out
