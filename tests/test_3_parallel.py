@@ -339,6 +339,65 @@ def _case_sharded(rank: int, world: int) -> None:
             raise AssertionError(f"{kw} was accepted")
 
 
+def _case_hidden_shards(rank: int, world: int) -> None:
+    """expert_parallel(hidden_shards=n): E*n hidden slices spread over the ranks (E < W works);
+    equal to the single process in every capacity mode and parallel setting."""
+    from moeflow.experts import GroupedExperts
+
+    cases = [(2, world // 2 if world > 2 else 2), (4, 2), (8, 2)]  # (E, n); E=2 on 4 ranks needs n=2
+    configs = [(2, 1.0, "position", "combine", "swiglu"), (1, 0.0, "position", "dispatch", "gelu"),
+               (2, 1.25, "score", "combine", "relu"), (2, -0.8, "position", "combine", "geglu")]
+    i = 0
+    for E, n in cases:
+        if (E * n) % world:
+            continue
+        for k, cf, policy, weight_at, act in configs:
+            for call in ({}, {"parallel": "data"}, {"overlap_degree": 2}, {"parallel": "sharded"}):
+                tokens = [7 + 3 * r for r in range(world)]
+                tokens[-1] = 0 if i % 3 == 0 else tokens[-1]
+                layer = _layer(E, min(k, E), cf, policy, weight_at, seed=800 + i,
+                               experts=moeflow.ExpertsConfig(activation=act), num_shared_experts=1)
+                what = f"E={E} n={n} k={k} cf={cf} {policy} {weight_at} {act} {call}"
+                gen = torch.Generator().manual_seed(900 + i)
+                xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+                gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+                sl = slice(sum(tokens[:rank]), sum(tokens[: rank + 1]))
+                ref = copy.deepcopy(layer)
+                x_all = torch.cat(xs).requires_grad_(True)
+                y_all = ref(x_all)
+                (y_all * torch.cat(gs)).sum().backward()
+                ep = expert_parallel(copy.deepcopy(layer), hidden_shards=n)
+                x = xs[rank].clone().requires_grad_(True)
+                y = ep(x, **call)
+                (y * gs[rank]).sum().backward()
+                tol = dict(rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(y, y_all[sl].detach(), **tol, msg=lambda m: f"{what} output: {m}")
+                torch.testing.assert_close(x.grad, x_all.grad[sl], **tol, msg=lambda m: f"{what} input grad: {m}")
+                # the reference's expert gradients, sliced like the parameters
+                grads = GroupedExperts(num_experts=E, dim=D, hidden=H, config=ref.experts.config, dtype=torch.float64)
+                with torch.no_grad():
+                    grads.w_in.copy_(ref.experts.w_in.grad)
+                    grads.w_out.copy_(ref.experts.w_out.grad)
+                e = E * n // world
+                sliced = grads.hidden_slices(n).shard(rank * e, e)
+                for name, p in ep.experts.named_parameters():
+                    torch.testing.assert_close(p.grad, getattr(sliced, name), **tol,
+                                               msg=lambda m: f"{what} expert {name} grad: {m}")
+                all_reduce_gradients(dense_parameters(ep), None, average=False)
+                torch.testing.assert_close(ep.router.linear.weight.grad, ref.router.linear.weight.grad, **tol,
+                                           msg=lambda m: f"{what} router grad: {m}")
+                i += 1
+    for bad, n, needle in ((dict(num_experts=3, hidden=9), 3, "group size"), (dict(num_experts=4, hidden=7), 2, "hidden size"),
+                           (dict(num_experts=4, hidden=8, experts=moeflow.ExpertsConfig(bias=True)), 2, "without biases")):
+        try:
+            torch.manual_seed(0)
+            expert_parallel(moeflow.MoE(dim=D, top_k=1, dtype=torch.float64, **bad), hidden_shards=n)
+        except ValueError as err:
+            assert needle in str(err), err
+        else:
+            raise AssertionError(f"{bad} was accepted")
+
+
 def _case_replay(rank: int, world: int) -> None:
     """Router replay under expert parallelism: each rank records and replays its own tokens;
     the replayed forward equals the recorded one, also after the router weights moved."""
@@ -361,6 +420,7 @@ CASES = {
     "pipelined": _case_pipelined,
     "data_parallel": _case_data_parallel,
     "sharded": _case_sharded,
+    "hidden_shards": _case_hidden_shards,
     "equivalence": _case_equivalence,
     "skewed": _case_skewed,
     "bad_config": _case_bad_config,
@@ -394,6 +454,11 @@ def test_data_parallel_mode_matches_single_process(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_expert_mode_matches_single_process(world):
     run_ranks(world, "sharded")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hidden_sharded_experts_match_single_process(world):
+    run_ranks(world, "hidden_shards")
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -198,6 +198,9 @@ class MoE(nn.Module):
         """The global expert of each expert slot held here, and whether the slot is its expert's
         first replica (the one a checkpoint saves). Without a load-aware placement that is
         ``expert_range``'s block, every slot first."""
+        if getattr(self.dispatcher, "hidden_shards", 1) > 1:
+            raise ValueError("this layer's experts are split by hidden units over the ranks (hidden_shards > 1); "
+                             "saving them per expert is not supported")
         slots = getattr(self.dispatcher, "slot_experts", None)
         if slots is None:
             start, count = self.expert_range()

@@ -40,7 +40,8 @@ def _shard_experts(experts: nn.Module, start: int, count: int) -> nn.Module:
 
 
 def expert_parallel(
-    model: nn.Module, group: dist.ProcessGroup | None = None, *, hierarchy: Hierarchy | None = None
+    model: nn.Module, group: dist.ProcessGroup | None = None, *, hierarchy: Hierarchy | None = None,
+    hidden_shards: int = 1,
 ) -> nn.Module:
     """Spread the experts of every ``moeflow.MoE`` layer of ``model`` over ``group``.
 
@@ -50,6 +51,12 @@ def expert_parallel(
     ``make_groups``). Call it on every rank of the group; configuration errors
     (E not divisible by W, expert counts that differ between ranks, a group without this rank)
     raise ``ValueError`` on every rank instead of hanging. Returns ``model`` (changed in place).
+
+    ``hidden_shards=n`` also splits every expert's hidden units into ``n`` slices (Tutel's
+    ``adaptive_r``; ``GroupedExperts`` without biases): the ``E*n`` slices are spread like
+    experts, each kept row goes to all ``n`` slices of its expert and their outputs add up.
+    This serves ``E < W`` (e.g. 2 experts on 4 ranks with ``n = 2``) and hot experts whose work
+    should be split; ``E*n`` must be divisible by ``W``.
     """
     rank = dist.get_rank(group)
     if rank < 0:
@@ -85,14 +92,21 @@ def expert_parallel(
         E = layer.config.num_experts
         if any(t[3 + 3 * i] == 1 or t[2 + 3 * i] != t[1 + 3 * i] for t in every):
             raise ValueError(f"expert_parallel was already applied to MoE layer {i} on some rank (it holds a shard)")
-        if E % W:
-            raise ValueError(f"num_experts={E} must be divisible by the expert-parallel group size {W}")
+        if (E * hidden_shards) % W:
+            hint = f" (or split the hidden units: hidden_shards={W // E})" if hidden_shards == 1 and W % E == 0 else ""
+            raise ValueError(f"num_experts={E} x hidden_shards={hidden_shards} must be divisible by the "
+                             f"expert-parallel group size {W}{hint}")
+        if hidden_shards > 1 and (not isinstance(layer.experts, GroupedExperts) or layer.experts.config.bias
+                                  or layer.experts.hidden % hidden_shards):
+            raise ValueError(f"hidden_shards={hidden_shards} needs GroupedExperts without biases whose hidden size "
+                             f"is divisible by it (MoE layer {i})")
     for layer in layers:
         E = layer.config.num_experts
-        e = E // W
-        layer.experts = _shard_experts(layer.experts, rank * e, e)
+        e = E * hidden_shards // W
+        experts = layer.experts.hidden_slices(hidden_shards) if hidden_shards > 1 else layer.experts
+        layer.experts = _shard_experts(experts, rank * e, e)
         layer.dispatcher = AllToAllDispatcher(
-            num_experts=E, group=group, config=layer.config.dispatch, hierarchy=hierarchy
+            num_experts=E, group=group, config=layer.config.dispatch, hierarchy=hierarchy, hidden_shards=hidden_shards
         )
     return model
 

@@ -94,15 +94,23 @@ class AllToAllDispatcher:
         group: dist.ProcessGroup | None,
         config: DispatchConfig | None = None,
         hierarchy: Hierarchy | None = None,
+        hidden_shards: int = 1,
     ) -> None:
         W = dist.get_world_size(group)
-        if num_experts % W:
-            raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel group size {W}")
+        if not isinstance(hidden_shards, int) or isinstance(hidden_shards, bool) or hidden_shards < 1:
+            raise ValueError(f"hidden_shards must be a positive int, got {hidden_shards!r}")
+        if (num_experts * hidden_shards) % W:
+            raise ValueError(f"num_experts={num_experts} x hidden_shards={hidden_shards} must be divisible by the "
+                             f"expert-parallel group size {W}")
         self.num_experts = num_experts
+        # each expert's hidden units split into this many slices, held as "virtual" experts
+        # x * hidden_shards + j (``GroupedExperts.hidden_slices``); every kept row of expert x
+        # goes to all its slices and their outputs add up in combine (Tutel's adaptive_r)
+        self.hidden_shards = hidden_shards
         self.group = group
         self.world = W
         self.rank = dist.get_rank(group)
-        self.set_placement(Placement.contiguous(num_experts, W))
+        self.set_placement(Placement.contiguous(num_experts * hidden_shards, W))
         self.config = config if config is not None else DispatchConfig()
         self.exchange = FlatExchange(group) if hierarchy is None else HierarchicalExchange(group, hierarchy)
         self.tuner = ParallelTuner(group)
@@ -110,9 +118,12 @@ class AllToAllDispatcher:
     def set_placement(self, placement: Placement) -> None:
         """Route to the slots of ``placement`` (``moeflow.parallel.placement``); the experts
         module must hold this rank's slots in that order (``apply_placement`` does both)."""
-        if placement.num_experts != self.num_experts or placement.world != self.world:
+        if placement.num_experts != self.num_experts * self.hidden_shards or placement.world != self.world:
             raise ValueError(f"placement is for {placement.num_experts} experts on {placement.world} ranks; "
                              f"this dispatcher has {self.num_experts} experts on {self.world} ranks")
+        if self.hidden_shards > 1 and not placement.is_contiguous:
+            raise ValueError("load-aware placement of hidden-sharded experts is not supported (hidden_shards="
+                             f"{self.hidden_shards}); use hidden_shards=1")
         self.placement = placement
         self.num_local_experts = placement.slots_per_rank
         # the global index of the first expert held here, while the slots are the plain
@@ -190,6 +201,16 @@ class AllToAllDispatcher:
         slots = assign_slots(all_ids, all_w, num_experts=E, drop_policy=policy)
         order_S, expert_S, pos_S = slots.order_A, slots.expert_A, slots.pos_A  # S: global, by expert
         kept_S = torch.ones_like(order_S, dtype=torch.bool) if cap.row_cap is None else pos_S < cap.row_cap
+        K0, n = K, self.hidden_shards
+        if n > 1:
+            # every assignment (t, k) of expert x becomes n assignments (t, k*n + j) of the slices
+            # x*n + j, kept or dropped together; regrouped by slice (stable: priority order kept)
+            j_S = torch.arange(n, device=device).repeat(order_S.numel())
+            order_S, expert_S = order_S.repeat_interleave(n) * n + j_S, expert_S.repeat_interleave(n) * n + j_S
+            pos_S, kept_S = pos_S.repeat_interleave(n), kept_S.repeat_interleave(n)
+            by_slice = torch.sort(expert_S, stable=True).indices
+            order_S, expert_S, pos_S, kept_S = (t[by_slice] for t in (order_S, expert_S, pos_S, kept_S))
+            K = K0 * n
         if not self.placement.is_contiguous:
             # rows travel by (destination rank, slot): regroup the global view by slot (a stable
             # sort keeps each slot's rows in priority order)
@@ -235,7 +256,10 @@ class AllToAllDispatcher:
             valid_M = torch.zeros(M, dtype=torch.bool, device=device)
             valid_M[M_of_recv] = True
 
-        weights_TK = combine_weights(routing.weights_TK, kept_A, x_TD.dtype, self.config.renormalize_after_drop)
+        kept_A0 = None if kept_A is None else kept_A.view(T, K0, n)[:, :, 0].reshape(-1)
+        weights_TK = combine_weights(routing.weights_TK, kept_A0, x_TD.dtype, self.config.renormalize_after_drop)
+        if n > 1:  # each slice's partial output carries its assignment's weight
+            weights_TK = weights_TK.repeat_interleave(n, dim=1)
 
         send_JD = gather_rows(
             x_TD,
@@ -338,7 +362,7 @@ class AllToAllDispatcher:
         # rank, then expert): count them per global expert and run every expert here
         # (by global slot: with replicas, each slot computes its share with its own copy)
         mine = g.kept_S & (g.src_S == self.rank)
-        counts_E = torch.bincount(g.slot_S[mine], minlength=self.world * self.num_local_experts)
+        counts_E = torch.bincount(g.slot_S[mine], minlength=self.placement.num_experts)
         weights = [None if w is None else all_gather_shards(w, self.group)
                    for w in (experts.w_in, experts.w_out, experts.b_in, experts.b_out)]
         if torch.is_autocast_enabled(x_TD.device.type):
@@ -347,7 +371,7 @@ class AllToAllDispatcher:
             weights = [None if w is None else w.to(dt) for w in weights]
         out_JD = grouped_ffn(send_JD, counts_E, *weights, activation=experts.config.activation,
                              backend=experts.config.backend)
-        T, K, D = plan.num_tokens, routing.top_k, x_TD.shape[1]
+        T, K, D = plan.num_tokens, plan.top_k, x_TD.shape[1]
         rows_AD = gather_rows(out_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
         return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK.to(out_JD.dtype), plan.weight_at)
 
@@ -373,7 +397,7 @@ class AllToAllDispatcher:
         if why is not None:
             raise ValueError(why)
         send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
-        W, r, E, D = self.world, self.rank, self.num_experts, x_TD.shape[1]
+        W, r, D = self.world, self.rank, x_TD.shape[1]
         rows_W = [sum(plan.counts[s]) for s in range(W)]  # kept rows of each rank
         J = rows_W[r]
         rows_ND = all_to_all_rows(send_JD.repeat(W, 1), [J] * W, rows_W, self.group)  # all-gather
@@ -384,19 +408,20 @@ class AllToAllDispatcher:
             dt = torch.get_autocast_dtype(x_TD.device.type)
             rows_ND = rows_ND.to(dt)
             w_in, w_out, b_in = (None if w is None else w.to(dt) for w in (w_in, w_out, b_in))
-        out = grouped_ffn(_permute_rows(rows_ND, by_expert), torch.bincount(expert_N, minlength=E), w_in, w_out, b_in,
+        out = grouped_ffn(_permute_rows(rows_ND, by_expert), torch.bincount(expert_N, minlength=self.placement.num_experts),
+                          w_in, w_out, b_in,
                           None, activation=experts.config.activation, backend=experts.config.backend)
         out_ND = _permute_rows(out, _inverse(by_expert))
         if experts.b_out is not None:  # added once (by rank 0); every rank keeps it in its graph
             out_ND = out_ND + all_gather_shards(experts.b_out, self.group).to(out_ND.dtype)[expert_N] * float(r == 0)
         home_JD = all_to_all_rows(out_ND, rows_W, [J] * W, self.group).view(W, J, D).sum(0)  # reduce-scatter
-        T, K = plan.num_tokens, routing.top_k
+        T, K = plan.num_tokens, plan.top_k
         rows_AD = gather_rows(home_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
         return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK.to(home_JD.dtype), plan.weight_at)
 
     def _run_chunked(self, x_TD, routing, experts, capacity_factor: float, n: int, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
-        W, r, e, K = self.world, self.rank, self.num_local_experts, routing.top_k
+        W, r, e, K = self.world, self.rank, self.num_local_experts, plan.top_k
         device, D = x_TD.device, x_TD.shape[1]
         T = plan.num_tokens
         first = _cumsum(g.tokens_W, device) - torch.tensor(g.tokens_W, device=device)

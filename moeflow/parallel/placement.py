@@ -351,6 +351,9 @@ def apply_placement(
             raise ValueError(f"MoE layer {i} is not expert-parallel (apply moeflow.parallel.expert_parallel first)")
         if not isinstance(new, Placement):
             raise TypeError(f"placements[{i}] must be a Placement, got {type(new).__name__}")
+        if getattr(layer.dispatcher, "hidden_shards", 1) > 1:
+            raise ValueError(f"MoE layer {i} splits its experts' hidden units (hidden_shards > 1): "
+                             "load-aware placement is not supported for it")
         if new.num_experts != old.num_experts or new.world != old.world:
             raise ValueError(f"placements[{i}] is for {new.num_experts} experts on {new.world} ranks; "
                              f"layer {i} has {old.num_experts} experts on {old.world} ranks")
