@@ -284,6 +284,13 @@ def _case_bad_move(rank: int, world: int) -> None:
     apply_placement(model, [plan_placement([5.0] + [1.0] * 7, world=world, slots_per_rank=8 // world + 1)] * 2)
     with pytest.raises(ValueError, match="non-contiguous placement"):
         moeflow.moe_layers(model)[0].expert_range()
+    # the tuner starts over under a new placement and leaves out the sharded-expert mode
+    layer = moeflow.moe_layers(model)[0]
+    assert not layer.dispatcher.tuner.choices
+    modes = {m for m, _ in layer.dispatcher.tuner.candidates(layer.experts, "auto", 1, layer.dispatcher)}
+    assert modes == {"expert", "data"}
+    with pytest.raises(ValueError, match="contiguous expert placement"):
+        layer(torch.randn(3, D, dtype=torch.float64), parallel="sharded")
 
 
 def _case_checkpoint(rank: int, world: int, root: str) -> None:

@@ -133,6 +133,8 @@ class AllToAllDispatcher:
         self.slot_experts = placement.slots[self.rank]
         self.slot_primary = tuple(placement.replicas(x)[0] == self.rank * s + l for l, x in enumerate(self.slot_experts))
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if hasattr(self, "tuner"):  # the fastest setting may differ under the new placement
+            self.tuner.reset()
 
     def _slots(self, expert_S: torch.Tensor, pos_S: torch.Tensor, kept_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global slot of every assignment and its row position within the slot.

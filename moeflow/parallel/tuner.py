@@ -41,18 +41,27 @@ class ParallelTuner:
         if not degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degrees):
             raise ValueError(f"degrees must be ints >= 1, got {degrees!r}")
         self.group, self.degrees, self.trials, self.retune_ratio = group, tuple(degrees), trials, retune_ratio
-        self.world = dist.get_world_size(group)
         self.choices: dict[tuple, tuple[str, int]] = {}  # key -> locked (parallel, overlap_degree)
         self._imbalance: dict[tuple, float] = {}
         self._times: dict[tuple, dict[tuple[str, int], list[float]]] = {}
         self._pending: list[tuple] = []  # trials whose backward may still be running: (key, setting, fwd s, stamps)
 
-    def candidates(self, experts: object, parallel: str, overlap_degree: int | str) -> list[tuple[str, int]]:
+    def reset(self) -> None:
+        """Forget every choice and trial (the dispatcher calls it when its expert placement
+        changes: on every rank at the same step boundary, so the ranks stay in agreement)."""
+        self.choices.clear()
+        self._imbalance.clear()
+        self._times.clear()
+        self._pending.clear()
+
+    def candidates(self, experts: object, parallel: str, overlap_degree: int | str,
+                   dispatcher: object = None) -> list[tuple[str, int]]:
         degrees = self.degrees if overlap_degree == "auto" else (int(overlap_degree),)
         out = [("expert", d) for d in degrees] if parallel in ("expert", "auto") else []
         if parallel in ("data", "auto") and isinstance(experts, GroupedExperts):
             out.append(("data", 1))
-        if parallel == "auto" and isinstance(experts, GroupedExperts) and experts.hidden % self.world == 0:
+        sharded_ok = getattr(dispatcher, "sharded_supported", None)
+        if parallel == "auto" and sharded_ok is not None and sharded_ok(experts) is None:
             out.append(("sharded", 1))
         if not out:
             raise ValueError(f"parallel={parallel!r} needs GroupedExperts, got {type(experts).__name__}")
@@ -79,7 +88,7 @@ class ParallelTuner:
             log.info("moeflow tuner: routing imbalance moved %.2f -> %.2f for %s; tuning again", tuned, imbalance, key)
             del self.choices[key]
             self._times.pop(key, None)
-        times = self._times.setdefault(key, {c: [] for c in self.candidates(experts, parallel, overlap_degree)})
+        times = self._times.setdefault(key, {c: [] for c in self.candidates(experts, parallel, overlap_degree, dispatcher)})
         runs = {c: len(v) + sum(1 for p in self._pending if p[0] == key and p[1] == c) for c, v in times.items()}
         setting = min(runs, key=lambda c: runs[c])  # round-robin in candidate order
         if runs[setting] > self.trials:  # every trial ran; their times arrive at the next call
