@@ -1,0 +1,194 @@
+"""``moeflow infer``: run an MoE GPT with its experts offloaded to host memory or disk.
+
+    moeflow infer --offload disk --fast-memory 512MB --preset small --new-tokens 16
+    moeflow infer runs/shakespeare --offload disk --fast-memory 8MB --mode cache --prompt "ROMEO."
+    moeflow infer --bench                      # ring prefetch vs synchronous vs in memory
+
+Prints what the store moved: bytes loaded into the fast tier (and read from disk), the time the
+compute waited for data (stall), hit rates and the peak fast-tier bytes; ``--compare`` also runs
+the in-memory model on the same tokens and reports whether the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["add_infer"]
+
+
+def add_infer(sub: argparse._SubParsersAction) -> None:
+    from moeflow.models import GPT_PRESETS
+
+    p = sub.add_parser(
+        "infer",
+        help="run the MoE GPT with experts offloaded (host/disk) through a fast-memory budget; report traffic",
+        description="Build an MoE GPT (from a `moeflow train` checkpoint, or a random preset), move its expert "
+        "weights to host memory or disk (--offload) and run a prefill plus greedy decoding with only "
+        "--fast-memory bytes of experts resident: a ring of whole-layer slots with prefetch (--mode ring) "
+        "or an LRU cache of the routed experts (--mode cache). Prints bytes moved, stall time and hit rates.",
+    )
+    p.add_argument("checkpoint", type=Path, nargs="?", default=None,
+                   help="a `moeflow train` checkpoint (or its --out directory); default: a random --preset")
+    p.add_argument("--preset", default="tiny", choices=sorted(GPT_PRESETS), help="random model size (default tiny)")
+    p.add_argument("--vocab-size", type=int, default=256, help="with --preset (default 256)")
+    p.add_argument("--layers", type=int, default=None, help="with --preset: override n_layers")
+    p.add_argument("--offload", default="disk", choices=["host", "disk"], help="home tier of the experts (default disk)")
+    p.add_argument("--fast-memory", default="512MB", help="fast-tier byte budget, e.g. 512MB, 2GiB (default 512MB)")
+    p.add_argument("--mode", default="ring", choices=["ring", "cache"])
+    p.add_argument("--ring-slots", type=int, default=None, help="default: as many as --fast-memory holds")
+    p.add_argument("--prefetch", type=int, default=1, help="layers loaded ahead (0: synchronous loading)")
+    p.add_argument("--dir", type=Path, default=None, help="where the disk tier writes (default: a temporary dir)")
+    p.add_argument("--evict-page-cache", action="store_true",
+                   help="drop each disk read from the page cache (only matters where O_DIRECT is unavailable)")
+    p.add_argument("--device", default="cpu", help="the fast tier's device: cpu or cuda[:N]")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=32, help="prompt tokens per row (random tokens unless --prompt)")
+    p.add_argument("--prompt", default=None, help="with a checkpoint that has a tokenizer: the prompt text")
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy decoding steps after the prefill")
+    p.add_argument("--compare", action="store_true", help="also run the in-memory model; report time and equality")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default 2; 1 with --bench)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bench", action="store_true",
+                   help="run the ring-inference benchmark (bench/storage_bench.py) with --layers/--threads instead")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
+    p.set_defaults(func=run_infer)
+
+
+def _fail(msg: str) -> int:
+    print(f"moeflow infer: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """(model, tokenizer or None, description)."""
+    import torch
+
+    from moeflow.models import MoEGPT, gpt_config
+
+    if args.checkpoint is not None:
+        from moeflow.train import build_from_checkpoint
+
+        model, tok, _ = build_from_checkpoint(args.checkpoint)
+        return model, tok, f"checkpoint {args.checkpoint}"
+    overrides: dict = {"vocab_size": args.vocab_size}
+    if args.layers is not None:
+        overrides["n_layers"] = args.layers
+    torch.manual_seed(args.seed)
+    model = MoEGPT(gpt_config(args.preset, **overrides)).eval()
+    return model, None, f"random preset {args.preset!r}"
+
+
+def run_infer(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.checkpoint import CheckpointError
+    from moeflow.storage import StorageConfig, format_bytes, offload_experts
+
+    if args.bench:
+        return _run_bench(args)
+    args.threads = 2 if args.threads is None else args.threads
+    for name in ("batch_size", "seq_len", "threads"):
+        if getattr(args, name) < 1:
+            return _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.new_tokens < 0:
+        return _fail(f"--new-tokens must be >= 0, got {args.new_tokens}")
+    torch.set_num_threads(args.threads)
+    try:
+        storage = StorageConfig(
+            offload=args.offload, fast_memory=args.fast_memory, mode=args.mode, ring_slots=args.ring_slots,
+            prefetch=args.prefetch, directory=args.dir, evict_page_cache=args.evict_page_cache, device=args.device,
+        )
+        model, tok, what = _build(args)
+    except (CheckpointError, ValueError, TypeError) as err:
+        return _fail(str(err))
+    cfg = model.config
+    model = model.to(args.device)
+    reference = copy.deepcopy(model) if args.compare else None
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    try:
+        store = offload_experts(model, storage)
+    except (ValueError, TypeError) as err:
+        return _fail(str(err))
+    gen = torch.Generator().manual_seed(args.seed)
+    if args.prompt is not None:
+        if tok is None:
+            return _fail("--prompt needs a checkpoint with a tokenizer; without one the prompt is random tokens")
+        ids = tok.encode(args.prompt.replace("\\n", "\n")) or [0]
+        idx = torch.tensor([ids] * args.batch_size)
+    else:
+        idx = torch.randint(0, cfg.vocab_size, (args.batch_size, min(args.seq_len, cfg.max_seq_len)), generator=gen)
+    idx = idx.to(args.device)
+
+    def run(m):  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            logits = m(idx)
+            t1 = time.perf_counter()
+            out = m.generate(idx, args.new_tokens, temperature=0) if args.new_tokens else idx
+            t2 = time.perf_counter()
+        return logits, out, t1 - t0, t2 - t1
+
+    with store:
+        logits, out, prefill_s, decode_s = run(model)
+        stats = store.stats
+        layout = (f"ring of {store.num_slots} slot(s) x {format_bytes(store.slot_bytes)}" if args.mode == "ring"
+                  else f"LRU cache of {store.cache_slots} experts x {format_bytes(store.expert_slot_bytes)}")
+        report = {
+            "model": what, "n_layers": cfg.n_layers, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
+            "expert_bytes": expert_bytes, "fast_memory": storage.fast_memory, "offload": args.offload,
+            "mode": args.mode, "prefetch": args.prefetch, "layout": layout,
+            "direct_io": store.disk.direct_io if store.disk is not None else None,
+            "tokens": {"batch": idx.shape[0], "prompt": idx.shape[1], "new": args.new_tokens},
+            "prefill_s": prefill_s, "decode_s": decode_s, "stats": stats.as_dict(),
+        }
+        if args.mode == "cache":
+            report["prefetch_hits"] = store.prefetch_hits
+    lines = [
+        f"moeflow infer: MoE GPT ({what}): {cfg.n_layers} layers, {cfg.num_experts} experts, top-{cfg.top_k}; "
+        f"expert weights {format_bytes(expert_bytes)} in {args.offload}"
+        + (f" ({'O_DIRECT' if report['direct_io'] else 'buffered'} reads)" if args.offload == "disk" else ""),
+        f"fast tier: {format_bytes(storage.fast_memory)} budget on {args.device}: {layout}, prefetch {args.prefetch} "
+        f"(experts = {expert_bytes / storage.fast_memory:.1f}x the budget)",
+        f"prefill: {idx.shape[0]} x {idx.shape[1]} tokens in {prefill_s * 1e3:.1f} ms; "
+        f"decode: {args.new_tokens} tokens in {decode_s * 1e3:.1f} ms",
+        stats.format(),
+    ]
+    if args.mode == "cache":
+        lines.append(f"routing-aware prefetch: {store.prefetch_hits} of {stats.hits} hits were prefetched experts")
+    if reference is not None:
+        ref_logits, ref_out, ref_prefill, ref_decode = run(reference)
+        same = bool(torch.equal(ref_logits, logits) and torch.equal(ref_out, out))
+        report.update(identical=same, in_memory_prefill_s=ref_prefill, in_memory_decode_s=ref_decode)
+        lines.append(f"in memory: prefill {ref_prefill * 1e3:.1f} ms, decode {ref_decode * 1e3:.1f} ms "
+                     f"(offloaded/in-memory {(prefill_s + decode_s) / max(ref_prefill + ref_decode, 1e-9):.2f}x); "
+                     f"outputs identical: {'yes' if same else 'NO'}")
+    if tok is not None and args.new_tokens:
+        lines.append(f"sample: {tok.decode(out[0].tolist())!r}")
+    print("\n".join(lines))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from moeflow.storage.bench import StorageBenchConfig, format_storage_report, run_storage_bench
+
+    try:
+        cfg = StorageBenchConfig(n_layers=args.layers or 8, threads=args.threads or 1,
+                                 seed=args.seed)
+    except (ValueError, TypeError) as err:
+        return _fail(str(err))
+    report = run_storage_bench(cfg, progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
+    print(format_storage_report(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0

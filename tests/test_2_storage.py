@@ -1,0 +1,518 @@
+"""Tiered expert storage (moeflow.storage): same numbers as the in-memory model, in budget.
+
+Every tier combination (host / disk, ring / cache, synchronous / prefetched, page cache kept /
+dropped) must give outputs and gradients ``torch.equal`` to the in-memory model in fp32 (the
+store runs the very same expert math), keep the fast tier within its byte budget (counted by
+the store), and offloaded AdamW training must end with the same parameters, bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moeflow
+from moeflow.config import ExpertsConfig, RouterConfig
+from moeflow.models import MoEGPT, gpt_config
+from moeflow.storage import (
+    ExpertStore,
+    OffloadedAdamW,
+    StorageConfig,
+    StoredExperts,
+    format_bytes,
+    offload_experts,
+    parse_bytes,
+    slot_bytes,
+)
+from moeflow.storage.tiers import DiskFile
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+VOCAB = 61
+
+
+def tiny_gpt(n_layers: int = 4, **overrides: object) -> MoEGPT:
+    cfg = gpt_config("tiny", vocab_size=VOCAB, dim=32, n_layers=n_layers, n_heads=2, num_experts=6, top_k=2,
+                     expert_hidden=48, max_seq_len=32, **overrides)
+    return MoEGPT(cfg)
+
+
+def layer_bytes(model: MoEGPT) -> int:
+    """Ring-slot bytes of one layer's experts (each tensor padded to a 4096-byte page)."""
+    return slot_bytes(moeflow.moe_layers(model)[0].experts)
+
+
+def expert_bytes(model: MoEGPT) -> int:
+    """Unpadded bytes of all expert weights of ``model``."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+
+
+def tokens(gen: torch.Generator, batch: int = 2, seq: int = 12) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=gen)
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("512MB", 512_000_000), ("512 MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("64k", 64_000),
+    ("4096", 4096), (4096, 4096), ("2gb", 2_000_000_000), ("10B", 10),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad, err", [
+    ("512XB", ValueError), ("", ValueError), ("MB", ValueError), ("-5MB", ValueError), ("0", ValueError),
+    (0.5, TypeError), (True, TypeError), (None, TypeError), ("1e3MB", ValueError),
+])
+def test_parse_bytes_rejects(bad, err):
+    with pytest.raises(err, match="fast_memory"):
+        parse_bytes(bad, "fast_memory")
+
+
+def test_config_validation():
+    assert StorageConfig(fast_memory="1MiB").fast_memory == 2**20
+    with pytest.raises(ValueError, match="offload"):
+        StorageConfig(offload="tape")
+    with pytest.raises(ValueError, match="mode"):
+        StorageConfig(mode="lru")
+    with pytest.raises(ValueError, match="prefetch=2"):
+        StorageConfig(ring_slots=2, prefetch=2)
+    with pytest.raises(ValueError, match="prefetch"):
+        StorageConfig(prefetch=-1)
+    with pytest.raises(TypeError, match="ring_slots"):
+        StorageConfig(ring_slots=1.0)
+    with pytest.raises(ValueError, match="trainable"):
+        StorageConfig(mode="cache", trainable=True)
+    with pytest.raises(ValueError, match="evict_page_cache"):
+        StorageConfig(offload="host", evict_page_cache=True)
+    with pytest.raises(ValueError, match="device"):
+        StorageConfig(device="tpu")
+    with pytest.raises(ValueError, match="fast_memory"):
+        StorageConfig(fast_memory="lots")
+    assert format_bytes(3 * 2**20) == "3.0 MiB"
+
+
+def test_budget_too_small_names_the_numbers():
+    model = tiny_gpt()
+    lb = layer_bytes(model)
+    with pytest.raises(ValueError, match="holds 0 ring slot"):
+        offload_experts(copy.deepcopy(model), StorageConfig(fast_memory=lb - 1))
+    with pytest.raises(ValueError, match="prefetch=1 needs 2 ring slots"):
+        offload_experts(copy.deepcopy(model), StorageConfig(fast_memory=lb, prefetch=1))
+    with pytest.raises(ValueError, match="holds no expert"):
+        offload_experts(copy.deepcopy(model), StorageConfig(mode="cache", fast_memory=100))
+    with pytest.raises(ValueError, match="no MoE layer"):
+        offload_experts(torch.nn.Linear(3, 3), StorageConfig())
+
+
+def test_disk_file_is_safetensors_and_reads_back(tmp_path, gen):
+    from safetensors import safe_open
+
+    tensors = {"w": torch.randn(3, 1500, generator=gen), "b": torch.randn(7, generator=gen).bfloat16(),
+               "i": torch.randint(0, 9, (5,), generator=gen)}
+    f = DiskFile(tmp_path / "t.safetensors", tensors)
+    try:
+        with safe_open(str(tmp_path / "t.safetensors"), "pt") as g:
+            assert all(torch.equal(g.get_tensor(k), v) for k, v in tensors.items())
+        for key, t in tensors.items():
+            assert torch.equal(f[key], t)
+            start, _ = f.byte_range(key)
+            assert start % 4096 == 0
+        # a slice read: aligned start, unaligned length (O_DIRECT for whole pages, then buffered)
+        row = torch.empty(1500)
+        f.read_into(row, *f.byte_range("w", 1))
+        assert torch.equal(row, tensors["w"][1])
+        with pytest.raises(ValueError, match="dst must be"):
+            f.read_into(torch.empty(3), *f.byte_range("w", 1))
+    finally:
+        f.close()
+
+
+# ------------------------------------------------------------------------------------------ inference
+
+COMBOS = [
+    dict(offload="host", mode="ring", prefetch=0),
+    dict(offload="host", mode="ring", prefetch=1),
+    dict(offload="disk", mode="ring", prefetch=1),
+    dict(offload="disk", mode="ring", prefetch=2, evict_page_cache=True),
+    dict(offload="host", mode="cache", prefetch=0),
+    dict(offload="disk", mode="cache", prefetch=1),
+    dict(offload="disk", mode="cache", prefetch=1, evict_page_cache=True),
+]
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.25])
+def test_inference_equals_in_memory(combo, capacity_factor, gen):
+    """Outputs identical to the in-memory model over several calls (ring wraps around, cache
+    hits and evicts), expert weights 4x the fast budget, the budget never exceeded."""
+    ring = combo["mode"] == "ring"
+    slots = combo["prefetch"] + 1
+    model = tiny_gpt(n_layers=4 * slots if ring else 5, capacity_factor=capacity_factor).eval()
+    lb = layer_bytes(model)
+    budget = slots * lb if ring else 6 * slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(fast_memory=budget, **combo))
+    try:
+        assert sum(p.numel() for p in offloaded.parameters()) < sum(p.numel() for p in model.parameters())
+        assert expert_bytes(model) >= 4 * budget
+        with torch.no_grad():
+            for _ in range(3):
+                idx = tokens(gen, batch=1 if not ring else 2, seq=4 if not ring else 12)
+                assert torch.equal(offloaded(idx), model(idx))
+        s = store.stats
+        assert s.peak_fast_bytes <= budget + (lb if not ring else 0)  # cache: + the gather workspace
+        assert s.fast_bytes <= budget
+        assert s.bytes_loaded > 0 and s.hits + s.misses > 0
+        if store.disk is not None:
+            assert s.bytes_from_disk == s.bytes_loaded
+        if ring and combo["prefetch"]:
+            assert s.prefetch_loads > 0 and s.hits > s.misses
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("activation, bias", [("relu", True), ("geglu", False)])
+def test_inference_other_expert_kinds(activation, bias, gen):
+    model = tiny_gpt(n_layers=3, experts=ExpertsConfig(activation=activation, bias=bias)).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-zero biases
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(offload="disk", fast_memory=2 * layer_bytes(model)))
+    with store, torch.no_grad():
+        idx = tokens(gen)
+        assert torch.equal(offloaded(idx), model(idx))
+
+
+def test_layer_alone_and_stored_experts_protocol(gen):
+    layer = moeflow.MoE(dim=16, hidden=24, num_experts=4, top_k=2, capacity_factor=0.0)
+    offloaded = copy.deepcopy(layer)
+    store = offload_experts(offloaded, StorageConfig(fast_memory="1MB"))
+    with store:
+        assert isinstance(offloaded.experts, StoredExperts) and offloaded.experts.num_experts == 4
+        assert isinstance(offloaded.experts, moeflow.experts.Experts)
+        x = torch.randn(9, 16, generator=gen)
+        with torch.no_grad():
+            assert torch.equal(offloaded(x), layer(x))
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        copy.deepcopy(offloaded)
+    with pytest.raises(RuntimeError, match="closed"):
+        with torch.no_grad():
+            offloaded(x)
+    with pytest.raises(TypeError, match="GroupedExperts"):
+        ExpertStore([torch.nn.Linear(2, 2)], StorageConfig())
+    with pytest.raises(ValueError, match="layer must be"):
+        StoredExperts(ExpertStore([copy.deepcopy(layer.experts)], StorageConfig()), 3)
+
+
+def test_ring_holds_whole_model_when_it_fits(gen):
+    """With as many slots as layers, the second call loads nothing (all hits)."""
+    model = tiny_gpt(n_layers=3).eval()
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(fast_memory=3 * layer_bytes(model), prefetch=1))
+    with store, torch.no_grad():
+        assert store.num_slots == 3
+        offloaded(tokens(gen))
+        loaded = store.stats.bytes_loaded
+        idx = tokens(gen)
+        assert torch.equal(offloaded(idx), model(idx))
+        assert store.stats.bytes_loaded == loaded
+
+
+def test_cache_fetches_only_selected_experts(gen):
+    """Decoding one token: only the K selected experts of each layer are loaded; the same token
+    again finds them in the LRU cache."""
+    model = tiny_gpt(n_layers=4).eval()
+    K = 2
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(mode="cache", offload="disk", fast_memory=10 * per_expert))
+    with store, torch.no_grad():
+        assert store.cache_slots == 10
+        idx = tokens(gen, batch=1, seq=1)
+        assert torch.equal(offloaded(idx), model(idx))
+        assert store.stats.misses == 4 * K and store.stats.hits == 0
+        assert store.stats.bytes_loaded == 4 * K * store.layers[0].expert_nbytes
+        store.reset_stats()
+        assert torch.equal(offloaded(idx), model(idx))
+        assert store.stats.misses == 0 and store.stats.hit_rate == 1.0 and store.stats.bytes_loaded == 0
+
+
+def test_cache_routing_aware_prefetch_beats_lru_thrashing(gen):
+    """4 layers x 2 experts cycle through a cache of 6: plain LRU evicts each expert just
+    before it is needed again (every request misses); prefetching layer l+1's last choice
+    while layer l computes turns every request after the first call into a hit."""
+    model = tiny_gpt(n_layers=4).eval()
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    idx = tokens(gen, batch=1, seq=1)
+    rates = {}
+    for prefetch in (0, 1):
+        offloaded = copy.deepcopy(model)
+        store = offload_experts(offloaded, StorageConfig(mode="cache", fast_memory=6 * per_expert, prefetch=prefetch))
+        with store, torch.no_grad():
+            offloaded(idx)
+            store.reset_stats()
+            for _ in range(3):
+                assert torch.equal(offloaded(idx), model(idx))
+            rates[prefetch] = store.stats.hit_rate
+            if prefetch:
+                assert store.prefetch_hits == store.stats.hits > 0
+            assert store.stats.peak_fast_bytes <= 6 * per_expert + 2 * per_expert  # + gather workspace
+    assert rates == {0: 0.0, 1: 1.0}
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 2.0])
+def test_cache_prefill_selecting_more_experts_than_slots(capacity_factor, gen):
+    """A prefill routes to all 6 experts of a layer; a cache of 4 runs them in chunks."""
+    model = tiny_gpt(n_layers=3, capacity_factor=capacity_factor).eval()
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(mode="cache", offload="disk", fast_memory=4 * per_expert))
+    with store, torch.no_grad():
+        idx = tokens(gen, batch=2, seq=16)
+        assert torch.equal(offloaded(idx), model(idx))
+        assert store.stats.peak_fast_bytes <= 8 * per_expert
+        with pytest.raises(RuntimeError, match="selected 5 experts but the cache holds 4"):
+            store.acquire_experts(0, [0, 1, 2, 3, 4])
+
+
+def test_cache_mode_is_inference_only(gen):
+    model = tiny_gpt(n_layers=2)
+    store = offload_experts(model, StorageConfig(mode="cache", fast_memory="1MB"))
+    with store, pytest.raises(RuntimeError, match="inference-only"):
+        model.loss(tokens(gen), tokens(gen))
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+@pytest.mark.parametrize("offload, evict", [("host", False), ("disk", False), ("disk", True)])
+def test_gradients_equal_in_memory(offload, evict, gen):
+    model = tiny_gpt(n_layers=4)
+    offloaded = copy.deepcopy(model)
+    lb = layer_bytes(model)
+    budget = 3 * lb  # 2 ring slots + one layer of gradients
+    store = offload_experts(offloaded, StorageConfig(offload=offload, fast_memory=budget, prefetch=1, trainable=True,
+                                                     evict_page_cache=evict))
+    with store:
+        idx, tgt = tokens(gen), tokens(gen)
+        loss_ref = model.loss(idx, tgt) + moeflow.aux_loss(model)
+        loss = offloaded.loss(idx, tgt) + moeflow.aux_loss(offloaded)
+        assert torch.equal(loss, loss_ref)
+        loss_ref.backward()
+        loss.backward()
+        store.wait_grads()
+        dense_ref = {n: p for n, p in model.named_parameters() if ".experts." not in n}
+        for name, p in offloaded.named_parameters():
+            assert torch.equal(p.grad, dense_ref[name].grad), name
+        for i, layer in enumerate(moeflow.moe_layers(model)):
+            for name, p in layer.experts.named_parameters():
+                assert torch.equal(store.grads[i][name], p.grad), (i, name)
+        assert store.stats.peak_fast_bytes <= budget
+        assert store.num_slots == 2
+
+
+def test_gradient_accumulation_equals_in_memory(gen):
+    """Two micro-batches per step: the host accumulators sum like ``p.grad`` does."""
+    model = tiny_gpt(n_layers=3)
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(offload="disk", fast_memory=3 * layer_bytes(model), trainable=True))
+    with store:
+        for _ in range(2):
+            idx, tgt = tokens(gen), tokens(gen)
+            for m in (model, offloaded):
+                ((m.loss(idx, tgt) + moeflow.aux_loss(m)) / 2).backward()
+        store.wait_grads()
+        for i, layer in enumerate(moeflow.moe_layers(model)):
+            for name, p in layer.experts.named_parameters():
+                assert torch.equal(store.grads[i][name], p.grad), (i, name)
+
+
+@pytest.mark.parametrize("offload, evict", [("host", False), ("disk", True)])
+def test_offloaded_adamw_training_equals_in_memory(offload, evict, gen):
+    model = tiny_gpt(n_layers=3, router=RouterConfig(scoring="topk_softmax", load_balance_coef=0.01))
+    offloaded = copy.deepcopy(model)
+    lb = layer_bytes(model)
+    store = offload_experts(offloaded, StorageConfig(offload=offload, fast_memory=3 * lb, prefetch=1, trainable=True,
+                                                     evict_page_cache=evict))
+    hyper = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(model.parameters(), **hyper)
+    opt_dense = torch.optim.AdamW(offloaded.parameters(), **hyper)
+    opt_experts = OffloadedAdamW(store, **hyper)
+    with store:
+        for _ in range(3):
+            idx, tgt = tokens(gen), tokens(gen)
+            for m, opts in ((model, [opt_ref]), (offloaded, [opt_dense, opt_experts])):
+                (m.loss(idx, tgt) + moeflow.aux_loss(m)).backward()
+                if m is offloaded and offload == "disk":
+                    # prefetch across kinds: the backward's first finished layer (the last one)
+                    # already streams its weights and moments in for the update
+                    assert list(opt_experts._loads) == [2]
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+        dense_ref = dict(model.named_parameters())
+        for name, p in offloaded.named_parameters():
+            assert torch.equal(p, dense_ref[name]), name
+        for i, layer in enumerate(moeflow.moe_layers(model)):
+            weights = store.layer_weights(i)
+            for name, p in layer.experts.named_parameters():
+                assert torch.equal(weights[name], p), (i, name)
+        # the trained weights are what the next forward uses
+        with torch.no_grad():
+            idx = tokens(gen)
+            assert torch.equal(offloaded(idx), model(idx))
+        if offload == "disk":
+            assert store.stats.bytes_written_back > 0
+        assert store.stats.peak_fast_bytes <= 3 * lb
+        opt_experts.close()
+
+
+def test_offloaded_adamw_validation():
+    model = tiny_gpt(n_layers=2)
+    store = offload_experts(model, StorageConfig(fast_memory="1MB"))
+    with store:
+        with pytest.raises(ValueError, match="trainable=True"):
+            OffloadedAdamW(store)
+    store = offload_experts(tiny_gpt(n_layers=2), StorageConfig(fast_memory="1MB", trainable=True))
+    with store:
+        with pytest.raises(ValueError, match="lr"):
+            OffloadedAdamW(store, lr=-1.0)
+        with pytest.raises(ValueError, match="betas"):
+            OffloadedAdamW(store, betas=(0.9, 1.5))
+    with pytest.raises(TypeError, match="store"):
+        OffloadedAdamW(object())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ CLI, bench
+
+
+def test_cli_infer_runs_and_matches(tmp_path, capsys):
+    import json
+
+    from moeflow.cli.main import main
+
+    for mode, memory in (("ring", "6.5MiB"), ("cache", "2MiB")):
+        path = tmp_path / f"{mode}.json"
+        rc = main(["infer", "--preset", "tiny", "--vocab-size", "64", "--layers", "4", "--offload", "disk",
+                   "--mode", mode, "--fast-memory", memory, "--batch-size", "1", "--seq-len", "6", "--new-tokens", "2",
+                   "--compare", "--threads", "1", "--json", str(path)])
+        assert rc == 0
+        report = json.loads(path.read_text())
+        assert report["identical"] is True
+        assert report["stats"]["bytes_loaded"] > 0
+        assert report["stats"]["peak_fast_bytes"] <= parse_bytes(memory) + (3 * 2**20 if mode == "cache" else 0)
+    capsys.readouterr()
+    assert main(["infer", "--preset", "tiny", "--fast-memory", "1kB"]) == 2
+    assert "fast_memory=1000 B holds 0 ring slot" in capsys.readouterr().err
+    assert main(["infer", "--fast-memory", "12XB"]) == 2
+    assert "unknown unit 'XB'" in capsys.readouterr().err
+
+
+def test_cli_infer_from_checkpoint(tmp_path):
+    """A `moeflow train`-style checkpoint is rebuilt, offloaded and run; same output as loaded."""
+    import json
+
+    from moeflow.checkpoint import save_checkpoint
+    from moeflow.cli.main import main
+    from moeflow.train.lm import MODEL_FAMILY
+
+    model = tiny_gpt(n_layers=4)
+    extra = {"family": MODEL_FAMILY, "model": model.config.to_dict(), "dtype": "float32", "tokenizer": None}
+    path = save_checkpoint(tmp_path / "ck", 0, model, extra=extra)
+    budget = 2 * layer_bytes(model)
+    rc = main(["infer", str(path), "--offload", "disk", "--fast-memory", str(budget), "--seq-len", "5",
+               "--new-tokens", "2", "--compare", "--threads", "1", "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["identical"] is True and report["model"].startswith("checkpoint")
+    assert report["stats"]["peak_fast_bytes"] <= budget
+
+
+def test_cli_infer_bench(tmp_path, monkeypatch, capsys):
+    """`moeflow infer --bench` runs the benchmark (shrunk here to test sizes)."""
+    import dataclasses
+    import json
+
+    import moeflow.storage.bench as storage_bench
+    from moeflow.cli.main import main
+
+    real = storage_bench.run_storage_bench
+    small = dict(dim=32, hidden=64, experts=4, heads=2, seq_len=16, repeats=1, balanced_tokens=16, compute_factor=2.0)
+    monkeypatch.setattr(storage_bench, "run_storage_bench",
+                        lambda cfg, progress: real(dataclasses.replace(cfg, **small), progress))
+    assert main(["infer", "--bench", "--layers", "8", "--json", str(tmp_path / "b.json")]) == 0
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["config"]["n_layers"] == 8 and report["config"]["threads"] == 1
+    assert all(r["identical"] for r in report["regimes"])
+    assert main(["infer", "--bench", "--layers", "3"]) == 2
+    assert "n_layers must be >= 4" in capsys.readouterr().err
+
+
+def test_storage_bench_small():
+    from moeflow.storage.bench import StorageBenchConfig, format_storage_report, run_storage_bench
+
+    cfg = StorageBenchConfig(n_layers=8, dim=32, hidden=64, experts=4, heads=2, seq_len=16, repeats=1,
+                             threads=1, balanced_tokens=16, compute_factor=2.0)
+    report = run_storage_bench(cfg)
+    assert report["expert_bytes"] >= 4 * report["fast_budget"]
+    assert [r["regime"] for r in report["regimes"]] == ["balanced", "compute-bound"]
+    assert all(r["identical"] for r in report["regimes"])
+    assert "sync/pref" in format_storage_report(report)
+    with pytest.raises(ValueError, match="n_layers"):
+        StorageBenchConfig(n_layers=3)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("offload, mode", [("host", "ring"), ("disk", "ring"), ("disk", "cache")])
+def test_gpu_inference_equals_in_memory(offload, mode):
+    gen = torch.Generator().manual_seed(0)
+    model = tiny_gpt(n_layers=4).cuda().eval()
+    offloaded = copy.deepcopy(model)
+    lb = layer_bytes(model)
+    store = offload_experts(offloaded, StorageConfig(offload=offload, mode=mode, device="cuda",
+                                                     fast_memory=2 * lb if mode == "ring" else lb))
+    with store, torch.no_grad():
+        assert store.layers[0].home["w_in"].is_pinned() or offload == "disk"
+        for _ in range(3):
+            idx = tokens(gen, batch=1, seq=4).cuda()
+            if mode == "ring":  # same shapes, same kernels: same bits
+                assert torch.equal(offloaded(idx), model(idx))
+            else:  # the cache runs a subset of experts: cuBLAS may pick another kernel for it
+                torch.testing.assert_close(offloaded(idx), model(idx), rtol=1e-5, atol=1e-6)
+        assert store.stats.peak_fast_bytes <= 2 * lb
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_offloaded_training_equals_in_memory():
+    gen = torch.Generator().manual_seed(0)
+    model = tiny_gpt(n_layers=3).cuda()
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(offload="host", device="cuda", trainable=True,
+                                                     fast_memory=3 * layer_bytes(model)))
+    hyper = dict(lr=3e-3, weight_decay=0.1)
+    opt_ref, opt_dense = torch.optim.AdamW(model.parameters(), **hyper), torch.optim.AdamW(offloaded.parameters(), **hyper)
+    opt_experts = OffloadedAdamW(store, **hyper)
+    with store:
+        for _ in range(2):
+            idx, tgt = tokens(gen).cuda(), tokens(gen).cuda()
+            for m, opts in ((model, [opt_ref]), (offloaded, [opt_dense, opt_experts])):
+                (m.loss(idx, tgt) + moeflow.aux_loss(m)).backward()
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+        for i, layer in enumerate(moeflow.moe_layers(model)):
+            weights = store.layer_weights(i)
+            for name, p in layer.experts.named_parameters():
+                # host AdamW vs CUDA AdamW: same formula, different hardware rounding
+                torch.testing.assert_close(weights[name], p.cpu(), rtol=1e-5, atol=1e-6)
