@@ -3,7 +3,9 @@
 The best setting depends on the batch, the routing and the machine (Tutel's observation), so it
 is measured, not guessed: for each global batch size the dispatcher times every candidate
 ``(parallel mode, overlap degree)`` on real calls, round-robin (one warm-up call each, whose
-time is dropped, then ``trials`` timed calls each; the median decides), then keeps the fastest. A trial's time is its forward plus,
+time is dropped, then ``trials`` timed calls each, more for calls so short that their trials
+add up to less than ``min_time_s``, up to ``max_trials``; the median decides), then keeps the
+fastest. A trial's time is its forward plus,
 when the call is back-propagated, this layer's backward (stamped by two identity autograd
 nodes around it; modes differ most in backward: data parallelism all-reduces the expert
 gradients); it is reduced over the ranks (MAX: the slowest rank sets the pace) at the start of
@@ -37,10 +39,15 @@ class ParallelTuner:
     """Per-dispatcher tuner of ``parallel`` and ``overlap_degree`` (see module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup | None, *, degrees: tuple[int, ...] = (1, 2, 4), trials: int = 3,
-                 retune_ratio: float = 1.5) -> None:
+                 retune_ratio: float = 1.5, min_time_s: float = 0.05, max_trials: int = 12) -> None:
         if not degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degrees):
             raise ValueError(f"degrees must be ints >= 1, got {degrees!r}")
+        if not 1 <= trials <= max_trials:
+            raise ValueError(f"need 1 <= trials <= max_trials, got trials={trials}, max_trials={max_trials}")
         self.group, self.degrees, self.trials, self.retune_ratio = group, tuple(degrees), trials, retune_ratio
+        # short calls are noisy: a candidate keeps being timed until its trials add up to
+        # min_time_s (at most max_trials); decided on the reduced times, so every rank agrees
+        self.min_time_s, self.max_trials = min_time_s, max_trials
         self.choices: dict[tuple, tuple[str, int]] = {}  # key -> locked (parallel, overlap_degree)
         self._imbalance: dict[tuple, float] = {}
         self._times: dict[tuple, dict[tuple[str, int], list[float]]] = {}
@@ -91,7 +98,7 @@ class ParallelTuner:
         times = self._times.setdefault(key, {c: [] for c in self.candidates(experts, parallel, overlap_degree, dispatcher)})
         runs = {c: len(v) + sum(1 for p in self._pending if p[0] == key and p[1] == c) for c, v in times.items()}
         setting = min(runs, key=lambda c: runs[c])  # round-robin in candidate order
-        if runs[setting] > self.trials:  # every trial ran; their times arrive at the next call
+        if runs[setting] > self.max_trials:  # every trial ran; their times arrive at the next call
             setting = next(iter(runs))
         stamps: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -117,13 +124,19 @@ class ParallelTuner:
             if times is None or key in self.choices:
                 continue
             times[setting].append(seconds)
-            if all(len(v) > self.trials for v in times.values()):
+            if all(self._enough(v) for v in times.values()):
                 medians = {c: statistics.median(v[1:]) for c, v in times.items()}  # [0]: warm-up
                 best = min(medians, key=lambda c: (medians[c], c[0] != "expert", c[1]))
                 self.choices[key], self._imbalance[key] = best, imbalance
                 log.info("moeflow tuner: chose parallel=%r overlap_degree=%d for %s (median ms: %s)", *best, key,
                          {f"{m}/{d}": round(v * 1e3, 3) for (m, d), v in medians.items()})
         self._pending.clear()
+
+    def _enough(self, seconds: list[float]) -> bool:
+        """A candidate's timing is done: ``trials`` timed calls after the warm-up that add up to
+        ``min_time_s``, or ``max_trials`` of them."""
+        timed = seconds[1:]
+        return len(timed) >= self.max_trials or (len(timed) >= self.trials and sum(timed) >= self.min_time_s)
 
 
 class _Stamp(torch.autograd.Function):
