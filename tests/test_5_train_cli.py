@@ -113,6 +113,12 @@ def test_cli_generate_and_its_errors(tmp_path, capsys) -> None:
     assert "nope" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "x"), "--batch-size", "6", "--grad-accum", "4"]) == 2
     assert "grad_accum" in capsys.readouterr().err
+    # placement and vocabulary flags are checked before any rank starts
+    for flags, needle in ((["--vocab-parallel"], "--nproc >= 2"), (["--rebalance-every", "5"], "--nproc >= 2"),
+                          (["--nproc", "2", "--rebalance-every", "5", "--expert-slots", "9"], "[4, 8], got 9"),
+                          (["--nproc", "2", "--expert-slots", "5"], "applies with --rebalance-every")):
+        assert main(["train", "--out", str(tmp_path / "x"), *flags]) == 2
+        assert needle in capsys.readouterr().err
 
 
 def test_vision_moe_learns_digits(capsys) -> None:

@@ -341,6 +341,18 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.nproc < 1:
         print(f"moeflow train: error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
         return 2
+    world = args.nproc or 1
+    if (cfg.vocab_parallel or cfg.rebalance_every) and world < 2:
+        print("moeflow train: error: --vocab-parallel and --rebalance-every need --nproc >= 2", file=sys.stderr)
+        return 2
+    E = cfg.model_config(vocab_size=256).num_experts
+    if cfg.expert_slots and not E // world <= cfg.expert_slots <= E:
+        print(f"moeflow train: error: --expert-slots must lie in [E / nproc, E] = [{E // world}, {E}], "
+              f"got {cfg.expert_slots}", file=sys.stderr)
+        return 2
+    if cfg.expert_slots and not cfg.rebalance_every:
+        print("moeflow train: error: --expert-slots applies with --rebalance-every N", file=sys.stderr)
+        return 2
     try:
         corpus_dir()
         cfg.out_dir.mkdir(parents=True, exist_ok=True)

@@ -262,6 +262,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     elif cfg.vocab_parallel or cfg.rebalance_every:
         raise ValueError("vocab_parallel and rebalance_every need more than one rank (--nproc >= 2)")
     slots = cfg.expert_slots or model_cfg.num_experts // world
+    if cfg.expert_slots and not cfg.rebalance_every:
+        raise ValueError(f"expert_slots={cfg.expert_slots} applies with rebalance_every > 0")
     if cfg.rebalance_every and not model_cfg.num_experts // world <= slots <= model_cfg.num_experts:
         raise ValueError(f"expert_slots={cfg.expert_slots} must lie in [E / ranks, E] = "
                          f"[{model_cfg.num_experts // world}, {model_cfg.num_experts}]")
