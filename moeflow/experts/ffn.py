@@ -134,10 +134,12 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def hidden_slices(self, r: int) -> "GroupedExperts":
-        """A new module of ``E * r`` experts of hidden size ``H / r``: expert ``x * r + j``
+        """A new module of ``E * r`` experts of hidden size ``H / r``: expert ``j * E + x``
         holds hidden units ``[j*H/r, (j+1)*H/r)`` of expert ``x`` (gate and up columns alike).
-        The hidden units of an FFN are independent, so the ``r`` slices' outputs add up to the
-        expert's output (for that, ``b_out`` must be absent: ``bias=False``)."""
+        Slice-major order, so that sharding the result over ranks puts the ``r`` slices of an
+        expert on ``r`` different ranks. The hidden units of an FFN are independent, so the
+        slices' outputs add up to the expert's output (for that, ``b_out`` must be absent:
+        ``bias=False``)."""
         if not isinstance(r, int) or r < 1 or self.hidden % r:
             raise ValueError(f"hidden slices r={r!r} must be a positive divisor of hidden={self.hidden}")
         if self.config.bias:
@@ -147,8 +149,8 @@ class GroupedExperts(nn.Module):
         out = GroupedExperts(num_experts=E * r, dim=self.dim, hidden=h, config=self.config,
                              device=self.w_in.device, dtype=self.w_in.dtype)
         w_in = self.w_in.unflatten(-1, (halves, r, h))  # [E, D, halves, r, h]
-        out.w_in.copy_(w_in.permute(0, 3, 1, 2, 4).reshape(E * r, self.dim, halves * h))
-        out.w_out.copy_(self.w_out.reshape(E * r, h, self.dim))
+        out.w_in.copy_(w_in.permute(3, 0, 1, 2, 4).reshape(E * r, self.dim, halves * h))
+        out.w_out.copy_(self.w_out.unflatten(1, (r, h)).transpose(0, 1).reshape(E * r, h, self.dim))
         return out
 
     def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

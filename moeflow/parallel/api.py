@@ -54,9 +54,11 @@ def expert_parallel(
 
     ``hidden_shards=n`` also splits every expert's hidden units into ``n`` slices (Tutel's
     ``adaptive_r``; ``GroupedExperts`` without biases): the ``E*n`` slices are spread like
-    experts, each kept row goes to all ``n`` slices of its expert and their outputs add up.
-    This serves ``E < W`` (e.g. 2 experts on 4 ranks with ``n = 2``) and hot experts whose work
-    should be split; ``E*n`` must be divisible by ``W``.
+    experts, slice-major (slice ``j`` of every expert on ranks ``[j*W/n, (j+1)*W/n)`` when ``n``
+    divides ``W``), so each expert is computed by ``n`` ranks; each kept row goes to all ``n``
+    slices of its expert and their outputs add up. This serves ``E < W`` (e.g. 2 experts on 4
+    ranks with ``n = 2``) and splits every expert's work over ``n`` ranks; ``E*n`` must be
+    divisible by ``W``.
     """
     rank = dist.get_rank(group)
     if rank < 0:

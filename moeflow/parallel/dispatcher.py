@@ -104,8 +104,9 @@ class AllToAllDispatcher:
                              f"expert-parallel group size {W}")
         self.num_experts = num_experts
         # each expert's hidden units split into this many slices, held as "virtual" experts
-        # x * hidden_shards + j (``GroupedExperts.hidden_slices``); every kept row of expert x
-        # goes to all its slices and their outputs add up in combine (Tutel's adaptive_r)
+        # j * E + x (``GroupedExperts.hidden_slices``: slice-major, so an expert's slices sit on
+        # different ranks); every kept row of expert x goes to all its slices and their outputs
+        # add up in combine (Tutel's adaptive_r)
         self.hidden_shards = hidden_shards
         self.group = group
         self.world = W
@@ -206,9 +207,9 @@ class AllToAllDispatcher:
         K0, n = K, self.hidden_shards
         if n > 1:
             # every assignment (t, k) of expert x becomes n assignments (t, k*n + j) of the slices
-            # x*n + j, kept or dropped together; regrouped by slice (stable: priority order kept)
+            # j*E + x, kept or dropped together; regrouped by slice (stable: priority order kept)
             j_S = torch.arange(n, device=device).repeat(order_S.numel())
-            order_S, expert_S = order_S.repeat_interleave(n) * n + j_S, expert_S.repeat_interleave(n) * n + j_S
+            order_S, expert_S = order_S.repeat_interleave(n) * n + j_S, j_S * E + expert_S.repeat_interleave(n)
             pos_S, kept_S = pos_S.repeat_interleave(n), kept_S.repeat_interleave(n)
             by_slice = torch.sort(expert_S, stable=True).indices
             order_S, expert_S, pos_S, kept_S = (t[by_slice] for t in (order_S, expert_S, pos_S, kept_S))
