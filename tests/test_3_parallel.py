@@ -522,6 +522,11 @@ def test_bench_nproc_cli(tmp_path, capsys):
     assert main(["bench", "--nproc", "3", "--experts", "4"]) == 2  # E not divisible by N
     assert main(["bench", "--nproc", "2", "--experts", "4", "--expert-slots", "5"]) == 2  # more slots than experts
     assert main(["bench", "--skew", "0.5"]) == 2  # needs --nproc
+    assert main(["bench", "--nproc", "2", "--hidden", "9", "--hidden-shards", "2"]) == 2  # 9 % 2
+    # one expert on two ranks: each computes half of its hidden units
+    rc = main(["bench", "--nproc", "2", "--tokens", "16", "--dim", "8", "--hidden", "8", "--experts", "1", "--top-k", "1",
+               "--hidden-shards", "2", "--repeats", "2", "--warmup", "1", "--json", str(out)])
+    assert rc == 0 and json.loads(out.read_text())["config"]["hidden_shards"] == 2
 
 
 def _case_review_regressions(rank: int, world: int) -> None:

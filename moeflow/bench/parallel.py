@@ -53,13 +53,19 @@ class ParallelBenchConfig(LayerBenchFlags):
     sweep: bool = False
     skew: float = 0.0
     expert_slots: int = 0
+    hidden_shards: int = 1
 
     _positive = ("nproc", *LayerBenchFlags._positive)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.experts % self.nproc:
-            raise ValueError(f"--experts={self.experts} must be divisible by --nproc={self.nproc}")
+        if not isinstance(self.hidden_shards, int) or self.hidden_shards < 1 or self.hidden % self.hidden_shards:
+            raise ValueError(f"--hidden-shards must be a positive divisor of --hidden={self.hidden}, got {self.hidden_shards!r}")
+        if (self.experts * self.hidden_shards) % self.nproc:
+            raise ValueError(f"--experts={self.experts} x --hidden-shards={self.hidden_shards} must be divisible by "
+                             f"--nproc={self.nproc}")
+        if self.hidden_shards > 1 and (self.skew or self.expert_slots):
+            raise ValueError("--skew/--expert-slots compare placements of whole experts; use --hidden-shards 1")
         if self.node_size is not None and (self.node_size < 1 or self.nproc % self.node_size):
             raise ValueError(f"--node-size must divide --nproc={self.nproc}, got {self.node_size}")
         if not 0.0 <= self.skew < 1.0:
@@ -212,7 +218,8 @@ def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
     torch.set_num_threads(cfg.threads)
     keep_freed_heap()
     groups = make_groups(cfg.nproc, node_size=cfg.node_size)
-    layer = expert_parallel(_layer(cfg, device), groups.expert, hierarchy=groups.hierarchy)
+    layer = expert_parallel(_layer(cfg, device), groups.expert, hierarchy=groups.hierarchy,
+                            hidden_shards=cfg.hidden_shards)
     timer = CommTimer()
     layer.dispatcher.exchange.timer = timer  # type: ignore[attr-defined]
     x, g = _batch(cfg, rank, device)
@@ -220,7 +227,8 @@ def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
     layer.dispatcher.exchange.timer = None  # type: ignore[attr-defined]
     sweep = None
     if cfg.sweep:
-        tuned = expert_parallel(_layer(cfg, device), groups.expert, hierarchy=groups.hierarchy)
+        tuned = expert_parallel(_layer(cfg, device), groups.expert, hierarchy=groups.hierarchy,
+                                hidden_shards=cfg.hidden_shards)
         sweep = _sweep(cfg, layer, tuned, x, g)
     placement = _placement_compare(cfg, layer, x, g, rank) if cfg.skew > 0 else None
     barrier()
@@ -302,7 +310,8 @@ def format_parallel_table(report: dict) -> str:
     c, b, grp = report["config"], report["baseline"], report["group"]
     exchange = "two-level" if c["node_size"] else "flat"
     lines = [
-        f"Expert parallel  ranks={c['nproc']} ({report['machine']['backend']}, {exchange} exchange) "
+        f"Expert parallel  ranks={c['nproc']} ({report['machine']['backend']}, {exchange} exchange"
+        f"{', hidden_shards=' + str(c['hidden_shards']) if c.get('hidden_shards', 1) > 1 else ''}) "
         f"T={c['tokens']}/rank D={c['dim']} H={c['hidden']} E={c['experts']} K={c['top_k']} "
         f"cf={c['capacity_factor']} dtype={c['dtype']} threads/rank={c['threads']} repeats={c['repeats']}",
         f"machine: {report['machine']['cpu']}, torch {report['machine']['torch']}, {report['machine']['date']}",

@@ -46,6 +46,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "and compare with one rank holding all experts",
     )
     p.add_argument("--node-size", type=int, default=None, help="with --nproc: ranks per node for the two-level exchange")
+    p.add_argument("--hidden-shards", type=int, default=1,
+                   help="with --nproc: split every expert's hidden units over this many ranks (allows E < nproc)")
     p.add_argument("--skew", type=float, default=0.0,
                    help="with --nproc: force this share of tokens onto expert 0 and compare contiguous experts "
                         "with a load-aware placement")
@@ -60,8 +62,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         return _run_parallel_bench(args)
-    if args.sweep or args.skew or args.expert_slots:
-        print("moeflow bench: error: --sweep, --skew and --expert-slots need --nproc N", file=sys.stderr)
+    if args.sweep or args.skew or args.expert_slots or args.hidden_shards != 1:
+        print("moeflow bench: error: --sweep, --skew, --expert-slots and --hidden-shards need --nproc N", file=sys.stderr)
         return 2
     from moeflow.bench import BenchConfig, format_table, run_layer_bench
 
