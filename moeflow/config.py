@@ -41,6 +41,22 @@ def _choice(name: str, value: object, literal: object) -> None:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
 
 
+def hybrid_shards(parallel: object) -> int | None:
+    """``r`` of a ``"hybrid:r"`` parallel mode (None for the other modes)."""
+    if isinstance(parallel, str) and parallel.startswith("hybrid:"):
+        digits = parallel[len("hybrid:"):]
+        if digits.isdigit() and int(digits) >= 2:
+            return int(digits)
+    return None
+
+
+def _parallel_mode(value: object) -> None:
+    if hybrid_shards(value) is None:
+        allowed = list(get_args(ParallelMode))
+        if value not in allowed:
+            raise ValueError(f"parallel must be one of {allowed} or 'hybrid:r' (r >= 2 hidden slices), got {value!r}")
+
+
 def _int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -190,7 +206,9 @@ class DispatchConfig:
     the expert weights are all-gathered for the call and their gradients summed back onto the
     shards: cheaper when tokens are few), ``"sharded"`` (every rank computes a 1/W slice of every
     expert's hidden dimension for all the group's kept rows, whose partial outputs are summed
-    back onto their ranks: the work is even however skewed the routing), or ``"auto"`` (timed
+    back onto their ranks: the work is even however skewed the routing), ``"hybrid:r"`` (every
+    expert split into ``r`` hidden slices on ``r`` different ranks for the call, the layout of
+    ``expert_parallel(hidden_shards=r)``: Tutel's ``adaptive_r``), or ``"auto"`` (timed
     on the first calls of each batch size together with the overlap degrees; the fastest is
     kept). Results do not depend on it.
     """
@@ -205,7 +223,7 @@ class DispatchConfig:
         _choice("drop_policy", self.drop_policy, DropPolicy)
         _choice("weight_at", self.weight_at, WeightAt)
         check_overlap_degree(self.overlap_degree)
-        _choice("parallel", self.parallel, ParallelMode)
+        _parallel_mode(self.parallel)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,8 +311,8 @@ class MoEConfig:
 
 
 def check_parallel_mode(value: object) -> str:
-    """``parallel``: ``"expert"``, ``"data"``, ``"sharded"`` or ``"auto"``."""
-    _choice("parallel", value, ParallelMode)
+    """``parallel``: ``"expert"``, ``"data"``, ``"sharded"``, ``"hybrid:r"`` or ``"auto"``."""
+    _parallel_mode(value)
     return value  # type: ignore[return-value]
 
 

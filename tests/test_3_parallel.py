@@ -278,17 +278,19 @@ def _case_pipelined(rank: int, world: int) -> None:
     ref = layer(torch.cat(xs))[rank * 6 : (rank + 1) * 6]
     x = xs[rank].clone().requires_grad_(True)
     calls = 0
+    n_cand = len(ep.dispatcher.tuner.candidates(ep.experts, "auto", "auto", ep.dispatcher))
+    assert n_cand == 5 + (2 if world == 4 else 1)  # expert/1,2,4, data, sharded, hybrid:2 (and :4)
     while not ep.dispatcher.tuner.choices:  # every rank decides on the same call (reduced times)
         y = ep(x, overlap_degree="auto", parallel="auto")
         torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
         y.square().sum().backward()  # trials time the backward too
         calls += 1
-        # 5 candidates x (1 warm-up + 3 to 12 trials: these calls are short); decided a call later
-        assert calls <= 5 * 13 + 1, calls
-    assert calls >= 5 * 4 + 1
+        # each candidate: 1 warm-up + 3 to 12 trials (these calls are short); decided a call later
+        assert calls <= n_cand * 13 + 1, calls
+    assert calls >= n_cand * 4 + 1
     choices = ep.dispatcher.tuner.choices
     key = (6 * world, 2, 1.0, "auto", "auto")
-    assert list(choices) == [key] and choices[key] in [("expert", 1), ("expert", 2), ("expert", 4), ("data", 1), ("sharded", 1)]
+    assert list(choices) == [key] and choices[key] in ep.dispatcher.tuner.candidates(ep.experts, "auto", "auto", ep.dispatcher)
     agreed = [None] * world
     dist.all_gather_object(agreed, choices)
     assert all(c == choices for c in agreed)
@@ -403,6 +405,31 @@ def _case_hidden_shards(rank: int, world: int) -> None:
             raise AssertionError(f"{bad} was accepted")
 
 
+def _case_hybrid(rank: int, world: int) -> None:
+    """parallel="hybrid:r" (per call, on the stored expert shards: every expert split into r
+    hidden slices on r ranks) equals the single process, gated and not, in every capacity mode."""
+    configs = [(2, 1.0, "position", "combine", "swiglu"), (1, 0.5, "bpr", "dispatch", "gelu"),
+               (2, 0.0, "position", "combine", "geglu"), (2, -0.8, "score", "combine", "relu")]
+    for r in (2, 4) if world == 4 else (2,):
+        for i, (k, cf, policy, weight_at, act) in enumerate(configs):
+            tokens = [9 + 4 * q for q in range(world)]
+            tokens[0] = 0 if i == 2 else tokens[0]
+            layer = _layer(8, k, cf, policy, weight_at, seed=950 + i, num_shared_experts=1,
+                           experts=moeflow.ExpertsConfig(activation=act))
+            _check_equivalence(rank, world, layer, tokens, seed=950 + i, parallel=f"hybrid:{r}",
+                               what=f"hybrid:{r} k={k} cf={cf} {policy} {weight_at} {act}")
+    ep = expert_parallel(_layer(8, 2, 1.0, "position", "combine", seed=1))
+    for kw, needle in ((dict(parallel="hybrid:3"), "dividing the hidden size"),
+                       (dict(parallel="hybrid:1"), "'hybrid:r'"),
+                       (dict(parallel="hybrid:2", overlap_degree=2), "overlap_degree=2")):
+        try:
+            ep(torch.randn(4, D, dtype=torch.float64), **kw)
+        except ValueError as err:
+            assert needle in str(err), err
+        else:
+            raise AssertionError(f"{kw} was accepted")
+
+
 def _case_replay(rank: int, world: int) -> None:
     """Router replay under expert parallelism: each rank records and replays its own tokens;
     the replayed forward equals the recorded one, also after the router weights moved."""
@@ -426,6 +453,7 @@ CASES = {
     "data_parallel": _case_data_parallel,
     "sharded": _case_sharded,
     "hidden_shards": _case_hidden_shards,
+    "hybrid": _case_hybrid,
     "equivalence": _case_equivalence,
     "skewed": _case_skewed,
     "bad_config": _case_bad_config,
@@ -459,6 +487,11 @@ def test_data_parallel_mode_matches_single_process(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_expert_mode_matches_single_process(world):
     run_ranks(world, "sharded")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hybrid_mode_matches_single_process(world):
+    run_ranks(world, "hybrid")
 
 
 @pytest.mark.parametrize("world", [2, 4])

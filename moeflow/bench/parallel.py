@@ -134,7 +134,11 @@ def _sweep(cfg: ParallelBenchConfig, layer: MoE, tuned: MoE, x: torch.Tensor, g:
     expert-parallel copy ``tuned`` that runs ``overlap_degree="auto"``, with its times."""
     from moeflow.parallel.comm import barrier
 
-    settings = [*(st for st in SWEEP_SETTINGS if st[0] != "sharded" or cfg.hidden % cfg.nproc == 0), AUTO]
+    sliceable = cfg.hidden_shards == 1
+    settings = [*(st for st in SWEEP_SETTINGS if st[0] != "sharded" or (cfg.hidden % cfg.nproc == 0 and sliceable)),
+                *((f"hybrid:{r}", 1) for r in range(2, cfg.nproc + 1)
+                  if sliceable and cfg.nproc % r == 0 and cfg.hidden % r == 0),
+                AUTO]
     times: dict[str, list[float]] = {_label(s): [] for s in settings}
     calls = 0
     while not tuned.dispatcher.tuner.choices:  # let "auto" tune itself on its first calls

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moeflow.config import DispatchConfig
+from moeflow.config import DispatchConfig, hybrid_shards
 from moeflow.dispatch.capacity import resolve_capacity
 from moeflow.dispatch.local import combine_weights, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
@@ -160,13 +160,13 @@ class AllToAllDispatcher:
 
     def dispatch(
         self, x_TD: torch.Tensor, routing: RoutingResult, *, capacity_factor: float,
-        meta: list[torch.Tensor] | None = None,
+        meta: list[torch.Tensor] | None = None, shards: int | None = None,
     ) -> tuple[torch.Tensor, AllToAllPlan]:
-        send_JD, plan, _ = self._prepare(x_TD, routing, capacity_factor, meta)
+        send_JD, plan, _ = self._prepare(x_TD, routing, capacity_factor, meta, shards)
         recv_RD = self.exchange(send_JD, plan.counts)
         expert_in = gather_rows(recv_RD, plan.recv_of_M, plan.valid_M, plan.M_of_recv.view(-1, 1), None)
         if plan.capacity is not None:
-            expert_in = expert_in.view(self.num_local_experts, plan.capacity, x_TD.shape[1])
+            expert_in = expert_in.view(plan.counts_E.numel(), plan.capacity, x_TD.shape[1])
         return expert_in, plan
 
     def gather_routing(self, routing: RoutingResult) -> list[torch.Tensor]:
@@ -179,13 +179,16 @@ class AllToAllDispatcher:
 
     def _prepare(
         self, x_TD: torch.Tensor, routing: RoutingResult, capacity_factor: float,
-        meta: list[torch.Tensor] | None = None,
+        meta: list[torch.Tensor] | None = None, shards: int | None = None,
     ) -> tuple[torch.Tensor, AllToAllPlan, _Global]:
         """Agree with the group on every kept assignment (from ``meta`` = ``gather_routing``'s
         result when the caller has it already); return this rank's send rows, the plan, and the
-        global view (for ``run``)."""
+        global view (for ``run``). ``shards``: route to ``E * shards`` contiguous hidden slices
+        for this call (the per-call hybrid mode) instead of the stored layout."""
         T, D = x_TD.shape
         E, W, e, r = self.num_experts, self.world, self.num_local_experts, self.rank
+        if shards is not None:
+            e = E * shards // W
         K = routing.top_k
         device = x_TD.device
 
@@ -204,7 +207,7 @@ class AllToAllDispatcher:
         slots = assign_slots(all_ids, all_w, num_experts=E, drop_policy=policy)
         order_S, expert_S, pos_S = slots.order_A, slots.expert_A, slots.pos_A  # S: global, by expert
         kept_S = torch.ones_like(order_S, dtype=torch.bool) if cap.row_cap is None else pos_S < cap.row_cap
-        K0, n = K, self.hidden_shards
+        K0, n = K, (self.hidden_shards if shards is None else shards)
         if n > 1:
             # every assignment (t, k) of expert x becomes n assignments (t, k*n + j) of the slices
             # j*E + x, kept or dropped together; regrouped by slice (stable: priority order kept)
@@ -214,7 +217,7 @@ class AllToAllDispatcher:
             by_slice = torch.sort(expert_S, stable=True).indices
             order_S, expert_S, pos_S, kept_S = (t[by_slice] for t in (order_S, expert_S, pos_S, kept_S))
             K = K0 * n
-        if not self.placement.is_contiguous:
+        if shards is None and not self.placement.is_contiguous:
             # rows travel by (destination rank, slot): regroup the global view by slot (a stable
             # sort keeps each slot's rows in priority order)
             slot_S, pos_S = self._slots(expert_S, pos_S, torch.bincount(expert_S[kept_S], minlength=E))
@@ -341,13 +344,18 @@ class AllToAllDispatcher:
         """
         if parallel == "auto" or overlap_degree == "auto":
             return self.tuner.run(self, x_TD, routing, experts, capacity_factor, parallel, overlap_degree)
+        shards = hybrid_shards(parallel)
+        if shards is not None:
+            if overlap_degree != 1:
+                raise ValueError(f"overlap_degree={overlap_degree} applies to parallel='expert', not {parallel!r}")
+            return self._run_hybrid(x_TD, routing, experts, capacity_factor, meta, shards)
         if parallel in ("data", "sharded"):
             if overlap_degree != 1:
                 raise ValueError(f"overlap_degree={overlap_degree} applies to parallel='expert', not {parallel!r}")
             run = self._run_data_parallel if parallel == "data" else self._run_sharded
             return run(x_TD, routing, experts, capacity_factor, meta)
         if parallel != "expert":
-            raise ValueError(f"parallel must be 'expert', 'data', 'sharded' or 'auto', got {parallel!r}")
+            raise ValueError(f"parallel must be 'expert', 'data', 'sharded', 'hybrid:r' or 'auto', got {parallel!r}")
         if overlap_degree == 1:
             expert_in, plan = self.dispatch(x_TD, routing, capacity_factor=capacity_factor, meta=meta)
             return self.combine(experts(expert_in, plan.counts_E), plan)
@@ -421,6 +429,37 @@ class AllToAllDispatcher:
         T, K = plan.num_tokens, plan.top_k
         rows_AD = gather_rows(home_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
         return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK.to(home_JD.dtype), plan.weight_at)
+
+    def hybrid_supported(self, experts: object, shards: int) -> str | None:
+        """Why ``parallel="hybrid"`` with ``shards`` cannot run ``experts`` here (None if it can)."""
+        if not isinstance(experts, GroupedExperts) or experts.config.bias:
+            return f"parallel='hybrid:{shards}' slices GroupedExperts without biases; got {type(experts).__name__}"
+        if self.hidden_shards != 1 or not self.placement.is_contiguous:
+            return f"parallel='hybrid:{shards}' needs the plain contiguous layout (hidden_shards=1, contiguous placement)"
+        if not isinstance(shards, int) or shards < 2 or experts.hidden % shards or (self.num_experts * shards) % self.world:
+            return (f"parallel='hybrid:{shards}' needs a number of slices >= 2 dividing the hidden size "
+                    f"{experts.hidden}, and num_experts x shards divisible by the {self.world} ranks")
+        return None
+
+    def _run_hybrid(self, x_TD, routing, experts, capacity_factor: float, meta, shards: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """Per-call hybrid (Tutel's ``adaptive_r`` on the stored expert-parallel shards): for this
+        call every expert is split into ``shards`` hidden slices laid out slice-major over the
+        ranks (as ``expert_parallel(hidden_shards=shards)`` stores them): the owners send the
+        slices in one differentiable all-to-all, rows go to all slices of their expert, and the
+        slices' outputs add up in the combine."""
+        why = self.hybrid_supported(experts, shards)
+        if why is not None:
+            raise ValueError(why)
+        w_in, w_out = _slice_major(experts, shards, self.group)
+        if torch.is_autocast_enabled(x_TD.device.type):
+            dt = torch.get_autocast_dtype(x_TD.device.type)
+            w_in, w_out = w_in.to(dt), w_out.to(dt)
+        expert_in, plan = self.dispatch(x_TD, routing, capacity_factor=capacity_factor, meta=meta, shards=shards)
+        rows = expert_in.reshape(-1, x_TD.shape[1]).to(w_in.dtype)
+        # capacity layout: every slot of [e, C] is a row (padding rows are zero and ignored)
+        counts = plan.counts_E if plan.capacity is None else torch.full_like(plan.counts_E, plan.capacity)
+        out = grouped_ffn(rows, counts, w_in, w_out, activation=experts.config.activation, backend=experts.config.backend)
+        return self.combine(out.view(expert_in.shape[:-1] + (out.shape[-1],)), plan)
 
     def _run_chunked(self, x_TD, routing, experts, capacity_factor: float, n: int, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
@@ -512,6 +551,36 @@ def _hidden_slices(experts: GroupedExperts, group: dist.ProcessGroup | None) -> 
     w_out = recv_EX[:, n_in : n_in + n_out].view(-1, h, D)
     b_in = recv_EX[:, n_in + n_out :] if experts.b_in is not None else None
     return w_in, w_out, b_in
+
+
+def _slice_major(experts: GroupedExperts, n: int, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's hidden slices of the slice-major layout ``j * E + x`` (``GroupedExperts.
+    hidden_slices``) over the group, from the contiguous expert shards: ``(w_in [e_v, D, F/n],
+    w_out [e_v, H/n, D])``, ``e_v = E * n / W``; one differentiable all-to-all."""
+    W, rank, e, H = dist.get_world_size(group), dist.get_rank(group), experts.num_experts, experts.hidden
+    E, h, D = e * W, H // n, experts.dim
+    halves = experts.w_in.shape[-1] // H
+    e_v = E * n // W
+    owner = lambda v: (v % E) // e  # noqa: E731  (global expert x = v % E lives on rank x // e)
+    sends, send_split = [], []
+    for d in range(W):  # my experts' slices that rank d holds, in d's slot order
+        mine = [v for v in range(d * e_v, (d + 1) * e_v) if owner(v) == rank]
+        for v in mine:
+            j, x = divmod(v, E)
+            local = x - rank * e
+            w_in = experts.w_in[local].unflatten(-1, (halves, n, h))[:, :, j].reshape(-1)
+            sends.append(torch.cat([w_in, experts.w_out[local, j * h : (j + 1) * h].reshape(-1)]))
+        send_split.append(len(mine))
+    recv_split = [sum(1 for v in range(rank * e_v, (rank + 1) * e_v) if owner(v) == s) for s in range(W)]
+    width = D * halves * h + h * D
+    send = torch.stack(sends) if sends else experts.w_in.new_zeros(0, width) + experts.w_in.sum() * 0
+    recv = all_to_all_rows(send, send_split, recv_split, group)
+    # arrival order: by source rank, then slot; my slots in that order -> back to slot order
+    arrival = [v - rank * e_v for s in range(W) for v in range(rank * e_v, (rank + 1) * e_v) if owner(v) == s]
+    inverse = torch.empty(len(arrival), dtype=torch.long, device=recv.device)
+    inverse[torch.tensor(arrival, dtype=torch.long, device=recv.device)] = torch.arange(len(arrival), device=recv.device)
+    slots = recv.index_select(0, inverse)
+    return slots[:, : D * halves * h].view(e_v, D, halves * h), slots[:, D * halves * h :].view(e_v, h, D)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

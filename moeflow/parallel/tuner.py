@@ -70,6 +70,10 @@ class ParallelTuner:
         sharded_ok = getattr(dispatcher, "sharded_supported", None)
         if parallel == "auto" and sharded_ok is not None and sharded_ok(experts) is None:
             out.append(("sharded", 1))
+        hybrid_ok = getattr(dispatcher, "hybrid_supported", None)
+        if parallel == "auto" and hybrid_ok is not None:
+            world = getattr(dispatcher, "world", 1)
+            out += [(f"hybrid:{r}", 1) for r in range(2, world + 1) if world % r == 0 and hybrid_ok(experts, r) is None]
         if not out:
             raise ValueError(f"parallel={parallel!r} needs GroupedExperts, got {type(experts).__name__}")
         return out
