@@ -13,17 +13,25 @@ What it measures, in order:
 2. the whole MoE layer, forward and forward+backward, bf16, dropless (cf = 0), for a
    Mixtral-like shape (T=16384, D=4096, H=14336, E=8, K=2) and a DeepSeek-like shape
    (T=16384, D=2048, H=1408, E=64, K=6, no shared experts), with the experts backend
-   ``"triton"`` (moeflow-triton), ``"grouped_mm"`` (moeflow-torch: ``F.grouped_mm``) and the
+   ``"triton"`` (row "moeflow-triton FFN": the layer's torch routing and dispatch with the
+   Triton fused expert FFN; the layer does not use the fused routing / slot / permute kernels,
+   which have rows of their own below), ``"grouped_mm"`` (moeflow-torch: ``F.grouped_mm``) and the
    GShard one-hot einsum reference (``moeflow.testing.einsum_moe``, padded to the busiest
    expert). The einsum is skipped, with the reason printed, where its ``[T, E, C]`` tensors
    would exceed half the free memory or its two einsums would cost over 10x the expert GEMMs;
 3. the bare expert FFN on the same routed rows: the Triton fused kernel against the
    ``F.grouped_mm`` floor;
-4. permute / unpermute (``moeflow.kernels.triton``) in GB/s against the copy bandwidth.
+4. permute / unpermute (``moeflow.kernels.triton``) in GB/s against the copy bandwidth;
+5. fused top-k routing (``fused_topk_routing`` vs ``moeflow.routing.select_experts``) and slot
+   assignment (``assign_positions`` vs ``moeflow.dispatch.assign_slots``), in GB/s of their
+   compulsory traffic (routing: logits read, scores, weights and ids written; slots: ids read,
+   positions and counts written) against the copy bandwidth, with the time in ms.
 
 TFLOP/s count only the expert GEMMs (``2 * T*K * D * (F + H)`` per forward, 3x that for
 forward+backward), so the layer rows show how close the whole layer gets to the GEMM ceiling.
-Times are medians of ``--repeats`` runs after warm-up, with CUDA events.
+Times are medians of ``--repeats`` runs after warm-up, with CUDA events. Backward passes use
+``torch.autograd.grad`` (nothing accumulates into ``.grad`` across repeats, which would add an
+in-place add per parameter to every timed run).
 """
 
 from __future__ import annotations
@@ -158,7 +166,10 @@ def layer_rows(shape: Shape, device: torch.device, dtype: torch.dtype, gemm_tflo
     rows: list[dict] = []
     x = torch.randn(shape.T, shape.D, device=device, dtype=dtype)
     torch_backend = "loop" if tiny else _torch_backend(shape, device, dtype)
-    impls: list[tuple[str, str | None]] = [("moeflow-triton", "triton"), (f"moeflow-torch ({torch_backend})", torch_backend)]
+    # the triton row is the layer as it runs: torch routing + dispatch, Triton fused expert FFN
+    impls: list[tuple[str, str | None]] = [
+        ("moeflow-triton FFN (torch route)", "triton"), (f"moeflow-torch ({torch_backend})", torch_backend)
+    ]
     impls.append(("einsum (GShard)", None))
     flops = _expert_flops(shape)
     for impl, backend in impls:
@@ -174,9 +185,12 @@ def layer_rows(shape: Shape, device: torch.device, dtype: torch.dtype, gemm_tflo
             fwd = lambda: layer(x)  # noqa: E731
         xg = x.detach().clone().requires_grad_(True)
 
-        def fwd_bwd(fwd=fwd, layer=layer, backend=backend):
+        grad_inputs = [xg] + [p for p in layer.parameters() if p.requires_grad]
+
+        def fwd_bwd(layer=layer, backend=backend, grad_inputs=grad_inputs):
             y = einsum_moe(layer, xg, capacity_factor=0.0) if backend is None else layer(xg)
-            y.backward(torch.ones_like(y))
+            # autograd.grad, not backward: no .grad accumulation inside the timed region
+            torch.autograd.grad(y, grad_inputs, torch.ones_like(y), allow_unused=True)
 
         for pass_, fn, mult in (("fwd", fwd, 1), ("fwd+bwd", fwd_bwd, 3)):
             _peak_reset(device)
@@ -223,7 +237,8 @@ def expert_rows(shape: Shape, device: torch.device, dtype: torch.dtype, gemm_tfl
                 with torch.no_grad():
                     ms = measure(fn)
             else:
-                ms = measure(lambda fn=fn: fn().backward(torch.ones(R, shape.D, device=device, dtype=dtype)))
+                ones = torch.ones(R, shape.D, device=device, dtype=dtype)
+                ms = measure(lambda fn=fn, ones=ones: torch.autograd.grad(fn(), (x, w_in, w_out), ones))
             rate = mult * flops / (ms * 1e-3) / 1e12
             rows.append(dict(case=shape.name, impl=impl, pass_=pass_, ms=ms, rate=rate, unit="TFLOP/s",
                              pct=100 * rate / gemm_tflops, peak_gib=_peak_gib(device)))
@@ -259,13 +274,46 @@ def permute_rows_bench(shape: Shape, device: torch.device, dtype: torch.dtype, c
     return rows
 
 
+def routing_slots_bench(shape: Shape, device: torch.device, dtype: torch.dtype, copy_gbps: float, measure) -> list[dict]:
+    """The fused routing and slot kernels against their torch references, forward only."""
+    from moeflow.dispatch import assign_slots
+    from moeflow.kernels.triton import assign_positions, fused_topk_routing
+    from moeflow.kernels.triton.routing import MAX_ROUTING_EXPERTS
+    from moeflow.routing import select_experts
+
+    T, E, K = shape.T, shape.E, shape.K
+    rows = []
+    logits_TE = torch.randn(T, E, device=device, dtype=dtype)
+    ids_TK = torch.rand(T, E, device=device).topk(K, dim=1).indices
+    w_TK = torch.rand(T, K, device=device, dtype=dtype)
+    item = logits_TE.element_size()
+    route_kw = dict(top_k=K, scoring="softmax", normalize_topk=True)
+    # bytes: logits read, scores written, weights and int64 ids written
+    route_bytes = 2 * T * E * item + T * K * (item + 8)
+    # bytes: int64 ids read, int64 positions written (counts are negligible)
+    slot_bytes = 2 * T * K * 8
+    cases = {
+        "torch select_experts": (lambda: select_experts(logits_TE, **route_kw), route_bytes),
+        "torch assign_slots": (lambda: assign_slots(ids_TK, w_TK, num_experts=E, drop_policy="position"), slot_bytes),
+        "triton assign_positions": (lambda: assign_positions(ids_TK, E, choice_major=True), slot_bytes),
+    }
+    if E <= MAX_ROUTING_EXPERTS:
+        cases = {"triton fused routing": (lambda: fused_topk_routing(logits_TE, **route_kw), route_bytes), **cases}
+    for impl, (fn, nbytes) in cases.items():
+        with torch.no_grad():
+            ms = measure(fn)
+        gbps = nbytes / (ms * 1e-3) / 1e9
+        rows.append(dict(case=shape.name, impl=impl, pass_="fwd", ms=ms, rate=gbps, unit="GB/s", pct=100 * gbps / copy_gbps))
+    return rows
+
+
 def print_table(rows: list[dict], header: str) -> None:
     print(header)
-    print(f"{'case':<9} {'impl':<28} {'pass':<8} {'ms':>10} {'rate':>10} {'unit':<8} {'% ceil':>7} {'peak GiB':>9}  note")
+    print(f"{'case':<9} {'impl':<32} {'pass':<8} {'ms':>10} {'rate':>10} {'unit':<8} {'% ceil':>7} {'peak GiB':>9}  note")
     for r in rows:
         peak = r.get("peak_gib", float("nan"))
         print(
-            f"{r['case']:<9} {r['impl']:<28} {r['pass_']:<8} {r['ms']:>10.3f} {r['rate']:>10.2f} {r['unit']:<8} "
+            f"{r['case']:<9} {r['impl']:<32} {r['pass_']:<8} {r['ms']:>10.3f} {r['rate']:>10.2f} {r['unit']:<8} "
             f"{r['pct']:>7.1f} {peak:>9.2f}  {r.get('note', '')}"
         )
 
@@ -303,6 +351,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += layer_rows(shape, device, dtype, gemm_tflops, measure, args.tiny)
         rows += expert_rows(shape, device, dtype, gemm_tflops, measure, args.tiny)
         rows += permute_rows_bench(shape, device, dtype, copy_gbps, measure)
+        rows += routing_slots_bench(shape, device, dtype, copy_gbps, measure)
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter)"
     header = (

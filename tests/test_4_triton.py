@@ -244,6 +244,23 @@ def test_assign_positions_rejects_bad_arguments():
         mt.assign_positions(torch.zeros(3, 1, dtype=torch.long), 2, capacity=-1)
 
 
+def test_assign_positions_out_of_range_ids_are_never_kept():
+    """A -1 sentinel, E itself (a one-hot column exists for it: E=5 pads to 8) and anything
+    beyond: position -1, counted nowhere, never kept; the valid ids are unaffected."""
+    E = 5
+    ids_TK = torch.tensor([[0, -1], [5, 2], [0, 7], [2, 0], [-3, 4], [100, 0]])
+    valid = (ids_TK >= 0) & (ids_TK < E)
+    for choice_major in (True, False):
+        pos, counts, kept = mt.assign_positions(ids_TK, E, capacity=2, choice_major=choice_major)
+        # the reference on the same ids with every invalid one sent to an extra expert E
+        pos_ref, counts_ref, _ = mt.assign_positions_reference(
+            torch.where(valid, ids_TK, E), E + 1, capacity=2, choice_major=choice_major
+        )
+        assert torch.equal(pos, torch.where(valid.reshape(-1), pos_ref, -1))
+        assert torch.equal(counts, counts_ref[:E])
+        assert torch.equal(kept, valid.reshape(-1) & (pos_ref < 2))
+
+
 # ------------------------------------------------------------------------------------------
 # fused routing
 
@@ -305,6 +322,49 @@ def test_fused_routing_bf16_computes_in_fp32(gen):
     assert_close_rel(s, s_ref.to(torch.bfloat16), torch.bfloat16, "scores")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the all -inf row: NaN weights, as in torch
+@pytest.mark.parametrize("scoring", ["topk_softmax", "sigmoid"])
+def test_fused_routing_fewer_finite_logits_than_k_gives_distinct_ids(scoring):
+    """Rows with fewer than K finite (biased) scores: the ids stay distinct, finite ones first
+    (an argmax over an all -inf row would return expert 0 again and again)."""
+    E, K = 6, 4
+    logits = torch.full((4, E), float("-inf"))
+    logits[0, 3] = 1.0  # one finite logit
+    logits[1, [5, 1]] = torch.tensor([0.5, 2.0])  # two
+    # row 2: all -inf; row 3: finite scores, but the bias rules out all but one expert
+    logits[3] = torch.randn(E)
+    bias = torch.zeros(E)
+    if scoring == "sigmoid":  # sigmoid(-inf) = 0 is finite: the bias makes the -inf selections
+        bias[:] = float("-inf")
+        bias[2] = 0.0
+    w, ids, _ = mt.fused_topk_routing(logits, top_k=K, scoring=scoring, selection_bias_E=bias)
+    assert all(len(set(row)) == K for row in ids.tolist()), ids
+    assert bool(((ids >= 0) & (ids < E)).all())
+    if scoring == "topk_softmax":
+        assert ids[0, 0] == 3 and ids[1, :2].tolist() == [1, 5]
+        assert w[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    else:
+        assert ids[:, 0].tolist() == [2, 2, 2, 2]
+
+
+def test_fused_routing_nan_scores_rank_first_like_topk(gen):
+    """NaN ranks above every number (torch.topk's order); the rest of the row as the reference."""
+    T, E, K = 9, 16, 4
+    logits = torch.randn(T, E, generator=gen)
+    logits[2, [3, 11]] = float("nan")
+    logits[5, 7] = float("nan")
+    w, ids, _ = mt.fused_topk_routing(logits, top_k=K, scoring="sigmoid")
+    w_ref, ids_ref, _ = select_experts(logits, top_k=K, scoring="sigmoid")
+    assert all(len(set(row)) == K for row in ids.tolist())
+    assert ids[2, :2].tolist() == [3, 11] and ids[5, 0] == 7  # NaNs first, lower id first
+    assert sorted(ids[2, :2].tolist()) == sorted(ids_ref[2, :2].tolist()) and torch.equal(ids[2, 2:], ids_ref[2, 2:])
+    others = [t for t in range(T) if t != 2]
+    assert torch.equal(ids[others], ids_ref[others])
+    torch.testing.assert_close(w[others], w_ref[others], equal_nan=True)
+    assert bool(w[2, :2].isnan().all()) and bool(w[5, 0].isnan())
+    torch.testing.assert_close(w[2, 2:], w_ref[2, 2:])
+
+
 def test_fused_routing_rejects_bad_arguments():
     with pytest.raises(ValueError, match="E <= 256"):
         mt.fused_topk_routing(torch.randn(2, 257), top_k=1, scoring="softmax")
@@ -363,6 +423,97 @@ def test_grouped_mm_random_shapes(E, R, D, F, empty, seed):
         assert_close_rel(a, b, torch.float32, "grad")
 
 
+@pytest.mark.parametrize("E,empty", [(64, 50), (256, 240)])
+def test_grouped_mm_many_experts_mostly_empty(gen, E, empty):
+    """E up to 256 (BLOCK_E = 512 with the tail group), most groups empty, runs of empty groups
+    at the start and end; tiny D/F keep the interpreter fast."""
+    R, D, F = 45, 8, 12
+    counts = random_counts(gen, E, R, empty)
+    counts[:3] = 0
+    counts[-3:] = 0
+    counts[E // 2] += R - int(counts.sum())
+    offs = torch.cumsum(counts, 0)
+    x = torch.randn(R, D, generator=gen, requires_grad=True)
+    w = torch.randn(E, D, F, generator=gen, requires_grad=True)
+    y, y_ref = mt.grouped_mm_triton(x, w, offs), grouped_mm_loop(x, w, offs)
+    assert_close_rel(y, y_ref, torch.float32, "y")
+    g = torch.randn(R, F, generator=gen)
+    got, ref = torch.autograd.grad(y, (x, w), g), torch.autograd.grad(y_ref, (x, w), g)
+    assert_close_rel(got[0], ref[0], torch.float32, "grad x")
+    assert_close_rel(got[1], ref[1], torch.float32, "grad w")
+    assert torch.all(got[1][counts == 0] == 0)
+
+
+def test_grouped_mm_offsets_not_ending_at_r_raise_on_host():
+    """Host offsets are checked like the reference (grouped_mm_loop raises ValueError)."""
+    x, w = torch.randn(10, 4), torch.randn(3, 4, 5)
+    for offs in ([2, 5, 8], [2, 5, 12], [5, 2, 10], [-1, 5, 10]):
+        offs = torch.tensor(offs)
+        with pytest.raises(ValueError, match="offs_E"):
+            mt.grouped_mm_triton(x, w, offs)
+    with pytest.raises(ValueError, match="offs_E"):
+        grouped_mm_loop(x, w, torch.tensor([2, 5, 8]))
+    with pytest.raises(ValueError, match="offs_E|counts_E"):
+        mt.grouped_ffn_triton(x, torch.tensor([2, 3, 3]), torch.randn(3, 4, 6), torch.randn(3, 6, 4), activation="gelu")
+    with pytest.raises(ValueError, match="counts_E"):
+        mt.grouped_ffn_triton(x, torch.tensor([12, -2, 0]), torch.randn(3, 4, 6), torch.randn(3, 6, 4), activation="gelu")
+
+
+def _dirty_empty(monkeypatch):
+    """Make torch.empty return NaN-filled memory, so rows a kernel never writes show up."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("end_shift", [-7, 9])
+def test_grouped_mm_device_offsets_are_clamped_and_tail_zeroed(gen, monkeypatch, end_shift):
+    """What the kernels do with offsets they cannot check (GPU offsets: the custom op is called
+    directly): offs_E[-1] > R cuts the groups at R (no access past R); offs_E[-1] < R leaves the
+    rows after the last offset to no group, and they come out as exact zeros, gradients too."""
+    _dirty_empty(monkeypatch)
+    E, R, D, F = 4, 37, 8, 12
+    counts = torch.tensor([10, 0, 12, 15 + end_shift])
+    offs = torch.cumsum(counts, 0)
+    end = min(int(offs[-1]), R)
+    offs_ok = offs.clamp(max=R)  # what the groups mean once cut at R
+    x = torch.randn(R, D, generator=gen, requires_grad=True)
+    w = torch.randn(E, D, F, generator=gen, requires_grad=True)
+    y = torch.ops.moeflow.grouped_mm(x, w, offs)
+    y_ref = grouped_mm_loop(x[:end], w, offs_ok)
+    assert_close_rel(y[:end], y_ref, torch.float32, "y")
+    assert torch.equal(y[end:], torch.zeros(R - end, F))
+    g = torch.randn(R, F, generator=gen)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, (x, w), g[:end])
+    assert_close_rel(gx, gx_ref, torch.float32, "grad x")  # the reference's x[end:] gets zeros
+    assert torch.equal(gx[end:], torch.zeros(R - end, D))
+    assert_close_rel(gw, gw_ref, torch.float32, "grad w")
+    # the fused FFN: the tail rows of y, h and a are zeros as well
+    w_in, w_out = torch.randn(E, D, 2 * F, generator=gen), torch.randn(E, F, D, generator=gen)
+    y2, h2, a2 = torch.ops.moeflow.grouped_ffn(x.detach(), w_in, w_out, offs, "swiglu")
+    y2_ref = grouped_ffn(x.detach()[:end], offs_ok.diff(prepend=offs_ok.new_zeros(1)), w_in, w_out, activation="swiglu", backend="loop")
+    assert_close_rel(y2[:end], y2_ref, torch.float32, "ffn y")
+    for t in (y2, h2, a2):
+        assert torch.equal(t[end:], torch.zeros_like(t[end:]))
+
+
+def test_dact_fake_dtype_follows_the_gradient():
+    """The fake kernel of the fused activation backward allocates like the real one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = (torch.randn(6, 4, dtype=torch.float16), torch.randn(2, 3, 4, dtype=torch.float16),
+            torch.tensor([2, 6]), torch.randn(6, 3), "gelu")
+    real = torch.ops.moeflow.grouped_mm_dact(*args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.moeflow.grouped_mm_dact(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert fake.dtype == real.dtype == torch.float16 and fake.shape == real.shape
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "silu", "relu"])
 def test_grouped_ffn_matches_reference(gen, activation):
     E, D, H = 5, 24, 20
@@ -381,6 +532,23 @@ def test_grouped_ffn_matches_reference(gen, activation):
     for name, a, b in zip(("x", "w_in", "w_out"), got, ref):
         assert_close_rel(a, b, torch.float32, f"grad {name}")
     assert torch.all(got[1][1] == 0) and torch.all(got[2][1] == 0)  # the empty expert
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_grouped_ffn_without_grad_skips_h(gen, activation):
+    """No gradient wanted: the epilogue does not write h (returned empty); y is unchanged."""
+    counts = torch.tensor([4, 0, 9])
+    gated = activation == "swiglu"
+    x = torch.randn(13, 8, generator=gen)
+    w_in, w_out = torch.randn(3, 8, 12 if gated else 6, generator=gen), torch.randn(3, 6, 8, generator=gen)
+    offs = torch.cumsum(counts, 0)
+    y1, h1, a1 = torch.ops.moeflow.grouped_ffn(x, w_in, w_out, offs, activation, True)
+    y0, h0, a0 = torch.ops.moeflow.grouped_ffn(x, w_in, w_out, offs, activation, False)
+    assert h1.shape == (13, w_in.shape[2]) and h0.shape == (0, w_in.shape[2])
+    assert torch.equal(y0, y1) and torch.equal(a0, a1)
+    with torch.no_grad():
+        y = mt.grouped_ffn_triton(x, counts, w_in.requires_grad_(True), w_out, activation=activation)
+    assert torch.equal(y, y1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -511,6 +679,47 @@ def test_gpu_grouped_ffn_full_size(activation):
     g = torch.randn(R, D, **kw).bfloat16()
     for a, b in zip(torch.autograd.grad(y, (x, w_in, w_out), g), torch.autograd.grad(y_ref, (x, w_in, w_out), g)):
         assert_close_rel(a, b, torch.bfloat16, "grad")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("E,empty", [(64, 40), (256, 200)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_gpu_grouped_ffn_odd_sizes_many_empty_experts(E, empty, dtype, activation):
+    """D=1000, H=1400 (not multiples of any tile: K, N and row tails in every GEMM), most
+    experts empty, transposed (Hugging Face [E, F, D] / [E, D, H]) weight views, bf16 and fp16;
+    plus the grouped GEMM alone and offsets the kernels must clamp (offs_E[-1] != R)."""
+    gen = torch.Generator(device="cuda").manual_seed(E)
+    D, H, R = 1000, 1400, 3001
+    gated = activation == "swiglu"
+    F = 2 * H if gated else H
+    counts = random_counts(torch.Generator().manual_seed(E), E, R, empty).cuda()
+    kw = dict(device="cuda", generator=gen)
+    x = torch.randn(R, D, **kw).to(dtype).requires_grad_(True)
+    w_in_EFD = (torch.randn(E, F, D, **kw) * D**-0.5).to(dtype).requires_grad_(True)
+    w_out_EDH = (torch.randn(E, D, H, **kw) * H**-0.5).to(dtype).requires_grad_(True)
+    w_in, w_out = w_in_EFD.transpose(1, 2), w_out_EDH.transpose(1, 2)  # strided views
+    y = mt.grouped_ffn_triton(x, counts, w_in, w_out, activation=activation)
+    y_ref = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="loop")
+    assert_close_rel(y, y_ref, dtype, "y")
+    g = torch.randn(R, D, **kw).to(dtype)
+    params = (x, w_in_EFD, w_out_EDH)
+    got, ref = torch.autograd.grad(y, params, g), torch.autograd.grad(y_ref, params, g)
+    for name, a, b in zip(("x", "w_in", "w_out"), got, ref):
+        assert_close_rel(a, b, dtype, f"grad {name}")
+    assert torch.all(got[1][counts == 0] == 0) and torch.all(got[2][counts == 0] == 0)
+    offs = torch.cumsum(counts, 0)
+    y_mm = mt.grouped_mm_triton(x, w_in, offs)
+    assert_close_rel(y_mm, grouped_mm_loop(x, w_in, offs), dtype, "grouped_mm")
+    # GPU offsets are not checked: past R they are cut at R, short of R the tail rows are zeros
+    short, long_ = offs.clamp(max=R - 7), offs.clone()  # (the last experts may be empty)
+    long_[-1] += 500
+    y_short = torch.ops.moeflow.grouped_mm(x, w_in, short)
+    assert torch.equal(y_short[R - 7 :], torch.zeros_like(y_short[R - 7 :]))
+    torch.testing.assert_close(y_short[: R - 7], y_mm[: R - 7])
+    torch.testing.assert_close(torch.ops.moeflow.grouped_mm(x, w_in, long_), y_mm)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ Importing this package does not import Triton; the kernels' modules are loaded o
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 from functools import lru_cache
@@ -41,6 +42,7 @@ __all__ = [
     "interpreter_active",
     "triton_available",
     "check_triton_tensors",
+    "device_guard",
     # lazily loaded (they import triton)
     "permute_rows",
     "unpermute_rows",
@@ -119,6 +121,12 @@ def check_triton_tensors(op: str, **tensors: torch.Tensor | None) -> None:
                 else "Triton kernels run on CUDA (or CPU under the Triton interpreter)"
             )
             raise ValueError(f"{op}: {name} is on device {t.device}, where the Triton kernels cannot run: {why}")
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device(t.device)`` for a CUDA tensor (Triton launches on the *current*
+    device, which need not be ``t``'s), a no-op context otherwise."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def __getattr__(name: str) -> Any:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from moeflow.kernels.gather import gather_rows_reference
-from moeflow.kernels.triton import check_triton_tensors
+from moeflow.kernels.triton import check_triton_tensors, device_guard
 
 __all__ = ["permute_rows", "unpermute_rows", "unpermute_rows_reference", "gather_reduce", "gather_dot"]
 
@@ -106,11 +106,12 @@ def _launch_gather_reduce(
     w_NJ = None if w_NJ is None else w_NJ.contiguous()
     block_d = _block_d(D)
     grid = (triton.cdiv(N, _BLOCK_N), triton.cdiv(D, block_d))
-    _gather_reduce_kernel[grid](
-        src_MD, index_NJ, valid_NJ, w_NJ, out_ND,
-        N, D, J, src_MD.stride(0), out_ND.stride(0),
-        HAS_VALID=valid_NJ is not None, HAS_W=w_NJ is not None, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-    )
+    with device_guard(src_MD):
+        _gather_reduce_kernel[grid](
+            src_MD, index_NJ, valid_NJ, w_NJ, out_ND,
+            N, D, J, src_MD.stride(0), out_ND.stride(0),
+            HAS_VALID=valid_NJ is not None, HAS_W=w_NJ is not None, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        )
     return out_ND
 
 
@@ -125,11 +126,12 @@ def _launch_gather_dot(
     a_ND, b_MD, index_NJ = a_ND.contiguous(), b_MD.contiguous(), index_NJ.contiguous()
     valid_NJ = None if valid_NJ is None else valid_NJ.contiguous()
     D = a_ND.shape[1]
-    _gather_dot_kernel[(triton.cdiv(N, _BLOCK_N),)](
-        a_ND, b_MD, index_NJ, valid_NJ, out_NJ,
-        N, D, J, a_ND.stride(0), b_MD.stride(0),
-        HAS_VALID=valid_NJ is not None, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(D),
-    )
+    with device_guard(a_ND):
+        _gather_dot_kernel[(triton.cdiv(N, _BLOCK_N),)](
+            a_ND, b_MD, index_NJ, valid_NJ, out_NJ,
+            N, D, J, a_ND.stride(0), b_MD.stride(0),
+            HAS_VALID=valid_NJ is not None, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(D),
+        )
     return out_NJ
 
 

@@ -8,6 +8,13 @@ each output. Reference: ``moeflow.routing.select_experts`` (group limits include
 are not a routing kernel's job), which the tests compare against exactly for the ids and to
 rounding for the weights. Ties between equal scores go to the lower expert id.
 
+Degenerate rows: the ``K`` ids of a row are always distinct and in ``[0, E)``, also when fewer
+than ``K`` scores are finite (the -inf experts then fill the remaining picks, lowest id first).
+A NaN score ranks above every number, as in ``torch.topk`` (so a NaN expert is always picked
+and the weights of its row come out NaN, as in the reference); among several NaNs the lower id
+goes first, where ``torch.topk`` leaves the order unspecified. Not checked (it would need a host
+sync). With group limits, NaN scores make the choice of groups unspecified (ids stay distinct).
+
 The backward needs no kernel of its own: it is a few elementwise ops on ``[T, E]``
 (``_routing_backward``), written in torch and fused by ``torch.compile`` where used.
 """
@@ -18,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.triton import check_triton_tensors
+from moeflow.kernels.triton import check_triton_tensors, device_guard
 
 __all__ = ["fused_topk_routing", "MAX_ROUTING_EXPERTS", "MAX_ROUTING_TOP_K"]
 
@@ -84,13 +91,25 @@ def _routing_kernel(
     ks = tl.arange(0, BLOCK_K)
     picked = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     chosen = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+    # Each pass picks, among the experts not picked yet: a NaN score first (torch.topk ranks NaN
+    # above everything), else the highest score; ties (NaNs included) go to the lowest id. The
+    # "not picked yet" mask, not a -inf overwrite, keeps the ids distinct even when a row has
+    # fewer than K finite scores (an argmax over an all -inf row would return 0 every pass).
+    is_nan = sel != sel
+    sel = tl.where(is_nan, float("-inf"), sel)
+    avail = (experts < E)[None, :] & (rows >= 0)[:, None]  # [BLOCK_T, BLOCK_E]
     for k in tl.static_range(K):
-        best = tl.argmax(sel, axis=1)  # first index among ties, like torch.topk on distinct values
+        nan_left = is_nan & avail
+        has_nan = tl.max(nan_left.to(tl.int32), axis=1) > 0
+        cand_sel = tl.where(avail, sel, float("-inf"))
+        top = tl.max(cand_sel, axis=1)
+        cand = tl.where(has_nan[:, None], nan_left, avail & (cand_sel == top[:, None]))
+        best = tl.min(tl.where(cand, experts[None, :], BLOCK_E), axis=1)
         hit = experts[None, :] == best[:, None]
         val = tl.sum(tl.where(hit, s, 0.0), axis=1)
         picked = tl.where(ks[None, :] == k, val[:, None], picked)
         chosen = tl.where(ks[None, :] == k, best.to(tl.int64)[:, None], chosen)
-        sel = tl.where(hit, float("-inf"), sel)
+        avail = avail & (experts[None, :] != best[:, None])
 
     k_ok = ks < K
     if SCORING == 2:
@@ -131,14 +150,15 @@ def _routing_op(
     logits_TE = logits_TE.contiguous()
     block_e = triton.next_power_of_2(E)
     block_t = max(1, min(64, 4096 // block_e))
-    _routing_kernel[(triton.cdiv(T, block_t),)](
-        logits_TE, bias_E, weights_TK, ids_TK, scores_TE,
-        T, E, logits_TE.stride(0), float(scale),
-        SCORING=_SCORINGS[scoring], NORMALIZE=normalize, HAS_BIAS=bias_E is not None,
-        NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups, GROUP_TOP2=group_score == "top2_sum",
-        K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_G=triton.next_power_of_2(num_groups),
-    )
+    with device_guard(logits_TE):
+        _routing_kernel[(triton.cdiv(T, block_t),)](
+            logits_TE, bias_E, weights_TK, ids_TK, scores_TE,
+            T, E, logits_TE.stride(0), float(scale),
+            SCORING=_SCORINGS[scoring], NORMALIZE=normalize, HAS_BIAS=bias_E is not None,
+            NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups, GROUP_TOP2=group_score == "top2_sum",
+            K=top_k, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_G=triton.next_power_of_2(num_groups),
+        )
     return weights_TK, ids_TK, scores_TE
 
 
@@ -220,8 +240,9 @@ def fused_topk_routing(
             (``"max"``) or the sum of the best two (``"top2_sum"``); only experts in the best
             ``topk_groups`` groups are chosen (``moeflow.routing.limit_groups``).
 
-    Ids are in descending order of (biased) score, like ``torch.topk``; gradients flow to the
-    logits through both ``weights_TK`` and ``scores_TE``.
+    Ids are in descending order of (biased) score, like ``torch.topk``, and always distinct
+    (also with fewer than ``K`` finite scores; NaN ranks first: module docstring); gradients flow
+    to the logits through both ``weights_TK`` and ``scores_TE``.
     """
     if logits_TE.dim() != 2:
         raise ValueError(f"fused_topk_routing: logits_TE must be [T, E], got shape {tuple(logits_TE.shape)}")

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.triton import check_triton_tensors
+from moeflow.kernels.triton import check_triton_tensors, device_guard
 
 __all__ = ["assign_positions", "assign_positions_reference", "MAX_SLOT_EXPERTS"]
 
@@ -87,6 +87,9 @@ def _positions_kernel(ids_ptr, offs_ptr, pos_ptr, A, T, K, E,
     # Tutel: cumsum over the one-hot, minus one, read at the chosen expert
     slot = tl.cumsum(onehot, axis=0) - 1 + base[None, :]
     pos = tl.sum(onehot * slot, axis=1)
+    # an id outside [0, E) (a -1 sentinel, or E..BLOCK_E-1, which the one-hot has columns for)
+    # is counted nowhere and gets position -1
+    pos = tl.where((e_id >= 0) & (e_id < E), pos, -1)
     tl.store(pos_ptr + a, pos.to(tl.int64), mask=ok)
 
 
@@ -113,12 +116,13 @@ def _positions_op(ids_TK: torch.Tensor, num_experts: int, choice_major: bool) ->
         hist_BE = torch.empty(nb, E, dtype=torch.int32, device=device)
         offs_BE = torch.empty(nb, E, dtype=torch.int32, device=device)
         warps = 8 if device.type == "cuda" else 4
-        _block_hist_kernel[(nb,)](ids_TK, hist_BE, A, T, K, E,
-                                  CHOICE_MAJOR=choice_major, BLOCK_A=block_a, BLOCK_E=block_e, num_warps=warps)
         scan_e = min(block_e, 32)
-        _scan_kernel[(triton.cdiv(E, scan_e),)](hist_BE, offs_BE, counts_E, nb, E, BLOCK_B=64, BLOCK_E=scan_e)
-        _positions_kernel[(nb,)](ids_TK, offs_BE, pos_A, A, T, K, E,
-                                 CHOICE_MAJOR=choice_major, BLOCK_A=block_a, BLOCK_E=block_e, num_warps=warps)
+        with device_guard(ids_TK):
+            _block_hist_kernel[(nb,)](ids_TK, hist_BE, A, T, K, E,
+                                      CHOICE_MAJOR=choice_major, BLOCK_A=block_a, BLOCK_E=block_e, num_warps=warps)
+            _scan_kernel[(triton.cdiv(E, scan_e),)](hist_BE, offs_BE, counts_E, nb, E, BLOCK_B=64, BLOCK_E=scan_e)
+            _positions_kernel[(nb,)](ids_TK, offs_BE, pos_A, A, T, K, E,
+                                     CHOICE_MAJOR=choice_major, BLOCK_A=block_a, BLOCK_E=block_e, num_warps=warps)
     return pos_A, counts_E
 
 
@@ -134,9 +138,11 @@ def assign_positions(
     """Position of each assignment inside its expert, per-expert counts, and the kept mask.
 
     Args:
-        ids_TK: expert of each assignment (int32/int64 ``[T, K]``, values in ``[0, E)``; not
-            checked, since that would need a host sync: an out-of-range id is counted nowhere
-            and gets position -1).
+        ids_TK: expert of each assignment (int32/int64 ``[T, K]``, values in ``[0, E)``).
+            Out-of-range ids (e.g. a ``-1`` "no expert" sentinel) are not an error here, since
+            checking would need a host sync: such an assignment is counted nowhere, gets
+            position ``-1`` and is never kept. (``moeflow.dispatch.assign_slots``, the sort
+            reference, fails on them instead: ``count_ids`` scatters out of bounds.)
         num_experts: ``E``.
         capacity: keep an assignment iff its position is below this (``None``: keep all).
         choice_major: priority order (module docstring).
@@ -155,7 +161,7 @@ def assign_positions(
     if capacity is not None and capacity < 0:
         raise ValueError(f"assign_positions: capacity must be >= 0 or None, got {capacity}")
     pos_A, counts_E = _positions_op(ids_TK, num_experts, choice_major)
-    kept_A = None if capacity is None else pos_A < capacity
+    kept_A = None if capacity is None else (pos_A >= 0) & (pos_A < capacity)
     return pos_A, counts_E, kept_A
 
 
