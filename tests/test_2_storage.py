@@ -9,6 +9,7 @@ the store), and offloaded AdamW training must end with the same parameters, bit 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -516,3 +517,287 @@ def test_gpu_offloaded_training_equals_in_memory():
             for name, p in layer.experts.named_parameters():
                 # host AdamW vs CUDA AdamW: same formula, different hardware rounding
                 torch.testing.assert_close(weights[name], p.cpu(), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ failures, lifetime
+
+
+def _fail_reads(monkeypatch, at: set[int]) -> list[int]:
+    """Make the disk tier's ``read_into`` calls numbered ``at`` (0-based) raise ``OSError``;
+    returns the running call counter."""
+    real = DiskFile.read_into
+    calls = [0]
+
+    def read_into(self, dst, start, end):  # type: ignore[no-untyped-def]
+        n = calls[0]
+        calls[0] += 1
+        if n in at:
+            raise OSError(f"injected read failure #{n}")
+        return real(self, dst, start, end)
+
+    monkeypatch.setattr(DiskFile, "read_into", read_into)
+    return calls
+
+
+@pytest.mark.parametrize("fail_at", [0, 3, 7])
+@pytest.mark.parametrize("mode", ["ring", "cache"])
+def test_failed_load_is_not_used_later(mode, fail_at, monkeypatch, gen):
+    """One failed disk read (on demand, or of a prefetch): that forward raises, the store is not
+    left holding the garbage slot (cache) or a busy, failed slot (ring), the next forwards equal
+    the in-memory model."""
+    model = tiny_gpt(n_layers=4).eval()
+    offloaded = copy.deepcopy(model)
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    budget = 2 * layer_bytes(model) if mode == "ring" else 6 * per_expert
+    store = offload_experts(offloaded, StorageConfig(offload="disk", mode=mode, fast_memory=budget, prefetch=1))
+    with store, torch.no_grad():
+        idx = tokens(gen, batch=1, seq=1 if mode == "cache" else 6)
+        if mode == "cache":  # warm the routing-aware prefetch, so a later read can be a prefetch's
+            assert torch.equal(offloaded(idx), model(idx))
+        _fail_reads(monkeypatch, {fail_at})
+        failed = False
+        for _ in range(3):  # the failure surfaces in one of these (a prefetch's: when needed)
+            try:
+                out = offloaded(idx)
+            except OSError as err:
+                assert "injected" in str(err)
+                failed = True
+                continue
+            assert torch.equal(out, model(idx))
+        assert failed
+        for _ in range(2):
+            idx = tokens(gen, batch=1, seq=1 if mode == "cache" else 6)
+            assert torch.equal(offloaded(idx), model(idx))
+        if mode == "ring":
+            assert not any(store._slot_busy)
+
+
+def test_failed_prefetch_nobody_waits_for_is_raised_by_close(monkeypatch, gen):
+    model = tiny_gpt(n_layers=4).eval()
+    store = offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", fast_memory=2 * layer_bytes(model)))
+    _fail_reads(monkeypatch, {3})  # 2 reads per layer: layer 1's (prefetched) second tensor
+    store.acquire(0)
+    store.release(0)
+    with pytest.raises(RuntimeError, match="nobody waited") as info:
+        store.close()
+    assert "injected" in str(info.value.__cause__)
+    assert store._closed
+
+
+def test_training_with_frozen_dense_part_still_trains_experts(gen):
+    """Only experts and routers trainable (frozen embeddings/attention): the experts' input
+    does not require grad, yet every expert gradient equals the in-memory one."""
+    model = tiny_gpt(n_layers=3)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".experts." in name or ".router." in name)
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(offload="disk", fast_memory=3 * layer_bytes(model),
+                                                     trainable=True))
+    with store:
+        idx, tgt = tokens(gen), tokens(gen)
+        for m in (model, offloaded):
+            (m.loss(idx, tgt) + moeflow.aux_loss(m)).backward()
+        store.wait_grads()
+        assert all(store.has_grad)
+        for i, layer in enumerate(moeflow.moe_layers(model)):
+            for name, p in layer.experts.named_parameters():
+                assert p.grad is not None and p.grad.abs().sum() > 0
+                assert torch.equal(store.grads[i][name], p.grad), (i, name)
+        ref = dict(model.named_parameters())
+        for name, p in offloaded.named_parameters():
+            if p.requires_grad:
+                assert torch.equal(p.grad, ref[name].grad), name
+
+
+def test_stores_sharing_a_directory_keep_their_own_files(tmp_path, gen):
+    models = [tiny_gpt(n_layers=2).eval() for _ in range(2)]
+    offloaded = [copy.deepcopy(m) for m in models]
+    cfg = StorageConfig(offload="disk", fast_memory="1MB", directory=tmp_path, trainable=True)
+    stores = [offload_experts(m, cfg) for m in offloaded]
+    opts = [OffloadedAdamW(s) for s in stores]
+    try:
+        files = {s.disk.path for s in stores} | {o.state_file.path for o in opts}
+        assert len(files) == 4 and all(Path(f).parent == tmp_path for f in files)
+        with torch.no_grad():
+            idx = tokens(gen)
+            for m, o in zip(models, offloaded):
+                assert torch.equal(o(idx), m(idx))
+        for i, (m, s) in enumerate(zip(models, stores)):
+            ref = moeflow.moe_layers(m)[0].experts
+            assert all(torch.equal(s.layer_weights(0)[n], p) for n, p in ref.named_parameters()), i
+    finally:
+        for o, s in zip(opts, stores):
+            o.close()
+            s.close()
+    assert list(tmp_path.iterdir()) == []  # the stores' files are removed, the directory is the user's
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """``tempfile``'s default directory redirected to an empty one, to see what is left there."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def _leftovers(directory) -> list:
+    return sorted(p.name for p in directory.glob("moeflow-experts-*"))
+
+
+def test_failed_construction_leaves_no_temp_dir(private_tmp, monkeypatch, capsys, gen):
+    from moeflow.cli.main import main
+
+    model = tiny_gpt(n_layers=2)
+    with pytest.raises(ValueError, match="holds 0 ring slot"):
+        offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", fast_memory="1kB"))
+    with pytest.raises(ValueError, match="holds no expert"):
+        offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", mode="cache", fast_memory=100))
+    assert _leftovers(private_tmp) == []
+
+    def boom(self):  # type: ignore[no-untyped-def]
+        raise MemoryError("injected")
+
+    with monkeypatch.context() as m:  # failure after the file was written
+        m.setattr(ExpertStore, "_init_ring", boom)
+        with pytest.raises(MemoryError):
+            offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", fast_memory="1MB"))
+    assert _leftovers(private_tmp) == []
+    assert main(["infer", "--preset", "tiny", "--layers", "2", "--fast-memory", "1kB"]) == 2
+    assert main(["infer", "--preset", "tiny", "--layers", "2", "--prompt", "hi"]) == 2
+    assert "--prompt needs a checkpoint" in capsys.readouterr().err
+    assert _leftovers(private_tmp) == []
+    # a store that is never closed: its temporary directory goes with it
+    import gc
+
+    store = offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", fast_memory="1MB"))
+    assert len(_leftovers(private_tmp)) == 1
+    store.engine.close()
+    del store
+    gc.collect()
+    assert _leftovers(private_tmp) == []
+
+
+def test_closed_store_raises_instead_of_reading_unmapped_memory(gen):
+    model = tiny_gpt(n_layers=2)
+    store = offload_experts(model, StorageConfig(offload="disk", fast_memory="1MB", trainable=True))
+    opt = OffloadedAdamW(store)
+    store.layer_weights(0)
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.layer_weights(0)
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="closed"):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match="closed"):
+        model(tokens(gen))
+    opt.close()
+
+
+def test_state_dict_of_offloaded_model_has_the_expert_weights(gen):
+    """``state_dict()`` exports the experts under their in-memory names; loading a state dict
+    writes them into the store (and the next forward uses them)."""
+    model = tiny_gpt(n_layers=3).eval()
+    other = tiny_gpt(n_layers=3).eval()
+    for offload in ("host", "disk"):
+        offloaded = copy.deepcopy(model)
+        store = offload_experts(offloaded, StorageConfig(offload=offload, fast_memory=2 * layer_bytes(model)))
+        with store, torch.no_grad():
+            ref, got = model.state_dict(), offloaded.state_dict()
+            assert list(got) == list(ref)
+            assert all(torch.equal(got[k], ref[k]) for k in ref)
+            offloaded(tokens(gen))  # slots hold the old weights: loading must invalidate them
+            offloaded.load_state_dict(other.state_dict())
+            idx = tokens(gen)
+            assert torch.equal(offloaded(idx), other(idx))
+            with pytest.raises(RuntimeError, match="Missing key"):
+                offloaded.load_state_dict({k: v for k, v in ref.items() if not k.endswith("experts.w_in")})
+
+
+def test_overlap_prefetch_hides_load_time(monkeypatch, gen):
+    """Loads (30 ms each, slowed here) overlap compute (40 ms per layer, slowed here) only with
+    prefetch: a copy engine that ran jobs synchronously would fail this."""
+    import time
+
+    from moeflow.storage import store as store_mod
+
+    real_job, real_compute = store_mod.ExpertStore._copy_job, store_mod.ExpertStore.compute
+
+    def slow_job(self, *args):  # type: ignore[no-untyped-def]
+        job = real_job(self, *args)
+
+        def run(stream):  # type: ignore[no-untyped-def]
+            time.sleep(0.03)
+            return job(stream)
+
+        return run
+
+    def slow_compute(self, *args):  # type: ignore[no-untyped-def]
+        time.sleep(0.04)
+        return real_compute(self, *args)
+
+    monkeypatch.setattr(store_mod.ExpertStore, "_copy_job", slow_job)
+    monkeypatch.setattr(store_mod.ExpertStore, "compute", slow_compute)
+    n = 8
+    model = tiny_gpt(n_layers=n).eval()
+    idx = tokens(gen)
+    wall, stall = {}, {}
+    for prefetch in (0, 1):
+        offloaded = copy.deepcopy(model)
+        store = offload_experts(offloaded, StorageConfig(fast_memory=2 * layer_bytes(model), prefetch=prefetch))
+        with store, torch.no_grad():
+            walls, stalls = [], []
+            for _ in range(2):  # the faster of two calls: robust to a busy machine
+                store.reset_stats()
+                t0 = time.perf_counter()
+                out = offloaded(idx)
+                walls.append(time.perf_counter() - t0)
+                stalls.append(store.stats.stall_s)
+                assert torch.equal(out, model(idx))
+            wall[prefetch], stall[prefetch] = min(walls), min(stalls)
+    assert stall[0] >= 0.9 * n * 0.03  # every load waited for (a synchronous engine: no stall, fails)
+    assert stall[1] <= 0.35 * stall[0]  # at most the first one (the others arrive during compute)
+    assert wall[1] <= wall[0] - 0.5 * (n - 1) * 0.03
+
+
+def test_ignored_options_are_refused(capsys):
+    from moeflow.cli.main import main
+
+    with pytest.raises(ValueError, match="ring_slots"):
+        StorageConfig(mode="cache", ring_slots=2)
+    with pytest.raises(ValueError, match="directory"):
+        StorageConfig(offload="host", directory="/tmp/x")
+    store = offload_experts(tiny_gpt(n_layers=2), StorageConfig(fast_memory="1MB", trainable=True))
+    with store, pytest.raises(TypeError, match="betas"):
+        OffloadedAdamW(store, betas=[0.9, 0.99])  # type: ignore[arg-type]
+    capsys.readouterr()
+    assert main(["infer", "--bench", "--offload", "host", "--fast-memory", "1MB", "--mode", "cache"]) == 2
+    err = capsys.readouterr().err
+    assert "--offload" in err and "--fast-memory" in err and "--mode" in err
+
+
+def test_cli_infer_restores_torch_threads(tmp_path):
+    from moeflow.cli.main import main
+
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    assert main(["infer", "--preset", "tiny", "--vocab-size", "64", "--layers", "2", "--seq-len", "4",
+                 "--new-tokens", "1", "--threads", str(want), "--fast-memory", "8MiB"]) == 0
+    assert torch.get_num_threads() == before
+
+
+def test_moeflow_checkpoint_of_offloaded_model_raises(tmp_path):
+    """save_checkpoint would silently lack the stored experts: it refuses, naming the way out."""
+    from moeflow.checkpoint import save_checkpoint
+    from moeflow.models import MoEGPT, gpt_config
+    from moeflow.storage import StorageConfig, offload_experts
+
+    torch.manual_seed(0)
+    model = MoEGPT(gpt_config("tiny", vocab_size=32, dim=16, n_heads=2, n_layers=2, expert_hidden=16))
+    store = offload_experts(model, StorageConfig(offload="host", fast_memory=10**8))
+    try:
+        with pytest.raises(ValueError, match="ExpertStore"):
+            save_checkpoint(tmp_path / "ck", 1, model)
+    finally:
+        store.close()

@@ -21,6 +21,7 @@ from torch import nn
 
 from moeflow.experts import GroupedExperts
 from moeflow.layer.moe import MoE
+from moeflow.storage.store import StoredExperts
 
 __all__ = ["expert_slices", "model_tensors", "optimizer_tensors", "split_key", "vocab_shards"]
 
@@ -31,6 +32,12 @@ def expert_slices(model: nn.Module) -> dict[str, tuple[list[int], list[bool], in
     (``MoE.expert_slots``: a replicated expert is saved from its first replica only)."""
     out: dict[str, tuple[list[int], list[bool], int]] = {}
     for prefix, module in model.named_modules():
+        if isinstance(module, MoE) and isinstance(module.experts, StoredExperts):
+            raise ValueError(
+                f"MoE layer {prefix or '<model>'} keeps its experts in an ExpertStore (moeflow.storage): "
+                "a moeflow checkpoint would lack them; save model.state_dict() (it includes the stored "
+                "experts) or load the experts back into memory first"
+            )
         if isinstance(module, MoE) and isinstance(module.experts, GroupedExperts):
             ids, saved = module.expert_slots()
             for name, _ in module.experts.named_parameters():

@@ -37,15 +37,15 @@ def add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(GPT_PRESETS), help="random model size (default tiny)")
     p.add_argument("--vocab-size", type=int, default=256, help="with --preset (default 256)")
     p.add_argument("--layers", type=int, default=None, help="with --preset: override n_layers")
-    p.add_argument("--offload", default="disk", choices=["host", "disk"], help="home tier of the experts (default disk)")
-    p.add_argument("--fast-memory", default="512MB", help="fast-tier byte budget, e.g. 512MB, 2GiB (default 512MB)")
-    p.add_argument("--mode", default="ring", choices=["ring", "cache"])
+    p.add_argument("--offload", default=None, choices=["host", "disk"], help="home tier of the experts (default disk)")
+    p.add_argument("--fast-memory", default=None, help="fast-tier byte budget, e.g. 512MB, 2GiB (default 512MB)")
+    p.add_argument("--mode", default=None, choices=["ring", "cache"], help="default ring")
     p.add_argument("--ring-slots", type=int, default=None, help="default: as many as --fast-memory holds")
-    p.add_argument("--prefetch", type=int, default=1, help="layers loaded ahead (0: synchronous loading)")
+    p.add_argument("--prefetch", type=int, default=None, help="layers loaded ahead (0: synchronous loading; default 1)")
     p.add_argument("--dir", type=Path, default=None, help="where the disk tier writes (default: a temporary dir)")
     p.add_argument("--evict-page-cache", action="store_true",
                    help="drop each disk read from the page cache (only matters where O_DIRECT is unavailable)")
-    p.add_argument("--device", default="cpu", help="the fast tier's device: cpu or cuda[:N]")
+    p.add_argument("--device", default=None, help="the fast tier's device: cpu or cuda[:N] (default cpu)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=32, help="prompt tokens per row (random tokens unless --prompt)")
     p.add_argument("--prompt", default=None, help="with a checkpoint that has a tokenizer: the prompt text")
@@ -86,18 +86,41 @@ def _build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def run_infer(args: argparse.Namespace) -> int:
     import torch
 
-    from moeflow.checkpoint import CheckpointError
-    from moeflow.storage import StorageConfig, format_bytes, offload_experts
-
     if args.bench:
+        ignored = [flag for flag, value in (
+            ("checkpoint", args.checkpoint), ("--offload", args.offload), ("--fast-memory", args.fast_memory),
+            ("--mode", args.mode), ("--ring-slots", args.ring_slots), ("--prefetch", args.prefetch),
+            ("--dir", args.dir), ("--device", args.device), ("--prompt", args.prompt),
+            ("--evict-page-cache", args.evict_page_cache or None), ("--compare", args.compare or None),
+        ) if value is not None]
+        if ignored:
+            return _fail(f"--bench runs a fixed benchmark (it takes --layers, --threads, --seed, --json); "
+                         f"it does not take {', '.join(ignored)}")
         return _run_bench(args)
+    for name, default in (("offload", "disk"), ("fast_memory", "512MB"), ("mode", "ring"), ("prefetch", 1),
+                          ("device", "cpu")):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     args.threads = 2 if args.threads is None else args.threads
     for name in ("batch_size", "seq_len", "threads"):
         if getattr(args, name) < 1:
             return _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.new_tokens < 0:
         return _fail(f"--new-tokens must be >= 0, got {args.new_tokens}")
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)  # a caller's setting (in-process use, tests) is left as it was
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from moeflow.checkpoint import CheckpointError
+    from moeflow.storage import StorageConfig, format_bytes, offload_experts
+
     try:
         storage = StorageConfig(
             offload=args.offload, fast_memory=args.fast_memory, mode=args.mode, ring_slots=args.ring_slots,
@@ -106,7 +129,17 @@ def run_infer(args: argparse.Namespace) -> int:
         model, tok, what = _build(args)
     except (CheckpointError, ValueError, TypeError) as err:
         return _fail(str(err))
+    # every argument checked before the store writes anything
+    if args.prompt is not None and tok is None:
+        return _fail("--prompt needs a checkpoint with a tokenizer; without one the prompt is random tokens")
     cfg = model.config
+    gen = torch.Generator().manual_seed(args.seed)
+    if args.prompt is not None:
+        ids = tok.encode(args.prompt.replace("\\n", "\n")) or [0]
+        idx = torch.tensor([ids] * args.batch_size)
+    else:
+        idx = torch.randint(0, cfg.vocab_size, (args.batch_size, min(args.seq_len, cfg.max_seq_len)), generator=gen)
+    idx = idx.to(args.device)
     model = model.to(args.device)
     reference = copy.deepcopy(model) if args.compare else None
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
@@ -114,15 +147,6 @@ def run_infer(args: argparse.Namespace) -> int:
         store = offload_experts(model, storage)
     except (ValueError, TypeError) as err:
         return _fail(str(err))
-    gen = torch.Generator().manual_seed(args.seed)
-    if args.prompt is not None:
-        if tok is None:
-            return _fail("--prompt needs a checkpoint with a tokenizer; without one the prompt is random tokens")
-        ids = tok.encode(args.prompt.replace("\\n", "\n")) or [0]
-        idx = torch.tensor([ids] * args.batch_size)
-    else:
-        idx = torch.randint(0, cfg.vocab_size, (args.batch_size, min(args.seq_len, cfg.max_seq_len)), generator=gen)
-    idx = idx.to(args.device)
 
     def run(m):  # type: ignore[no-untyped-def]
         with torch.no_grad():

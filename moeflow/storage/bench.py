@@ -87,11 +87,20 @@ def _time(fn, repeats: int, warmup: int = 2) -> tuple[float, torch.Tensor]:
 
 
 def run_storage_bench(cfg: StorageBenchConfig, progress=lambda msg: None) -> dict:  # type: ignore[no-untyped-def]
-    """Run the benchmark; returns a JSON-able report (see ``format_storage_report``)."""
+    """Run the benchmark; returns a JSON-able report (see ``format_storage_report``). Runs with
+    ``cfg.threads`` torch threads and restores the caller's setting afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _run_storage_bench(cfg, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_storage_bench(cfg: StorageBenchConfig, progress) -> dict:  # type: ignore[no-untyped-def]
     from moeflow.layer import moe_layers
     from moeflow.models import MoEGPT, gpt_config
 
-    torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_cfg = gpt_config("tiny", vocab_size=256, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.heads,
                            num_experts=cfg.experts, top_k=cfg.top_k, expert_hidden=cfg.hidden,
@@ -102,12 +111,17 @@ def run_storage_bench(cfg: StorageBenchConfig, progress=lambda msg: None) -> dic
     progress(f"model: {cfg.n_layers} MoE layers, expert weights {format_bytes(expert_bytes)}, "
              f"fast budget {format_bytes(budget)}")
     stores, models = {}, {}
-    for name, prefetch in (("sync", 0), ("prefetch", 1)):
-        models[name] = copy.deepcopy(ref)
-        stores[name] = offload_experts(models[name], StorageConfig(
-            offload="disk", fast_memory=budget, prefetch=prefetch, evict_page_cache=cfg.evict_page_cache,
-            directory=None if cfg.directory is None else f"{cfg.directory}/{name}",
-        ))
+    try:
+        for name, prefetch in (("sync", 0), ("prefetch", 1)):
+            models[name] = copy.deepcopy(ref)
+            stores[name] = offload_experts(models[name], StorageConfig(
+                offload="disk", fast_memory=budget, prefetch=prefetch, evict_page_cache=cfg.evict_page_cache,
+                directory=None if cfg.directory is None else f"{cfg.directory}/{name}",
+            ))
+    except BaseException:
+        for store in stores.values():
+            store.close()
+        raise
     slots = stores["prefetch"].num_slots
     direct_io = stores["prefetch"].disk.direct_io  # type: ignore[union-attr]
     gen = torch.Generator().manual_seed(cfg.seed + 1)

@@ -68,9 +68,10 @@ class StorageConfig:
     """Where expert weights live and how they move to the fast tier.
 
     Attributes:
-        offload: the home tier of the expert weights (and, when trainable, their gradients'
-            accumulators and AdamW state): ``"host"`` (host memory, pinned when the fast
-            device is CUDA) or ``"disk"`` (a safetensors file, memory-mapped).
+        offload: the home tier of the expert weights (and, when trainable, their AdamW
+            state): ``"host"`` (host memory, pinned when the fast device is CUDA) or ``"disk"``
+            (safetensors files, memory-mapped). Gradient accumulators (``trainable``) are
+            always host buffers (pinned on CUDA), whichever the home tier.
         fast_memory: byte budget of the fast tier (an int or ``"512MB"``; normalised to int).
             On CUDA this is GPU memory; on CPU it is the resident memory the store may hold
             for expert weights (the ring slots or cache slots, and transient gradients).
@@ -83,10 +84,15 @@ class StorageConfig:
         prefetch: how many layers ahead (in execution order: forward, then backward in
             reverse) loads are started while the current layer computes; 0 loads each layer
             synchronously when it is needed. In ring mode at most ``ring_slots - 1``.
-        trainable: keep gradient accumulators and AdamW state in the home tier (see
-            ``OffloadedAdamW``); reserves one layer's bytes of the budget for gradients.
-        directory: where the disk tier writes its safetensors files; ``None`` uses a temporary
-            directory removed by ``ExpertStore.close()``.
+        trainable: train the experts: gradient accumulators in host memory, AdamW state in
+            the home tier (see ``OffloadedAdamW``); reserves one layer's bytes of the budget
+            for gradients. With grad enabled the experts record a graph whether or not their
+            input requires grad (e.g. frozen embeddings and attention).
+        directory: where the disk tier writes its safetensors files (disk tier only). Each
+            store (and each ``OffloadedAdamW``) writes a file of its own, with a unique name
+            (``experts-XXXXXXXX.safetensors``), so stores can share a directory; ``close()``
+            removes it. ``None`` uses a temporary directory removed by ``ExpertStore.close()``
+            (or when the store is garbage-collected, or at exit).
         evict_page_cache: after each read from the disk tier, advise the kernel to drop the
             bytes just read from the page cache (``POSIX_FADV_DONTNEED``), so every load is a
             real disk read, as it is when the weights are far larger than RAM. Disk tier only.
@@ -127,6 +133,12 @@ class StorageConfig:
             raise ValueError(f"evict_page_cache=True only applies to offload='disk', got offload={self.offload!r}")
         if self.directory is not None and not isinstance(self.directory, (str, Path)):
             raise TypeError(f"directory must be a str or Path, got {type(self.directory).__name__}")
+        # options that would be silently ignored are refused
+        if self.directory is not None and self.offload != "disk":
+            raise ValueError(f"directory={str(self.directory)!r} only applies to offload='disk', "
+                             f"got offload={self.offload!r}")
+        if self.ring_slots is not None and self.mode != "ring":
+            raise ValueError(f"ring_slots={self.ring_slots} only applies to mode='ring', got mode={self.mode!r}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

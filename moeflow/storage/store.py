@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -140,13 +141,34 @@ class ExpertStore:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={config.device!r} but CUDA is not available")
+        # the budget first: a store that cannot fit writes nothing (no file, no directory)
+        if config.mode == "ring":
+            self._ring_layout(experts)
+        else:
+            self._cache_layout(experts)
         self.stats = StorageStats()
         self._tmpdir: str | None = None
+        self._finalizer: weakref.finalize | None = None
         self.disk: DiskFile | None = None
+        self.engine: CopyEngine | None = None
+        self._closed = False
+        self._orphans: list[Future] = []  # loads nobody waits for any more (their slot was reclaimed)
+        self.layers: list[_Layer] = []
+        self.num_layers = 0
+        try:
+            self._setup(experts)
+        except BaseException:
+            self.close(check=False)
+            raise
+
+    def _setup(self, experts: list[GroupedExperts]) -> None:
+        config = self.config
         self.layers = self._place(experts)
         self.num_layers = len(self.layers)
         self.engine = CopyEngine(self.device)
-        self._closed = False
+        # an input of _RingFFN that requires grad, so autograd records the expert FFN (and its
+        # weights get gradients) even when the experts' input does not require grad
+        self._anchor = torch.empty(0, requires_grad=True)
         # gradients (trainable): host accumulators, whether each was written this step
         self.grads: list[dict[str, torch.Tensor]] | None = None
         self.has_grad = [False] * self.num_layers
@@ -173,12 +195,15 @@ class ExpertStore:
         if cfg.offload == "disk":
             if cfg.directory is None:
                 self._tmpdir = tempfile.mkdtemp(prefix="moeflow-experts-")
+                # removed by close(), or when the store is collected / at exit if never closed
+                self._finalizer = weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
                 directory = Path(self._tmpdir)
             else:
                 directory = Path(cfg.directory)
                 directory.mkdir(parents=True, exist_ok=True)
             flat = {f"layers.{i}.{n}": t for i, d in enumerate(named) for n, t in d.items()}
-            self.disk = DiskFile(directory / "experts.safetensors", flat)
+            # a file of its own: stores sharing ``directory`` must not overwrite each other's map
+            self.disk = DiskFile.create(directory, "experts-", flat)
         layers = []
         for i, (module, tensors) in enumerate(zip(experts, named)):
             if self.disk is not None:
@@ -264,27 +289,32 @@ class ExpertStore:
 
     # ------------------------------------------------------------------ ring
 
-    def _init_ring(self) -> None:
+    def _ring_layout(self, experts: list[GroupedExperts]) -> None:
+        """Slot size and count from the budget (raises before anything is allocated or written)."""
         cfg = self.config
-        slot_bytes = max(layer.nbytes for layer in self.layers)
-        reserve = slot_bytes if cfg.trainable else 0
-        fits = max(0, (cfg.fast_memory - reserve) // slot_bytes)
-        slots = cfg.ring_slots if cfg.ring_slots is not None else min(fits, self.num_layers)
+        num_layers = len(experts)
+        size = max(slot_bytes(m) for m in experts)
+        reserve = size if cfg.trainable else 0
+        fits = max(0, (cfg.fast_memory - reserve) // size)
+        slots = cfg.ring_slots if cfg.ring_slots is not None else min(fits, num_layers)
         what = " plus one layer's gradients (trainable)" if cfg.trainable else ""
         if slots < 1 or slots > fits:
             raise ValueError(
                 f"fast_memory={format_bytes(cfg.fast_memory)} holds {fits} ring slot(s) of one layer's experts "
-                f"({format_bytes(slot_bytes)} each){what}, but {max(slots, 1)} are needed; raise fast_memory or use "
+                f"({format_bytes(size)} each){what}, but {max(slots, 1)} are needed; raise fast_memory or use "
                 "mode='cache' (single experts)"
             )
-        if cfg.prefetch > slots - 1 and slots < self.num_layers:  # (every layer resident: nothing to prefetch)
+        if cfg.prefetch > slots - 1 and slots < num_layers:  # (every layer resident: nothing to prefetch)
             raise ValueError(
                 f"prefetch={cfg.prefetch} needs {cfg.prefetch + 1} ring slots but fast_memory="
-                f"{format_bytes(cfg.fast_memory)} holds {slots} of {format_bytes(slot_bytes)}; lower prefetch "
+                f"{format_bytes(cfg.fast_memory)} holds {slots} of {format_bytes(size)}; lower prefetch "
                 "or raise fast_memory"
             )
-        self.slot_bytes = slot_bytes
+        self.slot_bytes = size
         self.num_slots = slots
+
+    def _init_ring(self) -> None:
+        slot_bytes, slots = self.slot_bytes, self.num_slots
         self._slots = [self._alloc(slot_bytes) for _ in range(slots)]
         self._count_fast(slots * slot_bytes)
         cuda_disk = self.device.type == "cuda" and self.disk is not None
@@ -317,11 +347,20 @@ class ExpertStore:
                 best = s
         return best
 
+    def _retire(self, future: Future | None) -> None:
+        """A load nobody will wait for (its slot was reclaimed or forgotten): kept so that its
+        failure is not lost (``close`` raises it)."""
+        if future is not None:
+            self._orphans.append(future)
+            self._orphans = [f for f in self._orphans if not (f.done() and f.exception() is None)]
+
     def _load_layer(self, layer: int, slot: int, *, prefetch: bool) -> None:
         old = self._slot_layer[slot]
         if old is not None:
             del self._layer_slot[old]
             del self._views[old]
+        self._retire(self._slot_future[slot])
+        self._slot_future[slot] = None
         views = self._carve(self._slots[slot], layer)
         home = self.layers[layer].home
         ranges = {n: self.disk.byte_range(f"layers.{layer}.{n}") for n in home} if self.disk is not None else {}
@@ -386,7 +425,16 @@ class ExpertStore:
             self._load_layer(j, free, prefetch=True)
         future = self._slot_future[slot]
         if future is not None:
-            self._wait(future)
+            try:
+                self._wait(future)
+            except BaseException:
+                # the slot holds garbage: forget its layer so the next acquire loads it again
+                self._slot_future[slot] = None
+                self._slot_busy[slot] = False
+                self._slot_layer[slot] = None
+                self._layer_slot.pop(layer, None)
+                self._views.pop(layer, None)
+                raise
             self._slot_future[slot] = None
         return self._views[layer]
 
@@ -402,24 +450,36 @@ class ExpertStore:
 
     def invalidate(self) -> None:
         """Forget every slot's contents (the home weights changed, e.g. after an optimizer
-        step); waits for loads in flight."""
+        step); waits for loads in flight (on CUDA, on the host too: their copies are done when
+        it returns) and raises the first of their errors, after forgetting every slot."""
         if self.config.mode == "ring":
             if any(self._slot_busy):
                 raise RuntimeError("invalidate() while a layer's slot is in use")
-            for s, future in enumerate(self._slot_future):
-                if future is not None:
-                    self._wait(future)
-                    self._slot_future[s] = None
+            pending = [f for f in self._slot_future if f is not None]
+            self._slot_future = [None] * self.num_slots
             self._slot_layer = [None] * self.num_slots
             self._layer_slot.clear()
             self._views.clear()
         else:
-            for future in self._cache_future.values():
-                self._wait(future)
+            pending = list(self._cache_future.values())
             self._cache_future.clear()
             self._cache.clear()
             self._prefetched.clear()
             self._free = list(range(self.cache_slots))
+        self._drain(pending)
+
+    def _drain(self, futures: list[Future]) -> None:
+        """Wait for ``futures`` (host and, on CUDA, device side) and raise the first error."""
+        error: BaseException | None = None
+        for future in futures:
+            try:
+                result = future.result()
+                if isinstance(result, torch.cuda.Event):
+                    result.synchronize()
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                error = error or err
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ gradients (trainable)
 
@@ -457,9 +517,9 @@ class ExpertStore:
         """Wait for the gradient transfer in flight (if any) and free its fast-tier bytes."""
         if self._grad_job is not None:
             future, nbytes = self._grad_job
-            self._wait(future)
+            self._grad_job = None  # a failed transfer is raised once, not on every later call
             self._count_fast(-nbytes)
-            self._grad_job = None
+            self._wait(future)
 
     def zero_grads(self) -> None:
         """Start a new accumulation (the next gradient overwrites the accumulator)."""
@@ -468,21 +528,26 @@ class ExpertStore:
 
     # ------------------------------------------------------------------ cache
 
-    def _init_cache(self) -> None:
-        cfg = self.config
-        first = self.layers[0]
-        for i, layer in enumerate(self.layers):
-            shapes = {n: (t.shape, t.dtype) for n, t in layer.home.items()}
-            if shapes != {n: (t.shape, t.dtype) for n, t in first.home.items()}:
+    def _cache_layout(self, experts: list[GroupedExperts]) -> None:
+        """Cache slot size and count from the budget (raises before anything is written)."""
+        def shapes(m: GroupedExperts) -> dict:
+            return {n: (p.shape, p.dtype) for n, p in m.named_parameters()}
+
+        for i, m in enumerate(experts):
+            if shapes(m) != shapes(experts[0]):
                 raise ValueError(f"mode='cache' needs every layer's experts shaped alike; layer {i} differs from layer 0")
-        per_expert = sum(_padded(tensor_bytes(t) // first.num_experts) for t in first.home.values())
-        slots = cfg.fast_memory // per_expert
+        per_expert = slot_bytes(experts[0], single=True)
+        slots = self.config.fast_memory // per_expert
         if slots < 1:
             raise ValueError(
-                f"fast_memory={format_bytes(cfg.fast_memory)} holds no expert ({format_bytes(per_expert)} each)"
+                f"fast_memory={format_bytes(self.config.fast_memory)} holds no expert ({format_bytes(per_expert)} each)"
             )
         self.cache_slots = slots
         self.expert_slot_bytes = per_expert
+
+    def _init_cache(self) -> None:
+        first = self.layers[0]
+        slots, per_expert = self.cache_slots, self.expert_slot_bytes
         self._slab = {  # name -> [slots, ...]: row s of every tensor is slot s
             n: aligned_empty(slots * tensor_bytes(t[0]), device=self.device).view(t.dtype).view(slots, *t.shape[1:])
             for n, t in first.home.items()
@@ -505,8 +570,19 @@ class ExpertStore:
             if key not in protected:
                 slot = self._cache.pop(key)
                 self._prefetched.discard(key)
+                self._retire(self._cache_future.pop(slot, None))
                 return slot
         return None
+
+    def _cache_forget(self, slot: int) -> None:
+        """Slot ``slot``'s load failed: drop the expert it was to hold and free the slot."""
+        self._cache_future.pop(slot, None)
+        for key, s in list(self._cache.items()):
+            if s == slot:
+                del self._cache[key]
+                self._prefetched.discard(key)
+        if slot not in self._free:
+            self._free.append(slot)
 
     def _cache_load(self, layer: int, expert: int, slot: int, *, prefetch: bool) -> None:
         home = self.layers[layer].home
@@ -560,9 +636,14 @@ class ExpertStore:
                 self._cache_load(layer, e, slot, prefetch=False)
             slots.append(self._cache[key])
         for slot in slots:
-            future = self._cache_future.pop(slot, None)
+            future = self._cache_future.get(slot)
             if future is not None:
-                self._wait(future)
+                try:
+                    self._wait(future)
+                except BaseException:
+                    self._cache_forget(slot)  # no garbage expert left in the cache
+                    raise
+                self._cache_future.pop(slot, None)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         workspace = {n: slab.index_select(0, index) for n, slab in self._slab.items()}
         self._gather_done = self._release_event()
@@ -597,10 +678,12 @@ class ExpertStore:
     def run(self, layer: int, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """``expert_out`` of layer ``layer`` (the experts protocol), fetching its weights."""
         self._check_layer(layer)
-        if torch.is_grad_enabled() and expert_in.requires_grad:
+        if torch.is_grad_enabled() and (expert_in.requires_grad or self.config.trainable):
             if self.config.mode != "ring":
                 raise RuntimeError("mode='cache' is inference-only: run under torch.no_grad() or use mode='ring'")
-            return _RingFFN.apply(expert_in, counts_E, self, layer)
+            # the anchor requires grad: autograd records the FFN even when expert_in does not
+            # (frozen embeddings and attention), so the expert weights still get gradients
+            return _RingFFN.apply(expert_in, counts_E, self, layer, self._anchor)
         if self.config.mode == "ring":
             weights = self.acquire(layer)
             try:
@@ -646,6 +729,7 @@ class ExpertStore:
     @torch.no_grad()
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """A host copy of layer ``layer``'s current expert weights (name -> ``[E, ...]``)."""
+        self._require_open()
         self._check_layer(layer)
         return {n: t.detach().to("cpu", copy=True) for n, t in self.layers[layer].home.items()}
 
@@ -659,15 +743,41 @@ class ExpertStore:
         if self._closed:
             raise RuntimeError("the ExpertStore is closed")
 
-    def close(self) -> None:
+    def close(self, *, check: bool = True) -> None:
+        """Stop the copy thread, unmap and remove the disk tier's file (and the temporary
+        directory the store made). Raises the first error of a load that nobody waited for
+        (a prefetch whose slot was reclaimed, a load in flight), after closing everything."""
         if self._closed:
             return
         self._closed = True
-        self.engine.close()
+        pending = list(self._orphans)
+        pending += [f for f in getattr(self, "_slot_future", []) if f is not None]
+        pending += list(getattr(self, "_cache_future", {}).values())
+        if getattr(self, "_grad_job", None) is not None:
+            pending.append(self._grad_job[0])
+        error: BaseException | None = None
+        try:
+            self._drain(pending)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the cleanup
+            error = err
+        self._orphans.clear()
+        if self.engine is not None:
+            self.engine.close()
+        for layer in self.layers:  # views of the mapping: unusable once it is closed
+            layer.home = {}
+        for name in ("_views", "_slot_future"):
+            if isinstance(getattr(self, name, None), (dict, list)):
+                getattr(self, name).clear()
         if self.disk is not None:
             self.disk.close()
+            if self._tmpdir is None:  # the store's own file in the user's directory
+                Path(self.disk.path).unlink(missing_ok=True)
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+        if error is not None and check:
+            raise RuntimeError(f"a load of the ExpertStore failed and nobody waited for it: {error}") from error
 
     def __enter__(self) -> "ExpertStore":
         return self
@@ -687,7 +797,7 @@ class _RingFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, expert_in, counts_E, store: ExpertStore, layer: int):  # type: ignore[override]
+    def forward(ctx, expert_in, counts_E, store: ExpertStore, layer: int, anchor=None):  # type: ignore[override]
         weights = store.acquire(layer, direction=1)
         try:
             with torch.no_grad():
@@ -715,7 +825,7 @@ class _RingFFN(torch.autograd.Function):
             store.release(layer)
         if store.grads is not None:
             store.accumulate_grads(layer, dict(zip(leaves, grads[1:])))
-        return grads[0], None, None, None
+        return (grads[0] if ctx.needs_input_grad[0] else None), None, None, None, None
 
 
 _NO_COPY = ("a model with offloaded experts cannot be copied or pickled: its expert weights live in an "
@@ -744,6 +854,38 @@ class StoredExperts(nn.Module):
 
     def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         return self.store.run(self.layer, expert_in, counts_E)
+
+    # state_dict: the layer's expert weights under the in-memory names (``...experts.w_in``),
+    # host copies read from the store, so a checkpoint of the offloaded model is complete and
+    # equals the in-memory model's; loading one writes them into the store's home tier
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, t in self.store.layer_weights(self.layer).items():
+            destination[prefix + name] = t
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+                              unexpected_keys, error_msgs) -> None:
+        store = self.store
+        store._require_open()
+        home = store.layers[self.layer].home
+        loaded = False
+        for name, dst in home.items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            src = state_dict[key]
+            if tuple(src.shape) != tuple(dst.shape):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(src.shape)}, "
+                                  f"the stored experts have shape {tuple(dst.shape)}")
+                continue
+            with torch.no_grad():
+                dst.copy_(src.detach().to("cpu"))
+            loaded = True
+        if loaded:
+            if store.disk is not None:
+                store.disk.flush()  # written through the mapping: make it visible to O_DIRECT reads
+            store.invalidate()
 
     # the store owns a copy thread and files: a copy would share (or fight over) them
     def __deepcopy__(self, memo: dict) -> "StoredExperts":

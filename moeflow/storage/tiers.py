@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DiskFile", "CopyEngine", "pin", "tensor_bytes", "aligned_empty", "PAGE"]
+__all__ = ["DiskFile", "CopyEngine", "pin", "tensor_bytes", "aligned_empty", "new_file", "PAGE"]
 
 _PAGE = 4096  # file offsets and buffers aligned to this allow O_DIRECT reads
 _CHUNK = 8 << 20  # bytes per O_DIRECT request
@@ -51,6 +52,14 @@ def aligned_empty(nbytes: int, *, device: torch.device, pin_memory: bool = False
     raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin_memory)
     skip = -raw.data_ptr() % _PAGE
     return raw[skip : skip + nbytes]
+
+
+def new_file(directory: Path, prefix: str) -> Path:
+    """A new, empty ``<prefix>XXXXXXXX.safetensors`` file in ``directory`` that no other caller
+    gets (``mkstemp``): stores sharing a directory never write into each other's files."""
+    fd, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".safetensors")
+    os.close(fd)
+    return Path(name)
 
 
 def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -179,7 +188,10 @@ class DiskFile:
         view = memoryview(src.view(-1).view(torch.uint8).numpy()).cast("B")
         done = 0
         while done < len(view):
-            done += os.pwritev(self._fd, [view[done:]], start + done)
+            n = os.pwritev(self._fd, [view[done:]], start + done)
+            if n <= 0:
+                raise OSError(f"{self.path}: short write at byte {start + done} (disk full?)")
+            done += n
 
     def evict(self, start: int, end: int) -> None:
         """Drop ``[start, end)`` of the file from the page cache. Only clean pages that no
@@ -194,14 +206,30 @@ class DiskFile:
         os.fsync(self._fd)
 
     def close(self) -> None:
+        """Unmap and close the file (idempotent). Drop every view of ``file[key]`` first:
+        touching one after ``close`` reads unmapped memory."""
         self._views.clear()
         if self._map is not None:
             self._map.flush()
             self._map._mmap.close()  # type: ignore[attr-defined]
             self._map = None
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._direct_fd is not None:
             os.close(self._direct_fd)
+            self._direct_fd = None
+
+    @staticmethod
+    def create(directory: Path, prefix: str, tensors: dict[str, torch.Tensor]) -> "DiskFile":
+        """A ``DiskFile`` of ``tensors`` in a new file of its own in ``directory`` (see
+        ``new_file``); the file is removed again if writing it fails."""
+        path = new_file(Path(directory), prefix)
+        try:
+            return DiskFile(path, tensors)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
 
 
 class CopyEngine:

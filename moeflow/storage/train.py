@@ -54,8 +54,10 @@ class OffloadedAdamW:
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if (not isinstance(betas, tuple) or len(betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        if not isinstance(betas, tuple):
+            raise TypeError(f"betas must be a tuple of two numbers, got {type(betas).__name__} {betas!r}")
+        if (len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"betas must be a pair of numbers in [0, 1), got {betas!r}")
         self.store = store
         self.lr, self.betas, self.eps, self.weight_decay = float(lr), betas, float(eps), float(weight_decay)
@@ -64,7 +66,9 @@ class OffloadedAdamW:
                    for kind in ("exp_avg", "exp_avg_sq")}
         self.state_file: DiskFile | None = None
         if store.disk is not None:
-            self.state_file = DiskFile(Path(store.disk.path).with_name("adamw-state.safetensors"), moments)
+            # a file of its own beside the weights: optimizers of stores sharing a directory
+            # never overwrite each other's state
+            self.state_file = DiskFile.create(Path(store.disk.path).parent, "adamw-state-", moments)
             self._moments = {k: self.state_file[k] for k in moments}
         else:
             self._moments = moments
@@ -130,6 +134,9 @@ class OffloadedAdamW:
         """One AdamW step of every expert layer that has a gradient; invalidates the fast
         tier's copies (the weights changed)."""
         store = self.store
+        store._require_open()
+        if store.disk is not None and self.state_file is None:
+            raise RuntimeError("the OffloadedAdamW is closed")
         store.wait_grads()
         store.invalidate()
         todo = [i for i in range(store.num_layers) if store.has_grad[i]]
@@ -186,4 +193,5 @@ class OffloadedAdamW:
         self._loads.clear()
         if self.state_file is not None:
             self.state_file.close()
+            Path(self.state_file.path).unlink(missing_ok=True)  # this optimizer's own file
             self.state_file = None
