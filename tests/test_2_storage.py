@@ -801,3 +801,68 @@ def test_moeflow_checkpoint_of_offloaded_model_raises(tmp_path):
             save_checkpoint(tmp_path / "ck", 1, model)
     finally:
         store.close()
+
+
+_RSS_PROBE = r"""
+import ctypes, gc, json, sys, threading, time, os
+import torch
+torch.set_num_threads(1)
+import moeflow
+from moeflow.models import MoEGPT, gpt_config
+from moeflow.storage import StorageConfig, offload_experts, slot_bytes
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+libc = ctypes.CDLL("libc.so.6")
+def settle():
+    gc.collect(); libc.malloc_trim(0)
+
+directory = sys.argv[1]
+settle(); rss0 = rss()
+torch.manual_seed(0)
+model = MoEGPT(gpt_config("tiny", vocab_size=64, dim=256, n_heads=4, n_layers=16, expert_hidden=512)).eval()
+one = slot_bytes(moeflow.moe_layers(model)[0].experts)
+expert_bytes = one * len(moeflow.moe_layers(model))
+dense_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." not in n)
+settle(); rss_full = rss()
+store = offload_experts(model, StorageConfig(offload="disk", fast_memory=2 * one, prefetch=1, directory=directory))
+settle(); rss_offloaded = rss()
+peak = [rss_offloaded]; stop = False
+def sample():
+    while not stop:
+        peak[0] = max(peak[0], rss()); time.sleep(0.0005)
+t = threading.Thread(target=sample); t.start()
+idx = torch.randint(0, 64, (1, 32))
+with torch.no_grad():
+    for _ in range(3):
+        model(idx)
+stop = True; t.join()
+print(json.dumps({"one": one, "expert_bytes": expert_bytes, "dense_bytes": dense_bytes, "rss_full": rss_full - rss0,
+                  "rss_offloaded": rss_offloaded - rss0, "peak_run": peak[0] - rss0,
+                  "store_peak": store.stats.peak_fast_bytes, "budget": 2 * one}))
+store.close()
+"""
+
+
+def test_resident_memory_stays_near_the_budget(tmp_path):
+    """Independent of the store's own byte counter: the process's peak resident memory (from
+    /proc/self/statm, sampled every 0.5 ms in a fresh process) while a model whose experts are
+    8x the fast budget runs from disk stays near dense + budget, far below the whole model."""
+    import json
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("needs /proc/self/statm (Linux)")
+    script = tmp_path / "probe.py"
+    script.write_text(_RSS_PROBE)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    m = json.loads(done.stdout.strip().splitlines()[-1])
+    assert m["expert_bytes"] >= 8 * m["budget"] and m["store_peak"] <= m["budget"]
+    assert m["rss_full"] > m["dense_bytes"] + 0.9 * m["expert_bytes"]  # the measurement sees the experts
+    slack = 32 * 2**20  # activations, thread stacks, allocator rounding
+    assert m["peak_run"] < m["dense_bytes"] + m["budget"] + slack, m
+    assert m["peak_run"] < 0.5 * (m["dense_bytes"] + m["expert_bytes"]), m
