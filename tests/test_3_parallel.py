@@ -530,6 +530,23 @@ def test_make_groups_on_4_ranks():
     run_ranks(4, "groups")
 
 
+def _main_retrying_exit_abort(argv: list[str]) -> int:
+    """``moeflow.cli.main.main(argv)``, once more if a torchrun rank died with gloo's "terminate
+    called without an active exception" (seen rarely on this 2-core VM while process groups are
+    torn down; the ranks' results are checked by the caller either way)."""
+    import warnings
+
+    from moeflow.cli.main import main
+
+    try:
+        return main(argv)
+    except RuntimeError as err:
+        if "terminate called without an active exception" not in str(err):
+            raise
+        warnings.warn(f"torchrun rank aborted at teardown; running again: {str(err)[:200]}", stacklevel=2)
+        return main(argv)
+
+
 def test_bench_nproc_cli(tmp_path, capsys):
     """`moeflow bench --nproc 2` launches torchrun and reports every rank and the scaling."""
     import json
@@ -537,9 +554,9 @@ def test_bench_nproc_cli(tmp_path, capsys):
     from moeflow.cli.main import main
 
     out = tmp_path / "ep.json"
-    rc = main(["bench", "--nproc", "2", "--tokens", "32", "--dim", "8", "--hidden", "8", "--experts", "4",
-               "--repeats", "2", "--warmup", "1", "--node-size", "1", "--skew", "0.6", "--expert-slots", "3",
-               "--json", str(out)])
+    rc = _main_retrying_exit_abort(["bench", "--nproc", "2", "--tokens", "32", "--dim", "8", "--hidden", "8",
+                                    "--experts", "4", "--repeats", "2", "--warmup", "1", "--node-size", "1", "--skew",
+                                    "0.6", "--expert-slots", "3", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     # the skewed-routing comparison: the placement replicates expert 0 and relieves its rank
@@ -557,8 +574,9 @@ def test_bench_nproc_cli(tmp_path, capsys):
     assert main(["bench", "--skew", "0.5"]) == 2  # needs --nproc
     assert main(["bench", "--nproc", "2", "--hidden", "9", "--hidden-shards", "2"]) == 2  # 9 % 2
     # one expert on two ranks: each computes half of its hidden units
-    rc = main(["bench", "--nproc", "2", "--tokens", "16", "--dim", "8", "--hidden", "8", "--experts", "1", "--top-k", "1",
-               "--hidden-shards", "2", "--repeats", "2", "--warmup", "1", "--json", str(out)])
+    rc = _main_retrying_exit_abort(["bench", "--nproc", "2", "--tokens", "16", "--dim", "8", "--hidden", "8",
+                                    "--experts", "1", "--top-k", "1", "--hidden-shards", "2", "--repeats", "2",
+                                    "--warmup", "1", "--json", str(out)])
     assert rc == 0 and json.loads(out.read_text())["config"]["hidden_shards"] == 2
 
 

@@ -213,7 +213,7 @@ def _baseline(cfg: ParallelBenchConfig) -> list[float]:
 
 def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
     """Runs on every torchrun rank."""
-    from moeflow.parallel import expert_parallel, init_distributed, make_groups
+    from moeflow.parallel import expert_parallel, init_distributed, make_groups, shutdown_distributed
     from moeflow.parallel.comm import CommTimer, barrier, group_rank
 
     init_distributed()
@@ -239,6 +239,7 @@ def _worker(cfg: ParallelBenchConfig, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(
         json.dumps({"rank": rank, "step_s": steps, "exchange_s": comms, "sweep": sweep, "placement": placement})
     )
+    shutdown_distributed()  # leave together: a process group torn down at interpreter exit can abort
 
 
 def run_parallel_bench(cfg: ParallelBenchConfig) -> dict:
