@@ -150,6 +150,10 @@ def _case_hierarchical(rank: int, world: int) -> None:
         layer = _layer(8, k, cf, policy, "combine", seed=300 + i)
         _check_equivalence(rank, world, layer, tokens, seed=300 + i, what=f"2-level k={k} cf={cf} {policy}",
                            hierarchy=groups.hierarchy)
+        # pipelined: both phases of every chunk's exchange asynchronous, forward and backward
+        for degree in (2, 3):
+            _check_equivalence(rank, world, layer, tokens, seed=300 + i, hierarchy=groups.hierarchy,
+                               overlap_degree=degree, what=f"2-level pipelined degree={degree} k={k} cf={cf} {policy}")
 
 
 def _case_exchange(rank: int, world: int) -> None:

@@ -30,13 +30,7 @@ from moeflow.dispatch.local import combine_weights, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
 from moeflow.experts.ffn import GroupedExperts, grouped_ffn
-from moeflow.parallel.comm import (
-    all_gather_rows,
-    all_gather_shards,
-    all_to_all_rows,
-    start_all_to_all_rows,
-    wait_all_to_all_rows,
-)
+from moeflow.parallel.comm import all_gather_rows, all_gather_shards, all_to_all_rows
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.parallel.placement import Placement
 from moeflow.parallel.tuner import ParallelTuner
@@ -359,9 +353,6 @@ class AllToAllDispatcher:
         if overlap_degree == 1:
             expert_in, plan = self.dispatch(x_TD, routing, capacity_factor=capacity_factor, meta=meta)
             return self.combine(experts(expert_in, plan.counts_E), plan)
-        if not isinstance(self.exchange, FlatExchange):
-            raise ValueError(f"overlap_degree={overlap_degree} needs the flat exchange; the two-level exchange "
-                             "runs unpipelined (use overlap_degree=1)")
         return self._run_chunked(x_TD, routing, experts, capacity_factor, int(overlap_degree), meta)
 
     def _run_data_parallel(self, x_TD, routing, experts, capacity_factor: float, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -486,24 +477,25 @@ class AllToAllDispatcher:
         send_cat = _permute_rows(send_JD, J_by_chunk)
         send_sizes = [sum(counts_nWW[i][r]) for i in range(n)]
         sends = torch.split(send_cat, send_sizes)
-        started = []
-        for i in range(n):  # every chunk's exchange starts now; they complete in order
-            send = counts_nWW[i][r]
-            recv = [counts_nWW[i][s][r] for s in range(W)]
-            buf, pending = start_all_to_all_rows(sends[i], send, recv, self.group)
-            started.append((buf, pending, send, recv))
+        ex = self.exchange
+        # every chunk's exchange starts now (two-level: its first phase); they complete in order.
+        # Chunk i+1's second phase is launched before chunk i's experts run, so it overlaps too.
+        started = [ex.start(sends[i], counts_nWW[i]) for i in range(n)]
+        if n:
+            started[0] = ex.relay(started[0])
         homes = []
-        for i, (buf, pending, send, recv) in enumerate(started):
-            recv_RD = wait_all_to_all_rows(buf, pending, send, recv, self.group)
+        for i in range(n):
+            if i + 1 < n:
+                started[i + 1] = ex.relay(started[i + 1])
+            recv_RD = ex.finish(started[i])
             in_chunk = (chunk_R == i).nonzero().squeeze(1)
             local = g.local_R[in_chunk]
             by_expert = torch.sort(local, stable=True).indices
             expert_in = _permute_rows(recv_RD, by_expert)
             expert_out = experts(expert_in, torch.bincount(local, minlength=e))
             back_RD = _permute_rows(expert_out, _inverse(by_expert))
-            bbuf, bpending = start_all_to_all_rows(back_RD, recv, send, self.group)
-            homes.append((bbuf, bpending, recv, send))
-        home_cat = torch.cat([wait_all_to_all_rows(b, p, s_, r_, self.group) for b, p, s_, r_ in homes])
+            homes.append(ex.start(back_RD, [list(col) for col in zip(*counts_nWW[i])]))  # reverse routes
+        home_cat = torch.cat([ex.finish(h) for h in homes])
         home_JD = _permute_rows(home_cat, _inverse(J_by_chunk))
         rows_AD = gather_rows(home_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
         return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK, plan.weight_at)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.comm import CommTimer, all_to_all_rows
+from moeflow.parallel.comm import CommTimer, all_to_all_rows, start_all_to_all_rows, wait_all_to_all_rows
 
 __all__ = ["FlatExchange", "HierarchicalExchange", "Hierarchy", "permute_blocks"]
 
@@ -45,8 +45,27 @@ def permute_blocks(x_ND: torch.Tensor, sizes: list[int], order: list[int]) -> to
     return gather_rows(x_ND, index, None, inverse.view(-1, 1), None)
 
 
+class _Started:
+    """One asynchronous phase in flight: its output buffer, pending handles and splits."""
+
+    __slots__ = ("buf", "pending", "send", "recv", "group", "then")
+
+    def __init__(self, x_ND: torch.Tensor, send: list[int], recv: list[int], group, then=None) -> None:  # type: ignore[no-untyped-def]
+        self.buf, self.pending = start_all_to_all_rows(x_ND, send, recv, group)
+        self.send, self.recv, self.group, self.then = send, recv, group, then
+
+    def wait(self) -> torch.Tensor:
+        return wait_all_to_all_rows(self.buf, self.pending, self.send, self.recv, self.group)
+
+
 class FlatExchange:
-    """One all-to-all over the whole group."""
+    """One all-to-all over the whole group.
+
+    Besides the blocking call, exchanges run asynchronously in three steps (the pipelined
+    dispatcher uses them; every rank must take them in the same order): ``start`` launches the
+    first message phase, ``relay`` waits for it and launches the next (nothing to do here: one
+    phase), ``finish`` waits and returns the received rows. Differentiable, and asynchronous in
+    backward too (``moeflow.parallel.comm.start_all_to_all_rows``)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -57,6 +76,16 @@ class FlatExchange:
     def __call__(self, x_ND: torch.Tensor, counts: Counts) -> torch.Tensor:
         r, W = self.rank, self.world
         return all_to_all_rows(x_ND, counts[r], [counts[s][r] for s in range(W)], self.group, self.timer)
+
+    def start(self, x_ND: torch.Tensor, counts: Counts) -> _Started:
+        r, W = self.rank, self.world
+        return _Started(x_ND, counts[r], [counts[s][r] for s in range(W)], self.group)
+
+    def relay(self, started: _Started) -> _Started:
+        return started
+
+    def finish(self, started: _Started) -> torch.Tensor:
+        return started.wait()
 
 
 @dataclass(frozen=True)
@@ -92,22 +121,45 @@ class HierarchicalExchange:
         self.hierarchy = hierarchy
         self.timer: CommTimer | None = None
 
-    def __call__(self, x_ND: torch.Tensor, counts: Counts) -> torch.Tensor:
+    def _phases(self, counts: Counts) -> tuple:  # type: ignore[type-arg]
+        """The block orders and splits of both phases for ``counts``."""
         L = self.hierarchy.node_size
         N = self.world // L
         n, l = divmod(self.rank, L)
         rank_of = lambda node, local: node * L + local  # noqa: E731
-
         # phase 1, inside the node: blocks (m, l') -> order (l', m), send to local peer l'
-        x1 = permute_blocks(x_ND, counts[self.rank], [rank_of(m, lp) for lp in range(L) for m in range(N)])
+        order1 = [rank_of(m, lp) for lp in range(L) for m in range(N)]
         send1 = [sum(counts[self.rank][rank_of(m, lp)] for m in range(N)) for lp in range(L)]
         recv1 = [sum(counts[rank_of(n, ls)][rank_of(m, l)] for m in range(N)) for ls in range(L)]
-        y1 = all_to_all_rows(x1, send1, recv1, self.hierarchy.intra, self.timer)
-
         # phase 2, across nodes: blocks (ls, m) -> order (m, ls), send to node m
         sizes1 = [counts[rank_of(n, ls)][rank_of(m, l)] for ls in range(L) for m in range(N)]
-        x2 = permute_blocks(y1, sizes1, [ls * N + m for m in range(N) for ls in range(L)])
+        order2 = [ls * N + m for m in range(N) for ls in range(L)]
         send2 = [sum(counts[rank_of(n, ls)][rank_of(m, l)] for ls in range(L)) for m in range(N)]
         recv2 = [sum(counts[rank_of(mm, ls)][self.rank] for ls in range(L)) for mm in range(N)]
+        return order1, send1, recv1, sizes1, order2, send2, recv2
+
+    def __call__(self, x_ND: torch.Tensor, counts: Counts) -> torch.Tensor:
+        order1, send1, recv1, sizes1, order2, send2, recv2 = self._phases(counts)
+        x1 = permute_blocks(x_ND, counts[self.rank], order1)
+        y1 = all_to_all_rows(x1, send1, recv1, self.hierarchy.intra, self.timer)
+        x2 = permute_blocks(y1, sizes1, order2)
         # arrives grouped by (source node, source local index) = source rank order
         return all_to_all_rows(x2, send2, recv2, self.hierarchy.inter, self.timer)
+
+    # the asynchronous steps (see ``FlatExchange``): start = phase 1 launched, relay = phase 1
+    # received and phase 2 launched, finish = phase 2 received
+
+    def start(self, x_ND: torch.Tensor, counts: Counts) -> _Started:
+        order1, send1, recv1, sizes1, order2, send2, recv2 = self._phases(counts)
+        x1 = permute_blocks(x_ND, counts[self.rank], order1)
+        return _Started(x1, send1, recv1, self.hierarchy.intra, then=(sizes1, order2, send2, recv2))
+
+    def relay(self, started: _Started) -> _Started:
+        if started.then is None:  # already in phase 2
+            return started
+        sizes1, order2, send2, recv2 = started.then
+        x2 = permute_blocks(started.wait(), sizes1, order2)
+        return _Started(x2, send2, recv2, self.hierarchy.inter)
+
+    def finish(self, started: _Started) -> torch.Tensor:
+        return self.relay(started).wait()
