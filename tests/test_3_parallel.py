@@ -9,6 +9,7 @@ router/shared (summed over ranks) and expert gradients (its shard), in fp64.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -50,8 +51,13 @@ def _layer(E: int, k: int, cf: float, policy: str, weight_at: str, seed: int, **
 
 def _check_equivalence(
     rank: int, world: int, layer: moeflow.MoE, tokens: list[int], seed: int, what: str, hierarchy=None,
-    overlap_degree: int | str = 1, parallel: str = "expert",
-) -> None:
+    overlap_degree: int | str = 1, parallel: str = "expert", *, shard=None, expert_view=None, after_backward=None,
+):  # type: ignore[no-untyped-def]
+    """Run ``layer`` on the concatenated batch and a parallel copy on this rank's part; compare
+    outputs, input, expert and dense gradients and one SGD step. ``shard(copy) -> parallel
+    layer`` (default ``expert_parallel``), ``expert_view(name, full [E, ...] tensor) -> what this
+    rank holds`` (default its contiguous block), ``after_backward(parallel layer)``. Returns
+    ``(ref, parallel layer)`` for further checks."""
     gen = torch.Generator().manual_seed(seed + 2)
     xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
     gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
@@ -63,17 +69,22 @@ def _check_equivalence(
     y_all = ref(x_all)
     (y_all * torch.cat(gs)).sum().backward()
 
-    ep = expert_parallel(copy.deepcopy(layer), hierarchy=hierarchy)
+    e = layer.config.num_experts // world
+    if expert_view is None:
+        expert_view = lambda name, t: t[rank * e : (rank + 1) * e]  # noqa: E731
+    ep = (shard or (lambda m: expert_parallel(m, hierarchy=hierarchy)))(copy.deepcopy(layer))
     x = xs[rank].clone().requires_grad_(True)
     y = ep(x, overlap_degree=overlap_degree, parallel=parallel)
     (y * gs[rank]).sum().backward()
+    if after_backward is not None:
+        after_backward(ep)
 
     tol = dict(rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(y, y_all[sl].detach(), **tol, msg=lambda m: f"{what} output: {m}")
     torch.testing.assert_close(x.grad, x_all.grad[sl], **tol, msg=lambda m: f"{what} input grad: {m}")
-    e = layer.config.num_experts // world
+    ref_experts = dict(ref.experts.named_parameters())
     for name, p in ep.experts.named_parameters():
-        expected = dict(ref.experts.named_parameters())[name].grad[rank * e : (rank + 1) * e]
+        expected = expert_view(name, ref_experts[name].grad)
         torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"{what} expert {name} grad: {m}")
     # dense parameters: the group's summed gradient equals the single-process gradient
     all_reduce_gradients(dense_parameters(ep), None, average=False)
@@ -87,11 +98,13 @@ def _check_equivalence(
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.1 * p.grad
+    experts_prefix = {id(p): name for name, p in ep.experts.named_parameters()}
     for name, p in ep.named_parameters():
         expected = ref_dense[name]
         if getattr(p, "moeflow_expert", False):
-            expected = expected[rank * e : (rank + 1) * e]
+            expected = expert_view(experts_prefix[id(p)], expected.detach())
         torch.testing.assert_close(p, expected, **tol, msg=lambda m: f"{what} {name} after step: {m}")
+    return ref, ep
 
 
 def _case_equivalence(rank: int, world: int) -> None:
@@ -315,12 +328,8 @@ def _case_data_parallel(rank: int, world: int) -> None:
     ep = expert_parallel(_layer(8, 2, 1.0, "position", "combine", seed=1))
     for kw, needle in ((dict(parallel="data", overlap_degree=2), "overlap_degree=2"),
                        (dict(parallel="model"), "parallel must be one of")):
-        try:
+        with pytest.raises(ValueError, match=re.escape(needle)):
             ep(torch.randn(4, D, dtype=torch.float64), **kw)
-        except ValueError as err:
-            assert needle in str(err), err
-        else:
-            raise AssertionError(f"{kw} was accepted")
 
 
 def _case_sharded(rank: int, world: int) -> None:
@@ -342,12 +351,8 @@ def _case_sharded(rank: int, world: int) -> None:
     odd = expert_parallel(moeflow.MoE(dim=D, hidden=6 if world == 4 else 5, num_experts=8, top_k=2, dtype=torch.float64))
     for kw, needle in ((dict(parallel="sharded"), "must be divisible"),
                        (dict(parallel="sharded", overlap_degree=2), "overlap_degree=2")):
-        try:
+        with pytest.raises(ValueError, match=re.escape(needle)):
             odd(torch.randn(4, D, dtype=torch.float64), **kw)
-        except ValueError as err:
-            assert needle in str(err), err
-        else:
-            raise AssertionError(f"{kw} was accepted")
 
 
 def _case_hidden_shards(rank: int, world: int) -> None:
@@ -369,44 +374,23 @@ def _case_hidden_shards(rank: int, world: int) -> None:
                 layer = _layer(E, min(k, E), cf, policy, weight_at, seed=800 + i,
                                experts=moeflow.ExpertsConfig(activation=act), num_shared_experts=1)
                 what = f"E={E} n={n} k={k} cf={cf} {policy} {weight_at} {act} {call}"
-                gen = torch.Generator().manual_seed(900 + i)
-                xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
-                gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
-                sl = slice(sum(tokens[:rank]), sum(tokens[: rank + 1]))
-                ref = copy.deepcopy(layer)
-                x_all = torch.cat(xs).requires_grad_(True)
-                y_all = ref(x_all)
-                (y_all * torch.cat(gs)).sum().backward()
-                ep = expert_parallel(copy.deepcopy(layer), hidden_shards=n)
-                x = xs[rank].clone().requires_grad_(True)
-                y = ep(x, **call)
-                (y * gs[rank]).sum().backward()
-                tol = dict(rtol=1e-10, atol=1e-10)
-                torch.testing.assert_close(y, y_all[sl].detach(), **tol, msg=lambda m: f"{what} output: {m}")
-                torch.testing.assert_close(x.grad, x_all.grad[sl], **tol, msg=lambda m: f"{what} input grad: {m}")
-                # the reference's expert gradients, sliced like the parameters
-                grads = GroupedExperts(num_experts=E, dim=D, hidden=H, config=ref.experts.config, dtype=torch.float64)
-                with torch.no_grad():
-                    grads.w_in.copy_(ref.experts.w_in.grad)
-                    grads.w_out.copy_(ref.experts.w_out.grad)
                 e = E * n // world
-                sliced = grads.hidden_slices(n).shard(rank * e, e)
-                for name, p in ep.experts.named_parameters():
-                    torch.testing.assert_close(p.grad, getattr(sliced, name), **tol,
-                                               msg=lambda m: f"{what} expert {name} grad: {m}")
-                all_reduce_gradients(dense_parameters(ep), None, average=False)
-                torch.testing.assert_close(ep.router.linear.weight.grad, ref.router.linear.weight.grad, **tol,
-                                           msg=lambda m: f"{what} router grad: {m}")
+
+                def sliced(name, t, E=E, n=n, e=e, cfg=layer.experts.config):  # type: ignore[no-untyped-def]
+                    # the reference tensor in the hidden-sliced layout, this rank's part
+                    full = GroupedExperts(num_experts=E, dim=D, hidden=H, config=cfg, dtype=torch.float64)
+                    with torch.no_grad():
+                        getattr(full, name).copy_(t)
+                    return getattr(full.hidden_slices(n).shard(rank * e, e), name)
+
+                _check_equivalence(rank, world, layer, tokens, seed=900 + i, what=what,
+                                   shard=lambda m, n=n: expert_parallel(m, hidden_shards=n), expert_view=sliced, **call)
                 i += 1
     for bad, n, needle in ((dict(num_experts=3, hidden=9), 3, "group size"), (dict(num_experts=4, hidden=7), 2, "hidden size"),
                            (dict(num_experts=4, hidden=8, experts=moeflow.ExpertsConfig(bias=True)), 2, "without biases")):
-        try:
+        with pytest.raises(ValueError, match=re.escape(needle)):
             torch.manual_seed(0)
             expert_parallel(moeflow.MoE(dim=D, top_k=1, dtype=torch.float64, **bad), hidden_shards=n)
-        except ValueError as err:
-            assert needle in str(err), err
-        else:
-            raise AssertionError(f"{bad} was accepted")
 
 
 def _case_hybrid(rank: int, world: int) -> None:
@@ -426,12 +410,8 @@ def _case_hybrid(rank: int, world: int) -> None:
     for kw, needle in ((dict(parallel="hybrid:3"), "dividing the hidden size"),
                        (dict(parallel="hybrid:1"), "'hybrid:r'"),
                        (dict(parallel="hybrid:2", overlap_degree=2), "overlap_degree=2")):
-        try:
+        with pytest.raises(ValueError, match=re.escape(needle)):
             ep(torch.randn(4, D, dtype=torch.float64), **kw)
-        except ValueError as err:
-            assert needle in str(err), err
-        else:
-            raise AssertionError(f"{kw} was accepted")
 
 
 def _case_replay(rank: int, world: int) -> None:
@@ -470,37 +450,15 @@ CASES = {
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_matches_single_process(world):
-    run_ranks(world, "equivalence")
+@pytest.mark.parametrize("case", ["equivalence", "pipelined", "data_parallel", "sharded", "hybrid", "hidden_shards"])
+def test_parallel_settings_match_single_process(case, world):
+    """Each case runs its settings (expert-parallel capacity modes, pipelining, the data,
+    sharded and hybrid modes, hidden-sharded storage) against the single-process layer."""
+    run_ranks(world, case)
 
 
 def test_router_replay_under_expert_parallelism():
     run_ranks(2, "replay")
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_pipelined_exchange_matches_single_process(world):
-    run_ranks(world, "pipelined")
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_data_parallel_mode_matches_single_process(world):
-    run_ranks(world, "data_parallel")
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_expert_mode_matches_single_process(world):
-    run_ranks(world, "sharded")
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_hybrid_mode_matches_single_process(world):
-    run_ranks(world, "hybrid")
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_hidden_sharded_experts_match_single_process(world):
-    run_ranks(world, "hidden_shards")
 
 
 @pytest.mark.parametrize("world", [2, 4])

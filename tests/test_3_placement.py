@@ -8,13 +8,13 @@ experts mid-training must keep parameters, optimizer state and the loss curve ex
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 import moeflow
 from distributed_utils import spawn_ranks
+from test_3_parallel import _check_equivalence
 from moeflow import DispatchConfig, RouterConfig
 from moeflow.parallel import (
     Placement,
@@ -101,39 +101,20 @@ def _layer(E: int, k: int, cf: float, policy: str, seed: int) -> moeflow.MoE:
 
 
 def _check(rank, world, layer, placement, tokens, seed, what, **call):  # type: ignore[no-untyped-def]
-    gen = torch.Generator().manual_seed(seed + 2)
-    xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
-    gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
-    start = sum(tokens[:rank])
-    sl = slice(start, start + tokens[rank])
-    ref = copy.deepcopy(layer)
-    x_all = torch.cat(xs).requires_grad_(True)
-    y_all = ref(x_all)
-    (y_all * torch.cat(gs)).sum().backward()
-
-    ep = expert_parallel(copy.deepcopy(layer))
-    apply_placement(ep, [placement])
-    assert placement_of(ep) == placement
-    x = xs[rank].clone().requires_grad_(True)
-    y = ep(x, **call)
-    (y * gs[rank]).sum().backward()
-    sync_replica_gradients(ep)
-
-    tol = dict(rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(y, y_all[sl].detach(), **tol, msg=lambda m: f"{what} output: {m}")
-    torch.testing.assert_close(x.grad, x_all.grad[sl], **tol, msg=lambda m: f"{what} input grad: {m}")
-    ref_params = dict(ref.experts.named_parameters())
+    """``_check_equivalence`` under ``placement`` (replica gradients summed), plus: the moved
+    experts are exact copies and the global gradient norm counts each replicated expert once."""
     mine = list(placement.slots[rank])
-    for name, p in ep.experts.named_parameters():
-        torch.testing.assert_close(p, ref_params[name].detach()[mine], rtol=0, atol=0)
-        torch.testing.assert_close(p.grad, ref_params[name].grad[mine], **tol,
-                                   msg=lambda m: f"{what} expert {name} grad: {m}")
-    all_reduce_gradients(dense_parameters(ep), None, average=False)
-    ref_all = dict(ref.named_parameters())
-    for name, p in ep.named_parameters():
-        if not getattr(p, "moeflow_expert", False):
-            torch.testing.assert_close(p.grad, ref_all[name].grad, **tol, msg=lambda m: f"{what} {name} grad: {m}")
-    # the global gradient norm counts each replicated expert once
+
+    def place(model):  # type: ignore[no-untyped-def]
+        ep = expert_parallel(model)
+        apply_placement(ep, [placement])
+        assert placement_of(ep) == placement
+        for name, p in ep.experts.named_parameters():
+            torch.testing.assert_close(p, dict(layer.experts.named_parameters())[name].detach()[mine], rtol=0, atol=0)
+        return ep
+
+    ref, ep = _check_equivalence(rank, world, layer, tokens, seed, what, shard=place,
+                                 expert_view=lambda name, t: t[mine], after_backward=sync_replica_gradients, **call)
     norm_ref = torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters()))
     norm = clip_grad_norm_(ep, 1e9)
     torch.testing.assert_close(norm, norm_ref, rtol=1e-12, atol=0, msg=lambda m: f"{what} grad norm: {m}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -405,7 +406,7 @@ class AllToAllDispatcher:
         rows_ND = all_to_all_rows(send_JD.repeat(W, 1), [J] * W, rows_W, self.group)  # all-gather
         expert_N = torch.cat([g.expert_S[g.kept_S & (g.src_S == s)] for s in range(W)])
         by_expert = torch.sort(expert_N, stable=True).indices
-        w_in, w_out, b_in = _hidden_slices(experts, self.group)
+        w_in, w_out, b_in = _slice_major(experts, self.world, self.group)
         if torch.is_autocast_enabled(x_TD.device.type):
             dt = torch.get_autocast_dtype(x_TD.device.type)
             rows_ND = rows_ND.to(dt)
@@ -441,7 +442,7 @@ class AllToAllDispatcher:
         why = self.hybrid_supported(experts, shards)
         if why is not None:
             raise ValueError(why)
-        w_in, w_out = _slice_major(experts, shards, self.group)
+        w_in, w_out, _ = _slice_major(experts, shards, self.group)
         if torch.is_autocast_enabled(x_TD.device.type):
             dt = torch.get_autocast_dtype(x_TD.device.type)
             w_in, w_out = w_in.to(dt), w_out.to(dt)
@@ -518,61 +519,51 @@ class _Global:
     order_R: torch.Tensor
 
 
-def _hidden_slices(experts: GroupedExperts, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """This rank's hidden columns of every expert of the group: ``(w_in [E, D, F/W], w_out
-    [E, H/W, D], b_in [E, F/W] or None)``, from one differentiable all-to-all of the owners'
-    slices (its backward returns each slice's gradient to the owner). Gated activations keep
-    the (gate, up) halves: the slice takes the same columns of both."""
-    W, e, H = dist.get_world_size(group), experts.num_experts, experts.hidden
-    h = H // W
-    halves = experts.w_in.shape[-1] // H  # 2 for gated activations, else 1
+@lru_cache(maxsize=None)
+def _slice_routes(E: int, W: int, rank: int, n: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Which slices of the slice-major layout (slice ``v = j * E + x``: hidden part ``j`` of
+    expert ``x``; rank ``q`` holds ``v`` in ``[q*E*n/W, (q+1)*E*n/W)``) this rank sends and
+    receives, when rank ``x // (E/W)`` owns expert ``x``: ``(local expert and part j of each
+    sent slice, in destination order; send and receive splits; the receive position of each
+    held slice)``. Depends only on the sizes, so it is computed once."""
+    e, e_v = E // W, E * n // W
+    owner = lambda v: (v % E) // e  # noqa: E731
+    sent = [v for d in range(W) for v in range(d * e_v, (d + 1) * e_v) if owner(v) == rank]
+    send_split = [sum(1 for v in range(d * e_v, (d + 1) * e_v) if owner(v) == rank) for d in range(W)]
+    held = range(rank * e_v, (rank + 1) * e_v)
+    recv_split = [sum(1 for v in held if owner(v) == src) for src in range(W)]
+    arrival = [v - rank * e_v for src in range(W) for v in held if owner(v) == src]
+    position = [0] * e_v
+    for i, slot in enumerate(arrival):
+        position[slot] = i
+    return [v % E - rank * e for v in sent], [v // E for v in sent], send_split, recv_split, position
 
-    def cols(t: torch.Tensor, d: int) -> torch.Tensor:  # [..., halves*H] -> [..., halves*h]
-        return t.unflatten(-1, (halves, H))[..., d * h : (d + 1) * h].flatten(-2)
 
-    parts = []
-    for d in range(W):
-        per = [cols(experts.w_in, d).reshape(e, -1), experts.w_out[:, d * h : (d + 1) * h].reshape(e, -1)]
-        if experts.b_in is not None:
-            per.append(cols(experts.b_in, d))
-        parts.append(torch.cat(per, dim=1))
-    recv_EX = all_to_all_rows(torch.cat(parts), [e] * W, [e] * W, group)  # global experts in order
-    D = experts.w_in.shape[1]
-    n_in, n_out = D * halves * h, h * D
-    w_in = recv_EX[:, :n_in].view(-1, D, halves * h)
-    w_out = recv_EX[:, n_in : n_in + n_out].view(-1, h, D)
-    b_in = recv_EX[:, n_in + n_out :] if experts.b_in is not None else None
+def _slice_major(experts: GroupedExperts, n: int, group: dist.ProcessGroup | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's hidden slices of the slice-major layout (``GroupedExperts.hidden_slices``)
+    over the group, from the contiguous expert shards: ``(w_in [e_v, D, F/n], w_out [e_v, H/n,
+    D], b_in [e_v, F/n] or None)``, ``e_v = E * n / W``; gated activations keep their (gate, up)
+    halves. One gather of the slices to send and one differentiable all-to-all (its backward
+    returns each slice's gradient to the owner). ``n = W`` gives every rank part ``rank`` of
+    every expert (the sharded-expert mode)."""
+    W, rank, e, H, D = dist.get_world_size(group), dist.get_rank(group), experts.num_experts, experts.hidden, experts.dim
+    h, halves = H // n, experts.w_in.shape[-1] // H
+    local, part, send_split, recv_split, position = _slice_routes(e * W, W, rank, n)
+    device = experts.w_in.device
+    local_S = torch.tensor(local, dtype=torch.long, device=device)
+    part_S = torch.tensor(part, dtype=torch.long, device=device)
+    pieces = [experts.w_in.unflatten(-1, (halves, n, h))[local_S, :, :, part_S].reshape(len(local), -1),
+              experts.w_out.unflatten(1, (n, h))[local_S, part_S].reshape(len(local), -1)]
+    if experts.b_in is not None:
+        pieces.append(experts.b_in.unflatten(-1, (halves, n, h))[local_S, :, part_S].reshape(len(local), -1))
+    recv = all_to_all_rows(torch.cat(pieces, dim=1), send_split, recv_split, group)
+    slots = recv.index_select(0, torch.tensor(position, dtype=torch.long, device=device))
+    e_v, n_in, n_out = len(position), D * halves * h, h * D
+    w_in = slots[:, :n_in].view(e_v, D, halves * h)
+    w_out = slots[:, n_in : n_in + n_out].view(e_v, h, D)
+    b_in = slots[:, n_in + n_out :] if experts.b_in is not None else None
     return w_in, w_out, b_in
-
-
-def _slice_major(experts: GroupedExperts, n: int, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's hidden slices of the slice-major layout ``j * E + x`` (``GroupedExperts.
-    hidden_slices``) over the group, from the contiguous expert shards: ``(w_in [e_v, D, F/n],
-    w_out [e_v, H/n, D])``, ``e_v = E * n / W``; one differentiable all-to-all."""
-    W, rank, e, H = dist.get_world_size(group), dist.get_rank(group), experts.num_experts, experts.hidden
-    E, h, D = e * W, H // n, experts.dim
-    halves = experts.w_in.shape[-1] // H
-    e_v = E * n // W
-    owner = lambda v: (v % E) // e  # noqa: E731  (global expert x = v % E lives on rank x // e)
-    sends, send_split = [], []
-    for d in range(W):  # my experts' slices that rank d holds, in d's slot order
-        mine = [v for v in range(d * e_v, (d + 1) * e_v) if owner(v) == rank]
-        for v in mine:
-            j, x = divmod(v, E)
-            local = x - rank * e
-            w_in = experts.w_in[local].unflatten(-1, (halves, n, h))[:, :, j].reshape(-1)
-            sends.append(torch.cat([w_in, experts.w_out[local, j * h : (j + 1) * h].reshape(-1)]))
-        send_split.append(len(mine))
-    recv_split = [sum(1 for v in range(rank * e_v, (rank + 1) * e_v) if owner(v) == s) for s in range(W)]
-    width = D * halves * h + h * D
-    send = torch.stack(sends) if sends else experts.w_in.new_zeros(0, width) + experts.w_in.sum() * 0
-    recv = all_to_all_rows(send, send_split, recv_split, group)
-    # arrival order: by source rank, then slot; my slots in that order -> back to slot order
-    arrival = [v - rank * e_v for s in range(W) for v in range(rank * e_v, (rank + 1) * e_v) if owner(v) == s]
-    inverse = torch.empty(len(arrival), dtype=torch.long, device=recv.device)
-    inverse[torch.tensor(arrival, dtype=torch.long, device=recv.device)] = torch.arange(len(arrival), device=recv.device)
-    slots = recv.index_select(0, inverse)
-    return slots[:, : D * halves * h].view(e_v, D, halves * h), slots[:, D * halves * h :].view(e_v, h, D)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

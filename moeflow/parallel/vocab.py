@@ -48,7 +48,7 @@ def _group_tokens(n: int, group: dist.ProcessGroup | None, device: torch.device)
     return [int(s) for s in torch.cat(sizes).view(-1)]
 
 
-def _gather_tokens(x_TX: torch.Tensor, tokens_W: list[int], rank: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _gather_tokens(x_TX: torch.Tensor, tokens_W: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's rows in rank order (``[N, ...]``), differentiable: the backward sends each
     rank the gradient rows of its own tokens from every rank and sums them."""
     W = len(tokens_W)
@@ -102,8 +102,9 @@ class VocabParallelEmbedding(nn.Module):
         if ids_T.numel() and (int(ids_T.min()) < 0 or int(ids_T.max()) >= self.num_embeddings):
             raise ValueError(f"ids must lie in [0, {self.num_embeddings}), got range "
                              f"[{int(ids_T.min())}, {int(ids_T.max())}]")
-        tokens_W = _group_tokens(ids_T.numel(), self.group, ids_T.device)
-        all_ids_N = torch.cat(all_gather_rows(ids_T.unsqueeze(1), self.group)).view(-1)
+        parts = all_gather_rows(ids_T.unsqueeze(1), self.group)
+        tokens_W = [p.shape[0] for p in parts]
+        all_ids_N = torch.cat(parts).view(-1)
         local_N = all_ids_N - self.start
         here_N = (local_N >= 0) & (local_N < self.weight.shape[0])
         rows_ND = F.embedding(local_N.clamp(0, self.weight.shape[0] - 1), self.weight)
@@ -176,7 +177,7 @@ class VocabParallelHead(nn.Module):
         h_TD = h.reshape(-1, h.shape[-1])
         T, W = h_TD.shape[0], self.world
         tokens_W = _group_tokens(T, self.group, h_TD.device)
-        h_ND = _gather_tokens(h_TD, tokens_W, self.rank, self.group)
+        h_ND = _gather_tokens(h_TD, tokens_W, self.group)
         counts = [vocab_range(self.vocab_size, r, W)[1] for r in range(W)]
         logits_Nv = F.pad(h_ND @ self.weight.t(), (0, max(counts) - self.weight.shape[0]))  # equal widths
         # each rank's tokens' columns back to it: [W, T, v_max] -> the valid columns in rank order
@@ -188,9 +189,10 @@ class VocabParallelHead(nn.Module):
         if h_TD.dim() != 2 or targets_T.shape != h_TD.shape[:1]:
             raise ValueError(f"h_TD must be [T, D] and targets_T [T], got {tuple(h_TD.shape)} and {tuple(targets_T.shape)}")
         targets_T = targets_T.to(torch.long)
-        tokens_W = _group_tokens(h_TD.shape[0], self.group, h_TD.device)
-        h_ND = _gather_tokens(h_TD, tokens_W, self.rank, self.group)
-        targets_N = torch.cat(all_gather_rows(targets_T.unsqueeze(1), self.group)).view(-1)
+        parts = all_gather_rows(targets_T.unsqueeze(1), self.group)
+        tokens_W = [p.shape[0] for p in parts]
+        targets_N = torch.cat(parts).view(-1)
+        h_ND = _gather_tokens(h_TD, tokens_W, self.group)
         logits_Nv = h_ND @ self.weight.t()
         logits_Nv = logits_Nv.to(torch.promote_types(logits_Nv.dtype, torch.float32))
         loss_N = _VocabParallelCrossEntropy.apply(logits_Nv, targets_N, self.start, self.group)
