@@ -431,7 +431,41 @@ def _case_replay(rank: int, world: int) -> None:
     assert torch.equal(ep.last_counts_E, torch.bincount(tape.calls[""][0].flatten(), minlength=8))
 
 
+def _case_tuner_ties(rank: int, world: int) -> None:
+    """The tuner's decision rule on injected trial times (rank-dependent: the MAX over ranks
+    counts): a candidate far behind stops being timed after its first trials, near ties (within
+    ``close``) are timed on to ``max_trials`` each, and the median of those decides."""
+    from moeflow.parallel.tuner import ParallelTuner
+
+    tuner = ParallelTuner(None, trials=3, max_trials=6, close=0.1, min_time_s=0.0)
+    key = (8, 2, 1.0, "auto", "auto")
+    a, b, c = ("expert", 1), ("expert", 2), ("data", 1)
+    tuner._times[key] = {a: [], b: [], c: []}
+    # b looks 5% faster than a on its first trials, then is 10% slower; c is 2x slower
+    plan = {a: [1.0] * 7, b: [0.95] * 4 + [1.1] * 3, c: [2.0] * 4}
+    fed = {a: 0, b: 0, c: 0}
+
+    def feed(setting):  # one trial: rank 0 sees 1 ms less (the MAX over ranks must be used)
+        seconds = plan[setting][fed[setting]] - 0.001 * (rank == 0)
+        fed[setting] += 1
+        tuner._pending.append((key, setting, seconds, {}, 1.0))
+        tuner._finish_trials(torch.device("cpu"))
+
+    for _ in range(4):  # warm-up + 3 trials each
+        for setting in (a, b, c):
+            feed(setting)
+    assert not tuner.choices and tuner._open[key] == [a, b]  # b leads by 5%: a tie to settle
+    for _ in range(3):
+        feed(a)
+        feed(b)
+    assert tuner.choices == {key: a}  # medians over 6 trials: a 1.0, b 1.1 (ties only were timed)
+    assert fed[c] == 4 and key not in tuner._open
+    with pytest.raises(ValueError, match="close"):
+        ParallelTuner(None, close=1.5)
+
+
 CASES = {
+    "tuner_ties": _case_tuner_ties,
     "replay": _case_replay,
     "pipelined": _case_pipelined,
     "data_parallel": _case_data_parallel,
@@ -455,6 +489,10 @@ def test_parallel_settings_match_single_process(case, world):
     """Each case runs its settings (expert-parallel capacity modes, pipelining, the data,
     sharded and hybrid modes, hidden-sharded storage) against the single-process layer."""
     run_ranks(world, case)
+
+
+def test_tuner_times_near_ties_on():
+    run_ranks(2, "tuner_ties")
 
 
 def test_router_replay_under_expert_parallelism():

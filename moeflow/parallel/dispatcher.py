@@ -174,10 +174,11 @@ class AllToAllDispatcher:
 
     def _prepare(
         self, x_TD: torch.Tensor, routing: RoutingResult, capacity_factor: float,
-        meta: list[torch.Tensor] | None = None, shards: int | None = None,
-    ) -> tuple[torch.Tensor, AllToAllPlan, _Global]:
+        meta: list[torch.Tensor] | None = None, shards: int | None = None, *, gather_send: bool = True,
+    ) -> tuple[torch.Tensor | None, AllToAllPlan, _Global]:
         """Agree with the group on every kept assignment (from ``meta`` = ``gather_routing``'s
-        result when the caller has it already); return this rank's send rows, the plan, and the
+        result when the caller has it already); return this rank's send rows (None with
+        ``gather_send=False``: the pipelined path gathers them chunk by chunk), the plan, and the
         global view (for ``run``). ``shards``: route to ``E * shards`` contiguous hidden slices
         for this call (the per-call hybrid mode) instead of the stored layout."""
         T, D = x_TD.shape
@@ -262,15 +263,6 @@ class AllToAllDispatcher:
         if n > 1:  # each slice's partial output carries its assignment's weight
             weights_TK = weights_TK.repeat_interleave(n, dim=1)
 
-        send_JD = gather_rows(
-            x_TD,
-            torch.div(send_assign_J, K, rounding_mode="floor"),
-            None,
-            row_A.view(T, K),
-            None if kept_A is None else kept_A.view(T, K),
-        )
-        if self.config.weight_at == "dispatch":
-            send_JD = send_JD * weights_TK.reshape(-1)[send_assign_J].unsqueeze(1)
         plan = AllToAllPlan(
             send_assign_J=send_assign_J,
             row_A=row_A,
@@ -287,6 +279,7 @@ class AllToAllDispatcher:
         )
         glob = _Global(tokens_W=tokens_W, kept_S=kept_S, src_S=src_S, dst_S=dst_S, order_S=order_S,
                        expert_S=expert_S, slot_S=slot_S, src_R=src_R, local_R=local_R, order_R=order_R)
+        send_JD = _send_rows(x_TD, send_assign_J, row_A, kept_A, weights_TK, K, self.config.weight_at) if gather_send else None
         return send_JD, plan, glob
 
     def combine(self, expert_out: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
@@ -454,7 +447,11 @@ class AllToAllDispatcher:
         return self.combine(out.view(expert_in.shape[:-1] + (out.shape[-1],)), plan)
 
     def _run_chunked(self, x_TD, routing, experts, capacity_factor: float, n: int, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        send_JD, plan, g = self._prepare(x_TD, routing, capacity_factor, meta)
+        """The pipelined expert-parallel call (see ``run``). Chunk ``i`` is the token range
+        ``[ceil(i*T/n), ceil((i+1)*T/n))`` of every rank; its rows are gathered straight from
+        ``x_TD`` and its outputs are combined as soon as they are home, so the chunking adds no
+        pass over the rows to the unchunked path (only per-chunk index work and messages)."""
+        _, plan, g = self._prepare(x_TD, routing, capacity_factor, meta, gather_send=False)
         W, r, e, K = self.world, self.rank, self.num_local_experts, plan.top_k
         device, D = x_TD.device, x_TD.shape[1]
         T = plan.num_tokens
@@ -465,41 +462,60 @@ class AllToAllDispatcher:
             local_token = torch.div(order, K, rounding_mode="floor") - first[src]
             return torch.div(local_token * n, tokens[src], rounding_mode="floor")
 
-        chunk_S = chunk_of(g.order_S, g.src_S)
         kept = g.kept_S
-        counts_nWW = torch.bincount((chunk_S[kept] * W + g.src_S[kept]) * W + g.dst_S[kept],
+        chunk_S = chunk_of(g.order_S[kept], g.src_S[kept])
+        counts_nWW = torch.bincount((chunk_S * W + g.src_S[kept]) * W + g.dst_S[kept],
                                     minlength=n * W * W).view(n, W, W).tolist()
+        chunk_R = chunk_of(g.order_R, g.src_R)
+        # my tokens of chunk i: [bounds[i], bounds[i+1]) (t lies in chunk t*n // T)
+        bounds = [-(-i * T // n) for i in range(n + 1)]
         chunk_J = torch.div(torch.div(plan.send_assign_J, K, rounding_mode="floor") * n, max(T, 1),
                             rounding_mode="floor")
-        chunk_R = chunk_of(g.order_R, g.src_R)
 
-        # sent rows regrouped by chunk (a permutation of J), then split into the chunks
-        J_by_chunk = torch.sort(chunk_J, stable=True).indices
-        send_cat = _permute_rows(send_JD, J_by_chunk)
-        send_sizes = [sum(counts_nWW[i][r]) for i in range(n)]
-        sends = torch.split(send_cat, send_sizes)
+        def chunk_plan(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            """Chunk i's sent assignments (chunk-local ``t*K + k``, in send order), their rows by
+            assignment, and the kept mask (None when nothing is dropped)."""
+            t0, t1 = bounds[i], bounds[i + 1]
+            a_J = plan.send_assign_J[chunk_J == i] - t0 * K
+            row_A = torch.zeros((t1 - t0) * K, dtype=torch.long, device=device)
+            row_A[a_J] = torch.arange(a_J.numel(), device=device)
+            kept_A = None if plan.kept_A is None else plan.kept_A[t0 * K : t1 * K]
+            return a_J, row_A, kept_A
+
         ex = self.exchange
+        plans = [chunk_plan(i) for i in range(n)]
         # every chunk's exchange starts now (two-level: its first phase); they complete in order.
         # Chunk i+1's second phase is launched before chunk i's experts run, so it overlaps too.
-        started = [ex.start(sends[i], counts_nWW[i]) for i in range(n)]
+        # one split (its backward is one cat), not n slices (each slice's backward would zero-fill
+        # and add a whole [T, D] gradient)
+        sizes = [bounds[i + 1] - bounds[i] for i in range(n)]
+        x_nTD, w_nTK = x_TD.split(sizes), plan.weights_TK.split(sizes)
+        started = [ex.start(_send_rows(x_nTD[i], a_J, row_A, kept_A, w_nTK[i], K, plan.weight_at), counts_nWW[i])
+                   for i, (a_J, row_A, kept_A) in enumerate(plans)]
         if n:
             started[0] = ex.relay(started[0])
-        homes = []
+        homes: list = []
+        outs: list[torch.Tensor] = []
+
+        def combine_chunk(i: int) -> None:  # chunk i's outputs are on their way home: sum them
+            a_J, row_A, kept_A = plans[i]
+            rows_AD = gather_rows(ex.finish(homes[i]), row_A, kept_A, a_J.view(-1, 1), None)
+            outs.append(sum_token_rows(rows_AD.view(sizes[i], K, D), w_nTK[i], plan.weight_at))
+
         for i in range(n):
             if i + 1 < n:
                 started[i + 1] = ex.relay(started[i + 1])
             recv_RD = ex.finish(started[i])
-            in_chunk = (chunk_R == i).nonzero().squeeze(1)
-            local = g.local_R[in_chunk]
+            local = g.local_R[chunk_R == i]
             by_expert = torch.sort(local, stable=True).indices
-            expert_in = _permute_rows(recv_RD, by_expert)
-            expert_out = experts(expert_in, torch.bincount(local, minlength=e))
+            expert_out = experts(_permute_rows(recv_RD, by_expert), torch.bincount(local, minlength=e))
             back_RD = _permute_rows(expert_out, _inverse(by_expert))
             homes.append(ex.start(back_RD, [list(col) for col in zip(*counts_nWW[i])]))  # reverse routes
-        home_cat = torch.cat([ex.finish(h) for h in homes])
-        home_JD = _permute_rows(home_cat, _inverse(J_by_chunk))
-        rows_AD = gather_rows(home_JD, plan.row_A, plan.kept_A, plan.send_assign_J.view(-1, 1), None)
-        return sum_token_rows(rows_AD.view(T, K, D), plan.weights_TK, plan.weight_at)
+            if i:  # the previous chunk's outputs came home while this one was computed
+                combine_chunk(i - 1)
+        if n:
+            combine_chunk(n - 1)
+        return torch.cat(outs) if outs else x_TD.new_zeros(0, D)
 
 
 @dataclass(frozen=True)
@@ -564,6 +580,24 @@ def _slice_major(experts: GroupedExperts, n: int, group: dist.ProcessGroup | Non
     w_out = slots[:, n_in : n_in + n_out].view(e_v, h, D)
     b_in = slots[:, n_in + n_out :] if experts.b_in is not None else None
     return w_in, w_out, b_in
+
+
+def _send_rows(x_TD: torch.Tensor, send_assign_J: torch.Tensor, row_A: torch.Tensor, kept_A: torch.Tensor | None,
+               weights_TK: torch.Tensor, K: int, weight_at: str) -> torch.Tensor:
+    """The rows sent for assignments ``send_assign_J`` (``t*K + k`` into ``x_TD``), in that
+    order, weighted when the weights apply at dispatch; backward gathers each token's (up to K)
+    row gradients through ``row_A`` (masked by ``kept_A``)."""
+    T = x_TD.shape[0]
+    send_JD = gather_rows(
+        x_TD,
+        torch.div(send_assign_J, K, rounding_mode="floor"),
+        None,
+        row_A.view(T, K),
+        None if kept_A is None else kept_A.view(T, K),
+    )
+    if weight_at == "dispatch":
+        send_JD = send_JD * weights_TK.reshape(-1)[send_assign_J].unsqueeze(1)
+    return send_JD
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ is measured, not guessed: for each global batch size the dispatcher times every 
 ``(parallel mode, overlap degree)`` on real calls, round-robin (one warm-up call each, whose
 time is dropped, then ``trials`` timed calls each, more for calls so short that their trials
 add up to less than ``min_time_s``, up to ``max_trials``; the median decides), then keeps the
-fastest. A trial's time is its forward plus,
+fastest. Candidates whose median lies within ``close`` of the fastest one's are a near tie that
+a few noisy trials cannot settle: they alone are timed on (round-robin) until each has
+``max_trials`` trials, and the medians of those decide. A trial's time is its forward plus,
 when the call is back-propagated, this layer's backward (stamped by two identity autograd
 nodes around it; modes differ most in backward: data parallelism all-reduces the expert
 gradients); it is reduced over the ranks (MAX: the slowest rank sets the pace) at the start of
@@ -39,18 +41,23 @@ class ParallelTuner:
     """Per-dispatcher tuner of ``parallel`` and ``overlap_degree`` (see module docstring)."""
 
     def __init__(self, group: dist.ProcessGroup | None, *, degrees: tuple[int, ...] = (1, 2, 4), trials: int = 3,
-                 retune_ratio: float = 1.5, min_time_s: float = 0.05, max_trials: int = 12) -> None:
+                 retune_ratio: float = 1.5, min_time_s: float = 0.05, max_trials: int = 12,
+                 close: float = 0.1) -> None:
         if not degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degrees):
             raise ValueError(f"degrees must be ints >= 1, got {degrees!r}")
         if not 1 <= trials <= max_trials:
             raise ValueError(f"need 1 <= trials <= max_trials, got trials={trials}, max_trials={max_trials}")
+        if not 0.0 <= close < 1.0:
+            raise ValueError(f"close must lie in [0, 1), got {close!r}")
         self.group, self.degrees, self.trials, self.retune_ratio = group, tuple(degrees), trials, retune_ratio
         # short calls are noisy: a candidate keeps being timed until its trials add up to
-        # min_time_s (at most max_trials); decided on the reduced times, so every rank agrees
-        self.min_time_s, self.max_trials = min_time_s, max_trials
+        # min_time_s (at most max_trials); near ties (within ``close``) get max_trials each;
+        # decided on the reduced times, so every rank agrees
+        self.min_time_s, self.max_trials, self.close = min_time_s, max_trials, close
         self.choices: dict[tuple, tuple[str, int]] = {}  # key -> locked (parallel, overlap_degree)
         self._imbalance: dict[tuple, float] = {}
         self._times: dict[tuple, dict[tuple[str, int], list[float]]] = {}
+        self._open: dict[tuple, list[tuple[str, int]]] = {}  # key -> candidates still being timed
         self._pending: list[tuple] = []  # trials whose backward may still be running: (key, setting, fwd s, stamps)
 
     def reset(self) -> None:
@@ -59,6 +66,7 @@ class ParallelTuner:
         self.choices.clear()
         self._imbalance.clear()
         self._times.clear()
+        self._open.clear()
         self._pending.clear()
 
     def candidates(self, experts: object, parallel: str, overlap_degree: int | str,
@@ -99,8 +107,10 @@ class ParallelTuner:
             log.info("moeflow tuner: routing imbalance moved %.2f -> %.2f for %s; tuning again", tuned, imbalance, key)
             del self.choices[key]
             self._times.pop(key, None)
+            self._open.pop(key, None)
         times = self._times.setdefault(key, {c: [] for c in self.candidates(experts, parallel, overlap_degree, dispatcher)})
-        runs = {c: len(v) + sum(1 for p in self._pending if p[0] == key and p[1] == c) for c, v in times.items()}
+        open_ = self._open.get(key, list(times))
+        runs = {c: len(times[c]) + sum(1 for p in self._pending if p[0] == key and p[1] == c) for c in open_}
         setting = min(runs, key=lambda c: runs[c])  # round-robin in candidate order
         if runs[setting] > self.max_trials:  # every trial ran; their times arrive at the next call
             setting = next(iter(runs))
@@ -128,12 +138,18 @@ class ParallelTuner:
             if times is None or key in self.choices:
                 continue
             times[setting].append(seconds)
-            if all(self._enough(v) for v in times.values()):
-                medians = {c: statistics.median(v[1:]) for c, v in times.items()}  # [0]: warm-up
-                best = min(medians, key=lambda c: (medians[c], c[0] != "expert", c[1]))
-                self.choices[key], self._imbalance[key] = best, imbalance
-                log.info("moeflow tuner: chose parallel=%r overlap_degree=%d for %s (median ms: %s)", *best, key,
-                         {f"{m}/{d}": round(v * 1e3, 3) for (m, d), v in medians.items()})
+            if not all(self._enough(v) for v in times.values()):
+                continue
+            medians = {c: statistics.median(v[1:]) for c, v in times.items()}  # [0]: warm-up
+            best = min(medians, key=lambda c: (medians[c], c[0] != "expert", c[1]))
+            ties = [c for c in times if medians[c] <= medians[best] * (1.0 + self.close)]
+            if any(len(times[c]) - 1 < self.max_trials for c in ties):
+                self._open[key] = ties  # a near tie: time only those on
+                continue
+            self.choices[key], self._imbalance[key] = best, imbalance
+            self._open.pop(key, None)
+            log.info("moeflow tuner: chose parallel=%r overlap_degree=%d for %s (median ms: %s)", *best, key,
+                     {f"{m}/{d}": round(v * 1e3, 3) for (m, d), v in medians.items()})
         self._pending.clear()
 
     def _enough(self, seconds: list[float]) -> bool:
