@@ -34,10 +34,10 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(T_GLOBAL, D, generator=gen, dtype=torch.float64), torch.randn(T_GLOBAL, D, generator=gen, dtype=torch.float64)
 
 
-def _setup(rank: int, world: int):
+def _setup(rank: int, world: int, shards: int = 1):
     model = _model()
     if world > 1:
-        expert_parallel(model)
+        expert_parallel(model, hidden_shards=shards)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -62,21 +62,21 @@ def _train(model, opt, rank: int, world: int, steps: range) -> list[float]:
     return losses
 
 
-def _case_save_then_continue(rank: int, world: int, root: str) -> None:
-    model, opt = _setup(rank, world)
+def _case_save_then_continue(rank: int, world: int, root: str, shards: int = 1, ck: str = "ck") -> None:
+    model, opt = _setup(rank, world, shards)
     _train(model, opt, rank, world, range(STEPS))
-    save_checkpoint(Path(root) / "ck", STEPS, model, opt, extra={"next_step": STEPS})
+    save_checkpoint(Path(root) / ck, STEPS, model, opt, extra={"next_step": STEPS})
     losses = _train(model, opt, rank, world, range(STEPS, 2 * STEPS))
     if rank == 0:
-        (Path(root) / f"losses_w{world}.json").write_text(json.dumps(losses))
+        (Path(root) / f"losses_{ck}_w{world}.json").write_text(json.dumps(losses))
 
 
-def _case_resume(rank: int, world: int, root: str, src: str, tag: str) -> None:
-    model, opt = _setup(rank, world)
+def _case_resume(rank: int, world: int, root: str, src: str, tag: str, shards: int = 1) -> None:
+    model, opt = _setup(rank, world, shards)
     info = load_checkpoint(Path(root) / src, model, opt)
-    assert info["extra"] == {"next_step": STEPS} and info["world_size"] in (1, 4)
-    if world == 1 and tag == "w1":
-        save_checkpoint(Path(root) / "resaved", STEPS, model, opt, extra=info["extra"])
+    assert info["extra"] == {"next_step": STEPS} and info["world_size"] in (1, 2, 4)
+    if world == 1 and tag in ("w1", "sliced_w1"):
+        save_checkpoint(Path(root) / f"resaved_{tag}", STEPS, model, opt, extra=info["extra"])
     losses = _train(model, opt, rank, world, range(STEPS, 2 * STEPS))
     if rank == 0:
         (Path(root) / f"losses_{tag}.json").write_text(json.dumps(losses))
@@ -95,18 +95,42 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def test_save_on_4_resume_on_2_1_4(tmp_path):
     spawn_ranks(4, __name__, "save", str(tmp_path))
-    reference = json.loads((tmp_path / "losses_w4.json").read_text())
+    reference = json.loads((tmp_path / "losses_ck_w4.json").read_text())
     spawn_ranks(2, __name__, "resume", str(tmp_path), "ck", "w2")
     _case_resume(0, 1, str(tmp_path), "ck", "w1")  # one process, no torch.distributed
-    spawn_ranks(4, __name__, "resume", str(tmp_path), "resaved", "w4_from_w1")
+    spawn_ranks(4, __name__, "resume", str(tmp_path), "resaved_w1", "w4_from_w1")
     # parameters and optimizer state survive 4 -> 1 bit for bit
     saved = _tensors(next((tmp_path / "ck").iterdir()))
-    resaved = _tensors(next((tmp_path / "resaved").iterdir()))
+    resaved = _tensors(next((tmp_path / "resaved_w1").iterdir()))
     assert saved.keys() == resaved.keys()
     for k in saved:
         assert torch.equal(saved[k], resaved[k]), k
     # continuing from the checkpoint gives the uninterrupted run's losses on any world size
     for tag in ("w2", "w1", "w4_from_w1"):
+        losses = json.loads((tmp_path / f"losses_{tag}.json").read_text())
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=1e-10,
+                                   msg=lambda m, tag=tag: f"{tag}: {m}")
+
+
+def test_hidden_sharded_checkpoint_loads_into_any_layout(tmp_path):
+    """Experts split by hidden units over the ranks (``hidden_shards=2``, every expert on two
+    ranks) are saved as whole experts: the checkpoint matches the unsplit run's, and resumes
+    bit for bit in one process, on 2 ranks with whole experts and on 2 ranks split again."""
+    spawn_ranks(4, __name__, "save", str(tmp_path))  # whole experts, the reference
+    spawn_ranks(4, __name__, "save", str(tmp_path), 2, "sliced")
+    whole = _tensors(next((tmp_path / "ck").iterdir()))
+    sliced = _tensors(next((tmp_path / "sliced").iterdir()))
+    assert whole.keys() == sliced.keys() and any("@7" in k for k in sliced)
+    for k in whole:  # the same training, summed in another order
+        torch.testing.assert_close(sliced[k], whole[k], rtol=1e-9, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")
+    reference = json.loads((tmp_path / "losses_sliced_w4.json").read_text())
+    _case_resume(0, 1, str(tmp_path), "sliced", "sliced_w1")
+    spawn_ranks(2, __name__, "resume", str(tmp_path), "sliced", "sliced_w2")
+    spawn_ranks(2, __name__, "resume", str(tmp_path), "resaved_sliced_w1", "sliced_w2_split", 2)
+    resaved = _tensors(next((tmp_path / "resaved_sliced_w1").iterdir()))
+    for k in sliced:  # joined and cut again: the same bits
+        assert torch.equal(resaved[k], sliced[k]), k
+    for tag in ("sliced_w1", "sliced_w2", "sliced_w2_split"):
         losses = json.loads((tmp_path / f"losses_{tag}.json").read_text())
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=1e-10,
                                    msg=lambda m, tag=tag: f"{tag}: {m}")

@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from moeflow.checkpoint.state import expert_slices, model_tensors, optimizer_tensors, split_key, vocab_shards
+from moeflow.checkpoint.state import ExpertLayout, expert_slices, model_tensors, optimizer_tensors, split_key, vocab_shards
 from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position, sync
 from moeflow.parallel.vocab import gather_vocab_weight
 
@@ -159,7 +159,7 @@ def save_checkpoint(
     infos = gather_objects(info, group)
 
     if rank == 0:
-        experts = {name: E for name, (_, _, E) in expert_slices(model).items()}
+        experts = {name: layout.num_experts for name, layout in expert_slices(model).items()}
         index = {
             "format": FORMAT,
             "step": step,
@@ -258,13 +258,15 @@ def _vocab_rows(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return value[start : start + p.shape[0]]
 
 
-def _gather_experts(reader: _Reader, base: str, ids: list[int], like: torch.Tensor) -> torch.Tensor:
+def _gather_experts(reader: _Reader, base: str, layout: ExpertLayout, like: torch.Tensor) -> torch.Tensor:
+    """The ``[slots, ...]`` tensor this rank holds, from the whole experts saved under
+    ``base@<g>`` (cut to each slot's hidden slice for hidden-sharded layers)."""
     parts = []
-    for g in ids:
+    for i, g in enumerate(layout.ids):
         key = f"{base}@{g}"
         if not reader.has(key):
             raise CheckpointError(f"{reader.path}: expert {g} of {base.split('/', 1)[1]} is missing (key {key!r})")
-        parts.append(reader.get(key))
+        parts.append(layout.cut(i, reader.get(key)))
     return torch.stack(parts) if parts else like.new_empty(like.shape)
 
 
@@ -293,7 +295,8 @@ def load_checkpoint(
     rank, _ = process_position(group)
     slices = expert_slices(model)
 
-    for name, (_, _, E) in slices.items():
+    for name, layout in slices.items():
+        E = layout.num_experts
         saved = index["experts"].get(name)
         if saved is None:
             raise CheckpointError(f"{path}/index.json: no experts saved for {name}")
@@ -302,8 +305,8 @@ def load_checkpoint(
     expected = set()
     for name, p in model.named_parameters():
         if name in slices:
-            ids = slices[name][0]
-            value = _gather_experts(reader, f"param/{name}", ids, p)
+            ids = slices[name].ids
+            value = _gather_experts(reader, f"param/{name}", slices[name], p)
             _load_into(p, value, f"param/{name}@{ids}", str(path))
             expected.update(f"param/{name}@{g}" for g in range(index["experts"][name]))
         else:
@@ -360,7 +363,7 @@ def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: t
         state: dict[str, object] = dict(scalars.get(name, {}))
         for state_key, keys in entries.items():
             if any(g is not None for g, _ in keys):
-                state[state_key] = _gather_experts(reader, f"optim/{name}/{state_key}", slices[name][0], p).to(p.device)
+                state[state_key] = _gather_experts(reader, f"optim/{name}/{state_key}", slices[name], p).to(p.device)
             else:
                 value = reader.get(keys[0][1])
                 state[state_key] = (_vocab_rows(p, value) if value.dim() and value.shape[1:] == p.shape[1:] else value).to(p.device)

@@ -15,22 +15,51 @@ global index, and any layout of ranks can pick out the experts it holds.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from moeflow.experts import GroupedExperts
+from moeflow.experts.ffn import cut_hidden_slice
 from moeflow.layer.moe import MoE
+from moeflow.parallel.api import gather_hidden_experts
 from moeflow.storage.store import StoredExperts
 
-__all__ = ["expert_slices", "model_tensors", "optimizer_tensors", "split_key", "vocab_shards"]
+__all__ = ["ExpertLayout", "expert_slices", "model_tensors", "optimizer_tensors", "split_key", "vocab_shards"]
 
 
-def expert_slices(model: nn.Module) -> dict[str, tuple[list[int], list[bool], int]]:
-    """Name -> ``(global expert of each local slot, whether that slot is saved, global E)`` for
-    the stacked ``[slots, ...]`` parameters of every ``GroupedExperts`` inside a ``moeflow.MoE``
-    (``MoE.expert_slots``: a replicated expert is saved from its first replica only)."""
-    out: dict[str, tuple[list[int], list[bool], int]] = {}
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one stacked ``[slots, ...]`` expert parameter maps to global experts.
+
+    ``ids``: the global expert of each local slot; ``saved``: whether this rank writes that
+    slot's expert (a replicated expert is saved from its first replica only; a hidden-sharded one
+    by the rank holding slice 0, after joining the slices); ``num_experts``: global E;
+    ``shards``/``parts``: every expert split into ``shards`` hidden slices, slot ``i`` holding
+    slice ``parts[i]`` (1 and zeros for whole experts); ``layer``/``kind``: the layer and
+    parameter name (``"w_in"``, ``"w_out"``) the slices are joined and cut by."""
+
+    ids: list[int]
+    saved: list[bool]
+    num_experts: int
+    shards: int = 1
+    parts: tuple[int, ...] = ()
+    layer: MoE | None = None
+    kind: str = ""
+
+    def cut(self, slot: int, full: torch.Tensor) -> torch.Tensor:
+        """The part of the whole expert tensor ``full`` that local slot ``slot`` holds."""
+        if self.shards == 1:
+            return full
+        assert self.layer is not None
+        return cut_hidden_slice(self.kind, full, self.shards, self.parts[slot], self.layer.experts.halves)
+
+
+def expert_slices(model: nn.Module) -> dict[str, ExpertLayout]:
+    """Name -> ``ExpertLayout`` for the stacked ``[slots, ...]`` parameters of every
+    ``GroupedExperts`` inside a ``moeflow.MoE`` (``MoE.expert_slots``)."""
+    out: dict[str, ExpertLayout] = {}
     for prefix, module in model.named_modules():
         if isinstance(module, MoE) and isinstance(module.experts, StoredExperts):
             raise ValueError(
@@ -40,9 +69,11 @@ def expert_slices(model: nn.Module) -> dict[str, tuple[list[int], list[bool], in
             )
         if isinstance(module, MoE) and isinstance(module.experts, GroupedExperts):
             ids, saved = module.expert_slots()
+            n, parts = module.hidden_shards()
             for name, _ in module.experts.named_parameters():
                 full = f"{prefix}.experts.{name}" if prefix else f"experts.{name}"
-                out[full] = (ids, saved, module.config.num_experts)
+                out[full] = ExpertLayout(ids, saved, module.config.num_experts, n, tuple(parts),
+                                         module if n > 1 else None, name)
     return out
 
 
@@ -67,9 +98,15 @@ def split_key(key: str) -> tuple[str, int | None]:
     return key, None
 
 
-def _expand(prefix: str, name: str, tensor: torch.Tensor, layout: tuple[list[int], list[bool], int]) -> Iterator[tuple[str, torch.Tensor]]:
-    ids, saved, _ = layout
-    for i, (g, keep) in enumerate(zip(ids, saved)):
+def _expand(prefix: str, name: str, tensor: torch.Tensor, layout: ExpertLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, whole expert tensor)`` of every expert this rank saves. Hidden-sharded layers join
+    their slices first: a collective, so every rank expands the same tensors in the same order."""
+    if layout.shards > 1:
+        assert layout.layer is not None
+        for g, full in gather_hidden_experts(layout.layer, layout.kind, tensor).items():
+            yield f"{prefix}/{name}@{g}", full
+        return
+    for i, (g, keep) in enumerate(zip(layout.ids, layout.saved)):
         if keep:
             yield f"{prefix}/{name}@{g}", tensor[i]
 
@@ -105,12 +142,16 @@ def optimizer_tensors(
     names = {id(p): n for n, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict] = {}
-    for p, state in optimizer.state.items():
-        name = names.get(id(p))
-        if name is None:
-            raise ValueError("the optimizer holds a parameter that is not in the model")
+    if any(id(p) not in names for p in optimizer.state):
+        raise ValueError("the optimizer holds a parameter that is not in the model")
+    # in model order and sorted keys: joining hidden slices is a collective (same order everywhere)
+    for name, p in model.named_parameters():
+        state = optimizer.state.get(p)
+        if not state:
+            continue
         is_expert = name in layouts
-        for key, value in state.items():
+        for key in sorted(state):
+            value = state[key]
             if getattr(p, "moeflow_vocab_shard", False) and isinstance(value, torch.Tensor) and value.shape == p.shape:
                 continue  # saved gathered (``vocab_tensors``)
             if isinstance(value, torch.Tensor) and is_expert and value.shape == p.shape:

@@ -24,7 +24,8 @@ from torch import nn
 from moeflow.config import ExpertsConfig
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
-__all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero"]
+__all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero",
+           "cut_hidden_slice", "join_hidden_slices"]
 
 
 @runtime_checkable
@@ -152,6 +153,11 @@ class GroupedExperts(nn.Module):
         out.w_in.copy_(w_in.permute(3, 0, 1, 2, 4).reshape(E * r, self.dim, halves * h))
         out.w_out.copy_(self.w_out.unflatten(1, (r, h)).transpose(0, 1).reshape(E * r, h, self.dim))
         return out
+
+    @property
+    def halves(self) -> int:
+        """Column blocks of ``w_in`` per hidden unit: 2 for gated activations (gate, up), else 1."""
+        return self.w_in.shape[-1] // self.hidden
 
     def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         if expert_in.numel() == 0:
@@ -304,3 +310,28 @@ class DenseFFN(nn.Module):
         if self.gate is not None:
             y_TD = torch.sigmoid(self.gate(x_TD)) * y_TD
         return y_TD
+
+
+def cut_hidden_slice(name: str, full: torch.Tensor, n: int, j: int, halves: int) -> torch.Tensor:
+    """Slice ``j`` of ``n`` of one expert's tensor ``name``: ``"w_in"`` ``[D, halves*H]`` (the
+    gate and up columns of hidden units ``[j*H/n, (j+1)*H/n)``) or ``"w_out"`` ``[H, D]`` (those
+    rows), or anything shaped like them (optimizer moments). The per-expert form of
+    ``GroupedExperts.hidden_slices``; ``join_hidden_slices`` inverts it."""
+    if name == "w_in":
+        D, F = full.shape
+        return full.unflatten(-1, (halves, n, F // (halves * n)))[:, :, j].reshape(D, F // n)
+    if name == "w_out":
+        return full.unflatten(0, (n, full.shape[0] // n))[j]
+    raise ValueError(f"hidden slices exist for 'w_in' and 'w_out' only, got {name!r}")
+
+
+def join_hidden_slices(name: str, slices: Sequence[torch.Tensor], halves: int) -> torch.Tensor:
+    """One expert's whole tensor ``name`` from its ``n`` hidden slices in order (the inverse of
+    ``cut_hidden_slice``)."""
+    if name == "w_in":
+        D, f = slices[0].shape
+        parts = torch.stack([t.unflatten(-1, (halves, f // halves)) for t in slices], dim=2)  # [D, halves, n, h]
+        return parts.reshape(D, halves * len(slices) * (f // halves))
+    if name == "w_out":
+        return torch.cat(list(slices), dim=0)
+    raise ValueError(f"hidden slices exist for 'w_in' and 'w_out' only, got {name!r}")

@@ -197,15 +197,30 @@ class MoE(nn.Module):
     def expert_slots(self) -> tuple[list[int], list[bool]]:
         """The global expert of each expert slot held here, and whether the slot is its expert's
         first replica (the one a checkpoint saves). Without a load-aware placement that is
-        ``expert_range``'s block, every slot first."""
-        if getattr(self.dispatcher, "hidden_shards", 1) > 1:
-            raise ValueError("this layer's experts are split by hidden units over the ranks (hidden_shards > 1); "
-                             "saving them per expert is not supported")
+        ``expert_range``'s block, every slot first. With hidden-sharded experts
+        (``hidden_shards()``), slot ``i`` holds hidden slice ``parts[i]`` of its expert and the
+        slot with slice 0 is the one saved (the checkpoint joins the slices first)."""
+        n, parts = self.hidden_shards()
+        if n > 1:
+            E = self.config.num_experts
+            slots = [int(v) for v in self.dispatcher.slot_experts]
+            return [v % E for v in slots], [j == 0 for j in parts]
         slots = getattr(self.dispatcher, "slot_experts", None)
         if slots is None:
             start, count = self.expert_range()
             return list(range(start, start + count)), [True] * count
         return list(slots), list(self.dispatcher.slot_primary)
+
+    def hidden_shards(self) -> tuple[int, list[int]]:
+        """``(n, parts)``: every expert's hidden units are split into ``n`` slices over the ranks
+        (``expert_parallel(..., hidden_shards=n)``) and slot ``i`` here holds slice ``parts[i]``;
+        ``(1, [0, ...])`` for whole experts."""
+        n = int(getattr(self.dispatcher, "hidden_shards", 1))
+        count = int(self.experts.num_experts)
+        if n == 1:
+            return 1, [0] * count
+        E = self.config.num_experts
+        return n, [int(v) // E for v in self.dispatcher.slot_experts]
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of this layer's balance losses from its last call (a scalar with gradient)."""

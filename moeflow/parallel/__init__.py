@@ -13,6 +13,7 @@ from moeflow.parallel.api import (
     expert_parallel,
     expert_parameters,
     fsdp_ignored_parameters,
+    gather_hidden_experts,
     sync_load_counts,
 )
 from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
@@ -36,6 +37,7 @@ from moeflow.parallel.groups import ParallelGroups, init_distributed, make_group
 
 __all__ = [
     "expert_parallel",
+    "gather_hidden_experts",
     "AllToAllDispatcher",
     "AllToAllPlan",
     "init_distributed",

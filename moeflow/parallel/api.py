@@ -7,7 +7,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.experts import GroupedExperts, ModuleExperts
-from moeflow.layer.moe import moe_layers
+from moeflow.experts.ffn import join_hidden_slices
+from moeflow.layer.moe import MoE, moe_layers
 from moeflow.parallel.dispatcher import AllToAllDispatcher
 from moeflow.parallel.exchange import Hierarchy
 from moeflow.parallel.groups import ParallelGroups
@@ -23,6 +24,7 @@ __all__ = [
     "all_reduce_gradients",
     "clip_grad_norm_",
     "reduce_expert_gradients",
+    "gather_hidden_experts",
 ]
 
 
@@ -111,6 +113,36 @@ def expert_parallel(
             num_experts=E, group=group, config=layer.config.dispatch, hierarchy=hierarchy, hidden_shards=hidden_shards
         )
     return model
+
+
+@torch.no_grad()
+def gather_hidden_experts(layer: MoE, name: str, t_vX: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Whole experts from the hidden slices of a hidden-sharded layer (``expert_parallel(...,
+    hidden_shards=n)``): ``t_vX`` is this rank's ``[slots, ...]`` tensor of parameter ``name``
+    (``"w_in"`` or ``"w_out"``) or of optimizer state shaped like it. Every rank of the group
+    calls it, in the same order; each slice goes to the rank holding slice 0 of its expert (one
+    all-to-all), which gets ``{expert: whole tensor}`` for those experts (the others ``{}``).
+    Checkpoints save hidden-sharded layers through it."""
+    from moeflow.parallel.comm import all_to_all_rows
+
+    n, parts = layer.hidden_shards()
+    if n == 1:
+        raise ValueError("gather_hidden_experts needs a layer whose experts are split by hidden units (hidden_shards > 1)")
+    disp = layer.dispatcher
+    E, W, r, e = layer.config.num_experts, disp.world, disp.rank, disp.num_local_experts
+    writer = lambda x: x // e  # noqa: E731  (the rank holding slot x = slice 0 of expert x)
+    mine = [r * e + i for i in range(e)]
+    order = sorted(range(e), key=lambda i: writer(mine[i] % E))  # by destination, stable
+    send_split = [sum(1 for v in mine if writer(v % E) == d) for d in range(W)]
+    arrivals = [v for s in range(W) for v in range(s * e, (s + 1) * e) if writer(v % E) == r]
+    recv_split = [sum(1 for v in range(s * e, (s + 1) * e) if writer(v % E) == r) for s in range(W)]
+    index = torch.tensor(order, dtype=torch.long, device=t_vX.device)
+    recv = all_to_all_rows(t_vX.reshape(e, -1).index_select(0, index), send_split, recv_split, disp.group)
+    by_expert: dict[int, dict[int, torch.Tensor]] = {}
+    for row, v in zip(recv, arrivals):
+        by_expert.setdefault(v % E, {})[v // E] = row.view(t_vX.shape[1:])
+    halves = layer.experts.halves
+    return {x: join_hidden_slices(name, [got[j] for j in range(n)], halves) for x, got in sorted(by_expert.items())}
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
