@@ -311,6 +311,17 @@ def _case_pipelined(rank: int, world: int) -> None:
     agreed = [None] * world
     dist.all_gather_object(agreed, choices)
     assert all(c == choices for c in agreed)
+    # a fresh layer given the recorded settings runs the choice from its first call, untimed
+    from moeflow.parallel import fix_tuned_settings, tuned_settings
+
+    fresh = expert_parallel(copy.deepcopy(layer))
+    fix_tuned_settings(fresh, tuned_settings(ep))
+    mode, degree = choices[key]
+    y = fresh(x, overlap_degree="auto", parallel="auto")
+    assert not fresh.dispatcher.tuner._pending and fresh.dispatcher.tuner.choices == choices
+    assert torch.equal(y, fresh(x, overlap_degree=degree, parallel=mode))
+    with pytest.raises(ValueError, match="one entry per MoE layer"):
+        fix_tuned_settings(fresh, [])
 
 
 def _case_data_parallel(rank: int, world: int) -> None:
@@ -462,6 +473,20 @@ def _case_tuner_ties(rank: int, world: int) -> None:
     assert fed[c] == 4 and key not in tuner._open
     with pytest.raises(ValueError, match="close"):
         ParallelTuner(None, close=1.5)
+    # the choices round-trip through JSON into a fresh tuner, which keeps them across reset()
+    import json
+
+    again = ParallelTuner(None)
+    again.fix(json.loads(json.dumps(tuner.settings())))
+    again.reset()
+    assert again.choices == tuner.choices
+    good = tuner.settings()[0]
+    for bad, needle in (({**good, "choice": {"parallel": "data", "overlap_degree": 2}}, "overlap degree"),
+                        ({**good, "choice": {"parallel": "model", "overlap_degree": 1}}, "'model'"),
+                        ({**good, "tokens": -1}, "tokens"), ({k: v for k, v in good.items() if k != "top_k"}, "exactly"),
+                        ({**good, "capacity_factor": "1"}, "capacity_factor")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            ParallelTuner(None).fix([bad])
 
 
 CASES = {

@@ -25,7 +25,37 @@ def _case_train(rank: int, world: int, out: str, aux: float, steps: int = 3, dty
     train_lm(_cfg(out, load_balance_coef=aux, steps=steps, dtype=dtype, deterministic=deterministic))
 
 
-CASES = {"train": _case_train}
+def _case_train_with(rank: int, world: int, out: str, kw: str) -> None:
+    train_lm(_cfg(out, dtype="float64", load_balance_coef=0.0, **json.loads(kw)))
+
+
+CASES = {"train": _case_train, "train_with": _case_train_with}
+
+
+def test_tuned_file_locks_the_auto_tuner(tmp_path) -> None:
+    """``tuned=`` (``--tuned``) fixes the auto-tuner's choices from the first step: with every
+    layer fixed to the data-parallel mode, "auto" trains bit for bit like parallel="data", and
+    the run records the choices again in tuned.json."""
+    import moeflow
+    from moeflow.models import MoEGPT
+
+    model_cfg = _cfg(str(tmp_path)).model_config(vocab_size=256)
+    layers = len(moeflow.moe_layers(MoEGPT(model_cfg)))
+    record = {"tokens": 8 * 32, "top_k": model_cfg.top_k, "capacity_factor": float(model_cfg.capacity_factor),
+              "parallel": "auto", "overlap_degree": "auto", "choice": {"parallel": "data", "overlap_degree": 1}}
+    (tmp_path / "tuned.json").write_text(json.dumps([[record]] * layers))
+    spawn_ranks(2, __name__, "train_with", str(tmp_path / "data"), json.dumps({"parallel": "data"}))
+    spawn_ranks(2, __name__, "train_with", str(tmp_path / "auto"), json.dumps(
+        {"parallel": "auto", "overlap_degree": "auto", "tuned": str(tmp_path / "tuned.json")}))
+    data = json.loads((tmp_path / "data" / "history.json").read_text())
+    auto = json.loads((tmp_path / "auto" / "history.json").read_text())
+    assert auto["train_loss"] == data["train_loss"]
+    written = json.loads((tmp_path / "auto" / "tuned.json").read_text())
+    assert all(record in per_layer for per_layer in written) and len(written) == layers
+    with pytest.raises(ValueError, match="needs parallel or overlap_degree 'auto'"):
+        _cfg(str(tmp_path), tuned=tmp_path / "tuned.json")
+    with pytest.raises(ValueError, match="more than one rank"):
+        train_lm(_cfg(str(tmp_path / "one"), parallel="auto", tuned=tmp_path / "tuned.json"))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -317,6 +317,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="with --nproc: the MoE layers' parallel mode (auto: tuned at run time)")
     p.add_argument("--overlap-degree", type=lambda v: v if v == "auto" else int(v), default=1,
                    help="with --nproc: pipelining chunks of the exchange (an int, or auto)")
+    p.add_argument("--tuned", type=Path, default=None,
+                   help="with --parallel/--overlap-degree auto: lock the choices of an earlier run's tuned.json")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="with --nproc: split the embedding and tied output projection by vocabulary rows")
     p.add_argument("--rebalance-every", type=int, default=0,

@@ -14,7 +14,9 @@ from moeflow.parallel.api import (
     expert_parameters,
     fsdp_ignored_parameters,
     gather_hidden_experts,
+    fix_tuned_settings,
     sync_load_counts,
+    tuned_settings,
 )
 from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
 from moeflow.parallel.placement import (
@@ -38,6 +40,8 @@ from moeflow.parallel.groups import ParallelGroups, init_distributed, make_group
 __all__ = [
     "expert_parallel",
     "gather_hidden_experts",
+    "tuned_settings",
+    "fix_tuned_settings",
     "AllToAllDispatcher",
     "AllToAllPlan",
     "init_distributed",

@@ -25,6 +25,8 @@ __all__ = [
     "clip_grad_norm_",
     "reduce_expert_gradients",
     "gather_hidden_experts",
+    "tuned_settings",
+    "fix_tuned_settings",
 ]
 
 
@@ -143,6 +145,33 @@ def gather_hidden_experts(layer: MoE, name: str, t_vX: torch.Tensor) -> dict[int
         by_expert.setdefault(v % E, {})[v // E] = row.view(t_vX.shape[1:])
     halves = layer.experts.halves
     return {x: join_hidden_slices(name, [got[j] for j in range(n)], halves) for x, got in sorted(by_expert.items())}
+
+
+def tuned_settings(model: nn.Module) -> list[list[dict]]:
+    """The auto-tuner's locked choices of every ``moeflow.MoE`` layer of ``model`` (in
+    ``moe_layers`` order; ``[]`` for a layer without a tuner or choices yet), JSON-able: give them
+    to ``fix_tuned_settings`` in a later run to repeat the same settings (``ParallelTuner.fix``)."""
+    return [layer.dispatcher.tuner.settings() if isinstance(layer.dispatcher, AllToAllDispatcher) else []
+            for layer in moe_layers(model)]
+
+
+def fix_tuned_settings(model: nn.Module, settings: list[list[dict]]) -> None:
+    """Lock the choices ``tuned_settings`` recorded, layer by layer: calls with those shapes run
+    the recorded setting without timing. Raises ``ValueError`` when the layer count differs or a
+    layer without an expert-parallel dispatcher is given choices."""
+    layers = moe_layers(model)
+    if not isinstance(settings, list) or len(settings) != len(layers):
+        raise ValueError(f"settings must be a list with one entry per MoE layer ({len(layers)}), got "
+                         f"{len(settings) if isinstance(settings, list) else type(settings).__name__}")
+    for i, (layer, records) in enumerate(zip(layers, settings)):
+        if not isinstance(records, list):
+            raise ValueError(f"settings[{i}] must be a list of records, got {type(records).__name__}")
+        if not isinstance(layer.dispatcher, AllToAllDispatcher):
+            if records:
+                raise ValueError(f"MoE layer {i} has no expert-parallel dispatcher (apply expert_parallel first); "
+                                 f"got {len(records)} tuned settings for it")
+            continue
+        layer.dispatcher.tuner.fix(records)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -15,8 +15,10 @@ the next tuning call, a point every rank reaches in the same order. All ranks th
 same decision. A routing whose load
 imbalance (busiest expert over the mean) moves by more than ``retune_ratio`` from the one the
 choice was made under is tuned again. Choices are logged on the ``moeflow.parallel`` logger and
-readable from ``tuner.choices``. The settings' results are identical, so tuning never changes
-what a call computes, only how fast.
+readable from ``tuner.choices``; ``settings()`` exports them as JSON-able records and ``fix``
+locks recorded choices in a later run (no timing, never tuned again), so a run can repeat an
+earlier run's settings exactly. The settings' results are identical up to rounding, so tuning
+never changes what a call computes, only how fast.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from moeflow.config import hybrid_shards
 from moeflow.experts.ffn import GroupedExperts
 from moeflow.types import RoutingResult
 
@@ -58,6 +61,7 @@ class ParallelTuner:
         self._imbalance: dict[tuple, float] = {}
         self._times: dict[tuple, dict[tuple[str, int], list[float]]] = {}
         self._open: dict[tuple, list[tuple[str, int]]] = {}  # key -> candidates still being timed
+        self._fixed: dict[tuple, tuple[str, int]] = {}  # choices locked by ``fix``
         self._pending: list[tuple] = []  # trials whose backward may still be running: (key, setting, fwd s, stamps)
 
     def reset(self) -> None:
@@ -68,6 +72,46 @@ class ParallelTuner:
         self._times.clear()
         self._open.clear()
         self._pending.clear()
+        self.choices.update(self._fixed)  # fixed by the user: kept
+
+    def settings(self) -> list[dict]:
+        """The locked choices as JSON-able records (``fix`` takes them back): the call's global
+        token count, ``top_k``, capacity factor and ``parallel``/``overlap_degree`` arguments,
+        and the chosen ``{"parallel": mode, "overlap_degree": degree}``."""
+        return [{"tokens": k[0], "top_k": k[1], "capacity_factor": k[2], "parallel": k[3], "overlap_degree": k[4],
+                 "choice": {"parallel": mode, "overlap_degree": degree}} for k, (mode, degree) in self.choices.items()]
+
+    def fix(self, settings: Iterable[Mapping]) -> None:
+        """Lock recorded choices (``settings()`` of an earlier run): calls with those keys run
+        the recorded setting without timing and are never tuned again. Raises ``ValueError``
+        naming the record for a malformed one."""
+        fixed = {}
+        for i, rec in enumerate(settings):
+            try:
+                if not isinstance(rec, Mapping) or set(rec) != {"tokens", "top_k", "capacity_factor", "parallel",
+                                                                "overlap_degree", "choice"}:
+                    raise ValueError("needs exactly tokens, top_k, capacity_factor, parallel, overlap_degree, choice")
+                choice = rec["choice"]
+                if not isinstance(choice, Mapping) or set(choice) != {"parallel", "overlap_degree"}:
+                    raise ValueError("choice needs exactly parallel and overlap_degree")
+                mode, degree = choice["parallel"], choice["overlap_degree"]
+                modes_ok = mode in ("expert", "data", "sharded") or hybrid_shards(mode) is not None
+                if not modes_ok or isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 \
+                        or (mode != "expert" and degree != 1):
+                    raise ValueError(f"choice must be a parallel mode with an overlap degree >= 1 (1 unless "
+                                     f"'expert'), got {mode!r}/{degree!r}")
+                tokens, top_k, cf = rec["tokens"], rec["top_k"], rec["capacity_factor"]
+                if any(isinstance(v, bool) or not isinstance(v, int) for v in (tokens, top_k)) or tokens < 0 or top_k < 1:
+                    raise ValueError(f"tokens and top_k must be ints (>= 0, >= 1), got {tokens!r}, {top_k!r}")
+                if isinstance(cf, bool) or not isinstance(cf, (int, float)):
+                    raise ValueError(f"capacity_factor must be a number, got {cf!r}")
+                arg_degree = rec["overlap_degree"]
+                arg_degree = arg_degree if arg_degree == "auto" else int(arg_degree)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"tuned setting #{i} {rec!r}: {err}") from None
+            fixed[(tokens, top_k, float(cf), rec["parallel"], arg_degree)] = (mode, degree)
+        self._fixed.update(fixed)
+        self.choices.update(fixed)
 
     def candidates(self, experts: object, parallel: str, overlap_degree: int | str,
                    dispatcher: object = None) -> list[tuple[str, int]]:
@@ -98,6 +142,10 @@ class ParallelTuner:
         T_total = all_ids.shape[0]
         key = (T_total, routing.top_k, float(capacity_factor), parallel, overlap_degree)
         imbalance = float(counts_E.max() / counts_E.mean().clamp(min=1e-9))
+        if key in self._fixed:
+            mode, degree = self._fixed[key]
+            return dispatcher.run(x_TD, routing, experts, capacity_factor=capacity_factor,
+                                  overlap_degree=degree, parallel=mode, meta=meta)
         if key in self.choices:
             tuned = self._imbalance[key]
             if max(imbalance, tuned) / max(min(imbalance, tuned), 1e-9) <= self.retune_ratio:

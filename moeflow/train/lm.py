@@ -38,6 +38,8 @@ from moeflow.parallel import (
     clip_grad_norm_,
     dense_parameters,
     expert_parallel,
+    fix_tuned_settings,
+    tuned_settings,
     placement_of,
     plan_placement,
     sync_load_counts,
@@ -71,7 +73,10 @@ class LMTrainConfig:
     (CPUs without native bf16 run it 50-90x slower). ``dtype`` is the parameter dtype
     (``float64`` for exact comparisons, e.g. one process against expert-parallel ranks).
     ``parallel`` and ``overlap_degree`` set the MoE layers' parallel mode and pipelining under
-    ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.DispatchConfig``).
+    ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.DispatchConfig``). A run with
+    ``"auto"`` writes the tuner's choices to ``out_dir/tuned.json``; ``tuned`` (such a file)
+    locks them in a later run, which then uses the same settings from its first step (shapes the
+    file lacks are still tuned).
     ``deterministic`` turns on ``torch.use_deterministic_algorithms`` (an op without a
     deterministic kernel then raises instead of varying; on CUDA set
     ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` as torch asks); with it a run repeats bit for bit on the
@@ -93,6 +98,7 @@ class LMTrainConfig:
     load_balance_coef: float | None = None
     parallel: str = "expert"
     overlap_degree: int | str = 1
+    tuned: Path | None = None
     seq_len: int = 128
     tokenizer: str = "byte"
     bpe_vocab: int = 1024
@@ -123,6 +129,11 @@ class LMTrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.tuned is not None:
+            object.__setattr__(self, "tuned", Path(self.tuned))
+            if "auto" not in (self.parallel, self.overlap_degree):
+                raise ValueError(f"tuned={str(self.tuned)!r} fixes the auto-tuner's choices: it needs parallel or "
+                                 "overlap_degree 'auto'")
         object.__setattr__(self, "val_works", tuple(self.val_works))
         if self.preset not in GPT_PRESETS:
             raise ValueError(f"preset must be one of {sorted(GPT_PRESETS)}, got {self.preset!r}")
@@ -161,6 +172,7 @@ class LMTrainConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["out_dir"] = str(self.out_dir)
+        d["tuned"] = None if self.tuned is None else str(self.tuned)
         d["val_works"] = list(self.val_works)
         return d
 
@@ -259,8 +271,14 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
         expert_parallel(model, group)
         if cfg.vocab_parallel:
             vocab_parallel(model, group)
-    elif cfg.vocab_parallel or cfg.rebalance_every:
-        raise ValueError("vocab_parallel and rebalance_every need more than one rank (--nproc >= 2)")
+        if cfg.tuned is not None:
+            try:
+                recorded = json.loads(cfg.tuned.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise ValueError(f"tuned={str(cfg.tuned)!r}: cannot read the tuner's choices: {err}") from None
+            fix_tuned_settings(model, recorded)
+    elif cfg.vocab_parallel or cfg.rebalance_every or cfg.tuned is not None:
+        raise ValueError("vocab_parallel, rebalance_every and tuned need more than one rank (--nproc >= 2)")
     slots = cfg.expert_slots or model_cfg.num_experts // world
     if cfg.expert_slots and not cfg.rebalance_every:
         raise ValueError(f"expert_slots={cfg.expert_slots} applies with rebalance_every > 0")
@@ -373,11 +391,16 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
         history["val"].append([cfg.steps, evaluate(model, val, cfg, group, device)])
     history["tokens_per_s"] = tokens_per_step * (cfg.steps - start) / max(elapsed, 1e-9)
     history["world_size"] = world
+    tuned = tuned_settings(model) if world > 1 and "auto" in (cfg.parallel, cfg.overlap_degree) else None
+    if tuned is not None:
+        history["tuned"] = tuned
     path = save_checkpoint(ckpt_root, cfg.steps, model, opt, extra={**extra, "history": history}, group=group,
                            keep=cfg.keep_checkpoints)
     history["checkpoint"] = str(path)
     if rank == 0:
         (cfg.out_dir / "history.json").write_text(json.dumps(history))
+        if tuned is not None:
+            (cfg.out_dir / "tuned.json").write_text(json.dumps(tuned, indent=1))
         if cfg.plot:
             from moeflow.train.plots import plot_training
 
