@@ -677,3 +677,42 @@ def test_review_regressions(world):
 
 def test_all_reduce_gradients_with_missing_grads():
     run_ranks(2, "none_grads")
+
+
+def test_gpu_overlap_script_smoke_and_overlap_maths(tmp_path):
+    """bench/gpu_overlap.py: its overlap measure on a synthetic trace (exchange kernels on one
+    stream, GEMMs on another), and a CPU smoke run of the whole script (1 gloo rank)."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_overlap.py"
+    spec = importlib.util.spec_from_file_location("gpu_overlap_bench", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kernel = lambda name, ts, dur, stream: {"cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                             "args": {"stream": stream}}
+    trace = {"traceEvents": [
+        kernel("ncclDevKernel_SendRecv", 0, 100, 20), kernel("ncclDevKernel_SendRecv", 250, 100, 20),
+        kernel("sm90_gemm_bf16", 50, 100, 7), kernel("sm90_gemm_bf16", 120, 80, 7),  # union [50, 200)
+        kernel("triton_fused_swiglu", 300, 100, 7),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},
+    ]}
+    got = mod.kernel_overlap(trace)
+    # exchange [0,100) + [250,350) = 200 us; compute [50,200) + [300,400) = 250 us; overlap 50 + 50
+    assert got["kernels"] == 5 and got["exchange_streams"] == ["20"] and got["compute_streams"] == ["7"]
+    assert (got["exchange_ms"], got["compute_ms"], got["overlap_ms"]) == pytest.approx((0.2, 0.25, 0.1))
+    assert got["exchange_hidden"] == pytest.approx(0.5)
+    assert mod.kernel_overlap({"traceEvents": []}) == {"kernels": 0}
+
+    out = tmp_path / "overlap.json"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tiny", "--repeats", "2",
+                           "--degrees", "1,2", "--trace-dir", str(tmp_path / "traces"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [r["overlap_degree"] for r in report["timings"]] == [1, 2] and report["world"] == 1
+    assert all(r["fwd_bwd_ms"] > 0 for r in report["timings"]) and "overlap not measurable" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["rank0_degree1.json", "rank0_degree2.json"]
