@@ -10,14 +10,15 @@ profiles one forward+backward at degree 1 and at the best degree above 1 with
 ``torch.profiler`` and reads the device kernels from the exported Chrome trace:
 
 - ``exchange``: NCCL kernels (the all-to-all; under NCCL they run on the process group's own
-  stream), ``compute``: every other kernel;
+  stream) and device copies on those streams, ``compute``: every other kernel;
 - ``overlap``: the time during which an exchange kernel and a compute kernel run at once (the
   union of the exchange intervals intersected with the union of the compute intervals), and the
   share of the exchange time it hides;
 - the CUDA streams each kind ran on.
 
-With one rank the exchange is NCCL's copy to itself: it shows whether the chunks' copies run
-beside the GEMMs, not what an inter-GPU link costs. The traces are written to ``--trace-dir``
+With one rank the exchange is NCCL's send to itself: it shows whether the chunks' copies run
+beside the GEMMs, not what an inter-GPU link costs (if that exchange leaves no NCCL kernel or
+copy in the trace, the report says so instead of printing an overlap). The traces are written to ``--trace-dir``
 (open them in Perfetto). On CPU there are no device kernels: the timings print and the overlap
 columns say so.
 """
@@ -62,12 +63,17 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tiny:
         args.tokens, args.dim, args.hidden, args.experts = 256, 64, 128, 4
-    args.degrees = [int(d) for d in args.degrees.split(",")]
+    try:
+        args.degrees = [int(d) for d in args.degrees.split(",")]
+    except ValueError:
+        p.error(f"--degrees must be comma-separated ints, got {args.degrees!r}")
     if not args.degrees or min(args.degrees) < 1 or 1 not in args.degrees:
         p.error(f"--degrees must be positive ints including 1, got {args.degrees}")
     for name in ("tokens", "dim", "hidden", "experts", "top_k", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     return args
@@ -144,14 +150,17 @@ def _intersection(u: list[tuple[float, float]], v: list[tuple[float, float]]) ->
 def kernel_overlap(trace: dict) -> dict:
     """Exchange (NCCL) and compute kernel time, their overlap and streams, from a Chrome trace
     dict exported by ``torch.profiler`` (times in microseconds in the trace, ms here)."""
+    device_events = [ev for ev in trace.get("traceEvents", [])
+                     if ev.get("cat") in ("kernel", "gpu_memcpy") and "dur" in ev]
+    stream = lambda ev: ev.get("args", {}).get("stream", ev.get("tid"))  # noqa: E731
+    nccl_streams = {stream(ev) for ev in device_events if "nccl" in ev.get("name", "").lower()}
     comm, comp = [], []
     streams: dict[str, set] = {"exchange": set(), "compute": set()}
-    for ev in trace.get("traceEvents", []):
-        if ev.get("cat") != "kernel" or "dur" not in ev:
-            continue
-        kind = "exchange" if "nccl" in ev.get("name", "").lower() else "compute"
-        (comm if kind == "exchange" else comp).append((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])))
-        streams[kind].add(ev.get("args", {}).get("stream", ev.get("tid")))
+    for ev in device_events:
+        is_comm = "nccl" in ev.get("name", "").lower() or (ev["cat"] == "gpu_memcpy" and stream(ev) in nccl_streams)
+        kind = "exchange" if is_comm else "compute"
+        (comm if is_comm else comp).append((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])))
+        streams[kind].add(stream(ev))
     if not comm and not comp:
         return {"kernels": 0}
     u_comm, u_comp = _union(comm), _union(comp)
@@ -162,7 +171,7 @@ def kernel_overlap(trace: dict) -> dict:
         "exchange_ms": exchange / 1e3,
         "compute_ms": _length(u_comp) / 1e3,
         "overlap_ms": hidden / 1e3,
-        "exchange_hidden": hidden / exchange if exchange else 0.0,
+        "exchange_hidden": hidden / exchange if exchange else None,
         "exchange_streams": sorted(map(str, streams["exchange"])),
         "compute_streams": sorted(map(str, streams["compute"])),
     }
@@ -207,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"overlap_degree": degree, "forward_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3})
     base = next(r for r in rows if r["overlap_degree"] == 1)
     best = min((r for r in rows if r["overlap_degree"] > 1), key=lambda r: r["fwd_bwd_ms"], default=None)
-    trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="moeflow-overlap-"))
+    # one directory for all ranks (they share MASTER_PORT)
+    trace_dir = args.trace_dir or Path(tempfile.gettempdir()) / f"moeflow-overlap-{os.environ['MASTER_PORT']}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     profiles = {}
     for degree in [1] + ([best["overlap_degree"]] if best else []):
@@ -227,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     for degree, prof in profiles.items():
         if not prof.get("kernels"):
             print(f"  degree {degree}: no device kernels in the trace (CPU run): overlap not measurable")
+            continue
+        if prof["exchange_hidden"] is None:
+            print(f"  degree {degree}: no NCCL kernel or copy in the trace (the exchange did not run on the "
+                  f"device): overlap not measurable; compute kernels {prof['compute_ms']:.3f} ms")
             continue
         print(f"  degree {degree}: exchange kernels {prof['exchange_ms']:.3f} ms on streams {prof['exchange_streams']}, "
               f"compute kernels {prof['compute_ms']:.3f} ms on streams {prof['compute_streams']}, "

@@ -82,7 +82,20 @@ def _case_resume(rank: int, world: int, root: str, src: str, tag: str, shards: i
         (Path(root) / f"losses_{tag}.json").write_text(json.dumps(losses))
 
 
-CASES = {"save": _case_save_then_continue, "resume": _case_resume}
+def _case_sliced_state_differs(rank: int, world: int, root: str) -> None:
+    """Saving hidden-sharded experts joins slices collectively: optimizer state that differs
+    between ranks must raise on every rank, not leave them waiting on each other."""
+    import pytest
+
+    model, opt = _setup(rank, world, 2)
+    _train(model, opt, rank, world, range(1))
+    if rank == 1:
+        del opt.state[model[1].experts.w_in]
+    with pytest.raises(ValueError, match="differs between ranks"):
+        save_checkpoint(Path(root) / "bad", 1, model, opt)
+
+
+CASES = {"save": _case_save_then_continue, "resume": _case_resume, "sliced_state_differs": _case_sliced_state_differs}
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -134,6 +147,10 @@ def test_hidden_sharded_checkpoint_loads_into_any_layout(tmp_path):
         losses = json.loads((tmp_path / f"losses_{tag}.json").read_text())
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=1e-10,
                                    msg=lambda m, tag=tag: f"{tag}: {m}")
+
+
+def test_hidden_sharded_save_refuses_state_that_differs_between_ranks(tmp_path):
+    spawn_ranks(2, __name__, "sliced_state_differs", str(tmp_path))
 
 
 def _torchrun(root: Path, *extra: str) -> None:

@@ -473,6 +473,14 @@ def _case_tuner_ties(rank: int, world: int) -> None:
     assert fed[c] == 4 and key not in tuner._open
     with pytest.raises(ValueError, match="close"):
         ParallelTuner(None, close=1.5)
+    # a clear winner is decided after the first round (no race with itself)
+    clear = ParallelTuner(None, trials=3, max_trials=6, close=0.1, min_time_s=0.0)
+    clear._times[key] = {a: [], b: [], c: []}
+    for seconds in (1.0, 1.0, 1.0, 1.0):
+        for setting, scale in ((a, 1.0), (b, 2.0), (c, 3.0)):
+            clear._pending.append((key, setting, seconds * scale, {}, 1.0))
+            clear._finish_trials(torch.device("cpu"))
+    assert clear.choices == {key: a}
     # the choices round-trip through JSON into a fresh tuner, which keeps them across reset()
     import json
 
@@ -484,7 +492,13 @@ def _case_tuner_ties(rank: int, world: int) -> None:
     for bad, needle in (({**good, "choice": {"parallel": "data", "overlap_degree": 2}}, "overlap degree"),
                         ({**good, "choice": {"parallel": "model", "overlap_degree": 1}}, "'model'"),
                         ({**good, "tokens": -1}, "tokens"), ({k: v for k, v in good.items() if k != "top_k"}, "exactly"),
-                        ({**good, "capacity_factor": "1"}, "capacity_factor")):
+                        ({**good, "capacity_factor": "1"}, "capacity_factor"),
+                        ({**good, "capacity_factor": float("nan")}, "finite"),
+                        ({**good, "parallel": ["auto"]}, "arguments"), ({**good, "parallel": "bogus"}, "arguments"),
+                        ({**good, "overlap_degree": 2.7}, "arguments"), ({**good, "overlap_degree": True}, "arguments"),
+                        ({**good, "parallel": "expert", "overlap_degree": 1}, "is not tuned"),
+                        ({**good, "parallel": "expert", "choice": {"parallel": "data", "overlap_degree": 1}},
+                         "not a candidate")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             ParallelTuner(None).fix([bad])
 
@@ -706,6 +720,13 @@ def test_gpu_overlap_script_smoke_and_overlap_maths(tmp_path):
     assert (got["exchange_ms"], got["compute_ms"], got["overlap_ms"]) == pytest.approx((0.2, 0.25, 0.1))
     assert got["exchange_hidden"] == pytest.approx(0.5)
     assert mod.kernel_overlap({"traceEvents": []}) == {"kernels": 0}
+    # a device copy on the NCCL stream is exchange; one on another stream is compute
+    trace["traceEvents"] += [{"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 400, "dur": 50, "args": {"stream": 20}},
+                             {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 500, "dur": 10, "args": {"stream": 7}}]
+    got = mod.kernel_overlap(trace)
+    assert (got["exchange_ms"], got["compute_ms"], got["overlap_ms"]) == pytest.approx((0.25, 0.26, 0.1))
+    only_gemms = mod.kernel_overlap({"traceEvents": [kernel("sm90_gemm_bf16", 0, 10, 7)]})
+    assert only_gemms["exchange_hidden"] is None and only_gemms["compute_ms"] == pytest.approx(0.01)
 
     out = tmp_path / "overlap.json"
     done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tiny", "--repeats", "2",

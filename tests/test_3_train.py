@@ -52,6 +52,10 @@ def test_tuned_file_locks_the_auto_tuner(tmp_path) -> None:
     assert auto["train_loss"] == data["train_loss"]
     written = json.loads((tmp_path / "auto" / "tuned.json").read_text())
     assert all(record in per_layer for per_layer in written) and len(written) == layers
+    # a file recorded under other arguments would never match: refused on every rank
+    with pytest.raises(AssertionError, match="was recorded with"):
+        spawn_ranks(2, __name__, "train_with", str(tmp_path / "other"), json.dumps(
+            {"parallel": "auto", "overlap_degree": 1, "tuned": str(tmp_path / "tuned.json")}))
     with pytest.raises(ValueError, match="needs parallel or overlap_degree 'auto'"):
         _cfg(str(tmp_path), tuned=tmp_path / "tuned.json")
     with pytest.raises(ValueError, match="more than one rank"):

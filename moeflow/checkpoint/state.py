@@ -24,6 +24,7 @@ from moeflow.experts import GroupedExperts
 from moeflow.experts.ffn import cut_hidden_slice
 from moeflow.layer.moe import MoE
 from moeflow.parallel.api import gather_hidden_experts
+from moeflow.parallel.comm import gather_objects
 from moeflow.storage.store import StoredExperts
 
 __all__ = ["ExpertLayout", "expert_slices", "model_tensors", "optimizer_tensors", "split_key", "vocab_shards"]
@@ -144,6 +145,7 @@ def optimizer_tensors(
     scalars: dict[str, dict] = {}
     if any(id(p) not in names for p in optimizer.state):
         raise ValueError("the optimizer holds a parameter that is not in the model")
+    _check_sliced_state_agrees(model, optimizer, layouts)
     # in model order and sorted keys: joining hidden slices is a collective (same order everywhere)
     for name, p in model.named_parameters():
         state = optimizer.state.get(p)
@@ -167,6 +169,27 @@ def optimizer_tensors(
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({"params": [names[id(p)] for p in group["params"]], "hyper": _jsonable(hyper)})
     return tensors, {"param_groups": groups, "scalars": _jsonable(scalars)}
+
+
+def _check_sliced_state_agrees(model: nn.Module, optimizer: torch.optim.Optimizer, layouts: dict[str, ExpertLayout]) -> None:
+    """Joining hidden slices is a collective per state tensor: make sure every rank of each
+    hidden-sharded layer's group holds the same state entries first (one all-gather per layer),
+    so that a difference raises on every rank instead of leaving them waiting on each other."""
+    entries: dict[int, tuple[MoE, list[str]]] = {}
+    for name, p in model.named_parameters():
+        layout = layouts.get(name)
+        if layout is None or layout.shards == 1:
+            continue
+        assert layout.layer is not None
+        state = optimizer.state.get(p, {})
+        mine = entries.setdefault(id(layout.layer), (layout.layer, []))[1]
+        mine += [f"{name}/{k}" for k in sorted(state) if isinstance(state[k], torch.Tensor) and state[k].shape == p.shape]
+    for layer, mine in entries.values():
+        every = gather_objects(mine, layer.dispatcher.group)
+        if any(other != mine for other in every):
+            raise ValueError("the optimizer state of hidden-sharded experts differs between ranks (every rank must "
+                             "hold the same entries to join the slices): "
+                             + "; ".join(f"rank {r}: {e}" for r, e in enumerate(every)))
 
 
 def _jsonable(obj: object) -> object:

@@ -24,6 +24,7 @@ never changes what a call computes, only how fast.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -88,28 +89,10 @@ class ParallelTuner:
         fixed = {}
         for i, rec in enumerate(settings):
             try:
-                if not isinstance(rec, Mapping) or set(rec) != {"tokens", "top_k", "capacity_factor", "parallel",
-                                                                "overlap_degree", "choice"}:
-                    raise ValueError("needs exactly tokens, top_k, capacity_factor, parallel, overlap_degree, choice")
-                choice = rec["choice"]
-                if not isinstance(choice, Mapping) or set(choice) != {"parallel", "overlap_degree"}:
-                    raise ValueError("choice needs exactly parallel and overlap_degree")
-                mode, degree = choice["parallel"], choice["overlap_degree"]
-                modes_ok = mode in ("expert", "data", "sharded") or hybrid_shards(mode) is not None
-                if not modes_ok or isinstance(degree, bool) or not isinstance(degree, int) or degree < 1 \
-                        or (mode != "expert" and degree != 1):
-                    raise ValueError(f"choice must be a parallel mode with an overlap degree >= 1 (1 unless "
-                                     f"'expert'), got {mode!r}/{degree!r}")
-                tokens, top_k, cf = rec["tokens"], rec["top_k"], rec["capacity_factor"]
-                if any(isinstance(v, bool) or not isinstance(v, int) for v in (tokens, top_k)) or tokens < 0 or top_k < 1:
-                    raise ValueError(f"tokens and top_k must be ints (>= 0, >= 1), got {tokens!r}, {top_k!r}")
-                if isinstance(cf, bool) or not isinstance(cf, (int, float)):
-                    raise ValueError(f"capacity_factor must be a number, got {cf!r}")
-                arg_degree = rec["overlap_degree"]
-                arg_degree = arg_degree if arg_degree == "auto" else int(arg_degree)
+                key = _record_key(rec)  # (validates the arguments the choice is checked against)
+                fixed[key] = _record_choice(rec)
             except (ValueError, TypeError) as err:
                 raise ValueError(f"tuned setting #{i} {rec!r}: {err}") from None
-            fixed[(tokens, top_k, float(cf), rec["parallel"], arg_degree)] = (mode, degree)
         self._fixed.update(fixed)
         self.choices.update(fixed)
 
@@ -191,7 +174,7 @@ class ParallelTuner:
             medians = {c: statistics.median(v[1:]) for c, v in times.items()}  # [0]: warm-up
             best = min(medians, key=lambda c: (medians[c], c[0] != "expert", c[1]))
             ties = [c for c in times if medians[c] <= medians[best] * (1.0 + self.close)]
-            if any(len(times[c]) - 1 < self.max_trials for c in ties):
+            if len(ties) > 1 and any(len(times[c]) - 1 < self.max_trials for c in ties):
                 self._open[key] = ties  # a near tie: time only those on
                 continue
             self.choices[key], self._imbalance[key] = best, imbalance
@@ -205,6 +188,48 @@ class ParallelTuner:
         ``min_time_s``, or ``max_trials`` of them."""
         timed = seconds[1:]
         return len(timed) >= self.max_trials or (len(timed) >= self.trials and sum(timed) >= self.min_time_s)
+
+
+def _is_mode(value: object) -> bool:
+    return value in ("expert", "data", "sharded") or hybrid_shards(value) is not None
+
+
+def _is_degree(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _record_key(rec: object) -> tuple:
+    """The tuner key of a ``settings()`` record (validated)."""
+    if not isinstance(rec, Mapping) or set(rec) != {"tokens", "top_k", "capacity_factor", "parallel",
+                                                    "overlap_degree", "choice"}:
+        raise ValueError("needs exactly tokens, top_k, capacity_factor, parallel, overlap_degree, choice")
+    tokens, top_k, cf = rec["tokens"], rec["top_k"], rec["capacity_factor"]
+    if not (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 and _is_degree(top_k)):
+        raise ValueError(f"tokens and top_k must be ints (>= 0, >= 1), got {tokens!r}, {top_k!r}")
+    if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf):
+        raise ValueError(f"capacity_factor must be a finite number, got {cf!r}")
+    parallel, degree = rec["parallel"], rec["overlap_degree"]
+    if not (parallel == "auto" or _is_mode(parallel)) or not (degree == "auto" or _is_degree(degree)):
+        raise ValueError(f"parallel and overlap_degree are the call's arguments ('auto', a mode; 'auto', an int >= 1), "
+                         f"got {parallel!r}, {degree!r}")
+    if "auto" not in (parallel, degree):
+        raise ValueError(f"a call with parallel={parallel!r} and overlap_degree={degree!r} is not tuned")
+    return (tokens, top_k, float(cf), parallel, degree)
+
+
+def _record_choice(rec: Mapping) -> tuple[str, int]:
+    """The chosen ``(mode, degree)`` of a ``settings()`` record, checked against its arguments."""
+    choice = rec["choice"]
+    if not isinstance(choice, Mapping) or set(choice) != {"parallel", "overlap_degree"}:
+        raise ValueError("choice needs exactly parallel and overlap_degree")
+    mode, degree = choice["parallel"], choice["overlap_degree"]
+    if not _is_mode(mode) or not _is_degree(degree) or (mode != "expert" and degree != 1):
+        raise ValueError(f"choice must be a parallel mode with an overlap degree >= 1 (1 unless 'expert'), "
+                         f"got {mode!r}/{degree!r}")
+    if rec["parallel"] != "auto" and mode != rec["parallel"] or rec["overlap_degree"] != "auto" and degree != rec["overlap_degree"]:
+        raise ValueError(f"choice {mode!r}/{degree} is not a candidate of a call with parallel={rec['parallel']!r}, "
+                         f"overlap_degree={rec['overlap_degree']!r}")
+    return mode, degree
 
 
 class _Stamp(torch.autograd.Function):

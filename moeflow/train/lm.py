@@ -277,6 +277,10 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
             except (OSError, json.JSONDecodeError) as err:
                 raise ValueError(f"tuned={str(cfg.tuned)!r}: cannot read the tuner's choices: {err}") from None
             fix_tuned_settings(model, recorded)
+            args = {(r["parallel"], r["overlap_degree"]) for layer in recorded for r in layer}
+            if args - {(cfg.parallel, cfg.overlap_degree)}:
+                raise ValueError(f"tuned={str(cfg.tuned)!r} was recorded with (parallel, overlap_degree) "
+                                 f"{sorted(args, key=str)}; this run has ({cfg.parallel!r}, {cfg.overlap_degree!r})")
     elif cfg.vocab_parallel or cfg.rebalance_every or cfg.tuned is not None:
         raise ValueError("vocab_parallel, rebalance_every and tuned need more than one rank (--nproc >= 2)")
     slots = cfg.expert_slots or model_cfg.num_experts // world
