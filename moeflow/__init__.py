@@ -4,7 +4,7 @@ The public surface is small: the ``MoE`` layer, its config dataclasses, the loss
 the building blocks (router, dispatcher, experts) for people who assemble their own.
 """
 
-from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig
+from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig, TunerConfig
 from moeflow.dispatch import Dispatcher, LocalDispatcher
 from moeflow.experts import Experts, GroupedExperts, ModuleExperts
 from moeflow.layer import (
@@ -26,6 +26,7 @@ __all__ = [
     "MoEConfig",
     "RouterConfig",
     "DispatchConfig",
+    "TunerConfig",
     "ExpertsConfig",
     "Router",
     "Dispatcher",

@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "RouterConfig",
     "DispatchConfig",
+    "TunerConfig",
     "ExpertsConfig",
     "MoEConfig",
     "RouterKind",
@@ -182,6 +183,40 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TunerConfig:
+    """How ``"auto"`` (``parallel`` / ``overlap_degree``) times its candidates, per global batch
+    size, on real calls (``moeflow.parallel.tuner``).
+
+    ``degrees``: the overlap degrees tried in the expert-parallel mode. Each candidate gets one
+    warm-up call, then ``trials`` timed calls, more (up to ``max_trials``) while its trials add
+    up to less than ``min_time_s``; medians decide. Candidates whose median is within ``close``
+    of the fastest one's are a near tie: they alone are timed on to ``max_trials`` each.
+    ``retune_ratio``: tune again when the routing's load imbalance (busiest expert over the
+    mean) moves by more than this factor from the one the choice was made under.
+    """
+
+    degrees: tuple[int, ...] = (1, 2, 4)
+    trials: int = 3
+    max_trials: int = 12
+    min_time_s: float = 0.05
+    close: float = 0.1
+    retune_ratio: float = 1.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.degrees, (list, tuple)):
+            object.__setattr__(self, "degrees", tuple(self.degrees))
+        if not isinstance(self.degrees, tuple) or not self.degrees:
+            raise ValueError(f"degrees must be a non-empty tuple of ints >= 1, got {self.degrees!r}")
+        for d in self.degrees:
+            _int("degrees", d, minimum=1)
+        _int("trials", self.trials, minimum=1)
+        _int("max_trials", self.max_trials, minimum=self.trials)
+        _float("min_time_s", self.min_time_s, minimum=0.0)
+        _float("close", self.close, minimum=0.0, below=1.0)
+        _float("retune_ratio", self.retune_ratio, minimum=1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DispatchConfig:
     """How routed assignments become expert rows and come back.
 
@@ -211,6 +246,8 @@ class DispatchConfig:
     ``expert_parallel(hidden_shards=r)``: Tutel's ``adaptive_r``), or ``"auto"`` (timed
     on the first calls of each batch size together with the overlap degrees; the fastest is
     kept). Results do not depend on it.
+    ``tuner``: how ``"auto"`` times its candidates (``TunerConfig``; a dict of its fields is
+    accepted, as JSON configs give it).
     """
 
     drop_policy: DropPolicy = "position"
@@ -218,8 +255,13 @@ class DispatchConfig:
     renormalize_after_drop: bool = False
     overlap_degree: int | str = 1
     parallel: ParallelMode = "expert"
+    tuner: TunerConfig = field(default_factory=TunerConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tuner, dict):
+            object.__setattr__(self, "tuner", TunerConfig(**self.tuner))
+        if not isinstance(self.tuner, TunerConfig):
+            raise TypeError(f"tuner must be a TunerConfig, got {type(self.tuner).__name__} {self.tuner!r}")
         _choice("drop_policy", self.drop_policy, DropPolicy)
         _choice("weight_at", self.weight_at, WeightAt)
         check_overlap_degree(self.overlap_degree)

@@ -46,6 +46,15 @@ BAD_CONFIGS = [
     ("backend", lambda: ExpertsConfig(backend="cutlass"), ValueError, ["backend", "'cutlass'"]),
     ("drop-policy", lambda: DispatchConfig(drop_policy="random"), ValueError, ["drop_policy", "'random'"]),
     ("weight-at", lambda: DispatchConfig(weight_at="both"), ValueError, ["weight_at", "'both'"]),
+    ("tuner-type", lambda: DispatchConfig(tuner=(1, 2)), TypeError, ["tuner", "(1, 2)"]),
+    ("tuner-degrees-empty", lambda: moeflow.TunerConfig(degrees=()), ValueError, ["degrees", "()"]),
+    ("tuner-degree-0", lambda: moeflow.TunerConfig(degrees=(1, 0)), ValueError, ["degrees", "0"]),
+    ("tuner-degree-float", lambda: moeflow.TunerConfig(degrees=(1, 2.0)), TypeError, ["degrees", "2.0"]),
+    ("tuner-max-trials", lambda: moeflow.TunerConfig(trials=5, max_trials=4), ValueError, ["max_trials", "4"]),
+    ("tuner-close", lambda: moeflow.TunerConfig(close=1.0), ValueError, ["close", "1.0"]),
+    ("tuner-retune", lambda: moeflow.TunerConfig(retune_ratio=0.5), ValueError, ["retune_ratio", "0.5"]),
+    ("tuner-min-time", lambda: moeflow.TunerConfig(min_time_s=float("nan")), ValueError, ["min_time_s", "nan"]),
+    ("tuner-dict-bad", lambda: DispatchConfig(tuner={"degree": (1,)}), TypeError, ["degree"]),
     (
         "normalize-topk-softmax",
         lambda: RouterConfig(scoring="topk_softmax", normalize_topk=True),
@@ -114,10 +123,11 @@ def test_bad_config_raises_naming_field_and_value(factory, exc, needles):
     [
         lambda: RouterConfig(),
         lambda: DispatchConfig(),
+        lambda: moeflow.TunerConfig(),
         lambda: ExpertsConfig(),
         lambda: MoEConfig(**BASE),
     ],
-    ids=["router", "dispatch", "experts", "moe"],
+    ids=["router", "dispatch", "tuner", "experts", "moe"],
 )
 def test_configs_are_frozen_and_keyword_only(make):
     cfg = make()
@@ -150,6 +160,11 @@ def test_good_configs_construct():
     assert MoEConfig(**BASE, capacity_factor=-2.0).capacity_factor == -2.0
     # top_k == E is allowed
     assert MoEConfig(**BASE, top_k=4).top_k == 4
+    # the tuner's settings: lists become tuples, dicts (JSON) become TunerConfig
+    assert moeflow.TunerConfig(degrees=[1, 8]).degrees == (1, 8)
+    tuned = DispatchConfig(parallel="auto", tuner={"degrees": [1, 3], "trials": 2, "close": 0.0})
+    assert tuned.tuner == moeflow.TunerConfig(degrees=(1, 3), trials=2, close=0.0)
+    assert DispatchConfig(**dataclasses.asdict(tuned)) == tuned
 
 
 # ----------------------------------------------------------------------------- MoE constructor

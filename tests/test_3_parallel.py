@@ -481,6 +481,13 @@ def _case_tuner_ties(rank: int, world: int) -> None:
             clear._pending.append((key, setting, seconds * scale, {}, 1.0))
             clear._finish_trials(torch.device("cpu"))
     assert clear.choices == {key: a}
+    # DispatchConfig(tuner=...) sets the expert-parallel dispatcher's candidates and budget
+    cfg = moeflow.MoEConfig(dim=D, hidden=8, num_experts=4, top_k=1, dispatch=moeflow.DispatchConfig(
+        parallel="auto", overlap_degree="auto", tuner=moeflow.TunerConfig(degrees=(1, 3), max_trials=5, close=0.2)))
+    ep = expert_parallel(moeflow.MoE(config=cfg, dtype=torch.float64))
+    t = ep.dispatcher.tuner
+    assert (t.degrees, t.max_trials, t.close) == ((1, 3), 5, 0.2)
+    assert [c for c in t.candidates(ep.experts, "auto", "auto", ep.dispatcher) if c[0] == "expert"] == [("expert", 1), ("expert", 3)]
     # the choices round-trip through JSON into a fresh tuner, which keeps them across reset()
     import json
 

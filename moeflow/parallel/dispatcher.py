@@ -109,7 +109,9 @@ class AllToAllDispatcher:
         self.set_placement(Placement.contiguous(num_experts * hidden_shards, W))
         self.config = config if config is not None else DispatchConfig()
         self.exchange = FlatExchange(group) if hierarchy is None else HierarchicalExchange(group, hierarchy)
-        self.tuner = ParallelTuner(group)
+        t = self.config.tuner
+        self.tuner = ParallelTuner(group, degrees=t.degrees, trials=t.trials, retune_ratio=t.retune_ratio,
+                                   min_time_s=t.min_time_s, max_trials=t.max_trials, close=t.close)
 
     def set_placement(self, placement: Placement) -> None:
         """Route to the slots of ``placement`` (``moeflow.parallel.placement``); the experts
