@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moeflow.models import GPT_PRESETS, GPTConfig, ViTMoEConfig, gpt_config
@@ -14,6 +16,8 @@ def test_every_preset_builds_a_valid_config(name: str) -> None:
     cfg = gpt_config(name, vocab_size=256)
     assert cfg.vocab_size == 256 and cfg.dim % cfg.n_heads == 0
     assert GPTConfig.from_dict(cfg.to_dict()) == cfg
+    # the dict is what a checkpoint gives back after JSON (resume compares the two)
+    assert json.loads(json.dumps(cfg.to_dict())) == cfg.to_dict()
 
 
 @pytest.mark.parametrize(

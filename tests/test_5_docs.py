@@ -127,7 +127,8 @@ _RUNNER = textwrap.dedent(
             if kind == "torchrun":
                 script = os.path.join(os.getcwd(), f"{os.path.basename(page)[:-3]}_L{line}.py")
                 with open(script, "w") as f:
-                    f.write(padded)
+                    # each rank leaves a mark once the whole block has run (see below)
+                    f.write(padded + f"\nopen({script!r} + '.done.' + __import__('os').environ['RANK'], 'w').close()\n")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                        "--master-addr=127.0.0.1", f"--master-port={free_port()}", script]
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -135,10 +136,18 @@ _RUNNER = textwrap.dedent(
                 cmd = ["bash", "-euo", "pipefail", "-c", code]
                 env = os.environ
             sys.stdout.flush()
-            done = subprocess.run(cmd, env=env, stderr=subprocess.STDOUT)
+            done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            print(done.stdout, end="", flush=True)
             if done.returncode != 0:
-                print(f"exit status {done.returncode}", flush=True)
-                sys.exit(1)
+                # gloo sometimes aborts a process at interpreter exit ("terminate called without an
+                # active exception") after the block ran to its end on every rank: not a failure
+                # of the documented code (tests/distributed_utils.py treats it the same way)
+                finished = kind == "torchrun" and all(os.path.exists(f"{script}.done.{r}") for r in range(2))
+                if finished and "terminate called without an active exception" in done.stdout:
+                    print("warning: every rank finished the block, then one aborted at exit", flush=True)
+                else:
+                    print(f"exit status {done.returncode}", flush=True)
+                    sys.exit(1)
         report(line, kind, True)
         print(f"----- {page}:{line} done in {time.perf_counter() - t0:.1f} s", flush=True)
     '''
@@ -211,3 +220,30 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
         where = json.loads(status.read_text()) if status.exists() else {"line": "?", "kind": "?"}
         tail = output[-6000:]
         pytest.fail(f"{rel}: the {where['kind']} block at line {where['line']} failed; output tail:\n{tail}", pytrace=False)
+
+
+def test_runner_tolerates_only_an_abort_after_every_rank_finished(tmp_path: Path) -> None:
+    """A torchrun block whose ranks all ran to the end and then one aborted at exit (gloo's
+    teardown abort) passes; a rank that stops before the end fails the page, even with the same
+    message in the output."""
+    runner = tmp_path / "run_page.py"
+    runner.write_text(_RUNNER)
+    abort_at_exit = textwrap.dedent('''
+        import atexit, os, sys
+        if os.environ["RANK"] == "1":
+            atexit.register(lambda: (print("terminate called without an active exception", flush=True), os.abort()))
+        ''')
+    stop_early = abort_at_exit + 'if os.environ["RANK"] == "1":\n    sys.exit(3)\n'
+    codes = {}
+    for name, code in (("abort_at_exit", abort_at_exit), ("stop_early", stop_early)):
+        work = tmp_path / name
+        work.mkdir()
+        spec = work / "blocks.json"
+        spec.write_text(json.dumps({"page": "docs/guide/fake.md", "source": str(work / "fake.md"),
+                                    "status": str(work / "status.json"),
+                                    "blocks": [{"line": 1, "kind": "torchrun", "code": code}]}))
+        done = subprocess.run([sys.executable, str(runner), str(spec)], cwd=work, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        codes[name] = (done.returncode, done.stdout)
+    assert codes["abort_at_exit"][0] == 0 and "aborted at exit" in codes["abort_at_exit"][1], codes["abort_at_exit"]
+    assert codes["stop_early"][0] == 1 and "exit status" in codes["stop_early"][1], codes["stop_early"]

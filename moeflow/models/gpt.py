@@ -14,6 +14,7 @@ Legend: ``B`` batch, ``S`` sequence length, ``D`` model dim, ``V`` vocabulary, `
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -100,7 +101,8 @@ class GPTConfig:
         out = dataclasses.asdict(self)
         if self.router.dtype is not None:
             out["router"]["dtype"] = str(self.router.dtype).removeprefix("torch.")
-        return out
+        # tuples as lists, as JSON gives them back: a saved config compares equal to a fresh one
+        return json.loads(json.dumps(out))
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
