@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import moeflow
 from moeflow.parallel import expert_parallel, init_distributed, shutdown_distributed
-from moeflow.parallel.comm import all_reduce_sum, barrier, process_position
+from moeflow.parallel.comm import barrier, gather_objects, process_position
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -111,12 +111,8 @@ def _time(layer, x, g, degree: int, backward: bool, args, device) -> float:  # t
         _sync(device)
         if rep >= args.warmup:
             times.append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64, device=device)
-    # the slowest rank per repeat: max = -min(-t), with the sum collective moeflow exposes
-    world = process_position()[1]
-    gathered = torch.zeros(world, len(times), dtype=torch.float64, device=device)
-    gathered[process_position()[0]] = t
-    return float(statistics.median(all_reduce_sum(gathered).max(dim=0).values.tolist()))
+    every = gather_objects(times)  # the slowest rank per repeat
+    return statistics.median(max(per_rank) for per_rank in zip(*every))
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -106,6 +106,22 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _assert_same_bits(a: Path, b: Path) -> None:
+    """The two checkpoint roots hold the same tensors, bit for bit."""
+    first, second = _tensors(next(a.iterdir())), _tensors(next(b.iterdir()))
+    assert first.keys() == second.keys()
+    for k in first:
+        assert torch.equal(first[k], second[k]), k
+
+
+def _assert_losses(tmp_path: Path, tags: tuple[str, ...], reference: list[float]) -> None:
+    """Each run ``tag`` continued with the reference run's losses."""
+    for tag in tags:
+        losses = json.loads((tmp_path / f"losses_{tag}.json").read_text())
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=1e-10,
+                                   msg=lambda m, tag=tag: f"{tag}: {m}")
+
+
 def test_save_on_4_resume_on_2_1_4(tmp_path):
     spawn_ranks(4, __name__, "save", str(tmp_path))
     reference = json.loads((tmp_path / "losses_ck_w4.json").read_text())
@@ -113,16 +129,9 @@ def test_save_on_4_resume_on_2_1_4(tmp_path):
     _case_resume(0, 1, str(tmp_path), "ck", "w1")  # one process, no torch.distributed
     spawn_ranks(4, __name__, "resume", str(tmp_path), "resaved_w1", "w4_from_w1")
     # parameters and optimizer state survive 4 -> 1 bit for bit
-    saved = _tensors(next((tmp_path / "ck").iterdir()))
-    resaved = _tensors(next((tmp_path / "resaved_w1").iterdir()))
-    assert saved.keys() == resaved.keys()
-    for k in saved:
-        assert torch.equal(saved[k], resaved[k]), k
+    _assert_same_bits(tmp_path / "ck", tmp_path / "resaved_w1")
     # continuing from the checkpoint gives the uninterrupted run's losses on any world size
-    for tag in ("w2", "w1", "w4_from_w1"):
-        losses = json.loads((tmp_path / f"losses_{tag}.json").read_text())
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=1e-10,
-                                   msg=lambda m, tag=tag: f"{tag}: {m}")
+    _assert_losses(tmp_path, ("w2", "w1", "w4_from_w1"), reference)
 
 
 def test_hidden_sharded_checkpoint_loads_into_any_layout(tmp_path):
@@ -140,13 +149,8 @@ def test_hidden_sharded_checkpoint_loads_into_any_layout(tmp_path):
     _case_resume(0, 1, str(tmp_path), "sliced", "sliced_w1")
     spawn_ranks(2, __name__, "resume", str(tmp_path), "sliced", "sliced_w2")
     spawn_ranks(2, __name__, "resume", str(tmp_path), "resaved_sliced_w1", "sliced_w2_split", 2)
-    resaved = _tensors(next((tmp_path / "resaved_sliced_w1").iterdir()))
-    for k in sliced:  # joined and cut again: the same bits
-        assert torch.equal(resaved[k], sliced[k]), k
-    for tag in ("sliced_w1", "sliced_w2", "sliced_w2_split"):
-        losses = json.loads((tmp_path / f"losses_{tag}.json").read_text())
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-10, atol=1e-10,
-                                   msg=lambda m, tag=tag: f"{tag}: {m}")
+    _assert_same_bits(tmp_path / "sliced", tmp_path / "resaved_sliced_w1")  # joined and cut again
+    _assert_losses(tmp_path, ("sliced_w1", "sliced_w2", "sliced_w2_split"), reference)
 
 
 def test_hidden_sharded_save_refuses_state_that_differs_between_ranks(tmp_path):

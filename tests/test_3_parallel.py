@@ -448,7 +448,7 @@ def _case_tuner_ties(rank: int, world: int) -> None:
     ``close``) are timed on to ``max_trials`` each, and the median of those decides."""
     from moeflow.parallel.tuner import ParallelTuner
 
-    tuner = ParallelTuner(None, trials=3, max_trials=6, close=0.1, min_time_s=0.0)
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=3, max_trials=6, close=0.1, min_time_s=0.0))
     key = (8, 2, 1.0, "auto", "auto")
     a, b, c = ("expert", 1), ("expert", 2), ("data", 1)
     tuner._times[key] = {a: [], b: [], c: []}
@@ -472,9 +472,9 @@ def _case_tuner_ties(rank: int, world: int) -> None:
     assert tuner.choices == {key: a}  # medians over 6 trials: a 1.0, b 1.1 (ties only were timed)
     assert fed[c] == 4 and key not in tuner._open
     with pytest.raises(ValueError, match="close"):
-        ParallelTuner(None, close=1.5)
+        ParallelTuner(None, moeflow.TunerConfig(close=1.5))
     # a clear winner is decided after the first round (no race with itself)
-    clear = ParallelTuner(None, trials=3, max_trials=6, close=0.1, min_time_s=0.0)
+    clear = ParallelTuner(None, moeflow.TunerConfig(trials=3, max_trials=6, close=0.1, min_time_s=0.0))
     clear._times[key] = {a: [], b: [], c: []}
     for seconds in (1.0, 1.0, 1.0, 1.0):
         for setting, scale in ((a, 1.0), (b, 2.0), (c, 3.0)):
@@ -486,7 +486,7 @@ def _case_tuner_ties(rank: int, world: int) -> None:
         parallel="auto", overlap_degree="auto", tuner=moeflow.TunerConfig(degrees=(1, 3), max_trials=5, close=0.2)))
     ep = expert_parallel(moeflow.MoE(config=cfg, dtype=torch.float64))
     t = ep.dispatcher.tuner
-    assert (t.degrees, t.max_trials, t.close) == ((1, 3), 5, 0.2)
+    assert t.config == moeflow.TunerConfig(degrees=(1, 3), max_trials=5, close=0.2)
     assert [c for c in t.candidates(ep.experts, "auto", "auto", ep.dispatcher) if c[0] == "expert"] == [("expert", 1), ("expert", 3)]
     # the choices round-trip through JSON into a fresh tuner, which keeps them across reset()
     import json

@@ -145,13 +145,11 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"hidden slices r={r!r} must be a positive divisor of hidden={self.hidden}")
         if self.config.bias:
             raise ValueError("hidden slices need experts without biases (bias=False): b_out would be added r times")
-        E, H, h = self.num_experts, self.hidden, self.hidden // r
-        halves = self.w_in.shape[-1] // H
-        out = GroupedExperts(num_experts=E * r, dim=self.dim, hidden=h, config=self.config,
-                             device=self.w_in.device, dtype=self.w_in.dtype)
-        w_in = self.w_in.unflatten(-1, (halves, r, h))  # [E, D, halves, r, h]
-        out.w_in.copy_(w_in.permute(3, 0, 1, 2, 4).reshape(E * r, self.dim, halves * h))
-        out.w_out.copy_(self.w_out.unflatten(1, (r, h)).transpose(0, 1).reshape(E * r, h, self.dim))
+        out = GroupedExperts(num_experts=self.num_experts * r, dim=self.dim, hidden=self.hidden // r,
+                             config=self.config, device=self.w_in.device, dtype=self.w_in.dtype)
+        for name in ("w_in", "w_out"):  # slice j of all experts, for j = 0 .. r-1
+            full = getattr(self, name)
+            getattr(out, name).copy_(torch.cat([cut_hidden_slice(name, full, r, j, self.halves) for j in range(r)]))
         return out
 
     @property
@@ -313,15 +311,16 @@ class DenseFFN(nn.Module):
 
 
 def cut_hidden_slice(name: str, full: torch.Tensor, n: int, j: int, halves: int) -> torch.Tensor:
-    """Slice ``j`` of ``n`` of one expert's tensor ``name``: ``"w_in"`` ``[D, halves*H]`` (the
-    gate and up columns of hidden units ``[j*H/n, (j+1)*H/n)``) or ``"w_out"`` ``[H, D]`` (those
-    rows), or anything shaped like them (optimizer moments). The per-expert form of
-    ``GroupedExperts.hidden_slices``; ``join_hidden_slices`` inverts it."""
+    """Slice ``j`` of ``n`` of an expert tensor ``name``: ``"w_in"`` ``[..., D, halves*H]`` (the
+    gate and up columns of hidden units ``[j*H/n, (j+1)*H/n)``) or ``"w_out"`` ``[..., H, D]``
+    (those rows), or anything shaped like them (optimizer moments); leading dims (experts) are
+    kept. The one definition of the slice layout (``GroupedExperts.hidden_slices`` uses it);
+    ``join_hidden_slices`` inverts it."""
     if name == "w_in":
-        D, F = full.shape
-        return full.unflatten(-1, (halves, n, F // (halves * n)))[:, :, j].reshape(D, F // n)
+        F = full.shape[-1]
+        return full.unflatten(-1, (halves, n, F // (halves * n)))[..., j, :].flatten(-2)
     if name == "w_out":
-        return full.unflatten(0, (n, full.shape[0] // n))[j]
+        return full.unflatten(-2, (n, full.shape[-2] // n))[..., j, :, :]
     raise ValueError(f"hidden slices exist for 'w_in' and 'w_out' only, got {name!r}")
 
 

@@ -109,9 +109,7 @@ class AllToAllDispatcher:
         self.set_placement(Placement.contiguous(num_experts * hidden_shards, W))
         self.config = config if config is not None else DispatchConfig()
         self.exchange = FlatExchange(group) if hierarchy is None else HierarchicalExchange(group, hierarchy)
-        t = self.config.tuner
-        self.tuner = ParallelTuner(group, degrees=t.degrees, trials=t.trials, retune_ratio=t.retune_ratio,
-                                   min_time_s=t.min_time_s, max_trials=t.max_trials, close=t.close)
+        self.tuner = ParallelTuner(group, self.config.tuner)
 
     def set_placement(self, placement: Placement) -> None:
         """Route to the slots of ``placement`` (``moeflow.parallel.placement``); the experts
@@ -566,11 +564,12 @@ def _slice_major(experts: GroupedExperts, n: int, group: dist.ProcessGroup | Non
     returns each slice's gradient to the owner). ``n = W`` gives every rank part ``rank`` of
     every expert (the sharded-expert mode)."""
     W, rank, e, H, D = dist.get_world_size(group), dist.get_rank(group), experts.num_experts, experts.hidden, experts.dim
-    h, halves = H // n, experts.w_in.shape[-1] // H
+    h, halves = H // n, experts.halves
     local, part, send_split, recv_split, position = _slice_routes(e * W, W, rank, n)
     device = experts.w_in.device
     local_S = torch.tensor(local, dtype=torch.long, device=device)
     part_S = torch.tensor(part, dtype=torch.long, device=device)
+    # ``experts.ffn.cut_hidden_slice``'s layout, gathered for all (expert, part) pairs at once
     pieces = [experts.w_in.unflatten(-1, (halves, n, h))[local_S, :, :, part_S].reshape(len(local), -1),
               experts.w_out.unflatten(1, (n, h))[local_S, part_S].reshape(len(local), -1)]
     if experts.b_in is not None:

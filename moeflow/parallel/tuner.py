@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from moeflow.config import hybrid_shards
+from moeflow.config import TunerConfig, hybrid_shards
 from moeflow.experts.ffn import GroupedExperts
 from moeflow.types import RoutingResult
 
@@ -44,20 +44,12 @@ log = logging.getLogger("moeflow.parallel")
 class ParallelTuner:
     """Per-dispatcher tuner of ``parallel`` and ``overlap_degree`` (see module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, *, degrees: tuple[int, ...] = (1, 2, 4), trials: int = 3,
-                 retune_ratio: float = 1.5, min_time_s: float = 0.05, max_trials: int = 12,
-                 close: float = 0.1) -> None:
-        if not degrees or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in degrees):
-            raise ValueError(f"degrees must be ints >= 1, got {degrees!r}")
-        if not 1 <= trials <= max_trials:
-            raise ValueError(f"need 1 <= trials <= max_trials, got trials={trials}, max_trials={max_trials}")
-        if not 0.0 <= close < 1.0:
-            raise ValueError(f"close must lie in [0, 1), got {close!r}")
-        self.group, self.degrees, self.trials, self.retune_ratio = group, tuple(degrees), trials, retune_ratio
-        # short calls are noisy: a candidate keeps being timed until its trials add up to
-        # min_time_s (at most max_trials); near ties (within ``close``) get max_trials each;
-        # decided on the reduced times, so every rank agrees
-        self.min_time_s, self.max_trials, self.close = min_time_s, max_trials, close
+    def __init__(self, group: dist.ProcessGroup | None, config: TunerConfig | None = None) -> None:
+        # candidates' degrees and the timing budget (validated by TunerConfig): short calls are
+        # noisy, so a candidate is timed until its trials add up to min_time_s (at most
+        # max_trials), near ties (within ``close``) get max_trials each; decisions use the times
+        # reduced over the ranks, so every rank agrees
+        self.group, self.config = group, TunerConfig() if config is None else config
         self.choices: dict[tuple, tuple[str, int]] = {}  # key -> locked (parallel, overlap_degree)
         self._imbalance: dict[tuple, float] = {}
         self._times: dict[tuple, dict[tuple[str, int], list[float]]] = {}
@@ -98,7 +90,7 @@ class ParallelTuner:
 
     def candidates(self, experts: object, parallel: str, overlap_degree: int | str,
                    dispatcher: object = None) -> list[tuple[str, int]]:
-        degrees = self.degrees if overlap_degree == "auto" else (int(overlap_degree),)
+        degrees = self.config.degrees if overlap_degree == "auto" else (int(overlap_degree),)
         out = [("expert", d) for d in degrees] if parallel in ("expert", "auto") else []
         if parallel in ("data", "auto") and isinstance(experts, GroupedExperts):
             out.append(("data", 1))
@@ -125,26 +117,23 @@ class ParallelTuner:
         T_total = all_ids.shape[0]
         key = (T_total, routing.top_k, float(capacity_factor), parallel, overlap_degree)
         imbalance = float(counts_E.max() / counts_E.mean().clamp(min=1e-9))
-        if key in self._fixed:
-            mode, degree = self._fixed[key]
-            return dispatcher.run(x_TD, routing, experts, capacity_factor=capacity_factor,
-                                  overlap_degree=degree, parallel=mode, meta=meta)
-        if key in self.choices:
+        choice = self._fixed.get(key)
+        if choice is None and key in self.choices:
             tuned = self._imbalance[key]
-            if max(imbalance, tuned) / max(min(imbalance, tuned), 1e-9) <= self.retune_ratio:
-                mode, degree = self.choices[key]
-                return dispatcher.run(x_TD, routing, experts, capacity_factor=capacity_factor,
-                                      overlap_degree=degree, parallel=mode, meta=meta)
-            log.info("moeflow tuner: routing imbalance moved %.2f -> %.2f for %s; tuning again", tuned, imbalance, key)
-            del self.choices[key]
-            self._times.pop(key, None)
-            self._open.pop(key, None)
+            if max(imbalance, tuned) / max(min(imbalance, tuned), 1e-9) <= self.config.retune_ratio:
+                choice = self.choices[key]
+            else:
+                log.info("moeflow tuner: routing imbalance moved %.2f -> %.2f for %s; tuning again", tuned, imbalance, key)
+                del self.choices[key]
+                self._times.pop(key, None)
+                self._open.pop(key, None)
+        if choice is not None:
+            return dispatcher.run(x_TD, routing, experts, capacity_factor=capacity_factor,
+                                  overlap_degree=choice[1], parallel=choice[0], meta=meta)
         times = self._times.setdefault(key, {c: [] for c in self.candidates(experts, parallel, overlap_degree, dispatcher)})
-        open_ = self._open.get(key, list(times))
-        runs = {c: len(times[c]) + sum(1 for p in self._pending if p[0] == key and p[1] == c) for c in open_}
+        # the previous call's trial was reduced above (_finish_trials): the counts are complete
+        runs = {c: len(times[c]) for c in self._open.get(key, times)}
         setting = min(runs, key=lambda c: runs[c])  # round-robin in candidate order
-        if runs[setting] > self.max_trials:  # every trial ran; their times arrive at the next call
-            setting = next(iter(runs))
         stamps: dict[str, float] = {}
         t0 = time.perf_counter()
         x_in = _Stamp.apply(x_TD, stamps, "backward_end") if x_TD.requires_grad else x_TD
@@ -173,8 +162,8 @@ class ParallelTuner:
                 continue
             medians = {c: statistics.median(v[1:]) for c, v in times.items()}  # [0]: warm-up
             best = min(medians, key=lambda c: (medians[c], c[0] != "expert", c[1]))
-            ties = [c for c in times if medians[c] <= medians[best] * (1.0 + self.close)]
-            if len(ties) > 1 and any(len(times[c]) - 1 < self.max_trials for c in ties):
+            ties = [c for c in times if medians[c] <= medians[best] * (1.0 + self.config.close)]
+            if len(ties) > 1 and any(len(times[c]) - 1 < self.config.max_trials for c in ties):
                 self._open[key] = ties  # a near tie: time only those on
                 continue
             self.choices[key], self._imbalance[key] = best, imbalance
@@ -187,7 +176,8 @@ class ParallelTuner:
         """A candidate's timing is done: ``trials`` timed calls after the warm-up that add up to
         ``min_time_s``, or ``max_trials`` of them."""
         timed = seconds[1:]
-        return len(timed) >= self.max_trials or (len(timed) >= self.trials and sum(timed) >= self.min_time_s)
+        cfg = self.config
+        return len(timed) >= cfg.max_trials or (len(timed) >= cfg.trials and sum(timed) >= cfg.min_time_s)
 
 
 def _is_mode(value: object) -> bool:
