@@ -8,6 +8,8 @@ experts mid-training must keep parameters, optimizer state and the loss curve ex
 
 from __future__ import annotations
 
+import copy
+
 
 import pytest
 import torch
@@ -150,6 +152,17 @@ def _case_equivalence(rank: int, world: int) -> None:
     layer = _layer(E, 2, 0.0, "position", seed=900)
     _check(rank, world, layer, placements[0], [11] * world, 900, "pipelined", overlap_degree=2)
     _check(rank, world, layer, placements[0], [11] * world, 901, "data mode", parallel="data")
+    # data mode with replicas, capacity drops and an empty rank: with a few tokens per rank the
+    # last global slots get no rows from a rank, and its counts must still cover every slot
+    tokens = [2, 1, 3, 0][:world]
+    hot = plan_placement([50.0, 3.0, 9.0, 1.0, 30.0, 2.0, 7.0, 4.0], world=world, slots_per_rank=E // world + 1)
+    layer = _layer(E, 1, 0.5, "bpr", seed=902)
+    _check(rank, world, layer, hot, tokens, 902, "data mode, empty rank", parallel="data")
+    # in fp32 the grouped GEMM checks that the counts cover every gathered slot's weights
+    ep = expert_parallel(copy.deepcopy(layer).float())
+    apply_placement(ep, [hot])
+    x = torch.randn(tokens[rank], D, generator=torch.Generator().manual_seed(903))
+    torch.testing.assert_close(ep(x, parallel="data"), ep(x, parallel="expert"), rtol=1e-5, atol=1e-6)
 
 
 def _case_skewed_load(rank: int, world: int) -> None:

@@ -358,7 +358,7 @@ class AllToAllDispatcher:
         # rank, then expert): count them per global expert and run every expert here
         # (by global slot: with replicas, each slot computes its share with its own copy)
         mine = g.kept_S & (g.src_S == self.rank)
-        counts_E = torch.bincount(g.slot_S[mine], minlength=self.placement.num_experts)
+        counts_E = torch.bincount(g.slot_S[mine], minlength=len(self.placement.flat))  # every global slot
         weights = [None if w is None else all_gather_shards(w, self.group)
                    for w in (experts.w_in, experts.w_out, experts.b_in, experts.b_out)]
         if torch.is_autocast_enabled(x_TD.device.type):
