@@ -4,7 +4,7 @@ The public surface is small: the ``MoE`` layer, its config dataclasses, the loss
 the building blocks (router, dispatcher, experts) for people who assemble their own.
 """
 
-from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig, TunerConfig
+from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, ParallelConfig, RouterConfig, TunerConfig
 from moeflow.dispatch import Dispatcher, LocalDispatcher
 from moeflow.experts import Experts, GroupedExperts, ModuleExperts
 from moeflow.layer import (
@@ -17,7 +17,7 @@ from moeflow.layer import (
     replay_routing,
     update_expert_bias,
 )
-from moeflow.types import DispatchPlan, RoutingResult
+from moeflow.types import DispatchPlan, ExpertLayout, RoutingResult
 
 __version__ = "0.1.0"
 
@@ -27,6 +27,7 @@ __all__ = [
     "RouterConfig",
     "DispatchConfig",
     "TunerConfig",
+    "ParallelConfig",
     "ExpertsConfig",
     "Router",
     "Dispatcher",
@@ -36,6 +37,7 @@ __all__ = [
     "ModuleExperts",
     "RoutingResult",
     "DispatchPlan",
+    "ExpertLayout",
     "aux_loss",
     "update_expert_bias",
     "moe_layers",

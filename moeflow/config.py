@@ -7,6 +7,7 @@ the field and the value, instead of deep inside a forward pass.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -16,6 +17,7 @@ __all__ = [
     "RouterConfig",
     "DispatchConfig",
     "TunerConfig",
+    "ParallelConfig",
     "ExpertsConfig",
     "MoEConfig",
     "RouterKind",
@@ -217,6 +219,49 @@ class TunerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How an expert-parallel dispatcher runs its calls (``moeflow.parallel.expert_parallel(...,
+    config=)``); every call may override ``parallel`` and ``overlap_degree``
+    (``layer(x, parallel="data")``). Results never depend on these settings (beyond rounding),
+    only speed does.
+
+    ``parallel``: ``"expert"`` (tokens travel to the ranks holding their experts), ``"data"``
+    (tokens stay; the expert weights are all-gathered for the call and their gradients summed
+    back onto the shards: cheaper when tokens are few), ``"sharded"`` (every rank computes a
+    1/W slice of every expert's hidden dimension for all the group's kept rows, whose partial
+    outputs are summed back onto their ranks: the work is even however skewed the routing),
+    ``"hybrid:r"`` (every expert split into ``r`` hidden slices on ``r`` different ranks for the
+    call, the layout of ``expert_parallel(hidden_shards=r)``: Tutel's ``adaptive_r``), or
+    ``"auto"`` (timed on the first calls of each batch size together with the overlap degrees;
+    the fastest is kept).
+    ``overlap_degree``: in the expert mode, split the exchanged rows into this many chunks (by
+    token position on every rank) so that one chunk's expert compute runs while the next chunk
+    is exchanged, forward and backward; ``"auto"`` times ``tuner.degrees``.
+    ``tuner``: how ``"auto"`` times its candidates (``TunerConfig``; a dict of its fields is
+    accepted, as JSON configs give it).
+    """
+
+    parallel: ParallelMode = "expert"
+    overlap_degree: int | str = 1
+    tuner: TunerConfig = field(default_factory=TunerConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tuner, dict):
+            object.__setattr__(self, "tuner", TunerConfig(**self.tuner))
+        if not isinstance(self.tuner, TunerConfig):
+            raise TypeError(f"tuner must be a TunerConfig, got {type(self.tuner).__name__} {self.tuner!r}")
+        _parallel_mode(self.parallel)
+        check_overlap_degree(self.overlap_degree)
+        if hybrid_shards(self.parallel) is not None or self.parallel in ("data", "sharded"):
+            if self.overlap_degree != 1:
+                raise ValueError(f"overlap_degree={self.overlap_degree!r} applies to parallel='expert' or 'auto', "
+                                 f"not {self.parallel!r}")
+
+
+_MOVED_TO_PARALLEL = ("parallel", "overlap_degree", "tuner")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DispatchConfig:
     """How routed assignments become expert rows and come back.
 
@@ -231,41 +276,38 @@ class DispatchConfig:
     ``renormalize_after_drop``: when an assignment is dropped, rescale the token's kept weights
     so they sum to the same total as all k weights did (default False: dropped assignments just
     contribute nothing, as in GShard and Switch).
-    ``overlap_degree``: with expert parallelism, split the exchanged rows into this many chunks
-    (by token position on every rank) so that one chunk's expert compute runs while the next
-    chunk is exchanged, forward and backward; ``"auto"`` lets the dispatcher time 1, 2 and 4 on
-    the first calls of each batch size and keep the fastest. Results do not depend on it. A
-    single-process dispatcher has no exchange to overlap and ignores it.
-    ``parallel``: how an expert-parallel dispatcher runs a call, on the same stored shards:
-    ``"expert"`` (tokens travel to the ranks holding their experts), ``"data"`` (tokens stay;
-    the expert weights are all-gathered for the call and their gradients summed back onto the
-    shards: cheaper when tokens are few), ``"sharded"`` (every rank computes a 1/W slice of every
-    expert's hidden dimension for all the group's kept rows, whose partial outputs are summed
-    back onto their ranks: the work is even however skewed the routing), ``"hybrid:r"`` (every
-    expert split into ``r`` hidden slices on ``r`` different ranks for the call, the layout of
-    ``expert_parallel(hidden_shards=r)``: Tutel's ``adaptive_r``), or ``"auto"`` (timed
-    on the first calls of each batch size together with the overlap degrees; the fastest is
-    kept). Results do not depend on it.
-    ``tuner``: how ``"auto"`` times its candidates (``TunerConfig``; a dict of its fields is
-    accepted, as JSON configs give it).
+
+    Deprecated (one release): ``parallel``, ``overlap_degree`` and ``tuner`` moved to
+    ``ParallelConfig``, which ``moeflow.parallel.expert_parallel`` takes. Set here they still
+    work, with a ``DeprecationWarning``: ``expert_parallel`` without a config uses them.
     """
 
     drop_policy: DropPolicy = "position"
     weight_at: WeightAt = "combine"
     renormalize_after_drop: bool = False
-    overlap_degree: int | str = 1
-    parallel: ParallelMode = "expert"
-    tuner: TunerConfig = field(default_factory=TunerConfig)
+    parallel: ParallelMode | None = None
+    overlap_degree: int | str | None = None
+    tuner: TunerConfig | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.tuner, dict):
-            object.__setattr__(self, "tuner", TunerConfig(**self.tuner))
-        if not isinstance(self.tuner, TunerConfig):
-            raise TypeError(f"tuner must be a TunerConfig, got {type(self.tuner).__name__} {self.tuner!r}")
         _choice("drop_policy", self.drop_policy, DropPolicy)
         _choice("weight_at", self.weight_at, WeightAt)
-        check_overlap_degree(self.overlap_degree)
-        _parallel_mode(self.parallel)
+        moved = {name: getattr(self, name) for name in _MOVED_TO_PARALLEL if getattr(self, name) is not None}
+        if moved:
+            warnings.warn(
+                f"DispatchConfig({', '.join(f'{k}=...' for k in moved)}) is deprecated: pass "
+                "moeflow.ParallelConfig(...) to moeflow.parallel.expert_parallel(model, config=...) instead",
+                DeprecationWarning, stacklevel=3,
+            )
+            if isinstance(self.tuner, dict):
+                object.__setattr__(self, "tuner", TunerConfig(**self.tuner))
+            self.parallel_defaults()  # validated as ParallelConfig would, so a bad value fails here
+
+    def parallel_defaults(self) -> ParallelConfig:
+        """The deprecated ``parallel``/``overlap_degree``/``tuner`` fields as a
+        ``ParallelConfig`` (its defaults where unset)."""
+        moved = {name: getattr(self, name) for name in _MOVED_TO_PARALLEL if getattr(self, name) is not None}
+        return ParallelConfig(**moved)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,11 +1,17 @@
-"""Small frozen result types shared by routing, dispatch and the layer.
+"""Small frozen result types shared by routing, dispatch, parallelism and the layer.
 
 Shape legend (every module uses these suffixes on tensor names):
 
 - ``T`` tokens, ``D`` model dim, ``H`` expert hidden dim, ``F`` expert input-projection width
-  (``H``, or ``2H`` for gated activations), ``E`` global experts, ``e`` local experts,
-  ``K`` top-k, ``C`` capacity per expert, ``A`` assignments (``T*K``, before drops),
-  ``R`` routed rows handed to the experts, ``W`` world size of the expert group.
+  (``H``, or ``2H`` for gated activations), ``O`` expert output dim where it differs from ``D``.
+- ``E`` global experts, ``e`` expert slots held by this process (experts, replicas or hidden
+  slices), ``K`` top-k, ``C`` capacity per expert.
+- ``A`` assignments of this process (``T*K``, before drops, flat index ``a = t*K + k``); ``G``
+  assignments of the whole expert-parallel group (every rank's ``A``, in rank order).
+- ``M`` rows of a dispatch buffer: the expert input of the local dispatcher (``E*C`` in the
+  capacity layout, the kept rows otherwise), the rows a rank sends in an exchange.
+- ``R`` rows the experts held here receive, ``W`` world size of the expert group, ``N``
+  replicas of one expert (load-aware placement).
 """
 
 from __future__ import annotations
@@ -15,9 +21,7 @@ from functools import cached_property
 
 import torch
 
-from moeflow.kernels.counts import count_ids
-
-__all__ = ["RoutingResult", "DispatchPlan"]
+__all__ = ["RoutingResult", "DispatchPlan", "ExpertLayout"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,9 @@ class RoutingResult:
         scores_TE: the per-expert scores the selection was made from (softmax/sigmoid of the
             logits, or the logits themselves for top-k-then-softmax), router dtype.
         aux_losses: name -> scalar tensor, each already multiplied by its coefficient.
+        priority_TK: what orders the assignments competing for capacity under the ``"score"``
+            and ``"bpr"`` drop policies; the weights unless a router ranks by something else
+            (Tutel ranks by its raw scores and combines with normalised ones).
     """
 
     weights_TK: torch.Tensor
@@ -39,6 +46,11 @@ class RoutingResult:
     logits_TE: torch.Tensor
     scores_TE: torch.Tensor
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    priority_TK: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.priority_TK is None:
+            object.__setattr__(self, "priority_TK", self.weights_TK)
 
     @property
     def top_k(self) -> int:
@@ -48,26 +60,32 @@ class RoutingResult:
     def counts_E(self) -> torch.Tensor:
         """Assignments per expert before any drop (int64 ``[E]``), counted once per call and
         shared by the losses, the balancing counters, the layer and the dispatcher."""
-        return count_ids(self.ids_TK.detach(), self.logits_TE.shape[1])
+        ids_A = self.ids_TK.detach().reshape(-1)
+        # a scatter-add into a fixed [E] (torch.bincount reads min/max on the host on CUDA)
+        counts_E = torch.zeros(self.logits_TE.shape[1], dtype=torch.long, device=ids_A.device)
+        return counts_E.scatter_add_(0, ids_A, torch.ones_like(ids_A))
 
 
 @dataclass(frozen=True)
 class DispatchPlan:
     """Everything ``combine`` needs to undo ``dispatch``; produced once per call, never stored.
 
-    The expert input has ``M`` rows: ``M = E*C`` in the capacity layout ``[E, C, D]``, and
-    ``M = counts_E.sum()`` in the grouped layout (rows grouped by expert; ``M = A`` when
-    dropless without a cap). Assignments are numbered by their flat
-    index ``a = t*K + k``.
+    The token side of a dispatch: this process's assignments become ``M`` rows of a dispatch
+    buffer, and ``combine`` gathers each assignment's output back from its row. For the local
+    dispatcher the buffer is the expert input: ``M = E*C`` in the capacity layout ``[E, C, D]``,
+    ``M = counts_E.sum()`` in the grouped layout (rows grouped by expert; ``M = A`` when dropless
+    without a cap). For an exchange the buffer is the rows this rank sends (and gets back), and
+    ``counts_E``/``capacity`` describe the input of the experts held here
+    (``moeflow.parallel.plan.ExchangePlan``).
 
     Attributes:
-        assign_M: the assignment occupying each expert row (int64; arbitrary where not valid).
-        row_valid_M: bool mask of expert rows holding a kept assignment, or ``None`` if all do.
-        row_A: the expert row of each assignment (int64; arbitrary where dropped).
+        assign_M: the assignment occupying each row (int64; arbitrary where not valid).
+        row_valid_M: bool mask of rows holding a kept assignment, or ``None`` if all do.
+        row_A: the row of each assignment (int64; arbitrary where dropped).
         kept_A: bool mask of assignments that fit in capacity, or ``None`` when nothing can be
             dropped (dropless without a cap).
         weights_TK: combine weights in the input dtype (renormalised after drops if configured).
-        counts_E: kept rows per expert (int64).
+        counts_E: kept rows per expert held here (int64).
         capacity: ``C`` for the capacity layout, ``None`` for the grouped layout.
         num_tokens: ``T``.
         weight_at: ``"combine"`` or ``"dispatch"``: where the router weight is applied.
@@ -86,3 +104,48 @@ class DispatchPlan:
     @property
     def top_k(self) -> int:
         return self.weights_TK.shape[1]
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Which experts the experts module of a layer holds: its local slot ``i`` holds hidden
+    slice ``slot_parts[i]`` (of ``hidden_shards``) of global expert ``slot_experts[i]``.
+
+    The dispatcher owns it (``Dispatcher.layout``); the layer and checkpoints read it. Every
+    process holds all ``E`` whole experts without expert parallelism; expert parallelism holds
+    a contiguous block, a load-aware placement any slots (replicas of a hot expert on several
+    ranks), hidden sharding slices of experts.
+
+    Attributes:
+        num_experts: ``E``, the global (logical) expert count.
+        slot_experts: global expert of each local slot.
+        slot_primary: whether each slot is the copy a checkpoint saves: its expert's first
+            replica, or slice 0 of a hidden-sharded expert (saved after joining the slices).
+        hidden_shards: hidden slices per expert (1: whole experts).
+        slot_parts: hidden slice each slot holds (all 0 for whole experts).
+    """
+
+    num_experts: int
+    slot_experts: tuple[int, ...]
+    slot_primary: tuple[bool, ...]
+    hidden_shards: int = 1
+    slot_parts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.slot_parts:
+            object.__setattr__(self, "slot_parts", (0,) * len(self.slot_experts))
+        if not len(self.slot_experts) == len(self.slot_primary) == len(self.slot_parts):
+            raise ValueError(f"slot_experts, slot_primary and slot_parts differ in length: {self}")
+
+    @classmethod
+    def whole(cls, num_experts: int) -> ExpertLayout:
+        """All ``E`` experts in this process, in order."""
+        return cls(num_experts=num_experts, slot_experts=tuple(range(num_experts)), slot_primary=(True,) * num_experts)
+
+    @property
+    def offset(self) -> int | None:
+        """Global index of the first expert held here when the slots are one contiguous block of
+        whole experts (``start, start+1, ...``); None for any other layout."""
+        first = self.slot_experts[0] if self.slot_experts else 0
+        contiguous = self.slot_experts == tuple(range(first, first + len(self.slot_experts)))
+        return first if contiguous and self.hidden_shards == 1 else None

@@ -46,7 +46,11 @@ BAD_CONFIGS = [
     ("backend", lambda: ExpertsConfig(backend="cutlass"), ValueError, ["backend", "'cutlass'"]),
     ("drop-policy", lambda: DispatchConfig(drop_policy="random"), ValueError, ["drop_policy", "'random'"]),
     ("weight-at", lambda: DispatchConfig(weight_at="both"), ValueError, ["weight_at", "'both'"]),
-    ("tuner-type", lambda: DispatchConfig(tuner=(1, 2)), TypeError, ["tuner", "(1, 2)"]),
+    ("tuner-type", lambda: moeflow.ParallelConfig(tuner=(1, 2)), TypeError, ["tuner", "(1, 2)"]),
+    ("parallel-mode", lambda: moeflow.ParallelConfig(parallel="model"), ValueError, ["parallel", "'model'"]),
+    ("overlap-degree-0", lambda: moeflow.ParallelConfig(overlap_degree=0), ValueError, ["overlap_degree", "0"]),
+    ("overlap-with-data", lambda: moeflow.ParallelConfig(parallel="data", overlap_degree=2), ValueError,
+     ["overlap_degree=2", "'data'"]),
     ("tuner-degrees-empty", lambda: moeflow.TunerConfig(degrees=()), ValueError, ["degrees", "()"]),
     ("tuner-degree-0", lambda: moeflow.TunerConfig(degrees=(1, 0)), ValueError, ["degrees", "0"]),
     ("tuner-degree-float", lambda: moeflow.TunerConfig(degrees=(1, 2.0)), TypeError, ["degrees", "2.0"]),
@@ -54,7 +58,7 @@ BAD_CONFIGS = [
     ("tuner-close", lambda: moeflow.TunerConfig(close=1.0), ValueError, ["close", "1.0"]),
     ("tuner-retune", lambda: moeflow.TunerConfig(retune_ratio=0.5), ValueError, ["retune_ratio", "0.5"]),
     ("tuner-min-time", lambda: moeflow.TunerConfig(min_time_s=float("nan")), ValueError, ["min_time_s", "nan"]),
-    ("tuner-dict-bad", lambda: DispatchConfig(tuner={"degree": (1,)}), TypeError, ["degree"]),
+    ("tuner-dict-bad", lambda: moeflow.ParallelConfig(tuner={"degree": (1,)}), TypeError, ["degree"]),
     (
         "normalize-topk-softmax",
         lambda: RouterConfig(scoring="topk_softmax", normalize_topk=True),
@@ -162,9 +166,27 @@ def test_good_configs_construct():
     assert MoEConfig(**BASE, top_k=4).top_k == 4
     # the tuner's settings: lists become tuples, dicts (JSON) become TunerConfig
     assert moeflow.TunerConfig(degrees=[1, 8]).degrees == (1, 8)
-    tuned = DispatchConfig(parallel="auto", tuner={"degrees": [1, 3], "trials": 2, "close": 0.0})
+    tuned = moeflow.ParallelConfig(parallel="auto", tuner={"degrees": [1, 3], "trials": 2, "close": 0.0})
     assert tuned.tuner == moeflow.TunerConfig(degrees=(1, 3), trials=2, close=0.0)
-    assert DispatchConfig(**dataclasses.asdict(tuned)) == tuned
+    assert moeflow.ParallelConfig(**dataclasses.asdict(tuned)) == tuned
+
+
+def test_parallel_settings_in_dispatch_config_are_deprecated_but_work():
+    """``DispatchConfig(parallel=, overlap_degree=, tuner=)`` moved to ``ParallelConfig``: for one
+    release they still validate and become the layer's expert-parallel defaults, with a
+    DeprecationWarning; a plain DispatchConfig warns about nothing."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = DispatchConfig(drop_policy="score")
+    assert plain.parallel_defaults() == moeflow.ParallelConfig()
+    with pytest.warns(DeprecationWarning, match="ParallelConfig"):
+        old = DispatchConfig(parallel="auto", tuner={"degrees": [1, 3], "trials": 2, "close": 0.0})
+    assert old.parallel_defaults() == moeflow.ParallelConfig(
+        parallel="auto", tuner=moeflow.TunerConfig(degrees=(1, 3), trials=2, close=0.0))
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="overlap_degree"):
+        DispatchConfig(overlap_degree=0)
 
 
 # ----------------------------------------------------------------------------- MoE constructor

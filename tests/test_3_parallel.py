@@ -295,7 +295,7 @@ def _case_pipelined(rank: int, world: int) -> None:
     ref = layer(torch.cat(xs))[rank * 6 : (rank + 1) * 6]
     x = xs[rank].clone().requires_grad_(True)
     calls = 0
-    n_cand = len(ep.dispatcher.tuner.candidates(ep.experts, "auto", "auto", ep.dispatcher))
+    n_cand = len(ep.dispatcher.candidates(ep.experts, "auto", "auto"))
     assert n_cand == 5 + (2 if world == 4 else 1)  # expert/1,2,4, data, sharded, hybrid:2 (and :4)
     while not ep.dispatcher.tuner.choices:  # every rank decides on the same call (reduced times)
         y = ep(x, overlap_degree="auto", parallel="auto")
@@ -307,7 +307,7 @@ def _case_pipelined(rank: int, world: int) -> None:
     assert calls >= n_cand * 4 + 1
     choices = ep.dispatcher.tuner.choices
     key = (6 * world, 2, 1.0, "auto", "auto")
-    assert list(choices) == [key] and choices[key] in ep.dispatcher.tuner.candidates(ep.experts, "auto", "auto", ep.dispatcher)
+    assert list(choices) == [key] and choices[key] in ep.dispatcher.candidates(ep.experts, "auto", "auto")
     agreed = [None] * world
     dist.all_gather_object(agreed, choices)
     assert all(c == choices for c in agreed)
@@ -481,13 +481,17 @@ def _case_tuner_ties(rank: int, world: int) -> None:
             clear._pending.append((key, setting, seconds * scale, {}, 1.0))
             clear._finish_trials(torch.device("cpu"))
     assert clear.choices == {key: a}
-    # DispatchConfig(tuner=...) sets the expert-parallel dispatcher's candidates and budget
-    cfg = moeflow.MoEConfig(dim=D, hidden=8, num_experts=4, top_k=1, dispatch=moeflow.DispatchConfig(
-        parallel="auto", overlap_degree="auto", tuner=moeflow.TunerConfig(degrees=(1, 3), max_trials=5, close=0.2)))
-    ep = expert_parallel(moeflow.MoE(config=cfg, dtype=torch.float64))
-    t = ep.dispatcher.tuner
-    assert t.config == moeflow.TunerConfig(degrees=(1, 3), max_trials=5, close=0.2)
-    assert [c for c in t.candidates(ep.experts, "auto", "auto", ep.dispatcher) if c[0] == "expert"] == [("expert", 1), ("expert", 3)]
+    # ParallelConfig(tuner=...) sets the expert-parallel dispatcher's candidates and budget
+    tuned = moeflow.TunerConfig(degrees=(1, 3), max_trials=5, close=0.2)
+    config = moeflow.ParallelConfig(parallel="auto", overlap_degree="auto", tuner=tuned)
+    ep = expert_parallel(moeflow.MoE(dim=D, hidden=8, num_experts=4, top_k=1, dtype=torch.float64), config=config)
+    assert ep.dispatcher.parallel == config and ep.dispatcher.tuner.config == tuned
+    assert [c for c in ep.dispatcher.candidates(ep.experts, "auto", "auto") if c[0] == "expert"] == [("expert", 1), ("expert", 3)]
+    # the deprecated DispatchConfig fields still configure it, when expert_parallel gets no config
+    with pytest.warns(DeprecationWarning):
+        old = moeflow.DispatchConfig(parallel="auto", overlap_degree="auto", tuner=tuned)
+    ep = expert_parallel(moeflow.MoE(dim=D, hidden=8, num_experts=4, top_k=1, dispatch=old, dtype=torch.float64))
+    assert ep.dispatcher.parallel == config
     # the choices round-trip through JSON into a fresh tuner, which keeps them across reset()
     import json
 

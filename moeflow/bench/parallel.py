@@ -183,8 +183,14 @@ def _placement_compare(cfg: ParallelBenchConfig, layer: MoE, x: torch.Tensor, g:
     apply_placement(placed, [plan])
 
     def rows(m: MoE) -> int:
-        _, p = m.dispatcher.dispatch(x, m.router(x, top_k=cfg.top_k, forced_ids_TK=ids), capacity_factor=cfg.capacity_factor)
-        return int(p.counts_E.sum())
+        """Rows this rank's experts receive in one call (from the group's slot assignment)."""
+        from moeflow.parallel.assignment import assign_group
+
+        routing = m.router(x, top_k=cfg.top_k, forced_ids_TK=ids)
+        group = assign_group(m.dispatcher.gather_routing(routing), num_experts=cfg.experts,
+                             capacity_factor=cfg.capacity_factor, drop_policy=m.dispatcher.config.drop_policy,
+                             placement=m.dispatcher.placement)
+        return sum(row[rank] for row in group.counts_WW)
 
     runs = [("contiguous", layer, None), ("placed", placed, None)]
     if cfg.hidden % cfg.nproc == 0:  # the sharded-expert mode balances the work without replicas

@@ -23,9 +23,7 @@ from torch import nn
 from moeflow.experts import GroupedExperts
 from moeflow.experts.ffn import cut_hidden_slice
 from moeflow.layer.moe import MoE
-from moeflow.parallel.api import gather_hidden_experts
-from moeflow.parallel.comm import gather_objects
-from moeflow.storage.store import StoredExperts
+from moeflow.parallel.apply import gather_hidden_experts, gather_layer_objects
 
 __all__ = ["ExpertLayout", "expert_slices", "model_tensors", "optimizer_tensors", "split_key", "vocab_shards"]
 
@@ -62,9 +60,9 @@ def expert_slices(model: nn.Module) -> dict[str, ExpertLayout]:
     ``GroupedExperts`` inside a ``moeflow.MoE`` (``MoE.expert_slots``)."""
     out: dict[str, ExpertLayout] = {}
     for prefix, module in model.named_modules():
-        if isinstance(module, MoE) and isinstance(module.experts, StoredExperts):
+        if isinstance(module, MoE) and not getattr(module.experts, "resident", True):
             raise ValueError(
-                f"MoE layer {prefix or '<model>'} keeps its experts in an ExpertStore (moeflow.storage): "
+                f"MoE layer {prefix or '<model>'} keeps its experts outside the module (an ExpertStore of moeflow.storage): "
                 "a moeflow checkpoint would lack them; save model.state_dict() (it includes the stored "
                 "experts) or load the experts back into memory first"
             )
@@ -185,7 +183,7 @@ def _check_sliced_state_agrees(model: nn.Module, optimizer: torch.optim.Optimize
         mine = entries.setdefault(id(layout.layer), (layout.layer, []))[1]
         mine += [f"{name}/{k}" for k in sorted(state) if isinstance(state[k], torch.Tensor) and state[k].shape == p.shape]
     for layer, mine in entries.values():
-        every = gather_objects(mine, layer.dispatcher.group)
+        every = gather_layer_objects(layer, mine)
         if any(other != mine for other in every):
             raise ValueError("the optimizer state of hidden-sharded experts differs between ranks (every rank must "
                              "hold the same entries to join the slices): "

@@ -25,16 +25,31 @@ from moeflow.config import ExpertsConfig
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
 __all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero",
-           "cut_hidden_slice", "join_hidden_slices"]
+           "cut_hidden_slice", "join_hidden_slices", "autocast_cast"]
 
 
 @runtime_checkable
 class Experts(Protocol):
-    """What the MoE layer calls. ``num_experts`` is the number of experts held *here*."""
+    """What the MoE layer calls. ``num_experts`` is the number of experts held *here*;
+    ``resident`` says whether the module holds its parameters itself (False when they live
+    elsewhere, e.g. in ``moeflow.storage``'s tiers, which checkpoints cannot read in place;
+    optional for user modules, which are taken as resident without it)."""
 
     num_experts: int
+    resident: bool
 
     def __call__(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor: ...
+
+
+def autocast_cast(like: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` in the autocast dtype of ``like``'s device while autocast is on there, else
+    unchanged (None stays None). ``F.grouped_mm`` and moeflow's grouped backward are not
+    autocast-aware, unlike ``bmm``, so every grouped expert GEMM casts its operands here."""
+    device_type = like.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dt = torch.get_autocast_dtype(device_type)
+    return tuple(None if t is None else t.to(dt) for t in tensors)
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -80,6 +95,8 @@ class GroupedExperts(nn.Module):
         w_out: ``[E, H, D]``.
         b_in: ``[E, F]`` and b_out: ``[E, D]`` when ``config.bias``.
     """
+
+    resident = True
 
     def __init__(
         self,
@@ -178,17 +195,8 @@ class GroupedExperts(nn.Module):
             return torch.bmm(a_ECH, self.w_out)
         return torch.baddbmm(self.b_out.unsqueeze(1), a_ECH, self.w_out)
 
-    def _weights(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Weights (and x) in the autocast dtype when autocast is on: ``F.grouped_mm`` and our
-        grouped backward are not autocast-aware, unlike ``bmm``."""
-        tensors = (x, self.w_in, self.w_out, self.b_in, self.b_out)
-        if not torch.is_autocast_enabled(x.device.type):
-            return tensors
-        dt = torch.get_autocast_dtype(x.device.type)
-        return tuple(None if t is None else t.to(dt) for t in tensors)
-
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        x_RD, w_in, w_out, b_in, b_out = self._weights(x_RD)
+        x_RD, w_in, w_out, b_in, b_out = autocast_cast(x_RD, x_RD, self.w_in, self.w_out, self.b_in, self.b_out)
         return grouped_ffn(
             x_RD, counts_E, w_in, w_out, b_in, b_out, activation=self.config.activation, backend=self.config.backend
         )
@@ -245,6 +253,8 @@ class ModuleExperts(nn.Module):
     Runs one module per expert on its real rows only (reads the counts on the host). Use it for
     experts that are not plain FFNs; the built-in ``GroupedExperts`` is much faster for FFNs.
     """
+
+    resident = True
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
         super().__init__()

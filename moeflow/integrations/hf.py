@@ -49,7 +49,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from moeflow.dispatch import LocalDispatcher
-from moeflow.experts.ffn import graph_zero, grouped_ffn
+from moeflow.experts.ffn import autocast_cast, graph_zero, grouped_ffn
 from moeflow.types import RoutingResult
 
 __all__ = ["EXPERTS_IMPLEMENTATION", "FAMILIES", "BlockSpec", "experts_forward", "register", "patch", "is_patched"]
@@ -119,10 +119,7 @@ def experts_forward(
     w_in, w_out, b_in, b_out = _expert_weights(experts)
     if torch.is_autocast_enabled(hidden_TD.device.type):
         # F.grouped_mm is not autocast-aware: run the whole FFN in the autocast dtype
-        dt = torch.get_autocast_dtype(hidden_TD.device.type)
-        w_in, w_out = w_in.to(dt), w_out.to(dt)
-        b_in, b_out = (None if b is None else b.to(dt) for b in (b_in, b_out))
-        x_TD = hidden_TD.to(dt)
+        x_TD, w_in, w_out, b_in, b_out = autocast_cast(hidden_TD, hidden_TD, w_in, w_out, b_in, b_out)
     elif hidden_TD.dtype != w_in.dtype:
         raise TypeError(
             f"hidden_TD has dtype {hidden_TD.dtype} but the expert weights are {w_in.dtype}; cast one of them "

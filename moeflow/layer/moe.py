@@ -1,7 +1,9 @@
-"""The MoE layer: router -> dispatcher -> experts -> combine (+ shared experts).
+"""The MoE layer: router, then one ``dispatcher.run`` (dispatch, experts, combine), plus shared
+experts.
 
 Legend: moeflow.types. The dispatcher is injected (a ``LocalDispatcher`` by default), so
-parallelism is applied from outside by swapping it, never by a branch in here.
+parallelism is applied from outside by swapping it (``moeflow.parallel.expert_parallel``), never
+by a branch in here: the layer reads only what the ``Dispatcher`` protocol declares.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from torch import nn
 
 from moeflow.config import MoEConfig, check_capacity_factor, check_overlap_degree, check_parallel_mode, check_top_k
 from moeflow.dispatch import Dispatcher, LocalDispatcher
-from moeflow.experts import DenseFFN, Experts, GroupedExperts
+from moeflow.experts import DenseFFN, GroupedExperts
 from moeflow.experts.ffn import graph_zero
+from moeflow.layer.tape import TapeBinding
 from moeflow.layer.router import Router
+from moeflow.types import RoutingResult
 
 __all__ = ["MoE", "aux_loss", "update_expert_bias", "moe_layers"]
 
@@ -34,8 +38,9 @@ class MoE(nn.Module):
     protocol (see ``moeflow.experts``), e.g. ``ModuleExperts([...])``; ``dispatcher`` replaces the
     local dispatcher (expert parallelism does this from outside).
 
-    Per call, ``capacity_factor``, ``top_k``, ``overlap_degree`` and ``parallel`` override the
-    configured values (0 is a value: ``capacity_factor=0`` means dropless). After each call, ``layer.aux_losses`` holds the
+    Per call, ``capacity_factor`` and ``top_k`` override the configured values (0 is a value:
+    ``capacity_factor=0`` means dropless); ``overlap_degree`` and ``parallel`` override the
+    expert-parallel dispatcher's ``ParallelConfig`` (a single process has nothing to choose). After each call, ``layer.aux_losses`` holds the
     balance losses of that call (each already multiplied by its coefficient) and
     ``layer.last_counts_E`` the assignments per expert before drops.
     """
@@ -91,8 +96,8 @@ class MoE(nn.Module):
             self.shared = None
         self.aux_losses: dict[str, torch.Tensor] | None = None
         self.last_counts_E: torch.Tensor | None = None
-        # (mode, layer name, RoutingTape) while moeflow.record_routing / replay_routing is active
-        self._routing_tape: tuple | None = None
+        # set while moeflow.record_routing / replay_routing is active
+        self._routing_tape: TapeBinding | None = None
         self._load_window: collections.deque = collections.deque(maxlen=max(1, config.load_window))
 
     def extra_repr(self) -> str:
@@ -127,14 +132,16 @@ class MoE(nn.Module):
         self._check_input(x)
         cfg = self.config
         cf = cfg.capacity_factor if capacity_factor is None else check_capacity_factor(capacity_factor)
-        degree = cfg.dispatch.overlap_degree if overlap_degree is None else check_overlap_degree(overlap_degree)
-        mode = cfg.dispatch.parallel if parallel is None else check_parallel_mode(parallel)
         k = cfg.top_k if top_k is None else check_top_k(top_k, cfg.num_experts)
         if top_k is not None:
             cfg.router.validate_for(num_experts=cfg.num_experts, top_k=k)
+        if overlap_degree is not None:
+            check_overlap_degree(overlap_degree)
+        if parallel is not None:
+            check_parallel_mode(parallel)
 
         x_TD = x.reshape(-1, cfg.dim)
-        if x_TD.shape[0] == 0 and not getattr(self.dispatcher, "collective", False):
+        if x_TD.shape[0] == 0 and not self.dispatcher.collective:
             # empty output and zero losses, connected to the parameters so backward() works
             zero = graph_zero(self, x)
             self.aux_losses = {name: zero for name, coef in self.router._loss_coefs() if coef > 0}
@@ -142,25 +149,34 @@ class MoE(nn.Module):
             return torch.zeros_like(x) + zero
 
         tape = self._routing_tape
-        forced = tape[2].next(tape[1]) if tape is not None and tape[0] == "replay" else None
-        routing = self.router(x_TD, top_k=k, forced_ids_TK=forced)
-        if tape is not None and tape[0] == "record":
-            tape[2].record(tape[1], routing.ids_TK)
-        run = getattr(self.dispatcher, "run", None)
-        if run is not None and (degree != 1 or mode != "expert"):
-            # a dispatcher that runs the experts itself (pipelining, other parallel modes)
-            y_TD = run(x_TD, routing, self.experts, capacity_factor=cf, overlap_degree=degree, parallel=mode)
-        else:
-            expert_in, plan = self.dispatcher.dispatch(x_TD, routing, capacity_factor=cf)
-            expert_out = self.experts(expert_in, plan.counts_E)
-            y_TD = self.dispatcher.combine(expert_out, plan)
+        routing = self.router(x_TD, top_k=k, forced_ids_TK=None if tape is None else tape.forced_ids())
+        if tape is not None:
+            tape.chosen(routing.ids_TK)
+        y_TD = self.forward_routed(x_TD, routing, capacity_factor=cf, overlap_degree=overlap_degree, parallel=parallel)
+        return y_TD.view(x.shape)
+
+    def forward_routed(
+        self,
+        x_TD: torch.Tensor,
+        routing: RoutingResult,
+        *,
+        capacity_factor: float,
+        overlap_degree: int | str | None = None,
+        parallel: str | None = None,
+    ) -> torch.Tensor:
+        """The step after routing, shared by every entry point (``forward``, and layers that
+        route their own way, such as ``moeflow.compat.tutel``): one ``dispatcher.run``, the
+        shared experts, and the call's statistics (``aux_losses``, ``last_counts_E``, the load
+        window). ``x_TD [T, D] -> y_TD [T, D]`` (the experts' output width if it differs)."""
+        y_TD = self.dispatcher.run(x_TD, routing, self.experts, capacity_factor=capacity_factor,
+                                   overlap_degree=overlap_degree, parallel=parallel)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         self.aux_losses = routing.aux_losses
         self.last_counts_E = routing.counts_E
-        if cfg.load_window and self.training:
+        if self.config.load_window and self.training:
             self._load_window.append(routing.counts_E)
-        return y_TD.view(x.shape)
+        return y_TD
 
     def __getstate__(self) -> dict:
         # the last call's losses hold autograd graphs, which cannot be copied or pickled;
@@ -186,41 +202,29 @@ class MoE(nn.Module):
     def expert_range(self) -> tuple[int, int]:
         """``(first global expert index, count)`` of the experts whose weights live here.
 
-        Raises ``ValueError`` under a load-aware placement (``moeflow.parallel.placement``),
-        whose slots are not one contiguous block: restore ``Placement.contiguous`` first."""
-        offset = getattr(self.dispatcher, "expert_offset", 0)
+        Raises ``ValueError`` when they are not one contiguous block of whole experts (a
+        load-aware placement, ``moeflow.parallel.placement``, or hidden-sharded experts):
+        restore ``Placement.contiguous`` first, or read ``expert_slots``."""
+        offset = self.dispatcher.layout.offset
         if offset is None:
             raise ValueError("this layer's experts follow a non-contiguous placement; apply "
                              "Placement.contiguous(E, W) with moeflow.parallel.apply_placement first")
         return offset, int(self.experts.num_experts)
 
     def expert_slots(self) -> tuple[list[int], list[bool]]:
-        """The global expert of each expert slot held here, and whether the slot is its expert's
-        first replica (the one a checkpoint saves). Without a load-aware placement that is
-        ``expert_range``'s block, every slot first. With hidden-sharded experts
-        (``hidden_shards()``), slot ``i`` holds hidden slice ``parts[i]`` of its expert and the
-        slot with slice 0 is the one saved (the checkpoint joins the slices first)."""
-        n, parts = self.hidden_shards()
-        if n > 1:
-            E = self.config.num_experts
-            slots = [int(v) for v in self.dispatcher.slot_experts]
-            return [v % E for v in slots], [j == 0 for j in parts]
-        slots = getattr(self.dispatcher, "slot_experts", None)
-        if slots is None:
-            start, count = self.expert_range()
-            return list(range(start, start + count)), [True] * count
-        return list(slots), list(self.dispatcher.slot_primary)
+        """The global expert of each expert slot held here, and whether the slot is the copy a
+        checkpoint saves (its expert's first replica; with hidden-sharded experts, see
+        ``hidden_shards()``, the slot holding slice 0, saved after the slices are joined).
+        Without expert parallelism: every expert, every slot saved."""
+        layout = self.dispatcher.layout
+        return list(layout.slot_experts), list(layout.slot_primary)
 
     def hidden_shards(self) -> tuple[int, list[int]]:
         """``(n, parts)``: every expert's hidden units are split into ``n`` slices over the ranks
         (``expert_parallel(..., hidden_shards=n)``) and slot ``i`` here holds slice ``parts[i]``;
         ``(1, [0, ...])`` for whole experts."""
-        n = int(getattr(self.dispatcher, "hidden_shards", 1))
-        count = int(self.experts.num_experts)
-        if n == 1:
-            return 1, [0] * count
-        E = self.config.num_experts
-        return n, [int(v) // E for v in self.dispatcher.slot_experts]
+        layout = self.dispatcher.layout
+        return layout.hidden_shards, list(layout.slot_parts)
 
     def aux_loss(self) -> torch.Tensor:
         """Sum of this layer's balance losses from its last call (a scalar with gradient)."""

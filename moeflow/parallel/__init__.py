@@ -1,32 +1,31 @@
 """Expert parallelism over torch.distributed, applied from outside the model.
 
-The only package of moeflow that touches ``torch.distributed``.
+The only package of moeflow that touches ``torch.distributed``. ``expert_parallel`` swaps each
+MoE layer's dispatcher for an ``ExpertParallelDispatcher``; see ``docs/architecture.md`` for how
+its modules fit together.
 """
 
-from moeflow.parallel.api import (
+import warnings
+
+from moeflow.config import ParallelConfig
+from moeflow.parallel.apply import expert_parallel, fix_tuned_settings, gather_hidden_experts, tuned_settings
+from moeflow.parallel.dispatcher import ExpertParallelDispatcher
+from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
+from moeflow.parallel.gradients import (
     all_reduce_gradients,
     clip_grad_norm_,
-    reduce_expert_gradients,
     ddp_ignore_expert_parameters,
     dense_parameters,
-    vocab_parameters,
-    expert_parallel,
     expert_parameters,
     fsdp_ignored_parameters,
-    gather_hidden_experts,
-    fix_tuned_settings,
+    reduce_expert_gradients,
     sync_load_counts,
-    tuned_settings,
+    vocab_parameters,
 )
-from moeflow.parallel.dispatcher import AllToAllDispatcher, AllToAllPlan
-from moeflow.parallel.placement import (
-    Placement,
-    apply_placement,
-    placement_of,
-    plan_placement,
-    rebalance,
-    sync_replica_gradients,
-)
+from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups, shutdown_distributed
+from moeflow.parallel.placement import Placement, plan_placement
+from moeflow.parallel.plan import ExchangePlan
+from moeflow.parallel.rebalance import apply_placement, placement_of, rebalance, sync_replica_gradients
 from moeflow.parallel.vocab import (
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -34,16 +33,15 @@ from moeflow.parallel.vocab import (
     vocab_parallel,
     vocab_range,
 )
-from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
-from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups, shutdown_distributed
 
 __all__ = [
     "expert_parallel",
+    "ParallelConfig",
     "gather_hidden_experts",
     "tuned_settings",
     "fix_tuned_settings",
-    "AllToAllDispatcher",
-    "AllToAllPlan",
+    "ExpertParallelDispatcher",
+    "ExchangePlan",
     "init_distributed",
     "shutdown_distributed",
     "make_groups",
@@ -72,3 +70,15 @@ __all__ = [
     "VocabParallelHead",
     "gather_vocab_weight",
 ]
+
+# names that moved; they keep working for one release
+_RENAMED = {"AllToAllDispatcher": ExpertParallelDispatcher, "AllToAllPlan": ExchangePlan}
+
+
+def __getattr__(name: str) -> object:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"moeflow.parallel.{name} is deprecated; use moeflow.parallel.{new.__name__}",
+                      DeprecationWarning, stacklevel=2)
+        return new
+    raise AttributeError(f"module 'moeflow.parallel' has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """Run-time choice of the parallel mode and pipelining degree (``"auto"``).
 
 The best setting depends on the batch, the routing and the machine (Tutel's observation), so it
-is measured, not guessed: for each global batch size the dispatcher times every candidate
-``(parallel mode, overlap degree)`` on real calls, round-robin (one warm-up call each, whose
+is measured, not guessed: for each global batch size the tuner times every candidate
+``(parallel mode, overlap degree)`` the dispatcher offers on real calls, round-robin (one warm-up call each, whose
 time is dropped, then ``trials`` timed calls each, more for calls so short that their trials
 add up to less than ``min_time_s``, up to ``max_trials``; the median decides), then keeps the
 fastest. Candidates whose median lies within ``close`` of the fastest one's are a near tie that
@@ -33,16 +33,19 @@ import torch
 import torch.distributed as dist
 
 from moeflow.config import TunerConfig, hybrid_shards
-from moeflow.experts.ffn import GroupedExperts
-from moeflow.types import RoutingResult
+from moeflow.parallel.strategy import Call
 
-__all__ = ["ParallelTuner"]
+__all__ = ["ParallelTuner", "Setting"]
+
+Setting = tuple[str, int]  # (parallel mode, overlap degree)
 
 log = logging.getLogger("moeflow.parallel")
 
 
 class ParallelTuner:
-    """Per-dispatcher tuner of ``parallel`` and ``overlap_degree`` (see module docstring)."""
+    """Per-dispatcher tuner of ``parallel`` and ``overlap_degree`` (see module docstring). It
+    never calls back into the dispatcher: the dispatcher hands it the candidates and a function
+    that runs one."""
 
     def __init__(self, group: dist.ProcessGroup | None, config: TunerConfig | None = None) -> None:
         # candidates' degrees and the timing budget (validated by TunerConfig): short calls are
@@ -50,11 +53,11 @@ class ParallelTuner:
         # max_trials), near ties (within ``close``) get max_trials each; decisions use the times
         # reduced over the ranks, so every rank agrees
         self.group, self.config = group, TunerConfig() if config is None else config
-        self.choices: dict[tuple, tuple[str, int]] = {}  # key -> locked (parallel, overlap_degree)
+        self.choices: dict[tuple, Setting] = {}  # key -> locked (parallel, overlap_degree)
         self._imbalance: dict[tuple, float] = {}
-        self._times: dict[tuple, dict[tuple[str, int], list[float]]] = {}
-        self._open: dict[tuple, list[tuple[str, int]]] = {}  # key -> candidates still being timed
-        self._fixed: dict[tuple, tuple[str, int]] = {}  # choices locked by ``fix``
+        self._times: dict[tuple, dict[Setting, list[float]]] = {}
+        self._open: dict[tuple, list[Setting]] = {}  # key -> candidates still being timed
+        self._fixed: dict[tuple, Setting] = {}  # choices locked by ``fix``
         self._pending: list[tuple] = []  # trials whose backward may still be running: (key, setting, fwd s, stamps)
 
     def reset(self) -> None:
@@ -88,34 +91,17 @@ class ParallelTuner:
         self._fixed.update(fixed)
         self.choices.update(fixed)
 
-    def candidates(self, experts: object, parallel: str, overlap_degree: int | str,
-                   dispatcher: object = None) -> list[tuple[str, int]]:
-        degrees = self.config.degrees if overlap_degree == "auto" else (int(overlap_degree),)
-        out = [("expert", d) for d in degrees] if parallel in ("expert", "auto") else []
-        if parallel in ("data", "auto") and isinstance(experts, GroupedExperts):
-            out.append(("data", 1))
-        sharded_ok = getattr(dispatcher, "sharded_supported", None)
-        if parallel == "auto" and sharded_ok is not None and sharded_ok(experts) is None:
-            out.append(("sharded", 1))
-        hybrid_ok = getattr(dispatcher, "hybrid_supported", None)
-        if parallel == "auto" and hybrid_ok is not None:
-            world = getattr(dispatcher, "world", 1)
-            out += [(f"hybrid:{r}", 1) for r in range(2, world + 1) if world % r == 0 and hybrid_ok(experts, r) is None]
-        if not out:
-            raise ValueError(f"parallel={parallel!r} needs GroupedExperts, got {type(experts).__name__}")
-        return out
-
-    def run(self, dispatcher, x_TD: torch.Tensor, routing: RoutingResult,  # type: ignore[no-untyped-def]
-            experts: Callable[..., torch.Tensor], capacity_factor: float, parallel: str,
-            overlap_degree: int | str) -> torch.Tensor:
-        self._finish_trials(routing.ids_TK.device)
-        # the routing metadata every setting gathers anyway gives the global T and load: the
+    def run(self, call: Call, *, parallel: str, overlap_degree: int | str,
+            candidates: Callable[[], list[Setting]], run: Callable[[Setting, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Run ``call`` (whose ``parallel``/``overlap_degree`` arguments contain ``"auto"``) with
+        the locked choice for its key, or time the next candidate: ``candidates()`` lists the
+        settings that can run it, ``run(setting, x_TD)`` runs one."""
+        self._finish_trials(call.x_TD.device)
+        # the group's routing, gathered for the call anyway, gives the global T and load: the
         # tuner adds no collective to a call once it has chosen
-        meta = dispatcher.gather_routing(routing)
-        all_ids = torch.cat(meta)[:, : routing.top_k].to(torch.long)
-        counts_E = torch.bincount(all_ids.flatten(), minlength=dispatcher.num_experts).to(torch.float64)
-        T_total = all_ids.shape[0]
-        key = (T_total, routing.top_k, float(capacity_factor), parallel, overlap_degree)
+        routing = call.group_routing
+        counts_E = torch.bincount(routing.ids_TK.flatten(), minlength=call.routing.logits_TE.shape[1]).to(torch.float64)
+        key = (routing.num_tokens, routing.top_k, float(call.capacity_factor), parallel, overlap_degree)
         imbalance = float(counts_E.max() / counts_E.mean().clamp(min=1e-9))
         choice = self._fixed.get(key)
         if choice is None and key in self.choices:
@@ -128,17 +114,15 @@ class ParallelTuner:
                 self._times.pop(key, None)
                 self._open.pop(key, None)
         if choice is not None:
-            return dispatcher.run(x_TD, routing, experts, capacity_factor=capacity_factor,
-                                  overlap_degree=choice[1], parallel=choice[0], meta=meta)
-        times = self._times.setdefault(key, {c: [] for c in self.candidates(experts, parallel, overlap_degree, dispatcher)})
+            return run(choice, call.x_TD)
+        times = self._times.setdefault(key, {c: [] for c in candidates()})
         # the previous call's trial was reduced above (_finish_trials): the counts are complete
         runs = {c: len(times[c]) for c in self._open.get(key, times)}
         setting = min(runs, key=lambda c: runs[c])  # round-robin in candidate order
         stamps: dict[str, float] = {}
         t0 = time.perf_counter()
-        x_in = _Stamp.apply(x_TD, stamps, "backward_end") if x_TD.requires_grad else x_TD
-        y = dispatcher.run(x_in, routing, experts, capacity_factor=capacity_factor, overlap_degree=setting[1],
-                           parallel=setting[0], meta=meta)
+        x_in = _Stamp.apply(call.x_TD, stamps, "backward_end") if call.x_TD.requires_grad else call.x_TD
+        y = run(setting, x_in)
         if y.device.type == "cuda":
             torch.cuda.synchronize(y.device)
         self._pending.append((key, setting, time.perf_counter() - t0, stamps, imbalance))
@@ -207,7 +191,7 @@ def _record_key(rec: object) -> tuple:
     return (tokens, top_k, float(cf), parallel, degree)
 
 
-def _record_choice(rec: Mapping) -> tuple[str, int]:
+def _record_choice(rec: Mapping) -> Setting:
     """The chosen ``(mode, degree)`` of a ``settings()`` record, checked against its arguments."""
     choice = rec["choice"]
     if not isinstance(choice, Mapping) or set(choice) != {"parallel", "overlap_degree"}:

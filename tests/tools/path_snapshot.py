@@ -92,7 +92,7 @@ def single(out: dict) -> None:
 def _worker(rank: int, world: int, store: str, path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=30))
     from moeflow.parallel import apply_placement, expert_parallel, make_groups, plan_placement
 
     out: dict[str, torch.Tensor] = {}

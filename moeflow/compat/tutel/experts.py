@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.experts.ffn import graph_zero, mark_expert_parameters
+from moeflow.experts.ffn import autocast_cast, graph_zero, mark_expert_parameters
 from moeflow.kernels.grouped_mm import grouped_mm
 
 __all__ = ["TutelFFNExperts", "TutelCustomExperts", "mark_tutel_expert"]
@@ -124,10 +124,7 @@ class TutelFFNExperts(nn.Module):
         if expert_in.dim() != 2:
             raise ValueError(f"expert_in must be [e, C, D] or [R, D], got shape {tuple(expert_in.shape)}")
         x_RD, w1, b1, w2, b2 = expert_in, self.batched_fc1_w, self.batched_fc1_bias, self.batched_fc2_w, self.batched_fc2_bias
-        if torch.is_autocast_enabled(x_RD.device.type):
-            # the grouped GEMM is not autocast-aware (unlike bmm): cast by hand
-            dt = torch.get_autocast_dtype(x_RD.device.type)
-            x_RD, w1, b1, w2, b2 = (None if t is None else t.to(dt) for t in (x_RD, w1, b1, w2, b2))
+        x_RD, w1, b1, w2, b2 = autocast_cast(x_RD, x_RD, w1, b1, w2, b2)
         offs_E = torch.cumsum(counts_E, 0)
         expert_R = torch.searchsorted(offs_E, torch.arange(x_RD.shape[0], device=x_RD.device), right=True)
         h_RH = grouped_mm(x_RD, w1.transpose(1, 2).contiguous(), offs_E)

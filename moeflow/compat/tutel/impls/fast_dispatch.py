@@ -27,7 +27,7 @@ import torch
 
 from moeflow.compat.tutel.impls.losses import gshard_loss
 from moeflow.compat.tutel.jit_kernels.gating import fast_cumsum_sub_one
-from moeflow.dispatch.local import sum_token_rows
+from moeflow.dispatch.combine import sum_token_rows
 from moeflow.dispatch.slots import assign_slots
 from moeflow.kernels.gather import gather_rows
 from moeflow.parallel.comm import gather_objects, process_position

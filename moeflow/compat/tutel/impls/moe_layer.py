@@ -2,9 +2,9 @@
 
 ``MOELayer`` *is* a ``moeflow.MoE``: gate 0 is its ``router`` (extra gates live in
 ``extra_gates``), its experts follow moeflow's experts protocol, and dispatch/combine go
-through its injected dispatcher (``LocalDispatcher``, or ``AllToAllDispatcher`` once
-``moeflow.parallel.expert_parallel`` has been applied for ``group=``). Only the routing step is
-Tutel's own: softmax of the (noisy) gate logits, top-k, Tutel's gate normalisation and balance
+through the layer's one path after routing (``MoE.forward_routed``: the injected dispatcher's
+``run``, a ``LocalDispatcher`` or, once ``moeflow.parallel.expert_parallel`` has been applied for
+``group=``, an ``ExpertParallelDispatcher``). Only the routing step is Tutel's own: softmax of the (noisy) gate logits, top-k, Tutel's gate normalisation and balance
 loss, and Tutel's capacity rule, which is translated into the moeflow capacity factor that
 gives the same ``C`` (see ``moeflow_capacity_factor``). Semantic differences from Tutel are
 listed in ``moeflow.compat.tutel``.
@@ -148,9 +148,7 @@ class MOELayer(MoE):
             before building the gates (gate i uses ``gate_seed + i``), before building the
             experts, and at the end.
         a2a_ffn_overlap_degree: pipelining of the expert-parallel exchange (moeflow's
-            ``overlap_degree``: an int >= 1; also settable per call). Not with
-            ``batch_prioritized_routing`` and ``normalize_gate`` at k > 1 on ``is_postscore``
-            layers (their raw-score priority and normalised gates need the unpipelined path).
+            ``overlap_degree``: an int >= 1; also settable per call).
         parallel_type, use_2dh: only ``'adaptive:1'`` and ``False`` are supported (anything
             else raises ``ValueError``).
         is_postscore: weight expert outputs by the gate (True) or expert inputs (False).
@@ -182,7 +180,8 @@ class MOELayer(MoE):
         if parallel_type not in SUPPORTED_PARALLEL_TYPES:
             raise ValueError(
                 f"parallel_type={parallel_type!r} is not supported yet; only {list(SUPPORTED_PARALLEL_TYPES)} "
-                "(expert parallelism) is (adaptive/data/sharded modes are being added to moeflow.parallel)"
+                "(expert parallelism) is. moeflow's data, sharded and hybrid modes run on a moeflow.MoE: "
+                "moeflow.parallel.expert_parallel(model, config=moeflow.ParallelConfig(parallel=...))"
             )
         if use_2dh is not False:
             raise ValueError(
@@ -373,23 +372,14 @@ class MOELayer(MoE):
         else:
             l_aux = load_importance_loss(torch.softmax(logits_TE, dim=1), noisy_TE.gather(1, ids_TK), E, spec.gate_noise)
 
-        if T == 0 and not getattr(self.dispatcher, "collective", False):
+        if T == 0 and not self.dispatcher.collective:
             O = getattr(self.experts, "output_dim", self.model_dim)
             y_TO = x_TD.new_zeros(0, O) + graph_zero(self, x_TD)
         else:
-            # the dispatcher orders batch-prioritized routing by the largest weight it is given,
-            # and Tutel orders by the largest *raw* score: so the dispatcher gets the raw scores.
-            # Gates applied at combine: the normalised gates replace them in the plan afterwards.
-            # Gates applied at dispatch: the token is divided by its normaliser first
-            # ((x / s) * raw == x * (raw / s), the normaliser being shared by the token's k rows).
-            late_weights = self.is_postscore
-            x_in_TD = x_TD
-            weights_TK = gates_TK
-            if self.batch_prioritized_routing and gates_TK is not raw_TK:
-                weights_TK = raw_TK
-                if not late_weights:
-                    x_in_TD = x_TD / raw_TK.sum(dim=1, keepdim=True).clamp(min=torch.finfo(raw_TK.dtype).eps).to(x_TD.dtype)
-            routing = RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=noisy_TE, scores_TE=scores_TE)
+            # batch-prioritized routing orders tokens by Tutel's *raw* top score, while the
+            # (normalised) gates weight the outputs: the raw scores are the routing's priority
+            routing = RoutingResult(weights_TK=gates_TK, ids_TK=ids_TK, logits_TE=noisy_TE, scores_TE=scores_TE,
+                                    aux_losses={"tutel_l_aux": l_aux}, priority_TK=raw_TK)
             T_cap = T
             if self.world_size > 1:
                 # every rank must pass the same capacity factor to the collective dispatcher:
@@ -397,27 +387,13 @@ class MOELayer(MoE):
                 sizes = all_gather_rows(torch.tensor([[T]], dtype=torch.long, device=x_TD.device), self.group)
                 T_cap = max(int(s.sum()) for s in sizes)
             mf_cf = moeflow_capacity_factor(cf, num_tokens=T_cap, top_k=k, num_experts=E)
-            run = getattr(self.dispatcher, "run", None)
-            if degree != 1 and run is not None:
-                if late_weights and weights_TK is not gates_TK:
-                    raise ValueError(
-                        f"a2a_ffn_overlap_degree={degree} is not supported with batch_prioritized_routing and "
-                        "normalize_gate at k > 1 on an is_postscore layer; use a2a_ffn_overlap_degree=1"
-                    )
-                y_TO = run(x_in_TD, routing, self.experts, capacity_factor=mf_cf, overlap_degree=degree)
-            else:
-                expert_in, plan = self.dispatcher.dispatch(x_in_TD, routing, capacity_factor=mf_cf)
-                if late_weights and weights_TK is not gates_TK:
-                    plan = dataclasses.replace(plan, weights_TK=gates_TK.to(plan.weights_TK.dtype))
-                expert_out = self.experts(expert_in, plan.counts_E)
-                y_TO = self.dispatcher.combine(expert_out, plan)
-            self.last_counts_E = routing.counts_E
+            y_TO = self.forward_routed(x_TD, routing, capacity_factor=mf_cf, overlap_degree=degree)
         O = y_TO.shape[-1]
         out_shape = tuple(shape) if O == self.model_dim else (*shape[:-reserve_dims], O)
         y = y_TO.reshape(out_shape).to(dtype)
         y.l_aux = l_aux  # type: ignore[attr-defined]
         self.l_aux = l_aux
-        self.aux_losses = {"tutel_l_aux": l_aux}
+        self.aux_losses = {"tutel_l_aux": l_aux}  # (also when no token came: no routed call then)
         return self.result_func(y) if self.result_func is not None else y
 
     def __getstate__(self) -> dict:
