@@ -20,6 +20,7 @@ from moeflow.models import MoEGPT, gpt_config
 from moeflow.storage import (
     ExpertStore,
     OffloadedAdamW,
+    RingStreamer,
     StorageConfig,
     StoredExperts,
     format_bytes,
@@ -440,7 +441,7 @@ def test_cli_infer_bench(tmp_path, monkeypatch, capsys):
     import dataclasses
     import json
 
-    import moeflow.storage.bench as storage_bench
+    import moeflow.bench.storage as storage_bench
     from moeflow.cli.main import main
 
     real = storage_bench.run_storage_bench
@@ -456,7 +457,7 @@ def test_cli_infer_bench(tmp_path, monkeypatch, capsys):
 
 
 def test_storage_bench_small():
-    from moeflow.storage.bench import StorageBenchConfig, format_storage_report, run_storage_bench
+    from moeflow.bench.storage import StorageBenchConfig, format_storage_report, run_storage_bench
 
     cfg = StorageBenchConfig(n_layers=8, dim=32, hidden=64, experts=4, heads=2, seq_len=16, repeats=1,
                              threads=1, balanced_tokens=16, compute_factor=2.0)
@@ -659,7 +660,7 @@ def test_failed_construction_leaves_no_temp_dir(private_tmp, monkeypatch, capsys
         raise MemoryError("injected")
 
     with monkeypatch.context() as m:  # failure after the file was written
-        m.setattr(ExpertStore, "_init_ring", boom)
+        m.setattr(RingStreamer, "_allocate_slots", boom)
         with pytest.raises(MemoryError):
             offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", fast_memory="1MB"))
     assert _leftovers(private_tmp) == []
@@ -720,7 +721,7 @@ def test_overlap_prefetch_hides_load_time(monkeypatch, gen):
     prefetch: a copy engine that ran jobs synchronously would fail this."""
     import time
 
-    from moeflow.storage import store as store_mod
+    from moeflow.storage import base as store_mod
 
     real_job, real_compute = store_mod.ExpertStore._copy_job, store_mod.ExpertStore.compute
 

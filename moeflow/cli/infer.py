@@ -54,7 +54,7 @@ def add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default 2; 1 with --bench)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bench", action="store_true",
-                   help="run the ring-inference benchmark (bench/storage_bench.py) with --layers/--threads instead")
+                   help="run the ring-inference benchmark (moeflow.bench.storage) with --layers/--threads instead")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
     p.set_defaults(func=run_infer)
 
@@ -202,17 +202,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from moeflow.storage.bench import StorageBenchConfig, format_storage_report, run_storage_bench
+    from moeflow.bench.storage import StorageBenchConfig, run_and_report
 
     try:
         cfg = StorageBenchConfig(n_layers=args.layers or 8, threads=args.threads or 1,
                                  seed=args.seed)
     except (ValueError, TypeError) as err:
         return _fail(str(err))
-    report = run_storage_bench(cfg, progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True))
-    print(format_storage_report(report))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json}")
+    run_and_report(cfg, args.json)
     return 0

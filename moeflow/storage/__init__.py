@@ -13,9 +13,16 @@ Usage::
         logits = model(idx)            # experts stream through a ring of fast-tier slots
     print(store.stats.format())        # bytes moved, stall, hit rate, peak fast-tier bytes
 
-Modes: ``"ring"`` (``S`` whole-layer slots, round-robin; inference and training, see
-``OffloadedAdamW``) and ``"cache"`` (LRU cache of single experts with routing-aware prefetch,
-for small-batch decoding).
+Modes, one class each over the shared ``ExpertStore`` (home tier, copy engine, fast-tier byte
+accounting, stats): ``"ring"`` is a ``RingStreamer`` (``S`` whole-layer slots, round-robin;
+inference and training, see ``OffloadedAdamW``), ``"cache"`` an ``ExpertCache`` (LRU cache of
+single experts with routing-aware prefetch, for small-batch decoding). ``config.mode`` picks
+the class once, when the store is built.
+
+Modules, bottom up: ``config`` (``StorageConfig``), ``tiers`` (disk file, pinned host copies,
+copy thread), ``home`` (where each layer's weights live, slot sizes), ``stats``, ``base``
+(``ExpertStore``), ``ring`` and ``cache`` (the two layouts), ``store`` (``StoredExperts``,
+``offload_experts``), ``optimizer`` (``OffloadedAdamW``).
 
 Design: why an experts-protocol module and not a hook. ``offload_experts`` replaces each MoE
 layer's ``GroupedExperts`` with a parameter-free ``StoredExperts`` whose ``forward(expert_in,
@@ -33,15 +40,22 @@ through ``torch.func.functional_call`` with the fetched tensors as its parameter
 and gradients are the in-memory layer's, bit for bit.
 """
 
+from moeflow.storage.base import ExpertStore
+from moeflow.storage.cache import ExpertCache
 from moeflow.storage.config import StorageConfig, format_bytes, parse_bytes
-from moeflow.storage.store import ExpertStore, StorageStats, StoredExperts, offload_experts, slot_bytes
-from moeflow.storage.train import OffloadedAdamW
+from moeflow.storage.home import slot_bytes
+from moeflow.storage.optimizer import OffloadedAdamW
+from moeflow.storage.ring import RingStreamer
+from moeflow.storage.stats import StorageStats
+from moeflow.storage.store import StoredExperts, offload_experts
 
 __all__ = [
     "StorageConfig",
     "parse_bytes",
     "format_bytes",
     "ExpertStore",
+    "RingStreamer",
+    "ExpertCache",
     "StorageStats",
     "StoredExperts",
     "offload_experts",

@@ -1,0 +1,343 @@
+"""``ExpertStore``: what every fast-tier layout shares — the home tier, the copies into the fast
+tier, the fast tier's byte accounting, the statistics and the store's lifetime.
+
+Legend: moeflow.types (``E`` experts, ``D`` model dim). ``L`` is the number of MoE layers in the
+store; a *slot* is one unit of the fast tier a load fills (a whole layer in the ring, one expert
+in the cache).
+
+Two subclasses lay the fast tier out: ``RingStreamer`` (``mode="ring"``, whole-layer slots
+round-robin, inference and training) and ``ExpertCache`` (``mode="cache"``, an LRU cache of
+single experts). ``ExpertStore(experts, config)`` builds the one ``config.mode`` names: the mode
+picks the class once, at construction, and no code path here branches on it. This class owns
+what a load is in every layout: a copy job on the ``CopyEngine`` (disk or host -> slot; on CUDA
+through a pinned staging buffer and the copy stream), a future per slot in flight
+(``_loading``), the stall spent waiting for it, the bytes it moved, and what becomes of a load
+nobody waits for any more (``_orphans``: ``close`` raises its error rather than losing it).
+
+The fast tier's bytes are counted here (``stats.fast_bytes``, ``stats.peak_fast_bytes``): the
+subclasses report their slots, transient gradients and gather workspaces through ``_count_fast``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch.func import functional_call
+
+from moeflow.experts.ffn import GroupedExperts
+from moeflow.storage.config import StorageConfig, StoreMode
+from moeflow.storage.home import HomeLayer, disk_key, expert_tensors, home_layers, padded
+from moeflow.storage.stats import StorageStats
+from moeflow.storage.tiers import CopyEngine, DiskFile, aligned_empty, tensor_bytes
+
+__all__ = ["ExpertStore"]
+
+# one copy of a load: (fast-tier destination, home source, the source's disk byte range or None)
+Copy = tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]
+
+
+class ExpertStore(ABC):
+    """Holds the expert weights of ``experts`` (one ``GroupedExperts`` per MoE layer, in
+    execution order) in the home tier of ``config`` and serves them from the fast tier, laid
+    out as ``config.mode`` says (``ExpertStore(...)`` returns a ``RingStreamer`` or an
+    ``ExpertCache``).
+
+    The store copies the weights out; the modules are left untouched (``offload_experts``
+    swaps them for ``StoredExperts`` and drops them). Call ``close()`` (or use ``with``) to stop
+    the copy thread and remove a temporary disk directory.
+    """
+
+    mode: ClassVar[StoreMode]
+    _layouts: ClassVar[dict[str, type[ExpertStore]]] = {}  # mode -> the layout class serving it
+
+    def __init_subclass__(cls, *, mode: StoreMode, **kwargs: object) -> None:
+        """A layout names its mode in its class statement: ``class RingStreamer(ExpertStore,
+        mode="ring")``."""
+        super().__init_subclass__(**kwargs)
+        cls.mode = mode
+        ExpertStore._layouts[mode] = cls
+
+    def __new__(cls, experts: Sequence[GroupedExperts], config: StorageConfig) -> ExpertStore:
+        """``ExpertStore(...)`` builds the layout class of ``config.mode``: the mode picks the
+        class here, once. A layout class built directly must be the one of ``config.mode``."""
+        if not isinstance(config, StorageConfig):
+            raise TypeError(f"config must be a StorageConfig, got {type(config).__name__}")
+        if cls is ExpertStore:
+            cls = ExpertStore._layouts[config.mode]
+        elif config.mode != cls.mode:
+            raise ValueError(f"{cls.__name__} is the mode={cls.mode!r} store, got config.mode={config.mode!r}")
+        return super().__new__(cls)
+
+    def __init__(self, experts: Sequence[GroupedExperts], config: StorageConfig) -> None:
+        experts = list(experts)
+        if not experts:
+            raise ValueError("experts must hold at least one GroupedExperts module, got none")
+        for i, m in enumerate(experts):
+            if not isinstance(m, GroupedExperts):
+                raise TypeError(f"experts[{i}] must be a GroupedExperts (3-D expert weights), got {type(m).__name__}")
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={config.device!r} but CUDA is not available")
+        # the budget first: a store that cannot fit writes nothing (no file, no directory)
+        self._plan_slots(experts)
+        self.stats = StorageStats()
+        self.disk: DiskFile | None = None
+        self.engine: CopyEngine | None = None
+        self.layers: list[HomeLayer] = []
+        self.num_layers = 0
+        self._tmpdir: str | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._closed = False
+        self._loading: dict[int, Future] = {}  # slot -> its load in flight
+        self._orphans: list[Future] = []  # loads nobody waits for any more (their slot was reclaimed)
+        try:
+            named = expert_tensors(experts)
+            if config.offload == "disk":
+                flat = {disk_key(i, n): t for i, d in enumerate(named) for n, t in d.items()}
+                # a file of its own: stores sharing ``directory`` must not overwrite each other's map
+                self.disk = DiskFile.create(self._disk_directory(), "experts-", flat)
+            self.layers = home_layers(experts, named, self.disk, self.device)
+            self.num_layers = len(self.layers)
+            self.engine = CopyEngine(self.device)
+            self._allocate_slots()
+        except BaseException:
+            self.close(check=False)
+            raise
+
+    # ------------------------------------------------------------------ the layout's part
+
+    @abstractmethod
+    def _plan_slots(self, experts: list[GroupedExperts]) -> None:
+        """Size the slots from ``config.fast_memory``; raise ``ValueError`` with the numbers if
+        the budget cannot hold the layout. Runs before anything is allocated or written."""
+
+    @abstractmethod
+    def _allocate_slots(self) -> None:
+        """Allocate the fast tier (counted with ``_count_fast``) and the layout's bookkeeping."""
+
+    @abstractmethod
+    def _forget_slot(self, slot: int) -> None:
+        """Slot ``slot``'s load failed: drop what it was to hold, so it is loaded again when
+        next asked for (nothing computes on a half-loaded slot)."""
+
+    @abstractmethod
+    def _forget_all(self) -> None:
+        """Every slot empty (the home weights changed)."""
+
+    @abstractmethod
+    def run(self, layer: int, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """``expert_out`` of layer ``layer`` (the experts protocol), fetching its weights."""
+
+    # ------------------------------------------------------------------ home tier
+
+    def _disk_directory(self) -> Path:
+        """``config.directory`` (created if missing), else a temporary directory of this store,
+        removed by ``close()``, or when the store is collected / at exit if never closed."""
+        if self.config.directory is not None:
+            directory = Path(self.config.directory)
+            directory.mkdir(parents=True, exist_ok=True)
+            return directory
+        self._tmpdir = tempfile.mkdtemp(prefix="moeflow-experts-")
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
+        return Path(self._tmpdir)
+
+    def _disk_range(self, layer: int, name: str, expert: int | None = None) -> tuple[int, int] | None:
+        """File bytes of layer ``layer``'s tensor ``name`` (its row ``expert`` if given);
+        ``None`` when the home tier is host memory."""
+        if self.disk is None:
+            return None
+        return self.disk.byte_range(disk_key(layer, name), expert)
+
+    @torch.no_grad()
+    def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """A host copy of layer ``layer``'s current expert weights (name -> ``[E, ...]``)."""
+        self._require_open()
+        self._check_layer(layer)
+        return {n: t.detach().to("cpu", copy=True) for n, t in self.layers[layer].home.items()}
+
+    def compute(self, layer: int, weights: dict[str, torch.Tensor], expert_in: torch.Tensor,
+                counts_E: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s expert FFN with ``weights``: exactly ``GroupedExperts.forward``
+        (the layer's stand-in module is called with these tensors as its parameters)."""
+        return functional_call(self.layers[layer].template, weights, (expert_in, counts_E))
+
+    # ------------------------------------------------------------------ loads
+
+    def _staging_buffers(self, count: int, nbytes: int) -> list[torch.Tensor | None]:
+        """Per slot, the pinned host buffer of ``nbytes`` a disk read lands in before its copy
+        to the GPU (CUDA with a disk tier only; on CPU, reads go straight into the slot)."""
+        if self.device.type != "cuda" or self.disk is None:
+            return [None] * count
+        return [aligned_empty(nbytes, device=torch.device("cpu"), pin_memory=True) for _ in range(count)]
+
+    def _copy_job(self, pairs: list[Copy], staging: torch.Tensor | None, after: torch.cuda.Event | None):
+        """A job for the copy engine: ``dst.copy_(src)`` for each ``(dst, src, disk range)``.
+
+        On CUDA the device copies wait for ``after`` (the consumer released the destination),
+        read disk sources through the pinned ``staging`` buffer, and the job returns the event
+        that marks them done. On CPU every copy is done when the job returns.
+        """
+        disk = self.disk
+        evict = disk is not None and self.config.evict_page_cache
+
+        def job(stream: torch.cuda.Stream | None):
+            if stream is not None and after is not None:
+                stream.wait_event(after)
+            offset = 0
+            for dst, src, disk_range in pairs:
+                if disk_range is None:  # host -> fast
+                    dst.copy_(src, non_blocking=stream is not None)
+                    continue
+                if stream is None:  # disk -> host memory (the CPU fast tier) directly
+                    disk.read_into(dst, *disk_range)
+                else:  # disk -> pinned staging (this thread) -> device (copy stream)
+                    n = tensor_bytes(dst)
+                    stage = staging[offset : offset + n].view(dst.dtype).view(dst.shape)
+                    offset += padded(n)
+                    disk.read_into(stage, *disk_range)
+                    dst.copy_(stage, non_blocking=True)
+                if evict:
+                    disk.evict(*disk_range)
+            if stream is None:
+                return None
+            done = torch.cuda.Event()
+            done.record(stream)
+            if staging is not None:
+                done.synchronize()  # the next job into this slot reuses the staging buffer
+            return done
+
+        return job
+
+    def _start_load(self, slot: int, pairs: list[Copy], staging: torch.Tensor | None,
+                    after: torch.cuda.Event | None, *, prefetch: bool) -> None:
+        """Queue the copies that fill slot ``slot`` and count them; a load still in flight into
+        that slot is retired (nobody will wait for it)."""
+        self._retire(self._loading.pop(slot, None))
+        self._loading[slot] = self.engine.submit(self._copy_job(pairs, staging, after))
+        nbytes = sum(tensor_bytes(dst) for dst, _, _ in pairs)
+        s = self.stats
+        s.loads += 1
+        s.prefetch_loads += prefetch
+        s.bytes_loaded += nbytes
+        s.bytes_from_disk += nbytes if self.disk is not None else 0
+
+    def _await_load(self, slot: int) -> None:
+        """Wait for slot ``slot``'s load if one is in flight; if it failed, forget the slot and
+        raise the error."""
+        future = self._loading.pop(slot, None)
+        if future is None:
+            return
+        try:
+            self._wait(future)
+        except BaseException:
+            self._forget_slot(slot)
+            raise
+
+    def _wait(self, future: Future) -> None:
+        self.stats.stall_s += self.engine.wait(future)
+
+    def _release_event(self) -> torch.cuda.Event | None:
+        """On CUDA, an event marking the compute stream's work so far (a copy into a slot the
+        compute just read waits on it); ``None`` on CPU."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _retire(self, future: Future | None) -> None:
+        """A load nobody will wait for (its slot was reclaimed or forgotten): kept so that its
+        failure is not lost (``close`` raises it)."""
+        if future is not None:
+            self._orphans.append(future)
+            self._orphans = [f for f in self._orphans if not (f.done() and f.exception() is None)]
+
+    @staticmethod
+    def _drain(futures: list[Future]) -> None:
+        """Wait for ``futures`` (host and, on CUDA, device side) and raise the first error."""
+        error: BaseException | None = None
+        for future in futures:
+            try:
+                result = future.result()
+                if isinstance(result, torch.cuda.Event):
+                    result.synchronize()
+            except BaseException as err:  # noqa: BLE001 - re-raised below
+                error = error or err
+        if error is not None:
+            raise error
+
+    def _in_flight(self) -> list[Future]:
+        """Every copy job ``close`` must wait for."""
+        return [*self._orphans, *self._loading.values()]
+
+    def invalidate(self) -> None:
+        """Forget every slot's contents (the home weights changed, e.g. after an optimizer
+        step); waits for loads in flight (on CUDA, on the host too: their copies are done when
+        it returns) and raises the first of their errors, after forgetting every slot."""
+        pending = list(self._loading.values())
+        self._loading.clear()
+        self._forget_all()
+        self._drain(pending)
+
+    # ------------------------------------------------------------------ accounting and lifetime
+
+    def _count_fast(self, delta: int) -> None:
+        s = self.stats
+        s.fast_bytes += delta
+        s.peak_fast_bytes = max(s.peak_fast_bytes, s.fast_bytes)
+
+    def reset_stats(self) -> None:
+        keep = self.stats.fast_bytes
+        self.stats = StorageStats(fast_bytes=keep, peak_fast_bytes=keep)
+
+    def _check_layer(self, layer: int) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the ExpertStore is closed")
+
+    def close(self, *, check: bool = True) -> None:
+        """Stop the copy thread, unmap and remove the disk tier's file (and the temporary
+        directory the store made). Raises the first error of a load that nobody waited for
+        (a prefetch whose slot was reclaimed, a load in flight), after closing everything."""
+        if self._closed:
+            return
+        self._closed = True
+        error: BaseException | None = None
+        try:
+            self._drain(self._in_flight())
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the cleanup
+            error = err
+        self._orphans.clear()
+        self._loading.clear()
+        if self.engine is not None:
+            self.engine.close()
+        for layer in self.layers:  # views of the mapping: unusable once it is closed
+            layer.home = {}
+        if self.disk is not None:
+            self.disk.close()
+            if self._tmpdir is None:  # the store's own file in the user's directory
+                Path(self.disk.path).unlink(missing_ok=True)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+        if error is not None and check:
+            raise RuntimeError(f"a load of the ExpertStore failed and nobody waited for it: {error}") from error
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
