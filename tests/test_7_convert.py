@@ -13,7 +13,7 @@ import moeflow  # noqa: E402
 from moeflow.checkpoint import CheckpointError  # noqa: E402
 from moeflow.cli.main import main  # noqa: E402
 from moeflow.models import MoEGPT, gpt_config  # noqa: E402
-from moeflow.models.hf import gpt_from_hf, gpt_to_hf, state_dict_from_hf  # noqa: E402
+from moeflow.checkpoint.mixtral import gpt_from_hf, gpt_to_hf, state_dict_from_hf  # noqa: E402
 
 
 def tiny_mixtral(gen: torch.Generator, **kw):
@@ -46,7 +46,7 @@ def test_import_gives_the_same_logits_and_gradients(tmp_path, gen) -> None:
 
 def test_fused_in_memory_layout_reads_too(gen) -> None:
     hf = tiny_mixtral(gen)
-    from moeflow.models.hf import gpt_config_from_hf
+    from moeflow.checkpoint.mixtral import gpt_config_from_hf
 
     cfg = gpt_config_from_hf(hf.config.to_dict())
     model = MoEGPT(cfg)

@@ -248,3 +248,16 @@ class _AllGatherShards(torch.autograd.Function):
 def all_gather_shards(x_eX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Differentiable all-gather of equal shards along dim 0 (backward: sum, then this shard)."""
     return _AllGatherShards.apply(x_eX, group)
+
+
+def all_to_all_equal(out_N: torch.Tensor, x_N: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Equal-split all-to-all into a preallocated buffer: block ``d`` of ``x_N``'s ``W`` equal
+    blocks (along dim 0) goes to rank ``d``, and ``out_N`` (shaped like ``x_N``) receives block
+    ``r`` of every rank ``r``. Not differentiable and allocates nothing, so a measurement of
+    the exchange (``moeflow.bench.calibrate``) times the collective alone."""
+    dist.all_to_all_single(out_N, x_N, group=group)
+
+
+def backend_name(group: dist.ProcessGroup | None = None) -> str:
+    """The torch.distributed backend of ``group`` (``"gloo"``, ``"nccl"``, ...), for reports."""
+    return str(dist.get_backend(group))

@@ -12,309 +12,23 @@ offsets are clamped to ``[0, R]`` and made non-decreasing on the device (a group
 ``R`` is cut at ``R``), and rows after the last offset, which belong to no group, come out as
 exact zeros (an extra "tail" group with an empty contraction), so their gradients are zeros too.
 
-Kernels (all fp32 accumulation):
-
-- ``_gmm_kernel``: ``out[rows of e] = epilogue(x[rows of e] @ w[e])`` with three epilogues:
-  ``plain`` (store the product), ``act`` (the expert's input projection: store the
-  pre-activation ``h`` for backward and ``a = act(h)``; a gated activation keeps two
-  accumulators, gate columns ``n`` and up columns ``H + n`` of ``w_in``, so ``h`` never makes a
-  round trip through memory before the gate multiplies it), and ``dact`` (backward of the output
-  projection fused with the activation backward: ``dh = act'(h) * (dy @ w_out[e]^T)``).
-  Tiles are scheduled without a host sync: the grid has ``ceil(R / BLOCK_M) + E + 1`` row tiles
-  (an upper bound; the ``+ 1`` is the zero-filled tail group), each program finds its expert from
-  the cumulative tile counts and idle programs return at once. Programs walk the tiles in groups
-  of 8 row tiles (``_swizzle``) so operands are reused from L2. Under no gradient the ``act``
-  epilogue skips storing ``h`` (``save_h`` of the FFN op).
-- ``_gmm_wgrad_kernel``: the weight gradient ``dw[e] = x[rows of e]^T @ dy[rows of e]``; one
-  program per ``(k-tile x n-tile, e)`` (the tile count on grid axis 0, which has no 65535 cap;
-  ``E`` on axis 1) loops over the group's rows; empty groups get exact zeros.
-
-Weights are read through their strides, so a transposed view (``w_out^T`` in the backward, a
-Hugging Face ``[E, F, D]`` parameter's transpose) costs no copy.
-
-Differentiable entry points (``torch.library`` custom ops with fake kernels and autograd):
-``grouped_mm_triton`` (reference ``moeflow.kernels.grouped_mm_loop``) and ``grouped_ffn_triton``
-(reference ``moeflow.experts.ffn.grouped_ffn`` with the loop backend and no bias).
+Three tiers, one module each: the Triton kernels (``grouped_gemm_kernels``: the product with a
+plain, activation or activation-backward epilogue, and the weight gradient), their launchers
+(``grouped_gemm_launch``: tiles, schedule, allocation) and, here, the differentiable
+``torch.library`` custom ops (fake kernels and autograd, so ``torch.compile`` traces through
+them) with the public entry points ``grouped_mm_triton`` (reference
+``moeflow.kernels.grouped_mm_loop``) and ``grouped_ffn_triton`` (reference
+``moeflow.experts.ffn.grouped_ffn`` with the loop backend and no bias).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from moeflow.kernels.triton import check_triton_tensors, device_guard as _device_guard
+from moeflow.kernels.triton.grouped_gemm_kernels import MODE_ACT, MODE_DACT, MODE_PLAIN, TRITON_ACTIVATIONS
+from moeflow.kernels.triton.grouped_gemm_launch import launch_gmm, launch_wgrad
 
 __all__ = ["grouped_mm_triton", "grouped_ffn_triton", "TRITON_ACTIVATIONS"]
-
-# name -> (elementwise activation code, gated)
-TRITON_ACTIVATIONS: dict[str, tuple[int, bool]] = {
-    "gelu": (1, False),
-    "silu": (2, False),
-    "relu": (3, False),
-    "geglu": (1, True),
-    "swiglu": (2, True),
-}
-_PLAIN, _ACT, _DACT = 0, 1, 2
-
-
-@triton.jit
-def _act(x, ACT: tl.constexpr):
-    if ACT == 1:  # exact (erf) GELU, like F.gelu's default
-        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACT == 2:  # SiLU
-        return x / (1.0 + tl.exp(-x))
-    elif ACT == 3:
-        return tl.maximum(x, 0.0)
-    else:
-        return x
-
-
-@triton.jit
-def _act_grad(x, ACT: tl.constexpr):
-    if ACT == 1:
-        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        return cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
-    elif ACT == 2:
-        s = 1.0 / (1.0 + tl.exp(-x))
-        return s * (1.0 + x * (1.0 - s))
-    elif ACT == 3:
-        return (x > 0).to(tl.float32)
-    else:
-        return tl.full(x.shape, 1.0, tl.float32)
-
-
-@triton.jit
-def _swizzle(pid, num_m, num_n, GROUP: tl.constexpr):
-    """Linear program id -> (tile_m, tile_n), ``GROUP`` row tiles at a time.
-
-    Programs that run together then share ``GROUP`` row tiles of the left operand and a band of
-    column tiles of the right one, both of which stay in L2; plain row-major order would stream
-    the whole left operand from memory once per column tile."""
-    per_group = GROUP * num_n
-    first_m = (pid // per_group) * GROUP
-    size_m = tl.minimum(num_m - first_m, GROUP)
-    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _gmm_kernel(
-    x_ptr, w_ptr, out_ptr, pre_ptr,
-    row_start_ptr, row_end_ptr, tile_start_ptr, tile_end_ptr,
-    N, KD, E, NUM_M,
-    s_xr, s_xk, s_we, s_wk, s_wn, s_or, s_on, s_pr, s_pn,
-    MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr, STORE_PRE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(N, BLOCK_N), GROUP_M)
-    experts = tl.arange(0, BLOCK_E)
-    # groups 0..E-1 are the experts, group E the rows after the last offset (zero-filled)
-    tile_end = tl.load(tile_end_ptr + experts, mask=experts <= E, other=2147483647)
-    e = tl.sum((tile_end <= pid_m).to(tl.int32), axis=0)  # first group whose tiles reach pid_m
-    if e > E:
-        return
-    k_end = tl.where(e < E, KD, 0)  # the tail group: empty contraction, acc stays zero
-    row0 = tl.load(row_start_ptr + e) + (pid_m - tl.load(tile_start_ptr + e)) * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(row_end_ptr + e)
-    rows64 = rows.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + e.to(tl.int64) * s_we
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < KD
-        a = tl.load(x_ptr + rows64[:, None] * s_xr + kk[None, :] * s_xk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_base + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = _dot(a, b, acc, DOT_F32)
-        if MODE == 1:
-            if GATED:  # up half of w_in: columns N + n
-                b_up = tl.load(w_base + kk[:, None] * s_wk + (cols + N)[None, :] * s_wn,
-                               mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc_up = _dot(a, b_up, acc_up, DOT_F32)
-
-    ok = row_ok[:, None] & col_ok[None, :]
-    out_at = out_ptr + rows64[:, None] * s_or + cols[None, :] * s_on
-    pre_at = pre_ptr + rows64[:, None] * s_pr + cols[None, :] * s_pn
-    if MODE == 0:
-        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=ok)
-    elif MODE == 1:
-        if STORE_PRE:  # h is kept for the backward only
-            tl.store(pre_at, acc.to(pre_ptr.dtype.element_ty), mask=ok)
-            if GATED:
-                tl.store(pre_at + N * s_pn, acc_up.to(pre_ptr.dtype.element_ty), mask=ok)
-        if GATED:
-            y = _act(acc, ACT) * acc_up
-        else:
-            y = _act(acc, ACT)
-        tl.store(out_at, y.to(out_ptr.dtype.element_ty), mask=ok)
-    else:  # acc is the gradient of the activation output, tile [rows, hidden cols]
-        g = tl.load(pre_at, mask=ok, other=0.0).to(tl.float32)
-        if GATED:
-            u = tl.load(pre_at + N * s_pn, mask=ok, other=0.0).to(tl.float32)
-            tl.store(out_at, (acc * u * _act_grad(g, ACT)).to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(out_at + N * s_on, (acc * _act(g, ACT)).to(out_ptr.dtype.element_ty), mask=ok)
-        else:
-            tl.store(out_at, (acc * _act_grad(g, ACT)).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _gmm_wgrad_kernel(
-    a_ptr, b_ptr, out_ptr, row_start_ptr, row_end_ptr,
-    KD, N,
-    s_ar, s_ak, s_br, s_bn, s_oe, s_ok, s_on,
-    DOT_F32: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_K: tl.constexpr,
-):
-    e = tl.program_id(1)
-    pid_k, pid_n = _swizzle(tl.program_id(0), tl.cdiv(KD, BLOCK_K), tl.cdiv(N, BLOCK_N), GROUP_K)
-    start = tl.load(row_start_ptr + e)
-    end = tl.load(row_end_ptr + e)
-    kk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = kk < KD
-    n_ok = nn < N
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        r_ok = rr < end
-        rr64 = rr.to(tl.int64)
-        a_t = tl.load(a_ptr + rr64[None, :] * s_ar + kk[:, None] * s_ak, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + rr64[:, None] * s_br + nn[None, :] * s_bn, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _dot(a_t, b, acc, DOT_F32)
-    out_at = out_ptr + e.to(tl.int64) * s_oe + kk[:, None] * s_ok + nn[None, :] * s_on
-    tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
-
-
-# ---------------------------------------------------------------------------------------------
-# launchers
-
-
-def _config(dtype: torch.dtype, device: torch.device, gated: bool) -> dict[str, int]:
-    """Tile sizes. Interpreter: small tiles (fewer wasted lanes at test sizes). GPU: 16-bit
-    types use the tensor cores with 128x128x64 tiles (64 columns when two accumulators are live);
-    fp32 runs the IEEE path with smaller tiles. Untuned: see bench/gpu_kernels.py."""
-    if device.type != "cuda":
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
-    if dtype == torch.float32:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 64 if gated else 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-
-
-def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
-    # the interpreter has no 16-bit dot; fp32 inputs take the IEEE path to match torch.mm
-    return device.type != "cuda" or dtype == torch.float32
-
-
-def _schedule(offs_E: torch.Tensor, block_m: int, R: int) -> tuple[torch.Tensor, ...]:
-    """int32 ``(row_start_G, row_end_G, tile_start_G, tile_end_G)`` for ``G = E + 1`` groups from
-    the inclusive offsets: the ``E`` experts, then the tail ``[end of the last group, R)``.
-
-    The offsets are clamped to ``[0, R]`` and made non-decreasing on the device (no host sync),
-    so no group reaches past ``R`` and every row is in exactly one group."""
-    end_E = torch.cummax(offs_E.to(torch.int64).clamp(0, R), 0).values
-    end_E = torch.cat([end_E, end_E.new_full((1,), R)])
-    count_E = torch.diff(end_E, prepend=end_E.new_zeros(1))
-    tiles_E = torch.div(count_E + block_m - 1, block_m, rounding_mode="floor")
-    tile_end_E = torch.cumsum(tiles_E, 0)
-    as32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    return as32(end_E - count_E), as32(end_E), as32(tile_end_E - tiles_E), as32(tile_end_E)
-
-
-def _launch_gmm(
-    x_RK: torch.Tensor,
-    w_EKN: torch.Tensor,
-    offs_E: torch.Tensor,
-    *,
-    mode: int,
-    activation: str = "none",
-    pre_RF: torch.Tensor | None = None,
-    store_pre: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run ``_gmm_kernel``; returns ``(out, pre)`` (``pre`` only for the act epilogue; with
-    ``store_pre=False`` it is an empty ``[0, F]`` tensor and ``h`` is never written).
-
-    plain: ``out [R, N]``. act: ``w`` is ``w_in [E, D, F]``, out ``a [R, H]``, pre ``h [R, F]``.
-    dact: ``w`` is ``w_out^T [E, D, H]``, ``pre_RF`` is ``h``, out ``dh [R, F]``.
-    """
-    check_triton_tensors("grouped GEMM", x=x_RK)
-    R, KD = x_RK.shape
-    E = w_EKN.shape[0]
-    act, gated = TRITON_ACTIVATIONS.get(activation, (0, False))
-    width = w_EKN.shape[2]
-    N = width // 2 if (mode == _ACT and gated) else width
-    dev, dt = x_RK.device, x_RK.dtype
-    if mode == _PLAIN:
-        out = torch.empty(R, N, dtype=dt, device=dev)
-        pre = None
-    elif mode == _ACT:
-        out = torch.empty(R, N, dtype=dt, device=dev)
-        pre = torch.empty(R if store_pre else 0, width, dtype=dt, device=dev)
-    else:
-        out = torch.empty(R, 2 * N if gated else N, dtype=dt, device=dev)
-        pre = pre_RF
-    if R == 0 or N == 0:
-        return out, pre
-    if KD == 0:
-        # empty contraction: the product is zero (and so is everything downstream of it)
-        out.zero_()
-        if mode == _ACT:
-            pre.zero_()
-        return out, pre
-    cfg = _config(dt, dev, gated and mode != _PLAIN)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    row_start, row_end, tile_start, tile_end = _schedule(offs_E, bm, R)
-    pre_arg = out if (pre is None or pre.shape[0] != R) else pre
-    # an upper bound on the row tiles (E groups and the tail): no host sync for the real count
-    num_m = triton.cdiv(R, bm) + E + 1
-    with _device_guard(x_RK):
-        _gmm_kernel[(num_m * triton.cdiv(N, bn),)](
-            x_RK, w_EKN, out, pre_arg, row_start, row_end, tile_start, tile_end,
-            N, KD, E, num_m,
-            x_RK.stride(0), x_RK.stride(1), w_EKN.stride(0), w_EKN.stride(1), w_EKN.stride(2),
-            out.stride(0), out.stride(1), pre_arg.stride(0), pre_arg.stride(1),
-            MODE=mode, ACT=act, GATED=gated, DOT_F32=_dot_f32(dt, dev), STORE_PRE=pre_arg is not out,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E + 1), GROUP_M=8,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-    return out, pre
-
-
-def _launch_wgrad(a_RK: torch.Tensor, b_RN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """``dw_EKN[e] = a[rows of e]^T @ b[rows of e]`` (zeros for empty groups)."""
-    check_triton_tensors("grouped GEMM weight gradient", a=a_RK)
-    E = offs_E.shape[0]
-    KD, N = a_RK.shape[1], b_RN.shape[1]
-    out = torch.empty(E, KD, N, dtype=a_RK.dtype, device=a_RK.device)
-    if E == 0 or KD == 0 or N == 0:
-        return out
-    if a_RK.shape[0] == 0:
-        return out.zero_()
-    cuda = a_RK.device.type == "cuda"
-    br, bk, bn = (64, 128, 128) if cuda and a_RK.dtype != torch.float32 else ((32, 64, 64) if cuda else (16, 32, 32))
-    row_start, row_end, _, _ = _schedule(offs_E, 1, a_RK.shape[0])  # the tail group is not launched
-    grid = (triton.cdiv(KD, bk) * triton.cdiv(N, bn), E)  # tiles on axis 0 (no 65535 cap)
-    with _device_guard(a_RK):
-        _gmm_wgrad_kernel[grid](
-            a_RK, b_RN, out, row_start, row_end, KD, N,
-            a_RK.stride(0), a_RK.stride(1), b_RN.stride(0), b_RN.stride(1), out.stride(0), out.stride(1), out.stride(2),
-            DOT_F32=_dot_f32(a_RK.dtype, a_RK.device), BLOCK_R=br, BLOCK_K=bk, BLOCK_N=bn, GROUP_K=8,
-            num_warps=8 if cuda else 4, num_stages=3 if cuda else 1,
-        )
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +37,7 @@ def _launch_wgrad(a_RK: torch.Tensor, b_RN: torch.Tensor, offs_E: torch.Tensor) 
 
 @torch.library.custom_op("moeflow::grouped_mm_wgrad", mutates_args=())
 def _wgrad_op(a_RK: torch.Tensor, b_RN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    return _launch_wgrad(a_RK, b_RN, offs_E)
+    return launch_wgrad(a_RK, b_RN, offs_E)
 
 
 @_wgrad_op.register_fake
@@ -333,7 +47,7 @@ def _(a_RK, b_RN, offs_E):
 
 @torch.library.custom_op("moeflow::grouped_mm", mutates_args=())
 def _gmm_op(x_RD: torch.Tensor, w_EDN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    return _launch_gmm(x_RD, w_EDN, offs_E, mode=_PLAIN)[0]
+    return launch_gmm(x_RD, w_EDN, offs_E, mode=MODE_PLAIN)[0]
 
 
 @_gmm_op.register_fake
@@ -360,7 +74,7 @@ _gmm_op.register_autograd(_gmm_backward, setup_context=_gmm_setup)
 def _dact_op(
     grad_RD: torch.Tensor, w_out_EHD: torch.Tensor, offs_E: torch.Tensor, h_RF: torch.Tensor, activation: str
 ) -> torch.Tensor:
-    return _launch_gmm(grad_RD, w_out_EHD.transpose(1, 2), offs_E, mode=_DACT, activation=activation, pre_RF=h_RF)[0]
+    return launch_gmm(grad_RD, w_out_EHD.transpose(1, 2), offs_E, mode=MODE_DACT, activation=activation, pre_RF=h_RF)[0]
 
 
 @_dact_op.register_fake
@@ -374,8 +88,8 @@ def _ffn_op(
     save_h: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, h, a)``; ``save_h=False`` (no gradient wanted) skips writing ``h``, returned ``[0, F]``."""
-    a_RH, h_RF = _launch_gmm(x_RD, w_in_EDF, offs_E, mode=_ACT, activation=activation, store_pre=save_h)
-    y_RD = _launch_gmm(a_RH, w_out_EHD, offs_E, mode=_PLAIN)[0]
+    a_RH, h_RF = launch_gmm(x_RD, w_in_EDF, offs_E, mode=MODE_ACT, activation=activation, store_pre=save_h)
+    y_RD = launch_gmm(a_RH, w_out_EHD, offs_E, mode=MODE_PLAIN)[0]
     return y_RD, h_RF, a_RH
 
 

@@ -1,0 +1,229 @@
+"""Weights between a Hugging Face Mixtral checkpoint and moeflow's ``MoEGPT`` (exact both ways).
+
+A Mixtral is a ``MoEGPT`` with an MoE on every block, SwiGLU experts, top-k-then-softmax routing
+and untied embeddings, so conversion is a table of renames plus transposes. Mixtral checkpoints on
+disk (the published ones, and what ``save_pretrained`` writes) keep one ``F.linear`` weight per
+expert: ``block_sparse_moe.experts.{e}.w1`` (gate, ``[H, D]``), ``w3`` (up) and ``w2`` (down,
+``[D, H]``), and the router as ``block_sparse_moe.gate``. transformers' in-memory layout
+(``mlp.experts.gate_up_proj [E, 2H, D]``, ``down_proj [E, D, H]``, ``mlp.gate``) is read too.
+moeflow stores ``w_in [E, D, 2H]`` (gate columns, then up) and ``w_out [E, H, D]``.
+
+Reading and writing need only ``safetensors`` and JSON (not ``transformers``): an HF directory is
+``config.json`` plus ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+
+Import direction: this module converts to and from one model class, so it imports
+``moeflow.models.gpt`` at import time (the one edge from ``checkpoint/`` up to ``models/``). There
+is no cycle: ``moeflow.models`` imports nothing from ``checkpoint/`` (only the deprecated alias
+``moeflow.models.hf``, which its package does not import, re-exports this module), and
+``moeflow.checkpoint`` does not import this module, so the generic save/load/reshard code stays
+free of any model class.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moeflow.checkpoint.io import CheckpointError
+from moeflow.config import RouterConfig
+from moeflow.models.gpt import GPTConfig, MoEGPT
+
+__all__ = ["gpt_config_from_hf", "hf_config_from_gpt", "state_dict_from_hf", "state_dict_to_hf",
+           "read_hf", "read_hf_config", "write_hf", "gpt_from_hf", "gpt_to_hf"]
+
+_DENSE = {  # moeflow name (per layer) -> HF name (per layer)
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def gpt_config_from_hf(hf: dict) -> GPTConfig:
+    """The ``GPTConfig`` equivalent to a Mixtral ``config.json`` dict; ``CheckpointError`` naming
+    the field for anything moeflow's GPT does not express (another family, a head_dim that is not
+    ``hidden_size / heads``, sliding windows, another activation or RoPE type)."""
+    if hf.get("model_type") != "mixtral":
+        raise CheckpointError(f"config.json: model_type {hf.get('model_type')!r} is not supported; only 'mixtral'")
+    D, N = hf["hidden_size"], hf["num_attention_heads"]
+    checks = {
+        "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+        "head_dim": (hf.get("head_dim") or D // N, D // N),
+        "sliding_window": (hf.get("sliding_window"), None),
+    }
+    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 1e6), "rope_type": "default"}
+    checks["rope_parameters.rope_type"] = (rope.get("rope_type", "default"), "default")
+    for field, (got, want) in checks.items():
+        if got != want:
+            raise CheckpointError(f"config.json: {field}={got!r} is not supported (moeflow's GPT needs {want!r})")
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], dim=D, n_layers=hf["num_hidden_layers"], n_heads=N,
+        n_kv_heads=hf.get("num_key_value_heads") or N, max_seq_len=hf.get("max_position_embeddings", 4096),
+        moe_every=1, num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+        expert_hidden=hf["intermediate_size"], capacity_factor=0.0,
+        router=RouterConfig(scoring="topk_softmax", load_balance_coef=hf.get("router_aux_loss_coef", 0.001),
+                            jitter_eps=hf.get("router_jitter_noise", 0.0) or 0.0),
+        norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(rope["rope_theta"]),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), init_std=hf.get("initializer_range", 0.02),
+    )
+
+
+def hf_config_from_gpt(cfg: GPTConfig) -> dict:
+    """Mixtral ``config.json`` dict for a ``GPTConfig``; ``ValueError`` naming the field when the
+    model is not Mixtral-shaped (MoE on every block, SwiGLU without biases, Mixtral routing, no
+    shared experts, dropless)."""
+    r = cfg.router
+    mixtral_routing = r.scoring == "topk_softmax" or (r.scoring == "softmax" and r.normalize_topk)
+    problems = {
+        "moe_every": (cfg.moe_every, 1), "experts.activation": (cfg.experts.activation, "swiglu"),
+        "experts.bias": (cfg.experts.bias, False), "num_shared_experts": (cfg.num_shared_experts, 0),
+        "router.kind": (r.kind, "linear"), "router.bias": (r.bias, False), "router.num_groups": (r.num_groups, 1),
+        "router.routed_scaling_factor": (r.routed_scaling_factor, 1.0), "capacity_factor": (cfg.capacity_factor, 0.0),
+        "router.scoring": ("Mixtral-equivalent" if mixtral_routing else r.scoring, "Mixtral-equivalent"),
+    }
+    for field, (got, want) in problems.items():
+        if got != want:
+            raise ValueError(f"cannot export to Mixtral: {field}={got!r} (Mixtral has {want!r})")
+    return {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim, "intermediate_size": cfg.expert_hidden, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim // cfg.n_heads,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "sliding_window": None,
+        "attention_dropout": 0.0, "num_experts_per_tok": cfg.top_k, "num_local_experts": cfg.num_experts,
+        "router_aux_loss_coef": r.load_balance_coef, "router_jitter_noise": r.jitter_eps,
+        "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "dtype": "float32",
+    }
+
+
+def state_dict_from_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF Mixtral tensors -> ``MoEGPT.state_dict()`` names (every tensor accounted for)."""
+    sd = dict(sd)
+    out: dict[str, torch.Tensor] = {}
+
+    def take(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise CheckpointError(f"HF checkpoint has no tensor {key!r}")
+        return sd.pop(key)
+
+    out["embed.weight"] = take("model.embed_tokens.weight")
+    out["norm.weight"] = take("model.norm.weight")
+    if cfg.tie_embeddings:  # one tensor under both names, as MoEGPT.state_dict() has it
+        sd.pop("lm_head.weight", None)
+        out["lm_head.weight"] = out["embed.weight"]
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.n_layers):
+        pre = f"model.layers.{i}"
+        for ours, theirs in _DENSE.items():
+            out[f"layers.{i}.{ours}"] = take(f"{pre}.{theirs}")
+        if f"{pre}.mlp.experts.gate_up_proj" in sd:  # transformers' fused in-memory layout
+            out[f"layers.{i}.ffn.router.linear.weight"] = take(f"{pre}.mlp.gate.weight")
+            out[f"layers.{i}.ffn.experts.w_in"] = take(f"{pre}.mlp.experts.gate_up_proj").transpose(1, 2).contiguous()
+            out[f"layers.{i}.ffn.experts.w_out"] = take(f"{pre}.mlp.experts.down_proj").transpose(1, 2).contiguous()
+            continue
+        moe = f"{pre}.block_sparse_moe"
+        out[f"layers.{i}.ffn.router.linear.weight"] = take(f"{moe}.gate.weight")
+        experts = range(cfg.num_experts)
+        out[f"layers.{i}.ffn.experts.w_in"] = torch.stack(
+            [torch.cat([take(f"{moe}.experts.{e}.w1.weight"), take(f"{moe}.experts.{e}.w3.weight")]).T for e in experts]
+        ).contiguous()
+        out[f"layers.{i}.ffn.experts.w_out"] = torch.stack([take(f"{moe}.experts.{e}.w2.weight").T for e in experts]).contiguous()
+    leftover = sorted(k for k in sd if not k.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        raise CheckpointError(f"HF checkpoint has tensors the Mixtral mapping does not know: {leftover[:5]}")
+    return out
+
+
+def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """``MoEGPT.state_dict()`` -> Mixtral's on-disk tensor names (per-expert ``w1/w2/w3``), the
+    inverse of ``state_dict_from_hf``."""
+    out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    H = cfg.expert_hidden
+    for i in range(cfg.n_layers):
+        for ours, theirs in _DENSE.items():
+            out[f"model.layers.{i}.{theirs}"] = sd[f"layers.{i}.{ours}"]
+        moe = f"model.layers.{i}.block_sparse_moe"
+        out[f"{moe}.gate.weight"] = sd[f"layers.{i}.ffn.router.linear.weight"]
+        w_in, w_out = sd[f"layers.{i}.ffn.experts.w_in"], sd[f"layers.{i}.ffn.experts.w_out"]
+        for e in range(cfg.num_experts):
+            out[f"{moe}.experts.{e}.w1.weight"] = w_in[e, :, :H].T.contiguous()
+            out[f"{moe}.experts.{e}.w3.weight"] = w_in[e, :, H:].T.contiguous()
+            out[f"{moe}.experts.{e}.w2.weight"] = w_out[e].T.contiguous()
+    return out
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """The ``config.json`` dict of an HF model directory."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
+    try:
+        return json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path / 'config.json'}: not valid JSON: {err}") from err
+
+
+def read_hf(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config dict, tensors)`` of an HF model directory (single or sharded safetensors)."""
+    path = Path(path)
+    config = read_hf_config(path)
+    if (path / "model.safetensors.index.json").is_file():
+        files = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path}: no model.safetensors (nor a sharded index); only safetensors weights are read")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return config, tensors
+
+
+def write_hf(path: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (loadable by ``from_pretrained``)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def gpt_from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> MoEGPT:
+    """A ``MoEGPT`` holding the weights of the Mixtral model directory ``path`` (the router's
+    balancing buffers, which Mixtral does not have, start fresh)."""
+    cfg = gpt_config_from_hf(read_hf_config(path))  # refuse another family before reading weights
+    _, tensors = read_hf(path)
+    sd = state_dict_from_hf(tensors, cfg)
+    model = MoEGPT(cfg, dtype=dtype if dtype is not None else sd["embed.weight"].dtype)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    buffers = {name for name, _ in model.named_buffers()}
+    if unexpected or set(missing) - buffers:
+        raise CheckpointError(f"{path}: tensors do not match the model: missing {sorted(set(missing) - buffers)[:5]}, "
+                              f"unexpected {unexpected[:5]}")
+    return model
+
+
+def gpt_to_hf(model: MoEGPT, path: str | os.PathLike) -> Path:
+    """Write ``model`` as a Mixtral directory that ``MixtralForCausalLM.from_pretrained`` loads."""
+    if not isinstance(model, MoEGPT):
+        raise TypeError(f"model must be a MoEGPT, got {type(model).__name__}")
+    config = hf_config_from_gpt(model.config)
+    for name, buf in model.named_buffers():
+        if name.endswith("router.expert_bias") and bool(buf.ne(0).any()):
+            raise ValueError(f"cannot export to Mixtral: {name} is nonzero (aux-loss-free balancing changes which "
+                             "experts are chosen, and Mixtral's router has no such bias)")
+    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    config["dtype"] = str(sd["embed.weight"].dtype).removeprefix("torch.")
+    return write_hf(path, config, state_dict_to_hf(sd, model.config))

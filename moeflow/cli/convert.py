@@ -1,0 +1,81 @@
+"""``moeflow convert``: inspect or reshard a checkpoint; Mixtral weights from/to Hugging Face."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["add_convert"]
+
+
+def add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="inspect or reshard a checkpoint; import/export Mixtral weights from/to Hugging Face",
+        description="Inspect (--info) or reshard a moeflow checkpoint. Checkpoints store every expert under "
+        "its global index, so any world size can load any checkpoint; resharding only regroups the files "
+        "(e.g. --world-size 1 gathers everything into one file). --from-hf HF_DIR DST writes a moeflow "
+        "checkpoint of a Mixtral model directory; SRC --to-hf HF_DIR writes a moeflow MoE GPT checkpoint "
+        "as a Mixtral directory (both exact).",
+    )
+    p.add_argument("paths", type=Path, nargs="*", metavar="PATH",
+                   help="SRC [DST]: a checkpoint directory (or a root: its latest complete checkpoint) and the "
+                   "destination root; with --from-hf only DST")
+    p.add_argument("--world-size", type=int, default=None, help="number of rank files to write")
+    p.add_argument("--info", action="store_true", help="print layers, experts, shapes and files, then exit")
+    p.add_argument("--from-hf", type=Path, default=None, metavar="HF_DIR", help="import a Mixtral model directory")
+    p.add_argument("--to-hf", type=Path, default=None, metavar="HF_DIR", help="export to a Mixtral model directory")
+    p.set_defaults(func=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from moeflow.checkpoint import CheckpointError, describe_checkpoint, latest_checkpoint, reshard_checkpoint
+
+    def fail(msg: str) -> int:
+        print(f"moeflow convert: error: {msg}", file=sys.stderr)
+        return 2
+
+    paths = list(args.paths)
+    try:
+        if args.from_hf is not None:
+            if len(paths) != 1 or args.to_hf is not None:
+                return fail("usage: moeflow convert --from-hf HF_DIR DST")
+            return _convert_from_hf(args.from_hf, paths[0])
+        if not paths:
+            return fail("give SRC (and DST --world-size N, --info or --to-hf HF_DIR)")
+        src = paths[0]
+        if not (src / "index.json").exists():
+            src = latest_checkpoint(src) or latest_checkpoint(src / "checkpoints") or src
+        if args.to_hf is not None:
+            from moeflow.checkpoint.mixtral import gpt_to_hf
+            from moeflow.train import build_from_checkpoint
+
+            model, _, _ = build_from_checkpoint(src)
+            print(f"wrote {gpt_to_hf(model, args.to_hf)} (Mixtral, {model.config.n_layers} layers, "
+                  f"{model.config.num_experts} experts)")
+            return 0
+        if args.info:
+            print(describe_checkpoint(src))
+            return 0
+        if len(paths) != 2 or args.world_size is None:
+            return fail("give DST and --world-size (or --info, --to-hf)")
+        out = reshard_checkpoint(src, paths[1], args.world_size)
+    except (CheckpointError, ValueError, TypeError) as err:
+        return fail(str(err))
+    print(f"wrote {out} for {args.world_size} rank(s)")
+    return 0
+
+
+def _convert_from_hf(hf_dir: Path, dst: Path) -> int:
+    from moeflow.checkpoint import save_checkpoint
+    from moeflow.checkpoint.mixtral import gpt_from_hf
+    from moeflow.train.lm import MODEL_FAMILY
+
+    model = gpt_from_hf(hf_dir)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    extra = {"family": MODEL_FAMILY, "model": model.config.to_dict(), "dtype": dtype, "tokenizer": None,
+             "source": str(hf_dir)}
+    out = save_checkpoint(dst, 0, model, extra=extra)
+    print(f"wrote {out} (MoE GPT from Mixtral: {model.config.n_layers} layers, {model.config.num_experts} experts)")
+    return 0
