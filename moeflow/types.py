@@ -10,8 +10,12 @@ Shape legend (every module uses these suffixes on tensor names):
   assignments of the whole expert-parallel group (every rank's ``A``, in rank order).
 - ``M`` rows of a dispatch buffer: the expert input of the local dispatcher (``E*C`` in the
   capacity layout, the kept rows otherwise), the rows a rank sends in an exchange.
-- ``R`` rows the experts held here receive, ``W`` world size of the expert group, ``N``
-  replicas of one expert (load-aware placement).
+- ``R`` rows the experts held here receive (in arrival order), ``I`` rows of the expert input
+  held here (``e*C`` in the capacity layout, ``R`` grouped by slot otherwise).
+- ``W`` world size of the expert group, ``N`` rows of a buffer of any length (collectives and
+  row gathers take any).
+
+A module that needs more letters names them in its own docstring.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def test_group_assignment_is_the_single_process_assignment(scenario):  # type: i
     homes = [[None] * W for _ in range(W)]
     for d, p in enumerate(plans):
         recv_RD = torch.cat([blocks[s][d] for s in range(W)])
-        expert_in = gather_rows(recv_RD, p.recv_row_X, p.valid_X, p.input_row_R.view(-1, 1), None)
+        expert_in = gather_rows(recv_RD, p.recv_row_I, p.valid_I, p.input_row_R.view(-1, 1), None)
         slots = torch.tensor(placement.slots[d], dtype=torch.long)
         mine = GroupedExperts(num_experts=len(slots), dim=D, hidden=H // n, dtype=torch.float64)
         with torch.no_grad():
@@ -171,8 +171,8 @@ def test_group_assignment_is_the_single_process_assignment(scenario):  # type: i
                 q.copy_(getattr(stored, name)[slots])
         if p.capacity is not None:
             expert_in = expert_in.view(len(slots), p.capacity, D)
-        out_XD = mine(expert_in, p.counts_E).reshape(-1, D)
-        back_RD = out_XD[p.input_row_R]
+        out_ID = mine(expert_in, p.counts_E).reshape(-1, D)
+        back_RD = out_ID[p.input_row_R]
         start = 0
         for s in range(W):
             homes[s][d] = back_RD[start : start + g.counts_WW[s][d]]

@@ -1,4 +1,5 @@
-"""The Router module: ``x_TD -> RoutingResult`` (legend: moeflow.types)."""
+"""The Router module: ``x_TD -> RoutingResult`` (legend: moeflow.types, plus ``P`` the cosine
+router's projection dim)."""
 
 from __future__ import annotations
 

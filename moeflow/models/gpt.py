@@ -99,6 +99,8 @@ class GPTConfig:
     def to_dict(self) -> dict:
         """JSON-able form (nested configs as dicts, dtypes as names); ``from_dict`` inverts it."""
         out = dataclasses.asdict(self)
+        # unset deprecated parallel fields (moeflow.ParallelConfig) are not written
+        out["dispatch"] = {k: v for k, v in out["dispatch"].items() if k not in _PARALLEL_KEYS or v is not None}
         if self.router.dtype is not None:
             out["router"]["dtype"] = str(self.router.dtype).removeprefix("torch.")
         # tuples as lists, as JSON gives them back: a saved config compares equal to a fresh one
@@ -116,10 +118,14 @@ class GPTConfig:
         if isinstance(router.get("dtype"), str):
             router["dtype"] = getattr(torch, router["dtype"])
         d["router"] = RouterConfig(**router)
-        d["dispatch"] = DispatchConfig(**d.get("dispatch", {}))
+        # configs written before ParallelConfig carry the run's parallel settings here: they
+        # belong to the run (its training config), not to the model, and are dropped
+        d["dispatch"] = DispatchConfig(**{k: v for k, v in d.get("dispatch", {}).items() if k not in _PARALLEL_KEYS})
         d["experts"] = ExpertsConfig(**d.get("experts", {}))
         return cls(**d)
 
+
+_PARALLEL_KEYS = ("parallel", "overlap_degree", "tuner")  # moved from DispatchConfig to ParallelConfig
 
 # name -> shape. Sizes follow GPT-3's table (Brown et al. 2020) with 8 experts on every other
 # block (GShard/Switch placement); "tiny" trains on a 2-core CPU in minutes and is Mixtral-shaped

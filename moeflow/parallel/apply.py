@@ -115,9 +115,9 @@ def expert_parallel(
 
 
 @torch.no_grad()
-def gather_hidden_experts(layer: MoE, name: str, t_vX: torch.Tensor) -> dict[int, torch.Tensor]:
+def gather_hidden_experts(layer: MoE, name: str, slots_t: torch.Tensor) -> dict[int, torch.Tensor]:
     """Whole experts from the hidden slices of a hidden-sharded layer (``expert_parallel(...,
-    hidden_shards=n)``): ``t_vX`` is this rank's ``[slots, ...]`` tensor of parameter ``name``
+    hidden_shards=n)``): ``slots_t`` is this rank's ``[slots, ...]`` tensor of parameter ``name``
     (``"w_in"`` or ``"w_out"``) or of optimizer state shaped like it. Every rank of the group
     calls it, in the same order; each slice goes to the rank holding slice 0 of its expert (one
     all-to-all), which gets ``{expert: whole tensor}`` for those experts (the others ``{}``).
@@ -133,11 +133,11 @@ def gather_hidden_experts(layer: MoE, name: str, t_vX: torch.Tensor) -> dict[int
     send_split = [sum(1 for v in mine if writer(v % E) == d) for d in range(W)]
     arrivals = [v for s in range(W) for v in range(s * e, (s + 1) * e) if writer(v % E) == r]
     recv_split = [sum(1 for v in range(s * e, (s + 1) * e) if writer(v % E) == r) for s in range(W)]
-    index = torch.tensor(order, dtype=torch.long, device=t_vX.device)
-    recv = all_to_all_rows(t_vX.reshape(e, -1).index_select(0, index), send_split, recv_split, disp.group)
+    index = torch.tensor(order, dtype=torch.long, device=slots_t.device)
+    recv = all_to_all_rows(slots_t.reshape(e, -1).index_select(0, index), send_split, recv_split, disp.group)
     by_expert: dict[int, dict[int, torch.Tensor]] = {}
     for row, v in zip(recv, arrivals):
-        by_expert.setdefault(v % E, {})[v // E] = row.view(t_vX.shape[1:])
+        by_expert.setdefault(v % E, {})[v // E] = row.view(slots_t.shape[1:])
     halves = layer.experts.halves
     return {x: join_hidden_slices(name, [got[j] for j in range(n)], halves) for x, got in sorted(by_expert.items())}
 

@@ -137,19 +137,19 @@ class GroupAssignment:
         C = self.capacity.layout_capacity
         if C is not None:  # [e, C, D]: row l*C + pos
             input_row_R = local_R * C + pos_R
-            X = e * C
+            I = e * C
         else:  # grouped by local slot, arrival order inside a slot
             input_row_R = torch.empty(R, dtype=torch.long, device=device)
             input_row_R[torch.sort(local_R, stable=True).indices] = torch.arange(R, device=device)
-            X = R
-        recv_row_X = torch.zeros(X, dtype=torch.long, device=device)
-        recv_row_X[input_row_R] = torch.arange(R, device=device)
-        valid_X = None
+            I = R
+        recv_row_I = torch.zeros(I, dtype=torch.long, device=device)
+        recv_row_I[input_row_R] = torch.arange(R, device=device)
+        valid_I = None
         if C is not None:
-            valid_X = torch.zeros(X, dtype=torch.bool, device=device)
-            valid_X[input_row_R] = True
+            valid_I = torch.zeros(I, dtype=torch.bool, device=device)
+            valid_I[input_row_R] = True
         return ReceiveSide(src_R=src_R, local_R=local_R, order_R=order_R, input_row_R=input_row_R,
-                           recv_row_X=recv_row_X, valid_X=valid_X, counts_e=torch.bincount(local_R, minlength=e))
+                           recv_row_I=recv_row_I, valid_I=valid_I, counts_e=torch.bincount(local_R, minlength=e))
 
 
 @dataclass(frozen=True)
@@ -168,17 +168,17 @@ class ReceiveSide:
     """The rows one rank's experts receive, in arrival order (by source rank).
 
     ``src_R``: source rank; ``local_R``: local slot; ``order_R``: group flat assignment index;
-    ``input_row_R``: row of the expert input it fills (``X`` rows: ``e*C`` in the capacity
-    layout, grouped by slot otherwise); ``recv_row_X``: the received row feeding each input row
-    (arbitrary where ``valid_X`` is False); ``valid_X``: input rows holding a row (None: all);
+    ``input_row_R``: row of the expert input it fills (``I`` rows: ``e*C`` in the capacity
+    layout, grouped by slot otherwise); ``recv_row_I``: the received row feeding each input row
+    (arbitrary where ``valid_I`` is False); ``valid_I``: input rows holding a row (None: all);
     ``counts_e``: rows per local slot."""
 
     src_R: torch.Tensor
     local_R: torch.Tensor
     order_R: torch.Tensor
     input_row_R: torch.Tensor
-    recv_row_X: torch.Tensor
-    valid_X: torch.Tensor | None
+    recv_row_I: torch.Tensor
+    valid_I: torch.Tensor | None
     counts_e: torch.Tensor
 
 

@@ -44,7 +44,7 @@ def exchange_dispatch(where: ExpertGroup, x_TD: torch.Tensor, plan: ExchangePlan
     D]`` in the capacity layout, ``[R, D]`` grouped by slot otherwise."""
     send_MD = send_rows(x_TD, plan.assign_M, plan.row_A, plan.kept_A, plan.weights_TK, plan.weight_at)
     recv_RD = where.exchange(send_MD, plan.counts_WW)
-    expert_in = gather_rows(recv_RD, plan.recv_row_X, plan.valid_X, plan.input_row_R.view(-1, 1), None)
+    expert_in = gather_rows(recv_RD, plan.recv_row_I, plan.valid_I, plan.input_row_R.view(-1, 1), None)
     if plan.capacity is not None:
         expert_in = expert_in.view(plan.counts_E.numel(), plan.capacity, x_TD.shape[1])
     return expert_in
@@ -52,8 +52,8 @@ def exchange_dispatch(where: ExpertGroup, x_TD: torch.Tensor, plan: ExchangePlan
 
 def exchange_combine(where: ExpertGroup, expert_out: torch.Tensor, plan: ExchangePlan) -> torch.Tensor:
     """Send the expert outputs home (the reverse routes) and sum them per token."""
-    out_XD = expert_out.reshape(-1, expert_out.shape[-1])
-    back_RD = gather_rows(out_XD, plan.input_row_R, None, plan.recv_row_X.view(-1, 1),
-                          None if plan.valid_X is None else plan.valid_X.view(-1, 1))
+    out_ID = expert_out.reshape(-1, expert_out.shape[-1])
+    back_RD = gather_rows(out_ID, plan.input_row_R, None, plan.recv_row_I.view(-1, 1),
+                          None if plan.valid_I is None else plan.valid_I.view(-1, 1))
     home_MD = where.exchange(back_RD, [list(col) for col in zip(*plan.counts_WW)])
     return combine_rows(home_MD, plan)

@@ -1,4 +1,5 @@
-"""The pipelined expert-parallel call, ``overlap_degree = n > 1`` (legend: moeflow.types).
+"""The pipelined expert-parallel call, ``overlap_degree = n > 1`` (legend: moeflow.types, plus
+``n`` chunks).
 
 Chunk ``i`` holds, on every rank, the kept assignments of that rank's tokens ``[ceil(i*T_r/n),
 ceil((i+1)*T_r/n))``. All chunks' send exchanges start asynchronously; then each chunk is

@@ -1,5 +1,5 @@
-"""Load-aware expert placement with replicas (legend: moeflow.types; here also s slots per rank,
-X experts with more than one replica).
+"""Load-aware expert placement with replicas (legend: moeflow.types; here also ``s`` slots per rank,
+``N`` replicas of one expert).
 
 Under plain expert parallelism rank ``r`` holds experts ``[r*E/W, (r+1)*E/W)``, so a hot expert
 makes its rank the straggler of every step. A ``Placement`` instead gives every rank ``s``

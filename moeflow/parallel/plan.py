@@ -27,14 +27,14 @@ class ExchangePlan(DispatchPlan):
     Attributes:
         counts_WW: ``counts[s][d]`` rows sent from rank ``s`` to rank ``d`` (every rank's view).
         input_row_R: expert-input row of each received row (arrival order).
-        recv_row_X: received row feeding each expert-input row (arbitrary where empty).
-        valid_X: expert-input rows that hold a row (None: all of them).
+        recv_row_I: received row feeding each expert-input row (arbitrary where empty).
+        valid_I: expert-input rows that hold a row (None: all of them).
     """
 
     counts_WW: list[list[int]]
     input_row_R: torch.Tensor
-    recv_row_X: torch.Tensor
-    valid_X: torch.Tensor | None
+    recv_row_I: torch.Tensor
+    valid_I: torch.Tensor | None
 
 
 def exchange_plan(group: GroupAssignment, rank: int, routing: RoutingResult, *, dtype: torch.dtype,
@@ -56,7 +56,7 @@ def exchange_plan(group: GroupAssignment, rank: int, routing: RoutingResult, *, 
         assign_M=sent.assign_M, row_valid_M=None, row_A=sent.row_A, kept_A=sent.kept_A, weights_TK=weights_TK,
         counts_E=received.counts_e, capacity=group.capacity.layout_capacity, num_tokens=T,
         weight_at=config.weight_at, counts_WW=group.counts_WW, input_row_R=received.input_row_R,
-        recv_row_X=received.recv_row_X, valid_X=received.valid_X,
+        recv_row_I=received.recv_row_I, valid_I=received.valid_I,
     )
 
 

@@ -58,16 +58,16 @@ def sync_replica_gradients(model: nn.Module) -> None:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         width = sum(p[0].numel() for p in params)
-        buf_XF = params[0].new_zeros(len(replicated), width)
+        replicated_grads = params[0].new_zeros(len(replicated), width)
         mine = [(l, index[x]) for l, x in enumerate(placement.slots[rank]) if x in index]
         for l, i in mine:
-            buf_XF[i] = torch.cat([p.grad[l].reshape(-1) for p in params])
-        dist.all_reduce(buf_XF, group=group)
+            replicated_grads[i] = torch.cat([p.grad[l].reshape(-1) for p in params])
+        dist.all_reduce(replicated_grads, group=group)
         for l, i in mine:
             offset = 0
             for p in params:
                 k = p[0].numel()
-                p.grad[l].copy_(buf_XF[i, offset : offset + k].view_as(p.grad[l]))
+                p.grad[l].copy_(replicated_grads[i, offset : offset + k].view_as(p.grad[l]))
                 offset += k
 
 
@@ -124,18 +124,18 @@ def _move_layer(layer: MoE, old: Placement, new: Placement, optimizer: torch.opt
     recv_split = [sum(1 for _, r2, _ in sends[src] if r2 == rank) for src in range(W)]
     # my new slots in arrival order: by source rank, then slot
     arrival = [l2 for src in range(W) for _, r2, l2 in sends[src] if r2 == rank]
-    flat_SF = torch.cat([t.reshape(t.shape[0], -1) for t in tensors], dim=1)
-    idx = torch.tensor(send_rows, dtype=torch.long, device=flat_SF.device)
-    recv_NF = all_to_all_rows(flat_SF.index_select(0, idx), send_split, recv_split, group)
-    new_SF = torch.empty_like(recv_NF)
-    new_SF[torch.tensor(arrival, dtype=torch.long, device=flat_SF.device)] = recv_NF
+    rows_out = torch.cat([t.reshape(t.shape[0], -1) for t in tensors], dim=1)
+    idx = torch.tensor(send_rows, dtype=torch.long, device=rows_out.device)
+    recv_rows = all_to_all_rows(rows_out.index_select(0, idx), send_split, recv_split, group)
+    rows_in = torch.empty_like(recv_rows)
+    rows_in[torch.tensor(arrival, dtype=torch.long, device=rows_out.device)] = recv_rows
     s_new = new.slots_per_rank
     offset = 0
     names = [name for name, _ in layer.experts.named_parameters()]
     for name, p, ks in zip(names, params, keys):
         k = p[0].numel()
         shape = (s_new, *p.shape[1:])
-        fresh = [new_SF[:, offset + j * k : offset + (j + 1) * k].reshape(shape).clone() for j in range(1 + len(ks))]
+        fresh = [rows_in[:, offset + j * k : offset + (j + 1) * k].reshape(shape).clone() for j in range(1 + len(ks))]
         offset += (1 + len(ks)) * k
         # a new Parameter object: autograd caches a leaf's shape, so resizing ``p.data`` in place
         # would break the next backward; the optimizer is pointed at the new object

@@ -1,6 +1,6 @@
 """Vocabulary-parallel embedding and output projection with a vocabulary-parallel cross-entropy.
 
-Legend (moeflow.types, plus): V vocabulary size, v rows of the vocabulary held here
+Legend (moeflow.types, plus): ``V`` vocabulary size, ``v`` rows of the vocabulary held here
 (``[start, start+v)``, the ranks' parts differ by at most one row), T tokens of this rank,
 N tokens of the whole group (every rank's, in rank order).
 

@@ -1,4 +1,5 @@
-"""Readable references for the MoE layer (legend: moeflow.types).
+"""Readable references for the MoE layer (legend: moeflow.types, plus ``P`` the cosine router's
+projection dim).
 
 They read the parameters of a ``moeflow.MoE`` layer and recompute its output in the plainest
 way that still runs, so tests can compare outputs *and* gradients (the references are

@@ -14,6 +14,8 @@ would take on the whole batch:
 Balance losses are per rank (on its own tokens), as in Switch/GShard; with W > 1 and a nonzero
 ``load_balance_coef`` the training trajectory therefore differs slightly from one process (the
 task loss of the first step is identical).
+
+Legend: moeflow.types, plus ``L`` MoE layers of the model.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 import moeflow
 from moeflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from moeflow.config import DispatchConfig, RouterConfig, _int
+from moeflow.config import ParallelConfig, RouterConfig, _int
 from moeflow.models import GPT_PRESETS, MoEGPT, gpt_config
 from moeflow.parallel import (
     all_reduce_gradients,
@@ -73,7 +75,7 @@ class LMTrainConfig:
     (CPUs without native bf16 run it 50-90x slower). ``dtype`` is the parameter dtype
     (``float64`` for exact comparisons, e.g. one process against expert-parallel ranks).
     ``parallel`` and ``overlap_degree`` set the MoE layers' parallel mode and pipelining under
-    ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.DispatchConfig``). A run with
+    ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.ParallelConfig``). A run with
     ``"auto"`` writes the tuner's choices to ``out_dir/tuned.json``; ``tuned`` (such a file)
     locks them in a later run, which then uses the same settings from its first step (shapes the
     file lacks are still tuned).
@@ -157,6 +159,7 @@ class LMTrainConfig:
         if self.weight_decay < 0 or self.grad_clip <= 0:
             raise ValueError(f"need weight_decay >= 0 and grad_clip > 0, got {self.weight_decay}, {self.grad_clip}")
         self.model_config(vocab_size=256)  # validates the model overrides
+        self.parallel_config()  # and the parallel settings
 
     def model_config(self, *, vocab_size: int):  # type: ignore[no-untyped-def]
         overrides = {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor", "moe_every")
@@ -164,10 +167,11 @@ class LMTrainConfig:
         if self.load_balance_coef is not None:
             router = GPT_PRESETS[self.preset].get("router", RouterConfig())
             overrides["router"] = dataclasses.replace(router, load_balance_coef=self.load_balance_coef)
-        if (self.parallel, self.overlap_degree) != ("expert", 1):
-            dispatch = GPT_PRESETS[self.preset].get("dispatch", DispatchConfig())
-            overrides["dispatch"] = dataclasses.replace(dispatch, parallel=self.parallel, overlap_degree=self.overlap_degree)
         return gpt_config(self.preset, vocab_size=vocab_size, max_seq_len=self.seq_len, **overrides)
+
+    def parallel_config(self) -> ParallelConfig:
+        """How the MoE layers run their calls under ``--nproc`` (``expert_parallel``'s config)."""
+        return ParallelConfig(parallel=self.parallel, overlap_degree=self.overlap_degree)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -268,7 +272,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     model_cfg = cfg.model_config(vocab_size=tok.vocab_size)
     model = MoEGPT(model_cfg, device=device, dtype=getattr(torch, cfg.dtype))
     if world > 1:
-        expert_parallel(model, group)
+        expert_parallel(model, group, config=cfg.parallel_config())
         if cfg.vocab_parallel:
             vocab_parallel(model, group)
         if cfg.tuned is not None:

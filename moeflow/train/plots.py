@@ -1,4 +1,5 @@
-"""The training report as one PNG: loss curves and the expert load of every MoE layer over time."""
+"""The training report as one PNG: loss curves and the expert load of every MoE layer over time
+(legend: moeflow.types, plus ``N`` log points and ``L`` MoE layers)."""
 
 from __future__ import annotations
 

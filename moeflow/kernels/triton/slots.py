@@ -1,5 +1,5 @@
 """Slot assignment: the position of every (token, k) assignment inside its expert
-(legend: moeflow.types).
+(legend: moeflow.types, plus ``B`` blocks of assignments).
 
 Tutel's rule, "cumsum minus one": walk the ``A = T*K`` assignments in priority order and give
 each the number of earlier assignments to the same expert. Tutel materialises an ``[A, E]``
