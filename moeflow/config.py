@@ -6,12 +6,24 @@ the field and the value, instead of deep inside a forward pass.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
+
+from moeflow.checks import (  # noqa: F401  (re-exported: importers use moeflow.config)
+    ParallelMode,
+    _choice,
+    _float,
+    _int,
+    _parallel_mode,
+    check_capacity_factor,
+    check_overlap_degree,
+    check_parallel_mode,
+    check_top_k,
+    hybrid_shards,
+)
 
 __all__ = [
     "RouterConfig",
@@ -31,57 +43,10 @@ Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 DropPolicy = Literal["position", "score", "bpr"]
 WeightAt = Literal["combine", "dispatch"]
-ParallelMode = Literal["expert", "data", "sharded", "auto"]
 Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
 ExpertsBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 
 GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
-
-
-def _choice(name: str, value: object, literal: object) -> None:
-    allowed = get_args(literal)
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def hybrid_shards(parallel: object) -> int | None:
-    """``r`` of a ``"hybrid:r"`` parallel mode (None for the other modes)."""
-    if isinstance(parallel, str) and parallel.startswith("hybrid:"):
-        digits = parallel[len("hybrid:"):]
-        if digits.isdigit() and int(digits) >= 2:
-            return int(digits)
-    return None
-
-
-def _parallel_mode(value: object) -> None:
-    if hybrid_shards(value) is None:
-        allowed = list(get_args(ParallelMode))
-        if value not in allowed:
-            raise ValueError(f"parallel must be one of {allowed} or 'hybrid:r' (r >= 2 hidden slices), got {value!r}")
-
-
-def _int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _float(name: str, value: object, *, minimum: float | None = None, below: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if below is not None and value >= below:
-        raise ValueError(f"{name} must be < {below}, got {value}")
-
-
-def check_capacity_factor(value: object, name: str = "capacity_factor") -> float:
-    """Validate a capacity factor: any finite number; 0 means dropless, < 0 dropless capped."""
-    _float(name, value)
-    return float(value)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -392,24 +357,3 @@ class MoEConfig:
     def shared_width(self) -> int:
         """Hidden width of the fused shared-expert FFN (``num_shared_experts * hidden`` by default)."""
         return self.shared_hidden if self.shared_hidden is not None else self.num_shared_experts * self.hidden
-
-
-def check_parallel_mode(value: object) -> str:
-    """``parallel``: ``"expert"``, ``"data"``, ``"sharded"``, ``"hybrid:r"`` or ``"auto"``."""
-    _parallel_mode(value)
-    return value  # type: ignore[return-value]
-
-
-def check_overlap_degree(value: object) -> int | str:
-    """``overlap_degree``: an int >= 1 or ``"auto"``."""
-    if value == "auto":
-        return "auto"
-    _int("overlap_degree", value, minimum=1)
-    return value  # type: ignore[return-value]
-
-
-def check_top_k(top_k: object, num_experts: int) -> int:
-    _int("top_k", top_k, minimum=1)
-    if top_k > num_experts:  # type: ignore[operator]
-        raise ValueError(f"top_k must be <= num_experts={num_experts}, got {top_k}")
-    return top_k  # type: ignore[return-value]
