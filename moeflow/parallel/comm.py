@@ -28,6 +28,8 @@ __all__ = [
     "start_all_to_all_rows",
     "all_gather_shards",
     "wait_all_to_all_rows",
+    "all_to_all_equal",
+    "backend_name",
 ]
 
 
