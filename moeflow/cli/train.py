@@ -122,7 +122,7 @@ def _run_train(args: argparse.Namespace) -> int:
     except RuntimeError as err:
         print(f"moeflow train: error: {err}", file=sys.stderr)
         return 1
-    (s0, before), (s1, after) = history["val"][0], history["val"][-1]
+    (_, before), (s1, after) = history["val"][0], history["val"][-1]
     print(f"validation loss (held-out works) before training: {before:.4f} nats/token (perplexity {math.exp(before):.2f})")
     print(f"validation loss after {s1} steps:                  {after:.4f} nats/token (perplexity {math.exp(after):.2f})")
     print(f"throughput: {history['tokens_per_s']:,.0f} tokens/s on {history['world_size']} rank(s)")
