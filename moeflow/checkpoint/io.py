@@ -1,39 +1,48 @@
-"""Crash-safe, world-size-independent checkpoints in safetensors.
+"""Writing checkpoints: crash-safe, world-size-independent, in safetensors.
 
-Layout of one checkpoint (``<root>/step-00000123/``)::
-
-    index.json                       format, step, world size at save, experts per parameter,
-                                     every file with its sha256 and its tensors (shape, dtype),
-                                     optimizer hyper-parameters, user ``extra`` (data position, ...)
-    rank00000-of-00004.safetensors   the experts rank 0 held (global keys ``...@<g>``), plus the
-    rank00001-of-00004.safetensors   dense tensors (rank 0 only) and each rank's RNG state
+The directory layout and ``index.json`` are described in ``moeflow.checkpoint.format``, which
+also holds everything that reads a checkpoint back; loading into a model is
+``moeflow.checkpoint.load``. Both are re-exported here, so ``moeflow.checkpoint.io`` still names
+the whole surface.
 
 Writes go to ``<root>/.tmp-step-...``; every file is fsynced, then ``index.json``, then the
 directory is renamed into place and the root fsynced, so a crash at any point leaves the
 previous checkpoints complete and loadable; a leftover ``.tmp-*`` is never loaded (and is
 replaced by the next save of that step). The last ``keep`` checkpoints are kept.
-
-Loading reads only JSON and safetensors (no pickle), verifies the sha256 of every file it
-opens, and fails with a ``CheckpointError`` naming the file, key and mismatch: a missing
-expert, another expert count, a shape or dtype change, a corrupted or truncated file. It never
-fills anything with zeros.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from moeflow.checkpoint.state import ExpertLayout, expert_slices, model_tensors, optimizer_tensors, split_key, vocab_shards
+from moeflow.checkpoint.format import (  # noqa: F401  (all re-exported: they were defined here)
+    _STEP_DIR,
+    FORMAT,
+    CheckpointError,
+    _complete_checkpoints,
+    _Reader,
+    _sha256,
+    _step_dirs,
+    describe_checkpoint,
+    latest_checkpoint,
+    partial_checkpoints,
+    read_index,
+)
+from moeflow.checkpoint.load import (  # noqa: F401  (all re-exported: they were defined here)
+    _gather_experts,
+    _load_into,
+    _load_optimizer,
+    _vocab_rows,
+    load_checkpoint,
+)
+from moeflow.checkpoint.state import expert_slices, model_tensors, optimizer_tensors, split_key, vocab_shards
 from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position, sync
 from moeflow.parallel.vocab import gather_vocab_weight
 
@@ -49,15 +58,10 @@ __all__ = [
     "FORMAT",
 ]
 
-FORMAT = "moeflow-checkpoint/1"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as asked (the message names file and mismatch)."""
-
 
 # ------------------------------------------------------------------ low-level writing
+# (``save_file`` and ``_finalize`` are looked up in this module when a save runs: the crash
+# tests replace them here to kill a save mid-file and before the index.)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -66,14 +70,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
@@ -91,6 +87,8 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def _finalize(tmp: Path, final: Path, index: dict, keep: int) -> None:
+    """Publish ``tmp`` as ``final``: write ``index.json`` last, fsync, rename atomically, then
+    delete all but the newest ``keep`` complete checkpoints beside it."""
     index_path = tmp / "index.json"
     with open(index_path, "w") as f:
         json.dump(index, f, indent=1, sort_keys=True)
@@ -101,13 +99,9 @@ def _finalize(tmp: Path, final: Path, index: dict, keep: int) -> None:
         raise CheckpointError(f"{final} already exists; refusing to overwrite a complete checkpoint")
     os.rename(tmp, final)
     _fsync_dir(final.parent)
-    complete = sorted(p for p in final.parent.iterdir() if _STEP_DIR.match(p.name) and (p / "index.json").exists())
+    complete = sorted(_complete_checkpoints(final.parent))
     for old in complete[: max(len(complete) - keep, 0)]:
         shutil.rmtree(old)
-
-
-def _step_dirs(root: Path, step: int) -> tuple[Path, Path]:
-    return root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
 
 
 # ------------------------------------------------------------------ save
@@ -174,230 +168,7 @@ def save_checkpoint(
     return final
 
 
-# ------------------------------------------------------------------ read
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step under ``root`` (None if there is none)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    complete = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "index.json").exists()]
-    return max(complete, key=lambda p: p.name) if complete else None
-
-
-def partial_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Leftovers of interrupted saves under ``root`` (never loaded)."""
-    root = Path(root)
-    return sorted(p for p in root.iterdir() if p.name.startswith(".tmp-step-")) if root.is_dir() else []
-
-
-def read_index(path: str | os.PathLike) -> dict:
-    """The parsed ``index.json`` of a checkpoint directory (checked for format)."""
-    path = Path(path)
-    index_path = path / "index.json"
-    if not index_path.exists():
-        raise CheckpointError(f"{path}: no index.json (not a complete moeflow checkpoint)")
-    try:
-        index = json.loads(index_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{index_path}: not valid JSON ({err})") from None
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{index_path}: format {index.get('format')!r}, expected {FORMAT!r}")
-    return index
-
-
-class _Reader:
-    """Opens the checkpoint's files lazily, verifying each file's checksum once."""
-
-    def __init__(self, path: Path, index: dict) -> None:
-        self.path, self.index = path, index
-        self.where: dict[str, dict] = {}
-        for entry in index["files"]:
-            for key in entry["tensors"]:
-                self.where[key] = entry
-        self.verified: set[str] = set()
-
-    def has(self, key: str) -> bool:
-        return key in self.where
-
-    def get(self, key: str) -> torch.Tensor:
-        entry = self.where[key]
-        file = self.path / entry["file"]
-        if entry["file"] not in self.verified:
-            if not file.exists():
-                raise CheckpointError(f"{file}: missing (listed in index.json)")
-            size = file.stat().st_size
-            if size != entry["bytes"]:
-                raise CheckpointError(f"{file}: {size} bytes, index.json says {entry['bytes']} (truncated or replaced)")
-            digest = _sha256(file)
-            if digest != entry["sha256"]:
-                raise CheckpointError(f"{file}: sha256 {digest[:12]}... does not match index.json ({entry['sha256'][:12]}...): corrupted")
-            self.verified.add(entry["file"])
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                return f.get_tensor(key)
-        except SafetensorError as err:
-            raise CheckpointError(f"{file}: cannot read {key!r} ({err})") from None
-
-
-def _load_into(target: torch.Tensor, value: torch.Tensor, key: str, file: str) -> None:
-    if tuple(value.shape) != tuple(target.shape):
-        raise CheckpointError(f"{file}: {key} has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}")
-    if value.dtype != target.dtype:
-        raise CheckpointError(f"{file}: {key} has dtype {value.dtype}, the model expects {target.dtype}")
-    with torch.no_grad():
-        target.copy_(value)
-
-
-def _vocab_rows(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a saved unsplit table when ``p`` is a vocabulary shard."""
-    if not getattr(p, "moeflow_vocab_shard", False):
-        return value
-    start = p.moeflow_vocab_start  # type: ignore[attr-defined]
-    return value[start : start + p.shape[0]]
-
-
-def _gather_experts(reader: _Reader, base: str, layout: ExpertLayout, like: torch.Tensor) -> torch.Tensor:
-    """The ``[slots, ...]`` tensor this rank holds, from the whole experts saved under
-    ``base@<g>`` (cut to each slot's hidden slice for hidden-sharded layers)."""
-    parts = []
-    for i, g in enumerate(layout.ids):
-        key = f"{base}@{g}"
-        if not reader.has(key):
-            raise CheckpointError(f"{reader.path}: expert {g} of {base.split('/', 1)[1]} is missing (key {key!r})")
-        parts.append(layout.cut(i, reader.get(key)))
-    return torch.stack(parts) if parts else like.new_empty(like.shape)
-
-
-def load_checkpoint(
-    path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    group: ProcessGroup | None = None,
-    restore_rng: bool = True,
-) -> dict:
-    """Load a checkpoint into ``model`` (and ``optimizer``), whatever world size wrote it.
-
-    ``path`` is a checkpoint directory, or a root whose latest complete checkpoint is used.
-    Each rank reads the experts it holds now (``MoE.expert_slots``: any placement). Returns
-    ``{"step": ..., "extra": ..., "world_size": <at save>, "path": ...}``.
-    """
-    path = Path(path)
-    if not (path / "index.json").exists():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"{path}: no complete checkpoint here")
-        path = latest
-    index = read_index(path)
-    reader = _Reader(path, index)
-    rank, _ = process_position(group)
-    slices = expert_slices(model)
-
-    for name, layout in slices.items():
-        E = layout.num_experts
-        saved = index["experts"].get(name)
-        if saved is None:
-            raise CheckpointError(f"{path}/index.json: no experts saved for {name}")
-        if saved != E:
-            raise CheckpointError(f"{path}/index.json: {name} was saved with {saved} experts, the model has {E}")
-    expected = set()
-    for name, p in model.named_parameters():
-        if name in slices:
-            ids = slices[name].ids
-            value = _gather_experts(reader, f"param/{name}", slices[name], p)
-            _load_into(p, value, f"param/{name}@{ids}", str(path))
-            expected.update(f"param/{name}@{g}" for g in range(index["experts"][name]))
-        else:
-            key = f"param/{name}"
-            if not reader.has(key):
-                raise CheckpointError(f"{path}: parameter {name!r} is not in the checkpoint")
-            _load_into(p, _vocab_rows(p, reader.get(key)), key, reader.where[key]["file"])
-            expected.add(key)
-    for name, b in model.named_buffers():
-        key = f"buffer/{name}"
-        if not reader.has(key):
-            raise CheckpointError(f"{path}: buffer {name!r} is not in the checkpoint")
-        _load_into(b, reader.get(key), key, reader.where[key]["file"])
-        expected.add(key)
-    unknown = sorted(k for k in reader.where if k.startswith(("param/", "buffer/")) and k not in expected)
-    if unknown:
-        raise CheckpointError(f"{path}: checkpoint has tensors the model does not: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-
-    if optimizer is not None:
-        _load_optimizer(reader, index, model, optimizer, slices)
-    if restore_rng and reader.has(f"rng/rank{rank}/cpu"):
-        torch.set_rng_state(reader.get(f"rng/rank{rank}/cpu"))
-        if torch.cuda.is_available() and reader.has(f"rng/rank{rank}/cuda"):
-            torch.cuda.set_rng_state(reader.get(f"rng/rank{rank}/cuda"))
-    return {"step": index["step"], "extra": index["extra"], "world_size": index["world_size"], "path": str(path)}
-
-
-def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: torch.optim.Optimizer, slices: dict) -> None:
-    meta = index.get("optimizer")
-    if meta is None:
-        raise CheckpointError(f"{reader.path}: the checkpoint holds no optimizer state")
-    names = {id(p): n for n, p in model.named_parameters()}
-    saved_groups = meta["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"{reader.path}: optimizer has {len(optimizer.param_groups)} param groups, checkpoint {len(saved_groups)}"
-        )
-    for i, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
-        mine = [names[id(p)] for p in group["params"]]
-        if mine != saved["params"]:
-            raise CheckpointError(f"{reader.path}: optimizer param group {i} holds other parameters than the checkpoint's")
-        for k, v in saved["hyper"].items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
-    by_param: dict[str, dict[str, list[tuple[int | None, str]]]] = {}
-    for key in reader.where:
-        if key.startswith("optim/"):
-            base, g = split_key(key)
-            _, rest = base.split("/", 1)
-            name, state_key = rest.rsplit("/", 1)
-            by_param.setdefault(name, {}).setdefault(state_key, []).append((g, key))
-    scalars = meta.get("scalars", {})
-    for name, p in model.named_parameters():
-        entries = by_param.get(name, {})
-        state: dict[str, object] = dict(scalars.get(name, {}))
-        for state_key, keys in entries.items():
-            if any(g is not None for g, _ in keys):
-                state[state_key] = _gather_experts(reader, f"optim/{name}/{state_key}", slices[name], p).to(p.device)
-            else:
-                value = reader.get(keys[0][1])
-                state[state_key] = (_vocab_rows(p, value) if value.dim() and value.shape[1:] == p.shape[1:] else value).to(p.device)
-        if state:
-            optimizer.state[p] = state
-
-
-# ------------------------------------------------------------------ offline tools
-
-
-def describe_checkpoint(path: str | os.PathLike) -> str:
-    """Human-readable summary: step, world size, files, and every tensor group with its shape."""
-    path = Path(path)
-    index = read_index(path)
-    lines = [f"{path}: step {index['step']}, written by {index['world_size']} rank(s), format {index['format']}"]
-    for entry in index["files"]:
-        lines.append(f"  {entry['file']}: {len(entry['tensors'])} tensors, {entry['bytes']} bytes, sha256 {entry['sha256'][:12]}")
-    groups: dict[str, dict] = {}
-    for entry in index["files"]:
-        for key, meta in entry["tensors"].items():
-            base, g = split_key(key)
-            info = groups.setdefault(base, {"shape": meta["shape"], "dtype": meta["dtype"], "experts": 0})
-            if g is not None:
-                info["experts"] += 1
-    lines.append("  tensors:")
-    for base in sorted(groups):
-        info = groups[base]
-        per = f" x {info['experts']} experts" if info["experts"] else ""
-        lines.append(f"    {base}: {info['dtype']} {tuple(info['shape'])}{per}")
-    if index["experts"]:
-        lines.append("  MoE expert parameters: " + ", ".join(f"{k} (E={v})" for k, v in sorted(index["experts"].items())))
-    if index["extra"]:
-        lines.append(f"  extra: {json.dumps(index['extra'])}")
-    return "\n".join(lines)
+# ------------------------------------------------------------------ resharding (offline)
 
 
 def reshard_checkpoint(src: str | os.PathLike, dst_root: str | os.PathLike, world_size: int, *, keep: int = 3) -> Path:

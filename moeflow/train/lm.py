@@ -15,25 +15,25 @@ Balance losses are per rank (on its own tokens), as in Switch/GShard; with W > 1
 ``load_balance_coef`` the training trajectory therefore differs slightly from one process (the
 task loss of the first step is identical).
 
+The run's settings are ``LMTrainConfig`` (``moeflow.train.lm_config``); what its checkpoints
+hold besides the weights, resuming, and rebuilding a model from one are
+``moeflow.train.lm_checkpoint``. Both are re-exported here.
+
 Legend: moeflow.types, plus ``L`` MoE layers of the model.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 import moeflow
-from moeflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from moeflow.config import ParallelConfig, RouterConfig, _int
-from moeflow.models import GPT_PRESETS, MoEGPT, gpt_config
+from moeflow.checkpoint import save_checkpoint
+from moeflow.models import MoEGPT
 from moeflow.parallel import (
     all_reduce_gradients,
     apply_placement,
@@ -50,7 +50,6 @@ from moeflow.parallel import (
 )
 from moeflow.parallel.comm import ProcessGroup, all_reduce_sum, gather_objects, process_position
 from moeflow.train.data import (
-    DEFAULT_VAL_WORKS,
     BPETokenizer,
     ByteTokenizer,
     Tokenizer,
@@ -58,131 +57,10 @@ from moeflow.train.data import (
     load_corpus,
     tokenizer_from_dict,
 )
+from moeflow.train.lm_checkpoint import MODEL_FAMILY, build_from_checkpoint, checkpoint_extra, resume
+from moeflow.train.lm_config import LMTrainConfig
 
 __all__ = ["LMTrainConfig", "train_lm", "MODEL_FAMILY", "build_from_checkpoint"]
-
-MODEL_FAMILY = "moeflow.MoEGPT"
-
-
-@dataclass(frozen=True, kw_only=True)
-class LMTrainConfig:
-    """Everything a language-model training run needs; validated on construction.
-
-    ``batch_size`` is the global number of sequences per optimizer step (split over
-    ``grad_accum`` micro-batches and over the ranks). ``lr`` warms up linearly for
-    ``warmup_steps`` and then follows a cosine down to ``min_lr`` at ``steps``. ``amp``:
-    ``"auto"`` uses bf16 autocast on a CUDA device that supports it and full fp32 on CPU
-    (CPUs without native bf16 run it 50-90x slower). ``dtype`` is the parameter dtype
-    (``float64`` for exact comparisons, e.g. one process against expert-parallel ranks).
-    ``parallel`` and ``overlap_degree`` set the MoE layers' parallel mode and pipelining under
-    ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.ParallelConfig``). A run with
-    ``"auto"`` writes the tuner's choices to ``out_dir/tuned.json``; ``tuned`` (such a file)
-    locks them in a later run, which then uses the same settings from its first step (shapes the
-    file lacks are still tuned).
-    ``deterministic`` turns on ``torch.use_deterministic_algorithms`` (an op without a
-    deterministic kernel then raises instead of varying; on CUDA set
-    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` as torch asks); with it a run repeats bit for bit on the
-    same machine and world size. moeflow's own dispatch and combine are gathers (no atomic adds),
-    so they need no change; the auto-tuner is refused (its choice depends on timings).
-    With several ranks: ``vocab_parallel`` splits the embedding and the tied output projection
-    by vocabulary rows (``moeflow.parallel.vocab_parallel``); ``rebalance_every`` moves experts
-    (and their optimizer state) every that many steps to a load-aware placement computed from the
-    expert load since the last move, with ``expert_slots`` experts per rank (0: E / ranks, i.e.
-    no memory for replicas; more lets hot experts be replicated).
-    """
-
-    out_dir: Path
-    preset: str = "tiny"
-    num_experts: int | None = None
-    top_k: int | None = None
-    capacity_factor: float | None = None
-    moe_every: int | None = None
-    load_balance_coef: float | None = None
-    parallel: str = "expert"
-    overlap_degree: int | str = 1
-    tuned: Path | None = None
-    seq_len: int = 128
-    tokenizer: str = "byte"
-    bpe_vocab: int = 1024
-    val_works: tuple[str, ...] = DEFAULT_VAL_WORKS
-    steps: int = 300
-    batch_size: int = 16
-    grad_accum: int = 1
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_batches: int = 8
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    seed: int = 0
-    amp: str = "auto"
-    dtype: str = "float32"
-    device: str = "cpu"
-    resume: bool = False
-    deterministic: bool = False
-    vocab_parallel: bool = False
-    rebalance_every: int = 0
-    expert_slots: int = 0
-    progress: bool = True
-    plot: bool = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "out_dir", Path(self.out_dir))
-        if self.tuned is not None:
-            object.__setattr__(self, "tuned", Path(self.tuned))
-            if "auto" not in (self.parallel, self.overlap_degree):
-                raise ValueError(f"tuned={str(self.tuned)!r} fixes the auto-tuner's choices: it needs parallel or "
-                                 "overlap_degree 'auto'")
-        object.__setattr__(self, "val_works", tuple(self.val_works))
-        if self.preset not in GPT_PRESETS:
-            raise ValueError(f"preset must be one of {sorted(GPT_PRESETS)}, got {self.preset!r}")
-        if self.tokenizer not in ("byte", "bpe"):
-            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
-        if self.dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
-        if self.amp not in ("auto", "bf16", "fp16", "off"):
-            raise ValueError(f"amp must be one of auto, bf16, fp16, off, got {self.amp!r}")
-        for name in ("seq_len", "steps", "batch_size", "grad_accum", "eval_batches", "keep_checkpoints", "bpe_vocab"):
-            _int(name, getattr(self, name), minimum=1)
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "rebalance_every", "expert_slots"):
-            _int(name, getattr(self, name), minimum=0)
-        if self.deterministic and "auto" in (self.parallel, self.overlap_degree):
-            raise ValueError("deterministic=True needs a fixed parallel mode and overlap_degree: "
-                             "'auto' chooses by timing, which differs from run to run")
-        if self.batch_size % self.grad_accum:
-            raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.weight_decay < 0 or self.grad_clip <= 0:
-            raise ValueError(f"need weight_decay >= 0 and grad_clip > 0, got {self.weight_decay}, {self.grad_clip}")
-        self.model_config(vocab_size=256)  # validates the model overrides
-        self.parallel_config()  # and the parallel settings
-
-    def model_config(self, *, vocab_size: int):  # type: ignore[no-untyped-def]
-        overrides = {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor", "moe_every")
-                     if getattr(self, k) is not None}
-        if self.load_balance_coef is not None:
-            router = GPT_PRESETS[self.preset].get("router", RouterConfig())
-            overrides["router"] = dataclasses.replace(router, load_balance_coef=self.load_balance_coef)
-        return gpt_config(self.preset, vocab_size=vocab_size, max_seq_len=self.seq_len, **overrides)
-
-    def parallel_config(self) -> ParallelConfig:
-        """How the MoE layers run their calls under ``--nproc`` (``expert_parallel``'s config)."""
-        return ParallelConfig(parallel=self.parallel, overlap_degree=self.overlap_degree)  # type: ignore[arg-type]
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["out_dir"] = str(self.out_dir)
-        d["tuned"] = None if self.tuned is None else str(self.tuned)
-        d["val_works"] = list(self.val_works)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LMTrainConfig":
-        return cls(**d)
 
 
 def lr_at(step: int, cfg: LMTrainConfig) -> float:
@@ -296,22 +174,12 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     torch.manual_seed(cfg.seed * 1_000 + 1 + rank)  # router noise and dropout: per rank, reproducible
     opt = _optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"
-    extra = {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "dtype": cfg.dtype, "tokenizer": tok.to_dict(),
-             "train": cfg.to_dict()}
+    extra = checkpoint_extra(cfg, model_cfg, tok)
 
     start = 0
     history: dict = {"step": [], "train_loss": [], "val": [], "load": [], "lr": []}
-    if cfg.resume and latest_checkpoint(ckpt_root) is not None:
-        info = load_checkpoint(ckpt_root, model, opt, group=group)
-        if info["extra"].get("model") != model_cfg.to_dict():
-            raise ValueError(f"{info['path']}: checkpoint model config differs from this run's; use another out_dir")
-        saved = info["extra"].get("train", {})
-        # these decide which data each step sees: a resumed run must keep them
-        changed = {k: (saved.get(k), v) for k, v in cfg.to_dict().items()
-                   if k in ("batch_size", "grad_accum", "seq_len", "seed", "tokenizer", "bpe_vocab", "val_works")
-                   and saved.get(k) != v}
-        if changed:
-            raise ValueError(f"{info['path']}: resuming with other data settings (saved, now): {changed}")
+    info = resume(ckpt_root, cfg, model_cfg, model, opt, group) if cfg.resume else None
+    if info is not None:
         start = info["step"]
         history = info["extra"].get("history", history)
 
@@ -414,37 +282,3 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
 
             plot_training(history, cfg.out_dir / "training.png")
     return history
-
-
-def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoEGPT, Tokenizer | None, dict]:
-    """Rebuild the model and tokenizer a ``moeflow train`` (or ``moeflow convert --from-hf``)
-    checkpoint was written with and load its weights (one process, whatever world size wrote
-    it). Returns ``(model, tokenizer, info)``; the tokenizer is ``None`` for a converted model,
-    whose tokenizer lives with the Hugging Face files."""
-    from moeflow.checkpoint import CheckpointError, read_index
-    from moeflow.models import GPTConfig
-
-    path = Path(path)
-    if not (path / "index.json").exists():
-        found = latest_checkpoint(path) or latest_checkpoint(path / "checkpoints")
-        if found is None:
-            raise CheckpointError(f"{path}: no complete checkpoint here (nor under {path / 'checkpoints'})")
-        path = found
-    extra = read_index(path).get("extra", {})
-    if extra.get("family") != MODEL_FAMILY:
-        raise CheckpointError(
-            f"{path}: not a {MODEL_FAMILY} checkpoint (family {extra.get('family')!r}); "
-            "it was not written by `moeflow train`"
-        )
-    try:
-        model_cfg = GPTConfig.from_dict(extra["model"])
-        tok = tokenizer_from_dict(extra["tokenizer"]) if extra.get("tokenizer") is not None else None
-        dtype = getattr(torch, extra.get("dtype", "float32"))
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype {extra.get('dtype')!r} is not a torch dtype")
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise CheckpointError(f"{path}/index.json: corrupt model or tokenizer description: {err}") from err
-    model = MoEGPT(model_cfg, device=device, dtype=dtype)
-    info = load_checkpoint(path, model, restore_rng=False)
-    model.eval()
-    return model, tok, info

@@ -1,0 +1,141 @@
+"""``LMTrainConfig``: every setting of a language-model training run, validated on construction.
+
+A bad value fails where the config is written (naming the field and the value), not steps into
+a run; the model and parallel overrides are checked by building their configs
+(``model_config``, ``parallel_config``). ``to_dict``/``from_dict`` round-trip it through the
+JSON a checkpoint's index stores, so a resumed run can compare its data settings with the saved
+ones. The loop that runs it is ``moeflow.train.lm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from moeflow.config import ParallelConfig, RouterConfig, _int
+from moeflow.models import GPT_PRESETS, gpt_config
+from moeflow.train.data import DEFAULT_VAL_WORKS
+
+__all__ = ["LMTrainConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMTrainConfig:
+    """Everything a language-model training run needs; validated on construction.
+
+    ``batch_size`` is the global number of sequences per optimizer step (split over
+    ``grad_accum`` micro-batches and over the ranks). ``lr`` warms up linearly for
+    ``warmup_steps`` and then follows a cosine down to ``min_lr`` at ``steps``. ``amp``:
+    ``"auto"`` uses bf16 autocast on a CUDA device that supports it and full fp32 on CPU
+    (CPUs without native bf16 run it 50-90x slower). ``dtype`` is the parameter dtype
+    (``float64`` for exact comparisons, e.g. one process against expert-parallel ranks).
+    ``parallel`` and ``overlap_degree`` set the MoE layers' parallel mode and pipelining under
+    ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.ParallelConfig``). A run with
+    ``"auto"`` writes the tuner's choices to ``out_dir/tuned.json``; ``tuned`` (such a file)
+    locks them in a later run, which then uses the same settings from its first step (shapes the
+    file lacks are still tuned).
+    ``deterministic`` turns on ``torch.use_deterministic_algorithms`` (an op without a
+    deterministic kernel then raises instead of varying; on CUDA set
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` as torch asks); with it a run repeats bit for bit on the
+    same machine and world size. moeflow's own dispatch and combine are gathers (no atomic adds),
+    so they need no change; the auto-tuner is refused (its choice depends on timings).
+    With several ranks: ``vocab_parallel`` splits the embedding and the tied output projection
+    by vocabulary rows (``moeflow.parallel.vocab_parallel``); ``rebalance_every`` moves experts
+    (and their optimizer state) every that many steps to a load-aware placement computed from the
+    expert load since the last move, with ``expert_slots`` experts per rank (0: E / ranks, i.e.
+    no memory for replicas; more lets hot experts be replicated).
+    """
+
+    out_dir: Path
+    preset: str = "tiny"
+    num_experts: int | None = None
+    top_k: int | None = None
+    capacity_factor: float | None = None
+    moe_every: int | None = None
+    load_balance_coef: float | None = None
+    parallel: str = "expert"
+    overlap_degree: int | str = 1
+    tuned: Path | None = None
+    seq_len: int = 128
+    tokenizer: str = "byte"
+    bpe_vocab: int = 1024
+    val_works: tuple[str, ...] = DEFAULT_VAL_WORKS
+    steps: int = 300
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    seed: int = 0
+    amp: str = "auto"
+    dtype: str = "float32"
+    device: str = "cpu"
+    resume: bool = False
+    deterministic: bool = False
+    vocab_parallel: bool = False
+    rebalance_every: int = 0
+    expert_slots: int = 0
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.tuned is not None:
+            object.__setattr__(self, "tuned", Path(self.tuned))
+            if "auto" not in (self.parallel, self.overlap_degree):
+                raise ValueError(f"tuned={str(self.tuned)!r} fixes the auto-tuner's choices: it needs parallel or "
+                                 "overlap_degree 'auto'")
+        object.__setattr__(self, "val_works", tuple(self.val_works))
+        if self.preset not in GPT_PRESETS:
+            raise ValueError(f"preset must be one of {sorted(GPT_PRESETS)}, got {self.preset!r}")
+        if self.tokenizer not in ("byte", "bpe"):
+            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+        if self.dtype not in ("float32", "float64", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
+        if self.amp not in ("auto", "bf16", "fp16", "off"):
+            raise ValueError(f"amp must be one of auto, bf16, fp16, off, got {self.amp!r}")
+        for name in ("seq_len", "steps", "batch_size", "grad_accum", "eval_batches", "keep_checkpoints", "bpe_vocab"):
+            _int(name, getattr(self, name), minimum=1)
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "rebalance_every", "expert_slots"):
+            _int(name, getattr(self, name), minimum=0)
+        if self.deterministic and "auto" in (self.parallel, self.overlap_degree):
+            raise ValueError("deterministic=True needs a fixed parallel mode and overlap_degree: "
+                             "'auto' chooses by timing, which differs from run to run")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.weight_decay < 0 or self.grad_clip <= 0:
+            raise ValueError(f"need weight_decay >= 0 and grad_clip > 0, got {self.weight_decay}, {self.grad_clip}")
+        self.model_config(vocab_size=256)  # validates the model overrides
+        self.parallel_config()  # and the parallel settings
+
+    def model_config(self, *, vocab_size: int):  # type: ignore[no-untyped-def]
+        overrides = {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor", "moe_every")
+                     if getattr(self, k) is not None}
+        if self.load_balance_coef is not None:
+            router = GPT_PRESETS[self.preset].get("router", RouterConfig())
+            overrides["router"] = dataclasses.replace(router, load_balance_coef=self.load_balance_coef)
+        return gpt_config(self.preset, vocab_size=vocab_size, max_seq_len=self.seq_len, **overrides)
+
+    def parallel_config(self) -> ParallelConfig:
+        """How the MoE layers run their calls under ``--nproc`` (``expert_parallel``'s config)."""
+        return ParallelConfig(parallel=self.parallel, overlap_degree=self.overlap_degree)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["out_dir"] = str(self.out_dir)
+        d["tuned"] = None if self.tuned is None else str(self.tuned)
+        d["val_works"] = list(self.val_works)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LMTrainConfig":
+        return cls(**d)
