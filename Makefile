@@ -21,6 +21,8 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/moeflow bench
 
+# every tier but slow (and gpu, skipped without CUDA), cheapest first; one tier:
+# $(VENV)/bin/python -m pytest -m "distributed and not slow" (tiers: pyproject.toml, tests/conftest.py)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests
 

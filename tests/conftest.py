@@ -1,13 +1,31 @@
-"""Shared fixtures: fresh random inputs per test (never zeros), fp64 by default."""
+"""Shared fixtures (fresh random inputs per test, never zeros) and the cost tiers.
+
+Every test carries exactly one tier marker (registered in pyproject.toml, cheapest first):
+``unit`` (config, shapes, validation; no MoE compute), ``reference`` (one process, CPU, against
+references), ``distributed`` (gloo ranks), ``triton`` (Triton kernels under the interpreter),
+``e2e`` (short training runs, the docs, the CLI), ``integration`` (transformers, Tutel, Mixtral).
+A file of one tier says so once (``pytestmark``), a mixed file per test. Collection fails on a
+test with no tier or with two, and runs the tiers cheapest first (file order within a tier).
+``gpu`` and ``slow`` are not tiers; they go on top of one. Helpers live in ``helpers.py``.
+"""
 
 from __future__ import annotations
 
 import os
 import zlib
 
-import pytest
-import torch
-from hypothesis import HealthCheck, settings
+# The Triton tests run the kernels under the interpreter, which must be on before Triton is first
+# imported in this process, and importing transformers (the integration tests) imports Triton.
+# Collection imports the test modules in file-name order, so it is switched on here, before any
+# of them. moeflow itself never reads it (``moeflow.kernels.triton`` asks Triton).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# cheapest first; the order tests run in
+TIERS = ("unit", "reference", "distributed", "triton", "e2e", "integration")
 
 # Hypothesis: no per-example deadline (the first torch call of a process can be slow on a loaded
 # 2-core machine, and a deadline would make that a flaky failure), a moderate number of examples
@@ -48,9 +66,18 @@ def _seed_global_rng(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(_test_seed(request.node.nodeid) + 1)
 
 
-def randomize_(module: torch.nn.Module, gen: torch.Generator, std: float = 0.5) -> torch.nn.Module:
-    """Overwrite every parameter with fresh N(0, std^2) values so nothing is near zero."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * std)
-    return module
+def _tier(item: pytest.Item) -> str:
+    tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
+    if len(tiers) != 1:
+        raise pytest.UsageError(
+            f"{item.nodeid}: needs exactly one tier marker of {', '.join(TIERS)}, has "
+            f"{', '.join(sorted(tiers)) or 'none'} (pytestmark = pytest.mark.<tier> for a whole file)"
+        )
+    return tiers.pop()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything: the rule holds for every test
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fail collection on a test without exactly one tier; run the cheaper tiers first (stable)."""
+    rank = {item.nodeid: TIERS.index(_tier(item)) for item in items}
+    items.sort(key=lambda item: rank[item.nodeid])

@@ -1,6 +1,7 @@
-"""Elastic-resume harness for the tests (run under torchrun): trains the small MoE model of
-test_3_checkpoint, checkpoints every step, resumes from the latest checkpoint when started
-again, and can SIGKILL one rank on the first attempt to exercise torchrun's restart policy."""
+"""Elastic-resume harness for the tests (run under torchrun): trains the small MoE model of the
+multi-rank tests in test_checkpoint, checkpoints every step, resumes from the latest checkpoint
+when started again, and can SIGKILL one rank on the first attempt to exercise torchrun's restart
+policy."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_3_checkpoint import STEPS, _setup, _train  # noqa: E402
+from test_checkpoint import STEPS, _setup, _train  # noqa: E402
 
 from moeflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from moeflow.parallel import init_distributed  # noqa: E402

@@ -11,7 +11,7 @@
   ``moeflow.experts.ffn.grouped_ffn``
 
 (``kernels/`` is a leaf: the references that live in ``routing/``, ``dispatch/`` and
-``experts/`` are named here and compared in ``tests/test_4_triton.py``, never imported.)
+``experts/`` are named here and compared in ``tests/test_kernels_triton.py``, never imported.)
 
 Every differentiable entry point is a ``torch.library`` custom op (namespace ``moeflow``) with
 a fake (meta) implementation and a registered backward, so ``torch.compile(fullgraph=True)``

@@ -36,6 +36,8 @@ INDEX = GUIDE / "README.md"
 PAGES = sorted(p for p in GUIDE.glob("*.md") if p != INDEX)
 PAGE_TIMEOUT_S = 240
 
+pytestmark = pytest.mark.e2e
+
 MARKER = re.compile(r"^\s*<!--\s*(skip|run:\s*torchrun\s+2|run:\s*bash)\s*-->\s*$")
 REQUIRES = re.compile(r"<!--\s*requires:\s*([A-Za-z_][\w.]*)\s*-->")
 FENCE_OPEN = re.compile(r"^```(\w*)\s*$")
@@ -141,7 +143,7 @@ _RUNNER = textwrap.dedent(
             if done.returncode != 0:
                 # gloo sometimes aborts a process at interpreter exit ("terminate called without an
                 # active exception") after the block ran to its end on every rank: not a failure
-                # of the documented code (tests/distributed_utils.py treats it the same way)
+                # of the documented code (spawn_ranks in tests/helpers.py treats it the same way)
                 finished = kind == "torchrun" and all(os.path.exists(f"{script}.done.{r}") for r in range(2))
                 if finished and "terminate called without an active exception" in done.stdout:
                     print("warning: every rank finished the block, then one aborted at exit", flush=True)

@@ -1,4 +1,6 @@
-"""Tier 2: kernels against their references (outputs and gradients, odd shapes, empty groups)."""
+"""The torch kernels (``moeflow.kernels``: grouped GEMM backends, row gathers, id counts) against
+their references: outputs and gradients, odd shapes, empty groups. The Triton kernels:
+``test_kernels_triton.py``."""
 
 from __future__ import annotations
 
@@ -14,15 +16,11 @@ from moeflow.kernels import (
     native_grouped_mm_supported,
     resolve_grouped_mm_backend,
 )
+from moeflow.kernels.counts import count_ids
 
+from helpers import random_counts
 
-def _random_counts(gen: torch.Generator, E: int, R: int, empty: int) -> torch.Tensor:
-    """E group sizes summing to R with `empty` empty groups."""
-    weights = torch.rand(E, generator=gen) + 0.1
-    weights[torch.randperm(E, generator=gen)[:empty]] = 0
-    counts = torch.floor(weights / weights.sum() * R).long()
-    counts[int(torch.argmax(weights))] += R - int(counts.sum())
-    return counts
+pytestmark = pytest.mark.reference
 
 
 @pytest.mark.parametrize("E,R,D,F,empty", [(1, 5, 4, 8, 0), (4, 33, 8, 12, 1), (8, 101, 16, 20, 3), (6, 0, 4, 4, 6)])
@@ -30,7 +28,7 @@ def _random_counts(gen: torch.Generator, E: int, R: int, empty: int) -> torch.Te
 def test_grouped_mm_native_matches_loop(gen, E, R, D, F, empty, dtype):
     if not native_grouped_mm_supported(torch.device("cpu"), dtype):
         pytest.skip("F.grouped_mm not available here")
-    counts = _random_counts(gen, E, R, empty) if R else torch.zeros(E, dtype=torch.long)
+    counts = random_counts(gen, E, R, empty) if R else torch.zeros(E, dtype=torch.long)
     offs = torch.cumsum(counts, 0)
     x = torch.randn(R, D, generator=gen, dtype=dtype, requires_grad=True)
     w = torch.randn(E, D, F, generator=gen, dtype=dtype, requires_grad=True)
@@ -120,3 +118,9 @@ def test_gather_rows_masks_non_finite_sources(gen):
                       torch.tensor([[False], [True], [False]]))
     assert torch.equal(out[0], torch.zeros(4))
     assert torch.equal(out[1], src[1])
+
+
+def test_count_ids_matches_bincount():
+    ids = torch.randint(0, 7, (50, 3))
+    assert torch.equal(count_ids(ids, 7), torch.bincount(ids.reshape(-1), minlength=7))
+    assert torch.equal(count_ids(torch.zeros(0, 2, dtype=torch.long), 3), torch.zeros(3, dtype=torch.long))

@@ -23,6 +23,10 @@ from moeflow.compat.tutel.impls.fast_dispatch import compute_sorted_location
 from moeflow.compat.tutel.jit_kernels.gating import fast_cumsum_sub_one
 from moeflow.dispatch.capacity import capacity_rows
 
+from helpers import spawn_ranks
+
+pytestmark = pytest.mark.integration
+
 D, H = 6, 10
 F64 = torch.float64
 
@@ -422,6 +426,4 @@ CASES = {"group": _case_group}  # looked up by the spawned ranks
 
 
 def test_group_expert_parallel_matches_single_process():
-    from distributed_utils import spawn_ranks
-
     spawn_ranks(2, __name__, "group")

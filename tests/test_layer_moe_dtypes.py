@@ -1,5 +1,6 @@
-"""Tier 2: dtypes. fp64 stays fp64; fp32/bf16/fp16 agree with a higher precision copy of the
-same layer within the tolerance of the dtype (error judged norm-wise, relative to the output)."""
+"""The MoE layer in every dtype. fp64 stays fp64; fp32/bf16/fp16 agree with a higher precision copy
+of the same layer within the tolerance of the dtype (error judged norm-wise, relative to the
+output); bf16 autocast, dropless and capped."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ import copy
 
 import pytest
 import torch
-from moe_testutils import make_layer, output_and_grads, rand
 
+import moeflow
 from moeflow import DispatchConfig, ExpertsConfig
 
+from helpers import make_layer, output_and_grads, rand, rel_err
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
+pytestmark = pytest.mark.reference
 
 
 @pytest.mark.parametrize("cf", [1.0, 0.0, -0.75], ids=["cf1", "cf0", "capped"])
@@ -65,9 +65,9 @@ def test_half_precision_matches_fp32(gen, low, cf, activation):
     assert y_low.dtype == low and y_low.shape == x_low.shape
     assert all(gr.dtype == low for gr in grads_low)
     assert torch.isfinite(y_low).all()
-    assert _rel_err(y_low, y_32) < 3e-2
+    assert rel_err(y_low, y_32, norm="fro") < 3e-2
     for name, a, b in zip(["x", "w_in", "w_out", "router"], grads_low, grads_32):
-        assert _rel_err(a, b) < 5e-2, name
+        assert rel_err(a, b, norm="fro") < 5e-2, name
 
 
 @pytest.mark.parametrize("cf", [1.0, 0.0, -0.75], ids=["cf1", "cf0", "capped"])
@@ -84,6 +84,17 @@ def test_fp32_matches_fp64(gen, cf):
     y32, gr32 = output_and_grads(layer_32, x_32, p32, g)
     y64, gr64 = output_and_grads(layer_64, x_64, p64, g.double())
     assert y32.dtype == torch.float32 and y64.dtype == torch.float64
-    assert _rel_err(y32, y64) < 1e-5
+    assert rel_err(y32, y64, norm="fro") < 1e-5
     for (name, _), a, b in zip([("x", None), *layer_32.named_parameters()], gr32, gr64):
-        assert _rel_err(a, b) < 1e-5, name
+        assert rel_err(a, b, norm="fro") < 1e-5, name
+
+
+def test_autocast_bf16_dropless_and_capped():
+    layer = moeflow.MoE(dim=16, hidden=16, num_experts=4, top_k=2, capacity_factor=0)
+    x = torch.randn(6, 16, dtype=torch.bfloat16)
+    for cf in (0.0, -1.0, 1.0):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x, capacity_factor=cf)
+        assert y.shape == x.shape and torch.isfinite(y.float()).all()
+        ref = layer(x.float(), capacity_factor=cf)
+        assert (y.float() - ref).abs().max() <= 5e-2 * ref.abs().max() + 1e-3

@@ -1,4 +1,4 @@
-"""Tier 2: slot assignment, drop policies and the local dispatcher against brute-force Python.
+"""Slot assignment, drop policies and the local dispatcher against brute-force Python.
 
 Property tests draw random routings (T tokens, E experts, K distinct experts per token, skewed
 so some experts overflow) and check every integer output exactly.
@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from moeflow import DispatchConfig, LocalDispatcher, RoutingResult
 from moeflow.dispatch import assign_slots, priority_order
+
+pytestmark = pytest.mark.reference
 
 POLICIES = ["position", "score", "bpr"]
 CAPACITY_FACTORS = [0.0, 1e-9, 0.25, 0.5, 1.0, 1.5, 4.0, -1e-9, -0.25, -0.5, -1.0, -4.0]

@@ -1,5 +1,6 @@
-"""Tier 3: `moeflow train` on 2 and 4 gloo ranks (expert parallel) against one process on the
-same global batches."""
+"""The language-model training loop (``moeflow.train.lm``, ``moeflow train``): its config validates
+(no compute), a short run on real text lowers the loss and resumes exactly, and on 2 and 4 gloo
+ranks (expert parallel) it trains like one process on the same global batches."""
 
 from __future__ import annotations
 
@@ -9,8 +10,78 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_utils import spawn_ranks
-from moeflow.train import LMTrainConfig, train_lm
+from moeflow.train import LMTrainConfig, build_from_checkpoint, train_lm
+
+from helpers import spawn_ranks
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (dict(tokenizer="words"), "tokenizer"),
+        (dict(batch_size=10, grad_accum=4), "grad_accum"),
+        (dict(lr=-1.0), "lr"),
+        (dict(min_lr=1.0), "min_lr"),
+        (dict(amp="fp8"), "amp"),
+        (dict(preset="nope"), "preset"),
+        (dict(top_k=20), "top_k"),
+        (dict(steps=0), "steps"),
+    ],
+)
+def test_train_config_rejects_bad_values(tmp_path, fields: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LMTrainConfig(out_dir=tmp_path, **fields)
+
+
+@pytest.mark.unit
+def test_train_config_round_trips_through_json_dict(tmp_path) -> None:
+    cfg = LMTrainConfig(out_dir=tmp_path, steps=7, val_works=("hamlet",), load_balance_coef=0.0)
+    assert LMTrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.model_config(vocab_size=256).router.load_balance_coef == 0.0
+
+
+# ----------------------------------------------------------------------------- one process, real text
+
+
+@pytest.mark.e2e
+def test_loss_falls_on_real_text_and_checkpoint_samples(tmp_path) -> None:
+    torch.set_num_threads(2)
+    cfg = LMTrainConfig(out_dir=tmp_path, steps=40, batch_size=16, seq_len=64, warmup_steps=5, eval_every=20,
+                        eval_batches=4, progress=False)
+    hist = train_lm(cfg)
+    before, after = hist["val"][0][1], hist["val"][-1][1]
+    assert before > 5.0 and after < before - 2.0, hist["val"]
+    assert (tmp_path / "training.png").stat().st_size > 10_000
+    assert len(hist["load"][-1][1]) == 4 and abs(sum(hist["load"][-1][1][0]) - 1) < 1e-6
+    model, tok, info = build_from_checkpoint(tmp_path)
+    assert info["step"] == 40
+    out = model.generate(torch.tensor([tok.encode("KING.\n")]), 20, temperature=0)
+    assert out.shape == (1, 26)
+
+
+@pytest.mark.e2e
+def test_resume_continues_the_same_run(tmp_path) -> None:
+    torch.set_num_threads(2)
+    kw = dict(steps=6, batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False,
+              plot=False, dtype="float64")
+    full = train_lm(LMTrainConfig(out_dir=tmp_path / "full", **kw))
+    train_lm(LMTrainConfig(out_dir=tmp_path / "part", checkpoint_every=3, **kw))
+    # a run that stopped at step 3 and resumed gives the same losses
+    import shutil
+
+    shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-00000006")
+    resumed = train_lm(LMTrainConfig(out_dir=tmp_path / "part", resume=True, **kw))
+    torch.testing.assert_close(torch.tensor(resumed["train_loss"]), torch.tensor(full["train_loss"]), rtol=1e-10, atol=0)
+    # other data settings would silently train on other batches: refused
+    with pytest.raises(ValueError, match="grad_accum"):
+        train_lm(LMTrainConfig(out_dir=tmp_path / "part", resume=True, **{**kw, "steps": 8, "grad_accum": 2}))
+
+
+# ----------------------------------------------------------------------------- on gloo ranks
 
 
 def _cfg(out: str, **kw) -> LMTrainConfig:
@@ -32,6 +103,7 @@ def _case_train_with(rank: int, world: int, out: str, kw: str) -> None:
 CASES = {"train": _case_train, "train_with": _case_train_with}
 
 
+@pytest.mark.distributed
 def test_tuned_file_locks_the_auto_tuner(tmp_path) -> None:
     """``tuned=`` (``--tuned``) fixes the auto-tuner's choices from the first step: with every
     layer fixed to the data-parallel mode, "auto" trains bit for bit like parallel="data", and
@@ -62,6 +134,7 @@ def test_tuned_file_locks_the_auto_tuner(tmp_path) -> None:
         train_lm(_cfg(str(tmp_path / "one"), parallel="auto", tuned=tmp_path / "tuned.json"))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_training_equals_one_process(tmp_path, world: int) -> None:
     torch.set_num_threads(2)
@@ -83,6 +156,7 @@ def test_expert_parallel_training_equals_one_process(tmp_path, world: int) -> No
         torch.testing.assert_close(q, p, rtol=1e-8, atol=1e-10, msg=n)
 
 
+@pytest.mark.distributed
 def test_first_step_loss_equals_one_process_with_balance_loss(tmp_path) -> None:
     torch.set_num_threads(2)
     # fp32, the dtype people train in
@@ -93,6 +167,7 @@ def test_first_step_loss_equals_one_process_with_balance_loss(tmp_path) -> None:
     torch.testing.assert_close(ep["val"][0][1], single["val"][0][1], rtol=1e-5, atol=0)
 
 
+@pytest.mark.distributed
 def test_deterministic_runs_repeat_bit_for_bit(tmp_path) -> None:
     """Two 2-rank fp32 runs with deterministic=True (ranks start from different RNG states):
     identical losses and parameters, bit for bit."""
@@ -126,7 +201,8 @@ def _case_train_placed(rank: int, world: int, out: str) -> None:
 CASES["train_placed"] = _case_train_placed
 
 
-@pytest.mark.parametrize("world", [2])  # the modules are tested on 4 ranks too (test_3_placement, test_3_vocab_parallel)
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2])  # the modules are tested on 4 ranks too (test_parallel_placement, test_parallel_vocab)
 def test_rebalanced_vocab_parallel_training_equals_one_process(tmp_path, world: int) -> None:
     """Experts moved (with replicas) every 2 steps and the vocabulary split over the ranks: the
     same trajectory and final parameters as one process (fp64)."""

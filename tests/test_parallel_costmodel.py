@@ -1,10 +1,12 @@
-"""Tier 1: the all-to-all cost model (pure arithmetic)."""
+"""The all-to-all cost model (``moeflow.parallel.costmodel``, pure arithmetic)."""
 
 from __future__ import annotations
 
 import pytest
 
 from moeflow.parallel.costmodel import LinkModel, crossover, fit_latency_bandwidth, flat_time, two_level_time
+
+pytestmark = pytest.mark.unit
 
 
 def test_flat_and_two_level_formulas_by_hand():

@@ -1,4 +1,4 @@
-"""Tier 7 (issue 7): Mixtral weights between Hugging Face transformers and moeflow's MoE GPT."""
+"""Mixtral weights between Hugging Face transformers and moeflow's MoE GPT."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from moeflow.checkpoint import CheckpointError  # noqa: E402
 from moeflow.cli.main import main  # noqa: E402
 from moeflow.models import MoEGPT, gpt_config  # noqa: E402
 from moeflow.checkpoint.mixtral import gpt_from_hf, gpt_to_hf, state_dict_from_hf  # noqa: E402
+
+pytestmark = pytest.mark.integration
 
 
 def tiny_mixtral(gen: torch.Generator, **kw):

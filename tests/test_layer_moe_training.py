@@ -1,4 +1,4 @@
-"""Tier 5: short end-to-end training runs (fp32, 2 threads, ~0.1 s each) whose loss must fall.
+"""Short end-to-end training runs (fp32, 2 threads, ~0.1 s each) whose loss must fall.
 
 The model is ``Linear -> MoE -> Linear`` with no skip connection, so the regression target can
 only be fitted through the experts; the target is a fixed random tanh MLP.
@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import randomize_
 from torch import nn
 
 import moeflow
 from moeflow import RouterConfig
+
+from helpers import randomize_
+
+pytestmark = pytest.mark.e2e
 
 D_IN, D, E, K = 8, 16, 4, 2
 STEPS = 100

@@ -18,6 +18,10 @@ transformers = pytest.importorskip(
 )
 from moeflow.integrations import hf  # noqa: E402
 
+from helpers import rel_err  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
 VOCAB = 96
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -82,10 +86,6 @@ def build(family: str, gen: torch.Generator, dtype: torch.dtype = torch.float32,
             if name.endswith("e_score_correction_bias"):  # DeepSeek-style selection bias: not zero
                 b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float64) * 0.1)
     return model
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-30))
 
 
 def run(model: torch.nn.Module, ids: torch.Tensor, probe: torch.Tensor) -> tuple[object, dict[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Tier 2: the group's slot assignment (``moeflow.parallel.assignment``, pure torch) and the
+"""The group's slot assignment (``moeflow.parallel.assignment``, pure torch) and the
 per-rank exchange plans built from it, with W ranks simulated in one process.
 
 Properties, on random routings (hypothesis) over capacity modes, drop policies, hidden shards
@@ -15,6 +15,7 @@ and load-aware placements with replicas:
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -28,6 +29,8 @@ from moeflow.parallel.placement import Placement, plan_placement
 from moeflow.parallel.plan import exchange_plan, send_rows
 from moeflow.dispatch.combine import combine_rows
 from moeflow.types import RoutingResult
+
+pytestmark = pytest.mark.reference
 
 
 @st.composite

@@ -1,4 +1,4 @@
-"""Tier 2: the router against the token-by-token reference, router dtypes, exploration, the
+"""The router against the token-by-token reference, router dtypes, exploration, the
 balance losses against hand formulas, and aux-loss-free balancing."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import statistics
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_testutils import make_layer, rand
 from torch import nn
 
 import moeflow
@@ -24,6 +23,10 @@ from moeflow.routing import (
 )
 from moeflow.routing.losses import cv_squared
 from moeflow.testing import reference_routing
+
+from helpers import make_layer, rand
+
+pytestmark = pytest.mark.reference
 
 T, D, E = 40, 8, 8
 

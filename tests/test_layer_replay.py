@@ -1,4 +1,5 @@
-"""Router replay: recorded expert choices pin a later forward's routing (issue 9, first step)."""
+"""Router replay (``moeflow.layer.replay``): recorded expert choices pin a later forward's routing
+(issue 9, first step); in one process and under expert parallelism on 2 gloo ranks."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import torch
 
 import moeflow
 from moeflow.models import GPTConfig, MoEGPT
+from moeflow.parallel import expert_parallel
+
+from helpers import seeded_layer, spawn_ranks
 
 
 def gpt(**kw) -> MoEGPT:
@@ -15,6 +19,7 @@ def gpt(**kw) -> MoEGPT:
     return MoEGPT(GPTConfig(**{**base, **kw}))
 
 
+@pytest.mark.reference
 def test_replay_reproduces_the_recorded_forward(gen) -> None:
     model = gpt().double().eval()
     idx = torch.randint(0, 50, (3, 16), generator=gen)
@@ -26,6 +31,7 @@ def test_replay_reproduces_the_recorded_forward(gen) -> None:
     assert torch.equal(again, ref)
 
 
+@pytest.mark.reference
 def test_replay_pins_experts_under_changed_weights_and_noise(gen) -> None:
     model = gpt(router=moeflow.RouterConfig(noise_std=1.0)).double().train()
     idx = torch.randint(0, 50, (2, 16), generator=gen)
@@ -48,6 +54,7 @@ def test_replay_pins_experts_under_changed_weights_and_noise(gen) -> None:
         assert layer.router.linear.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.reference
 def test_tape_saves_and_loads(tmp_path, gen) -> None:
     model = gpt().eval()
     idx = torch.randint(0, 50, (2, 8), generator=gen)
@@ -61,6 +68,7 @@ def test_tape_saves_and_loads(tmp_path, gen) -> None:
         assert len(back.calls[name]) == 2 and all(torch.equal(a, b) for a, b in zip(back.calls[name], tape.calls[name]))
 
 
+@pytest.mark.reference
 def test_replay_errors_name_the_problem(gen) -> None:
     model = gpt().eval()
     idx = torch.randint(0, 50, (2, 8), generator=gen)
@@ -85,6 +93,7 @@ def test_replay_errors_name_the_problem(gen) -> None:
         moeflow.replay_routing(model, {})
 
 
+@pytest.mark.reference
 def test_load_stats_sum_the_last_training_calls(gen) -> None:
     layer = moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, load_window=3)
     xs = [torch.randn(n, 8, generator=gen) for n in (5, 6, 7, 8)]
@@ -100,3 +109,33 @@ def test_load_stats_sum_the_last_training_calls(gen) -> None:
         moeflow.MoE(dim=8, hidden=8, num_experts=4).load_stats()
     with pytest.raises(ValueError, match="load_window"):
         moeflow.MoE(dim=8, hidden=8, num_experts=4, load_window=-1)
+
+
+# ----------------------------------------------------------------------------- under expert parallelism
+
+D = 8
+
+
+def _case_replay(rank: int, world: int) -> None:
+    """Router replay under expert parallelism: each rank records and replays its own tokens;
+    the replayed forward equals the recorded one, also after the router weights moved."""
+    ep = expert_parallel(seeded_layer(8, 2, 1.0, "position", "combine", seed=600))
+    x = torch.randn(5 + rank, D, generator=torch.Generator().manual_seed(600 + rank), dtype=torch.float64)
+    with moeflow.record_routing(ep) as tape:
+        ref = ep(x)
+    with moeflow.replay_routing(ep, tape):
+        torch.testing.assert_close(ep(x), ref, rtol=0, atol=0)
+    with torch.no_grad():
+        ep.router.linear.weight.add_(torch.randn(ep.router.linear.weight.shape, dtype=torch.float64,
+                                                 generator=torch.Generator().manual_seed(601)))
+    with moeflow.replay_routing(ep, tape):
+        ep(x)
+    assert torch.equal(ep.last_counts_E, torch.bincount(tape.calls[""][0].flatten(), minlength=8))
+
+
+CASES = {"replay": _case_replay}  # looked up by the spawned ranks
+
+
+@pytest.mark.distributed
+def test_router_replay_under_expert_parallelism():
+    spawn_ranks(2, __name__, "replay")

@@ -1,4 +1,4 @@
-"""Tier 3: vocabulary-parallel embedding, output projection and cross-entropy on 2 and 4 gloo
+"""Vocabulary-parallel embedding, output projection and cross-entropy on 2 and 4 gloo
 ranks against the unsplit modules on the concatenated batch (fp64), alone and inside MoEGPT."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 import moeflow
 from moeflow.checkpoint import load_checkpoint, save_checkpoint
-from distributed_utils import spawn_ranks
 from moeflow.models import GPTConfig, MoEGPT
 from moeflow.parallel import (
     VocabParallelEmbedding,
@@ -26,6 +25,10 @@ from moeflow.parallel import (
     vocab_parallel,
     vocab_range,
 )
+
+from helpers import spawn_ranks
+
+pytestmark = pytest.mark.distributed
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 

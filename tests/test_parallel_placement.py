@@ -1,23 +1,20 @@
-"""Tier 1 + 3: load-aware expert placement with replicas (moeflow.parallel.placement).
+"""Load-aware expert placement with replicas (``moeflow.parallel.placement``, ``rebalance``).
 
-The planner is checked on its own (tier 1); on 2 and 4 gloo ranks a layer under a replicated
-placement must give the single-process outputs and gradients (replica gradients summed) in every
-capacity mode and parallel setting, lower the busiest rank's rows under skewed routing, and moving
-experts mid-training must keep parameters, optimizer state and the loss curve exact.
+The planner is checked on its own (unit); on 2 and 4 gloo ranks (distributed) a layer under a
+replicated placement must give the single-process outputs and gradients (replica gradients summed)
+in every capacity mode and parallel setting, lower the busiest rank's rows under skewed routing,
+and moving experts mid-training must keep parameters, optimizer state and the loss curve exact.
 """
 
 from __future__ import annotations
 
 import copy
 
-
 import pytest
 import torch
 
 import moeflow
-from distributed_utils import spawn_ranks
-from test_3_parallel import _check_equivalence
-from moeflow import DispatchConfig, RouterConfig
+from moeflow import RouterConfig
 from moeflow.parallel import (
     Placement,
     all_reduce_gradients,
@@ -31,12 +28,15 @@ from moeflow.parallel import (
     sync_replica_gradients,
 )
 
+from helpers import check_equivalence, seeded_layer, spawn_ranks
+
 D, H = 8, 12
 
 
-# -- tier 1: the planner ------------------------------------------------------------------------
+# -- the planner (unit) -------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_plan_placement_replicates_the_hot_expert():
     load = [0.5] + [0.5 / 7] * 7
     plain = Placement.contiguous(8, 4)
@@ -48,6 +48,7 @@ def test_plan_placement_replicates_the_hot_expert():
     assert sorted(x for r in tight.slots for x in r) == list(range(8))
 
 
+@pytest.mark.unit
 def test_plan_placement_is_never_worse_than_contiguous():
     gen = torch.Generator().manual_seed(0)
     for trial in range(50):
@@ -59,6 +60,7 @@ def test_plan_placement_is_never_worse_than_contiguous():
             assert all(len(set(r)) == s for r in plan.slots)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -75,6 +77,7 @@ def test_plan_placement_rejects_bad_arguments(kwargs, match):
         plan_placement(load, **kwargs)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "slots, match",
     [(((0, 1), (1,)), "same positive number"), (((0, 0), (1, 2)), "twice"), (((0, 1), (1, 2)), r"\[3\] have no slot"),
@@ -85,25 +88,11 @@ def test_placement_validates(slots, match):
         Placement(num_experts=4, slots=slots)
 
 
-# -- tier 3: equivalence on gloo ranks ----------------------------------------------------------
-
-
-def _layer(E: int, k: int, cf: float, policy: str, seed: int) -> moeflow.MoE:
-    torch.manual_seed(seed)
-    layer = moeflow.MoE(
-        dim=D, hidden=H, num_experts=E, top_k=k, capacity_factor=cf,
-        router=RouterConfig(load_balance_coef=0.0), dispatch=DispatchConfig(drop_policy=policy),
-        dtype=torch.float64,
-    ).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
-    return layer
+# -- equivalence on gloo ranks (distributed) ----------------------------------------------------
 
 
 def _check(rank, world, layer, placement, tokens, seed, what, **call):  # type: ignore[no-untyped-def]
-    """``_check_equivalence`` under ``placement`` (replica gradients summed), plus: the moved
+    """``check_equivalence`` under ``placement`` (replica gradients summed), plus: the moved
     experts are exact copies and the global gradient norm counts each replicated expert once."""
     mine = list(placement.slots[rank])
 
@@ -115,7 +104,7 @@ def _check(rank, world, layer, placement, tokens, seed, what, **call):  # type: 
             torch.testing.assert_close(p, dict(layer.experts.named_parameters())[name].detach()[mine], rtol=0, atol=0)
         return ep
 
-    ref, ep = _check_equivalence(rank, world, layer, tokens, seed, what, shard=place,
+    ref, ep = check_equivalence(rank, world, layer, tokens, seed, what, shard=place,
                                  expert_view=lambda name, t: t[mine], after_backward=sync_replica_gradients, **call)
     norm_ref = torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters()))
     norm = clip_grad_norm_(ep, 1e9)
@@ -145,18 +134,18 @@ def _case_equivalence(rank: int, world: int) -> None:
         for k, cf, policy in configs:
             tokens = [9 + 4 * r for r in range(world)]
             tokens[-1] = 0  # a rank without tokens
-            layer = _layer(E, k, cf, policy, seed=300 + i)
+            layer = seeded_layer(E, k, cf, policy, seed=300 + i, hidden=H)
             _check(rank, world, layer, placement, tokens, 300 + i, f"{placement.slots} k={k} cf={cf} {policy}")
             i += 1
     # the other run paths use the same slot assignment
-    layer = _layer(E, 2, 0.0, "position", seed=900)
+    layer = seeded_layer(E, 2, 0.0, "position", seed=900, hidden=H)
     _check(rank, world, layer, placements[0], [11] * world, 900, "pipelined", overlap_degree=2)
     _check(rank, world, layer, placements[0], [11] * world, 901, "data mode", parallel="data")
     # data mode with replicas, capacity drops and an empty rank: with a few tokens per rank the
     # last global slots get no rows from a rank, and its counts must still cover every slot
     tokens = [2, 1, 3, 0][:world]
     hot = plan_placement([50.0, 3.0, 9.0, 1.0, 30.0, 2.0, 7.0, 4.0], world=world, slots_per_rank=E // world + 1)
-    layer = _layer(E, 1, 0.5, "bpr", seed=902)
+    layer = seeded_layer(E, 1, 0.5, "bpr", seed=902, hidden=H)
     _check(rank, world, layer, hot, tokens, 902, "data mode, empty rank", parallel="data")
     # in fp32 the grouped GEMM checks that the counts cover every gathered slot's weights
     ep = expert_parallel(copy.deepcopy(layer).float())
@@ -315,24 +304,29 @@ CASES = {"equivalence": _case_equivalence, "skewed": _case_skewed_load, "move": 
          "checkpoint": _case_checkpoint}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_replicated_placement_matches_single_process(world):
     spawn_ranks(world, __name__, "equivalence")
 
 
+@pytest.mark.distributed
 def test_replication_lowers_busiest_rank_on_4_ranks():
     spawn_ranks(4, __name__, "skewed")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_moving_experts_mid_training_is_exact(world):
     spawn_ranks(world, __name__, "move")
 
 
+@pytest.mark.distributed
 def test_bad_placements_raise():
     spawn_ranks(2, __name__, "bad")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_checkpoint_under_replicated_placement(world, tmp_path):
     spawn_ranks(world, __name__, "checkpoint", str(tmp_path))

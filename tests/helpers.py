@@ -1,0 +1,331 @@
+"""Helpers shared by the test modules (a plain module: pytest puts tests/ on sys.path).
+
+Fixtures live in ``conftest.py``; everything a test module imports by name lives here:
+
+- building layers and models: ``randomize_``, ``make_layer`` (a generator draws the parameters),
+  ``seeded_layer`` (an integer seed does: every rank of a multi-rank test builds the same layer),
+  ``small_gpt``; inputs: ``rand``, ``random_counts``;
+- comparing: ``output_and_grads``, ``rel_err``, ``assert_close_rel``, ``compare_layer_with``,
+  ``check_equivalence`` (an expert-parallel layer against the single process, on gloo ranks);
+- running on ranks: ``spawn_ranks`` (gloo on 127.0.0.1; a rank's failure or a hang fails the test);
+- ``needs_cuda``: skip without CUDA (with ``@pytest.mark.gpu``).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import importlib
+import os
+import shutil
+import tempfile
+import traceback
+import warnings
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import moeflow
+from moeflow import DispatchConfig, RouterConfig
+from moeflow.models import GPTConfig, MoEGPT
+from moeflow.parallel import all_reduce_gradients, dense_parameters, expert_parallel
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# ----------------------------------------------------------------------------- layers, models, inputs
+
+
+def randomize_(module: nn.Module, gen: torch.Generator, std: float = 0.5) -> nn.Module:
+    """Overwrite every parameter with fresh N(0, std^2) values so nothing is near zero."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * std)
+    return module
+
+
+def make_layer(
+    gen: torch.Generator,
+    *,
+    dim: int = 8,
+    hidden: int = 8,
+    num_experts: int = 6,
+    top_k: int = 2,
+    dtype: torch.dtype = torch.float64,
+    std: float = 0.5,
+    router: moeflow.RouterConfig | None = None,
+    dispatch: moeflow.DispatchConfig | None = None,
+    experts_cfg: moeflow.ExpertsConfig | None = None,
+    experts: nn.Module | None = None,
+    eval_mode: bool = True,
+    **fields: object,
+) -> moeflow.MoE:
+    """A small ``MoE`` with every parameter redrawn from N(0, std^2) (routing is non-trivial)."""
+    kw: dict[str, object] = dict(fields)
+    if router is not None:
+        kw["router"] = router
+    if dispatch is not None:
+        kw["dispatch"] = dispatch
+    if experts_cfg is not None:
+        kw["experts"] = experts_cfg
+    cfg = moeflow.MoEConfig(dim=dim, hidden=hidden, num_experts=num_experts, top_k=top_k, **kw)  # type: ignore[arg-type]
+    layer = moeflow.MoE(config=cfg, experts_module=experts, dtype=dtype)
+    randomize_(layer, gen, std=std)
+    layer.train(not eval_mode)
+    return layer
+
+
+def seeded_layer(
+    E: int,
+    k: int,
+    cf: float,
+    policy: str,
+    weight_at: str = "combine",
+    *,
+    seed: int,
+    dim: int = 8,
+    hidden: int = 8,
+    router: moeflow.RouterConfig | None = None,
+    experts: moeflow.ExpertsConfig | None = None,
+    **fields: object,
+) -> moeflow.MoE:
+    """``make_layer`` from an integer: the multi-rank tests' fp64 eval layer, the same on every rank.
+
+    The global RNG is seeded with ``seed`` (later draws from it agree between ranks too), the
+    parameters are drawn from ``seed + 1``; no balance loss unless ``router`` says otherwise.
+    """
+    torch.manual_seed(seed)
+    return make_layer(
+        torch.Generator().manual_seed(seed + 1), dim=dim, hidden=hidden, num_experts=E, top_k=k, capacity_factor=cf,
+        router=RouterConfig(load_balance_coef=0.0) if router is None else router,
+        dispatch=DispatchConfig(drop_policy=policy, weight_at=weight_at),  # type: ignore[arg-type]
+        experts_cfg=experts, **fields,
+    )
+
+
+def small_gpt(**kw: object) -> MoEGPT:
+    """A 3-block MoE GPT (MoE on every second block, grouped-query attention); ``kw`` overrides."""
+    base = dict(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=24, moe_every=2,
+                num_experts=4, top_k=2, expert_hidden=24)
+    return MoEGPT(GPTConfig(**{**base, **kw}))  # type: ignore[arg-type]
+
+
+def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float64, std: float = 1.0) -> torch.Tensor:
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype)
+
+
+def random_counts(gen: torch.Generator, E: int, R: int, empty: int) -> torch.Tensor:
+    """E group sizes summing to R with `empty` empty groups."""
+    weights = torch.rand(E, generator=gen) + 0.1
+    weights[torch.randperm(E, generator=gen)[:empty]] = 0
+    counts = torch.floor(weights / weights.sum() * R).long()
+    counts[int(torch.argmax(weights))] += R - int(counts.sum())
+    return counts
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def output_and_grads(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    grad_out: torch.Tensor,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``y = fn(x)`` and the gradients of ``<y, grad_out>`` w.r.t. ``x`` and ``params``.
+
+    Parameters that do not influence ``y`` get an exact zero gradient (not ``None``) so two
+    implementations can be compared entry by entry.
+    """
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x)
+    inputs = [x, *params]
+    grads = torch.autograd.grad((y * grad_out).sum(), inputs, allow_unused=True)
+    return y.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(inputs, grads)]
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, *, norm: str = "max") -> float:
+    """Error of ``actual`` relative to ``expected``, computed in fp64.
+
+    ``norm="max"``: max |actual - expected| / max |expected| (the largest reference magnitude,
+    floored at 1e-30); ``norm="fro"``: ||actual - expected|| / ||expected|| over all entries.
+    """
+    a, b = actual.detach().double(), expected.detach().double()
+    if norm == "fro":
+        return ((a - b).norm() / b.norm()).item()
+    if norm != "max":
+        raise ValueError(f"norm must be 'max' or 'fro', got {norm!r}")
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def assert_close_rel(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tol: float,
+    what: str = "",
+    *,
+    floor: float = 1.0,
+    same_dtype: bool = True,
+) -> None:
+    """Max abs error <= ``tol`` x max(largest magnitude of ``expected``, ``floor``), in fp64.
+
+    Norm-wise, not per entry (flash-attention style). ``floor=1.0``: absolute below magnitude 1;
+    the kernel tests pass a tiny floor (relative at every magnitude) and ``same_dtype=False``.
+    """
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if same_dtype:
+        assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a, b = actual.detach().double(), expected.detach().double()
+    scale = max(b.abs().max().item(), 1e-300) if b.numel() else 1.0
+    err = (a - b).abs().max().item() if b.numel() else 0.0
+    assert err <= tol * max(scale, floor), f"{what}: max abs err {err:.3e} (scale {scale:.3e}, tol {tol:.1e})"
+
+
+def compare_layer_with(
+    layer: moeflow.MoE,
+    reference: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    gen: torch.Generator,
+    *,
+    tol: float = 1e-10,
+    call: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Outputs and the gradients of x and every parameter of ``layer`` agree with ``reference``."""
+    names, params = zip(*layer.named_parameters())
+    grad_out = rand(gen, *x.shape, dtype=x.dtype)
+    y, grads = output_and_grads(call or layer, x, params, grad_out)
+    y_ref, grads_ref = output_and_grads(reference, x, params, grad_out)
+    assert_close_rel(y, y_ref, tol, "output")
+    for name, g, g_ref in zip(("x", *names), grads, grads_ref):
+        assert_close_rel(g, g_ref, tol, f"grad of {name}")
+
+
+def check_equivalence(
+    rank: int, world: int, layer: moeflow.MoE, tokens: list[int], seed: int, what: str, hierarchy=None,
+    overlap_degree: int | str = 1, parallel: str = "expert", *, shard=None, expert_view=None, after_backward=None,
+):  # type: ignore[no-untyped-def]
+    """Run ``layer`` on the concatenated batch and a parallel copy on this rank's part; compare
+    outputs, input, expert and dense gradients and one SGD step. ``shard(copy) -> parallel
+    layer`` (default ``expert_parallel``), ``expert_view(name, full [E, ...] tensor) -> what this
+    rank holds`` (default its contiguous block), ``after_backward(parallel layer)``. Returns
+    ``(ref, parallel layer)`` for further checks. Call it on every rank of a gloo group."""
+    D = layer.config.dim
+    gen = torch.Generator().manual_seed(seed + 2)
+    xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+    gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+    start = sum(tokens[:rank])
+    sl = slice(start, start + tokens[rank])
+
+    ref = copy.deepcopy(layer)
+    x_all = torch.cat(xs).requires_grad_(True)
+    y_all = ref(x_all)
+    (y_all * torch.cat(gs)).sum().backward()
+
+    e = layer.config.num_experts // world
+    if expert_view is None:
+        expert_view = lambda name, t: t[rank * e : (rank + 1) * e]  # noqa: E731
+    ep = (shard or (lambda m: expert_parallel(m, hierarchy=hierarchy)))(copy.deepcopy(layer))
+    x = xs[rank].clone().requires_grad_(True)
+    y = ep(x, overlap_degree=overlap_degree, parallel=parallel)
+    (y * gs[rank]).sum().backward()
+    if after_backward is not None:
+        after_backward(ep)
+
+    tol = dict(rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(y, y_all[sl].detach(), **tol, msg=lambda m: f"{what} output: {m}")
+    torch.testing.assert_close(x.grad, x_all.grad[sl], **tol, msg=lambda m: f"{what} input grad: {m}")
+    ref_experts = dict(ref.experts.named_parameters())
+    for name, p in ep.experts.named_parameters():
+        expected = expert_view(name, ref_experts[name].grad)
+        torch.testing.assert_close(p.grad, expected, **tol, msg=lambda m: f"{what} expert {name} grad: {m}")
+    # dense parameters: the group's summed gradient equals the single-process gradient
+    all_reduce_gradients(dense_parameters(ep), None, average=False)
+    ref_dense = dict(ref.named_parameters())
+    for name, p in ep.named_parameters():
+        if getattr(p, "moeflow_expert", False):
+            continue
+        torch.testing.assert_close(p.grad, ref_dense[name].grad, **tol, msg=lambda m: f"{what} {name} grad: {m}")
+    # one SGD step gives identical parameters (experts: the shard of the single-process step)
+    for model in (ref, ep):
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    experts_prefix = {id(p): name for name, p in ep.experts.named_parameters()}
+    for name, p in ep.named_parameters():
+        expected = ref_dense[name]
+        if getattr(p, "moeflow_expert", False):
+            expected = expert_view(experts_prefix[id(p)], expected.detach())
+        torch.testing.assert_close(p, expected, **tol, msg=lambda m: f"{what} {name} after step: {m}")
+    return ref, ep
+
+
+# ----------------------------------------------------------------------------- gloo ranks
+
+TIMEOUT_S = 240
+
+
+def _entry(rank: int, world: int, store_file: str, module: str, case: str, errors, args: tuple, done=None) -> None:
+    torch.set_num_threads(1)
+    # a file rendezvous: no port to pick, so no race with other processes for it
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=90),
+    )
+    passed = False
+    try:
+        getattr(importlib.import_module(module), "CASES")[case](rank, world, *args)
+        passed = True
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        try:
+            dist.barrier()
+            if passed and done is not None:  # the case and the barrier after it passed here
+                done.put(rank)
+        finally:
+            dist.destroy_process_group()
+
+
+def spawn_ranks(world: int, module: str, case: str, *args: object) -> None:
+    """Run ``module.CASES[case](rank, world, *args)`` on ``world`` gloo ranks; fail (never hang) after TIMEOUT_S.
+
+    ``module`` is the test module's ``__name__``: each rank imports it by name (tests/ is on the
+    spawned processes' sys.path too) and looks the case up in its ``CASES`` dict.
+    """
+    ctx = mp.get_context("spawn")
+    errors, done = ctx.SimpleQueue(), ctx.SimpleQueue()
+    store_dir = tempfile.mkdtemp(prefix="moeflow-rdzv-")
+    store_file = os.path.join(store_dir, "store")
+    proc = mp.start_processes(
+        _entry, args=(world, store_file, module, case, errors, args, done), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
+    try:
+        while not proc.join(timeout=2):
+            if datetime.datetime.now() > deadline:
+                raise TimeoutError(f"{case} on {world} ranks did not finish in {TIMEOUT_S}s")
+    except Exception as err:
+        for p in proc.processes:
+            if p.is_alive():
+                p.kill()
+        msgs = []
+        while not errors.empty():
+            msgs.append(errors.get())
+        finished = set()
+        while not done.empty():
+            finished.add(done.get())
+        if not msgs and finished == set(range(world)) and not isinstance(err, TimeoutError):
+            # every rank ran the case, its assertions and the closing barrier; a rank then died
+            # tearing down (seen rarely on this 2-core VM under load: gloo's "terminate called
+            # without an active exception" while the process group is destroyed or at exit).
+            # That is not a result of the code under test: report it and pass.
+            warnings.warn(f"{case} on {world} ranks: every rank passed, then one died at exit: {err}", stacklevel=2)
+            return
+        raise AssertionError(f"{case} failed on {world} ranks: {err}\n" + "\n".join(msgs)) from None
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)

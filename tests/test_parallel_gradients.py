@@ -1,0 +1,138 @@
+"""Gradients of sharded and replicated parameters (``moeflow.parallel.gradients``): DDP averages
+the dense gradients only and FSDP2 ignores the experts (2 and 4 gloo ranks), reduced expert
+gradients are those of the mean loss, missing gradients count as zeros, and the global-norm
+clipping equals torch's in one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeflow.parallel import all_reduce_gradients, clip_grad_norm_, expert_parallel, make_groups
+
+from helpers import seeded_layer, small_gpt, spawn_ranks
+
+D = 8
+
+
+@pytest.mark.reference
+def test_clip_grad_norm_matches_torch_on_one_process(gen) -> None:
+    model = small_gpt()
+    idx = torch.randint(0, 61, (2, 10), generator=gen)
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    twin = small_gpt()
+    twin.load_state_dict(model.state_dict())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = p.grad.clone()
+    norm = clip_grad_norm_(model, 0.05)
+    ref = torch.nn.utils.clip_grad_norm_(list(twin.parameters()), 0.05)
+    torch.testing.assert_close(norm.float(), ref.float(), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(model, 0.0)
+
+
+def _case_ddp(rank: int, world: int) -> None:
+    """DDP averages dense gradients only; expert gradients stay this rank's own."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from moeflow.parallel import ddp_ignore_expert_parameters, expert_parameters
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), seeded_layer(8, 2, 0.0, "position", "combine", seed=5))
+    expert_parallel(model)
+    ignored = ddp_ignore_expert_parameters(model)
+    assert ignored and all("experts" in n for n in ignored)
+    ddp = DDP(model)
+    x = torch.randn(10 + rank, D, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    ddp(x).square().sum().backward()
+    plain = copy.deepcopy(model)
+    for p in plain.parameters():
+        p.grad = None
+    plain(x).square().sum().backward()  # same forward without DDP: the local gradients
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if name in ignored:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        else:
+            avg = q.grad.clone()
+            dist.all_reduce(avg)
+            torch.testing.assert_close(p.grad, avg / world, rtol=1e-10, atol=1e-12)
+    assert len(expert_parameters(model)) == len(ignored)
+
+    # with reduce_expert_gradients, every gradient is that of the mean loss over the ranks
+    from moeflow.parallel import reduce_expert_gradients
+
+    torch.manual_seed(5)
+    ref = torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), seeded_layer(8, 2, 0.0, "position", "combine", seed=5))
+    xs = [torch.randn(10 + r, D, generator=torch.Generator().manual_seed(r), dtype=torch.float64) for r in range(world)]
+    # each rank's loss is a sum over its rows; the group minimises their mean
+    (sum(ref(xr).square().sum() for xr in xs) / world).backward()
+    reduce_expert_gradients(model, make_groups(world))
+    e = 8 // world
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        expected = ref_grads[name].grad
+        if name in ignored:
+            expected = expected[rank * e : (rank + 1) * e]
+        torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def _case_fsdp2(rank: int, world: int) -> None:
+    """FSDP2 with the experts ignored: dense gradients averaged (sharded), experts local."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from moeflow.parallel import fsdp_ignored_parameters
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), seeded_layer(8, 2, 0.0, "position", "combine", seed=5))
+    expert_parallel(model)
+    plain = copy.deepcopy(model)
+    ignored = fsdp_ignored_parameters(model)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=ignored)
+    x = torch.randn(6 + rank, D, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    model(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if p in ignored:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+        else:
+            avg = q.grad.clone()
+            dist.all_reduce(avg)
+            torch.testing.assert_close(p.grad.full_tensor(), avg / world, rtol=1e-10, atol=1e-12)
+
+
+def _case_all_reduce_none_grads(rank: int, world: int) -> None:
+    """Parameters without a gradient on some ranks count as zeros (same layout everywhere)."""
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(2))
+    (a if rank == 0 else b).sum().backward()
+    all_reduce_gradients([a, b], None, average=False)
+    assert a.grad.tolist() == [1.0] * 3 and b.grad.tolist() == [float(world - 1)] * 2
+
+
+CASES = {  # looked up by the spawned ranks
+    "ddp": _case_ddp,
+    "fsdp2": _case_fsdp2,
+    "none_grads": _case_all_reduce_none_grads,
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_skips_expert_parameters(world):
+    spawn_ranks(world, __name__, "ddp")
+
+
+@pytest.mark.distributed
+def test_fsdp2_ignores_expert_parameters():
+    spawn_ranks(2, __name__, "fsdp2")
+
+
+@pytest.mark.distributed
+def test_all_reduce_gradients_with_missing_grads():
+    spawn_ranks(2, __name__, "none_grads")
