@@ -3,7 +3,7 @@ resharding and the ``convert`` CLI; on gloo ranks, a checkpoint saved on 4 ranks
 and 4 with the same parameters, optimizer state and continued losses (fp64, dropless routing so
 that splitting the batch over ranks does not change the math), hidden-sharded experts load into
 any layout, and (slow) torchrun restarts a job whose rank was killed from its last checkpoint.
-Mixtral conversion: ``test_checkpoint_mixtral.py``."""
+Mixtral conversion: ``test_convert_mixtral.py``."""
 
 from __future__ import annotations
 

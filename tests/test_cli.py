@@ -1,6 +1,6 @@
 """``moeflow train`` and ``moeflow generate`` end to end, and the errors of both commands (checked
 before any rank starts). The other commands are tested with their subject: ``bench`` in
-test_bench.py, ``convert`` in test_checkpoint.py and test_checkpoint_mixtral.py, ``infer`` in
+test_bench.py, ``convert`` in test_checkpoint.py and test_convert_mixtral.py, ``infer`` in
 test_storage.py, ``train-vision`` in test_train_vision.py."""
 
 from __future__ import annotations

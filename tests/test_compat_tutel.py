@@ -420,6 +420,20 @@ def _case_group(rank: int, world: int) -> None:
     # drops with unequal token counts: every rank agrees on C (no hang)
     y = ep(torch.randn(3 + 4 * rank, D, dtype=F64), capacity_factor=0.5)
     y.sum().backward()
+    # batch-prioritized routing with normalised gates (drops ordered by Tutel's raw scores, outputs
+    # weighted by the normalised ones) runs pipelined too, with the unpipelined result
+    bpr = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": 0.5}, model_dim=D, seeds=(1, 2, 3),
+                              experts={**ffn, "count_per_node": E // world}, batch_prioritized_routing=True).to(F64)
+    x = torch.randn(6 + 3 * rank, D, generator=torch.Generator().manual_seed(11 + rank), dtype=F64)
+    runs = []
+    for degree in (1, 2):
+        bpr.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        y = bpr(xi, a2a_ffn_overlap_degree=degree)
+        y.sum().backward()
+        runs.append([y.detach(), xi.grad] + [p.grad for p in bpr.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 CASES = {"group": _case_group}  # looked up by the spawned ranks

@@ -48,7 +48,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         if not (src / "index.json").exists():
             src = latest_checkpoint(src) or latest_checkpoint(src / "checkpoints") or src
         if args.to_hf is not None:
-            from moeflow.checkpoint.mixtral import gpt_to_hf
+            from moeflow.convert.mixtral import gpt_to_hf
             from moeflow.train import build_from_checkpoint
 
             model, _, _ = build_from_checkpoint(src)
@@ -69,7 +69,7 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 def _convert_from_hf(hf_dir: Path, dst: Path) -> int:
     from moeflow.checkpoint import save_checkpoint
-    from moeflow.checkpoint.mixtral import gpt_from_hf
+    from moeflow.convert.mixtral import gpt_from_hf
     from moeflow.train.lm import MODEL_FAMILY
 
     model = gpt_from_hf(hf_dir)

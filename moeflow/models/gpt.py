@@ -5,7 +5,7 @@ gated FFNs. Every ``moe_every``-th block (fairseq's ``moe_freq``: block ``i`` is
 ``(i + 1) % moe_every == 0``) replaces its FFN with a ``moeflow.MoE`` layer; ``moe_every=1``
 makes every block MoE (Mixtral), 0 makes a dense model. Parameter names follow Hugging Face's
 Llama/Mixtral naming where there is one (``q_proj``, ``o_proj``), which keeps
-``moeflow.checkpoint.mixtral`` (Mixtral import/export) a table of renames.
+``moeflow.convert.mixtral`` (Mixtral import/export) a table of renames.
 
 Legend: ``B`` batch, ``S`` sequence length, ``D`` model dim, ``V`` vocabulary, ``N`` heads,
 ``G`` key/value heads, ``Hd`` head dim, ``T = B*S`` tokens seen by the MoE layers.

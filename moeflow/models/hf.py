@@ -1,9 +1,9 @@
-"""Deprecated alias of ``moeflow.checkpoint.mixtral`` (Mixtral weight conversion), kept for one
+"""Deprecated alias of ``moeflow.convert.mixtral`` (Mixtral weight conversion), kept for one
 release: importing it warns with a ``DeprecationWarning``; import from the new module instead."""
 
 import warnings
 
-from moeflow.checkpoint.mixtral import (
+from moeflow.convert.mixtral import (
     gpt_config_from_hf,
     gpt_from_hf,
     gpt_to_hf,
@@ -19,4 +19,4 @@ __all__ = ["gpt_config_from_hf", "hf_config_from_gpt", "state_dict_from_hf", "st
            "read_hf", "read_hf_config", "write_hf", "gpt_from_hf", "gpt_to_hf"]
 
 warnings.warn("moeflow.models.hf is deprecated and will be removed in the next release; "
-              "import from moeflow.checkpoint.mixtral", DeprecationWarning, stacklevel=2)
+              "import from moeflow.convert.mixtral", DeprecationWarning, stacklevel=2)

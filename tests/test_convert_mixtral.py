@@ -13,7 +13,7 @@ import moeflow  # noqa: E402
 from moeflow.checkpoint import CheckpointError  # noqa: E402
 from moeflow.cli.main import main  # noqa: E402
 from moeflow.models import MoEGPT, gpt_config  # noqa: E402
-from moeflow.checkpoint.mixtral import gpt_from_hf, gpt_to_hf, state_dict_from_hf  # noqa: E402
+from moeflow.convert.mixtral import gpt_from_hf, gpt_to_hf, state_dict_from_hf  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def test_import_gives_the_same_logits_and_gradients(tmp_path, gen) -> None:
 
 def test_fused_in_memory_layout_reads_too(gen) -> None:
     hf = tiny_mixtral(gen)
-    from moeflow.checkpoint.mixtral import gpt_config_from_hf
+    from moeflow.convert.mixtral import gpt_config_from_hf
 
     cfg = gpt_config_from_hf(hf.config.to_dict())
     model = MoEGPT(cfg)

@@ -11,12 +11,9 @@ moeflow stores ``w_in [E, D, 2H]`` (gate columns, then up) and ``w_out [E, H, D]
 Reading and writing need only ``safetensors`` and JSON (not ``transformers``): an HF directory is
 ``config.json`` plus ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
 
-Import direction: this module converts to and from one model class, so it imports
-``moeflow.models.gpt`` at import time (the one edge from ``checkpoint/`` up to ``models/``). There
-is no cycle: ``moeflow.models`` imports nothing from ``checkpoint/`` (only the deprecated alias
-``moeflow.models.hf``, which its package does not import, re-exports this module), and
-``moeflow.checkpoint`` does not import this module, so the generic save/load/reshard code stays
-free of any model class.
+Import direction: ``moeflow.convert`` sits above ``models`` and ``checkpoint``: this module
+converts to and from one model class (``moeflow.models.gpt``) and reports damaged input as a
+``CheckpointError``; neither of those packages imports it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""The dispatcher protocol, the one seam between the layer and parallelism
+(``moeflow.dispatch.protocol``): what the layer reads of a dispatcher, the layout it declares,
+and the names that moved with the seam (they keep working for one release, with a warning)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+import pytest
+import torch
+
+import moeflow
+from moeflow.dispatch import LocalDispatcher
+from moeflow.dispatch.protocol import DispatchCombineAdapter
+from moeflow.types import ExpertLayout
+
+from helpers import make_layer, rand
+
+pytestmark = pytest.mark.reference
+
+
+class _DispatchCombineOnly:
+    """A user dispatcher written to the protocol before ``run``."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.inner = LocalDispatcher(num_experts=num_experts)
+        self.calls = 0
+
+    def dispatch(self, x_TD, routing, *, capacity_factor):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return self.inner.dispatch(x_TD, routing, capacity_factor=capacity_factor)
+
+    def combine(self, expert_out, plan):  # type: ignore[no-untyped-def]
+        return self.inner.combine(expert_out, plan)
+
+
+def test_local_dispatcher_declares_the_protocol():
+    disp = LocalDispatcher(num_experts=5)
+    assert isinstance(disp, moeflow.Dispatcher) and disp.collective is False
+    assert disp.layout == ExpertLayout.whole(5) and disp.layout.offset == 0
+
+
+@pytest.mark.parametrize("cf", [1.0, 0.0, -0.5])
+def test_dispatch_combine_only_dispatcher_is_adapted_with_a_warning(gen, cf):
+    ref = make_layer(gen, capacity_factor=cf)
+    old = _DispatchCombineOnly(ref.config.num_experts)
+    with pytest.warns(DeprecationWarning, match="dispatch/combine only"):
+        layer = moeflow.MoE(config=ref.config, dispatcher=old, dtype=torch.float64)
+    layer.load_state_dict(ref.state_dict())
+    layer.eval()
+    assert isinstance(layer.dispatcher, DispatchCombineAdapter)
+    x = rand(gen, 11, ref.config.dim)
+    assert torch.equal(layer(x), ref(x)) and old.calls == 1
+    assert layer.expert_range() == (0, ref.config.num_experts)
+
+
+def test_something_else_as_dispatcher_is_a_type_error():
+    with pytest.raises(TypeError, match="dispatcher must implement moeflow.Dispatcher"):
+        moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=object())
+
+
+def test_expert_layout_reads_slots_and_refuses_mismatched_lengths():
+    block = ExpertLayout(num_experts=8, slot_experts=(4, 5), slot_primary=(True, True))
+    assert block.offset == 4 and block.slot_parts == (0, 0)
+    replicas = ExpertLayout(num_experts=8, slot_experts=(0, 3, 6), slot_primary=(True, False, True))
+    assert replicas.offset is None
+    sliced = ExpertLayout(num_experts=2, slot_experts=(0, 1), slot_primary=(False, False), hidden_shards=2,
+                          slot_parts=(1, 1))
+    assert sliced.offset is None
+    with pytest.raises(ValueError, match="differ in length"):
+        ExpertLayout(num_experts=8, slot_experts=(0, 1), slot_primary=(True,))
+
+
+def test_the_layer_reads_the_layout_of_its_dispatcher(gen):
+    layer = make_layer(gen, num_experts=6)
+    assert layer.expert_slots() == (list(range(6)), [True] * 6)
+    assert layer.hidden_shards() == (1, [0] * 6) and layer.expert_range() == (0, 6)
+
+
+def _fresh_import(name: str) -> object:
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("module, new", [("moeflow.storage.train", "moeflow.storage.optimizer"),
+                                         ("moeflow.storage.bench", "moeflow.bench.storage"),
+                                         ("moeflow.models.hf", "moeflow.convert.mixtral")])
+def test_moved_modules_still_import_with_a_warning(module, new):
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        _fresh_import(module)
+
+
+def test_renamed_parallel_names_warn_and_are_the_new_classes():
+    import moeflow.parallel as par
+
+    with pytest.warns(DeprecationWarning, match="ExpertParallelDispatcher"):
+        assert par.AllToAllDispatcher is par.ExpertParallelDispatcher
+    with pytest.warns(DeprecationWarning, match="ExchangePlan"):
+        assert par.AllToAllPlan is par.ExchangePlan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert issubclass(par.ExchangePlan, moeflow.DispatchPlan)
+    with pytest.raises(AttributeError):
+        par.NoSuchName  # noqa: B018
