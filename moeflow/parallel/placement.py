@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -91,13 +91,13 @@ class Placement:
                 raise ValueError(f"shares give experts {[x for x in range(E) if total[x] == 0]} no rows")
             object.__setattr__(self, "shares", shares)
 
-    @classmethod
-    def contiguous(cls, num_experts: int, world: int) -> Placement:
-        """Plain expert parallelism: rank ``r`` holds ``[r*E/W, (r+1)*E/W)``."""
+    @staticmethod
+    def contiguous(num_experts: int, world: int) -> Placement:
+        """Plain expert parallelism: rank ``r`` holds ``[r*E/W, (r+1)*E/W)`` (built once per
+        size: the per-call hybrid mode asks for one on every call)."""
         if world < 1 or num_experts % world:
             raise ValueError(f"num_experts={num_experts} must be divisible by the world size {world}")
-        e = num_experts // world
-        return cls(num_experts=num_experts, slots=tuple(tuple(range(r * e, (r + 1) * e)) for r in range(world)))
+        return _contiguous(num_experts, world)
 
     @property
     def world(self) -> int:
@@ -168,6 +168,12 @@ class Placement:
             cums.append(cum + [cum[-1]] * (n_max - len(reps)))
         return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(cums, dtype=torch.long, device=device),
                 torch.tensor(self.num_replicas, dtype=torch.long, device=device))
+
+
+@lru_cache(maxsize=64)
+def _contiguous(num_experts: int, world: int) -> Placement:
+    e = num_experts // world
+    return Placement(num_experts=num_experts, slots=tuple(tuple(range(r * e, (r + 1) * e)) for r in range(world)))
 
 
 def plan_placement(load_E: Sequence[float] | torch.Tensor, *, world: int, slots_per_rank: int) -> Placement:
