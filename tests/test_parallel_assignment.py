@@ -24,7 +24,7 @@ from moeflow.config import DispatchConfig
 from moeflow.dispatch import LocalDispatcher, assign_slots, resolve_capacity
 from moeflow.experts import GroupedExperts
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.assignment import GroupRouting, assign_group
+from moeflow.parallel.assignment import CallArguments, GroupRouting, assign_group
 from moeflow.parallel.placement import Placement, plan_placement
 from moeflow.parallel.plan import exchange_plan, send_rows
 from moeflow.dispatch.combine import combine_rows
@@ -184,3 +184,17 @@ def test_group_assignment_is_the_single_process_assignment(scenario):  # type: i
         y = combine_rows(torch.cat(homes[r]), p)
         off = sum(tokens_W[:r])
         torch.testing.assert_close(y, y_ref[off : off + tokens_W[r]], rtol=1e-12, atol=1e-12)
+
+
+@given(st.integers(1, 8), st.sampled_from([1.0, 0.0, -0.8, 1.1, 1e-300, 2.5]),
+       st.sampled_from(["expert", "data", "sharded", "auto", "hybrid:2", "hybrid:16"]),
+       st.sampled_from([1, 2, 7, "auto"]))
+def test_call_arguments_travel_exactly(top_k, cf, parallel, degree):
+    """The per-call arguments every rank must pass alike survive the int encoding exactly, and
+    the check names each argument that differs with every rank's value."""
+    call = CallArguments(top_k=top_k, capacity_factor=cf, parallel=parallel, overlap_degree=degree)
+    assert CallArguments.decode(call.encode()) == call
+    CallArguments.check_agree([call.encode()] * 3)
+    other = CallArguments(top_k=top_k + 1, capacity_factor=cf, parallel=parallel, overlap_degree=degree)
+    with pytest.raises(ValueError, match=rf"top_k: rank 0 {top_k}, rank 1 {top_k + 1}, rank 2 {top_k}$"):
+        CallArguments.check_agree([call.encode(), other.encode(), call.encode()])

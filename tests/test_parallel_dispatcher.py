@@ -75,6 +75,20 @@ def _case_bad_config(rank: int, world: int) -> None:
     # a model without MoE layers
     with pytest.raises(ValueError, match="no moeflow.MoE"):
         expert_parallel(torch.nn.Linear(2, 2))
+    # per-call arguments that differ between ranks: every rank raises, naming the argument and
+    # every rank's value, before any row moves; the group stays usable afterwards
+    ep = expert_parallel(seeded_layer(world * 2, 2, 1.0, "position", "combine", seed=4))
+    x = torch.randn(5 + rank, D, dtype=torch.float64)
+    last = world - 1
+    for kw, needle in (
+        (dict(top_k=2 if rank != last else 1), f"top_k: rank 0 2, .*rank {last} 1"),
+        (dict(capacity_factor=1.0 if rank != last else 0.0), f"capacity_factor: rank 0 1.0, .*rank {last} 0.0"),
+        (dict(parallel="expert" if rank != last else "data"), f"parallel: rank 0 'expert', .*rank {last} 'data'"),
+        (dict(overlap_degree=1 if rank != last else 2), f"overlap_degree: rank 0 1, .*rank {last} 2"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            ep(x, **kw)
+    ep(x).sum().backward()
 
 
 def _case_pipelined(rank: int, world: int) -> None:

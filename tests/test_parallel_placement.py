@@ -170,7 +170,7 @@ def _case_skewed_load(rank: int, world: int) -> None:
         from moeflow.parallel.assignment import assign_group
 
         routing = ep.router(x, top_k=1, forced_ids_TK=forced)
-        group = assign_group(ep.dispatcher.gather_routing(routing), num_experts=E, capacity_factor=0.0,
+        group = assign_group(ep.dispatcher.gather_routing(routing, capacity_factor=0.0), num_experts=E, capacity_factor=0.0,
                              drop_policy="position", placement=ep.dispatcher.placement)
         return max(sum(row[d] for row in group.counts_WW) for d in range(world))
 

@@ -187,9 +187,9 @@ def _placement_compare(cfg: ParallelBenchConfig, layer: MoE, x: torch.Tensor, g:
         from moeflow.parallel.assignment import assign_group
 
         routing = m.router(x, top_k=cfg.top_k, forced_ids_TK=ids)
-        group = assign_group(m.dispatcher.gather_routing(routing), num_experts=cfg.experts,
-                             capacity_factor=cfg.capacity_factor, drop_policy=m.dispatcher.config.drop_policy,
-                             placement=m.dispatcher.placement)
+        gathered = m.dispatcher.gather_routing(routing, capacity_factor=cfg.capacity_factor)
+        group = assign_group(gathered, num_experts=cfg.experts, capacity_factor=cfg.capacity_factor,
+                             drop_policy=m.dispatcher.config.drop_policy, placement=m.dispatcher.placement)
         return sum(row[rank] for row in group.counts_WW)
 
     runs = [("contiguous", layer, None), ("placed", placed, None)]

@@ -21,6 +21,7 @@ Rank ``slot // e`` computes the row. ``GroupAssignment`` holds the result for th
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -30,7 +31,44 @@ from moeflow.dispatch.capacity import CapacityPlan, resolve_capacity
 from moeflow.dispatch.slots import assign_slots
 from moeflow.parallel.placement import Placement
 
-__all__ = ["GroupRouting", "GroupAssignment", "SendSide", "ReceiveSide", "assign_group"]
+__all__ = ["CallArguments", "GroupRouting", "GroupAssignment", "SendSide", "ReceiveSide", "assign_group"]
+
+_MODES = ("expert", "data", "sharded", "auto")  # "hybrid:r" is encoded as 100 + r
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """The arguments of a layer call that every rank of the group must pass alike, as the ints
+    that travel with the gathered routing (``encode``), and the check that they do."""
+
+    top_k: int
+    capacity_factor: float
+    parallel: str
+    overlap_degree: int | str
+
+    def encode(self) -> list[int]:
+        mode = _MODES.index(self.parallel) if self.parallel in _MODES else 100 + int(self.parallel.split(":")[1])
+        degree = -1 if self.overlap_degree == "auto" else int(self.overlap_degree)
+        cf_bits = struct.unpack("<q", struct.pack("<d", float(self.capacity_factor)))[0]  # exact
+        return [self.top_k, cf_bits, mode, degree]
+
+    @classmethod
+    def decode(cls, ints: list[int]) -> CallArguments:
+        top_k, cf_bits, mode, degree = ints
+        return cls(top_k=top_k, capacity_factor=struct.unpack("<d", struct.pack("<q", cf_bits))[0],
+                   parallel=_MODES[mode] if mode < len(_MODES) else f"hybrid:{mode - 100}",
+                   overlap_degree="auto" if degree == -1 else degree)
+
+    @classmethod
+    def check_agree(cls, every: list[list[int]]) -> None:
+        """Raise ``ValueError`` naming each argument that differs and every rank's value."""
+        calls = [cls.decode(ints) for ints in every]
+        diffs = [f"{name}: " + ", ".join(f"rank {r} {getattr(c, name)!r}" for r, c in enumerate(calls))
+                 for name in ("top_k", "capacity_factor", "parallel", "overlap_degree")
+                 if len({getattr(c, name) for c in calls}) > 1]
+        if diffs:
+            raise ValueError("the ranks of the expert-parallel group called the MoE layer with different "
+                             "arguments (every rank must pass the same): " + "; ".join(diffs))
 
 
 @dataclass(frozen=True)

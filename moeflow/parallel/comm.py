@@ -6,7 +6,9 @@ The only module of moeflow besides the rest of ``moeflow.parallel`` that touches
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ __all__ = [
     "ProcessGroup",
     "all_to_all_rows",
     "all_gather_rows",
+    "all_gather_rows_with_header",
     "group_rank",
     "group_size",
     "barrier",
@@ -138,11 +141,32 @@ def all_to_all_rows(
 
 def all_gather_rows(x_ND: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's ``x_ND`` (row counts may differ), not differentiable."""
+    return all_gather_rows_with_header(x_ND, (), group)
+
+
+def all_gather_rows_with_header(
+    x_ND: torch.Tensor, header: Sequence[int], group: dist.ProcessGroup | None,
+    check: Callable[[list[list[int]]], None] | None = None,
+) -> list[torch.Tensor]:
+    """Every rank's ``x_ND`` (row counts may differ), not differentiable; every rank's
+    ``header`` (ints, the same number on every rank) travels with the row counts in the first of
+    the two collectives and is handed to ``check`` (rank order) before anything else happens, so
+    a caller can make every rank raise the same error when they disagree on a call. Rows of
+    another shape on some rank raise ``ValueError`` on every rank (the second collective could
+    not match), naming each rank's shape."""
     W = dist.get_world_size(group)
-    n = torch.tensor([x_ND.shape[0]], dtype=torch.long, device=x_ND.device)
-    sizes = [torch.empty_like(n) for _ in range(W)]
-    dist.all_gather(sizes, n, group=group)
-    counts = [int(s) for s in sizes]
+    width = math.prod(x_ND.shape[1:])
+    mine = torch.tensor([x_ND.shape[0], x_ND.dim(), width, *header], dtype=torch.long, device=x_ND.device)
+    every = [torch.empty_like(mine) for _ in range(W)]
+    dist.all_gather(every, mine, group=group)
+    rows = [[int(v) for v in t] for t in every]
+    if check is not None:
+        check([r[3:] for r in rows])
+    shapes = [(r[1], r[2]) for r in rows]
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError("ranks gathered rows of different shapes (ndim, row width): "
+                         + ", ".join(f"rank {i}: {s}" for i, s in enumerate(shapes)))
+    counts = [r[0] for r in rows]
     padded = x_ND.new_zeros((max(counts), *x_ND.shape[1:]))
     padded[: x_ND.shape[0]] = x_ND
     parts = [torch.empty_like(padded) for _ in range(W)]

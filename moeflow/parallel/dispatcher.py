@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from moeflow.config import DispatchConfig, ParallelConfig, hybrid_shards
 from moeflow.experts.ffn import Experts
-from moeflow.parallel.assignment import GroupRouting
-from moeflow.parallel.comm import all_gather_rows
+from moeflow.parallel.assignment import CallArguments, GroupRouting
+from moeflow.parallel.comm import all_gather_rows_with_header
 from moeflow.parallel.data import DataMode
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.parallel.expert import ExpertMode
@@ -106,13 +106,21 @@ class ExpertParallelDispatcher:
         )
         self.tuner.reset()  # the fastest setting may differ under the new placement
 
-    def gather_routing(self, routing: RoutingResult) -> GroupRouting:
+    def gather_routing(self, routing: RoutingResult, *, capacity_factor: float, parallel: str = "expert",
+                       overlap_degree: int | str = 1) -> GroupRouting:
         """Every rank's routing metadata (ids, and the priority when the drop policy reads it),
-        in rank order: the one collective that makes every rank agree on the global batch."""
+        in rank order: the one exchange that makes every rank agree on the global batch. The
+        call's arguments that every rank must pass alike travel with it (in the row-count
+        collective, so no extra message) and are checked first: a mismatch raises
+        ``ValueError`` on every rank, naming the argument and each rank's value, instead of a
+        collective mismatch inside the backend or a silently different result."""
         meta = routing.ids_TK.detach().to(torch.float64)
         if self.config.drop_policy != "position":
             meta = torch.cat([meta, routing.priority_TK.detach().to(torch.float64)], dim=1)
-        return GroupRouting.from_parts(all_gather_rows(meta, self.group), routing.top_k)
+        call = CallArguments(top_k=routing.top_k, capacity_factor=capacity_factor, parallel=parallel,
+                             overlap_degree=overlap_degree)
+        parts = all_gather_rows_with_header(meta, call.encode(), self.group, check=CallArguments.check_agree)
+        return GroupRouting.from_parts(parts, routing.top_k)
 
     def strategy(self, parallel: str, overlap_degree: int) -> Strategy:
         """The strategy that runs ``parallel`` mode (not ``"auto"``) at ``overlap_degree``."""
@@ -152,8 +160,9 @@ class ExpertParallelDispatcher:
         of the group calls it for every call of the layer, in the same order."""
         mode = self.parallel.parallel if parallel is None else parallel
         degree = self.parallel.overlap_degree if overlap_degree is None else overlap_degree
+        group_routing = self.gather_routing(routing, capacity_factor=capacity_factor, parallel=mode, overlap_degree=degree)
         call = Call(x_TD=x_TD, routing=routing, experts=experts, capacity_factor=capacity_factor,
-                    group_routing=self.gather_routing(routing))
+                    group_routing=group_routing)
         if "auto" in (mode, degree):
             return self.tuner.run(
                 call, parallel=mode, overlap_degree=degree,
