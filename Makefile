@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/moeflow train --nproc 2 --steps 800 --eval-every 200 --out runs/demo
+	$(VENV)/bin/moeflow train --nproc 2 --steps 800 --eval-every 200 --out runs/demo --overwrite
 
 bench: $(STAMP)
 	$(VENV)/bin/moeflow bench

@@ -8,13 +8,16 @@ Fixtures live in ``conftest.py``; everything a test module imports by name lives
 - comparing: ``output_and_grads``, ``rel_err``, ``assert_close_rel``, ``compare_layer_with``,
   ``check_equivalence`` (an expert-parallel layer against the single process, on gloo ranks);
 - running on ranks: ``spawn_ranks`` (gloo on 127.0.0.1; a rank's failure or a hang fails the test);
-- ``needs_cuda``: skip without CUDA (with ``@pytest.mark.gpu``).
+- ``needs_cuda``: skip without CUDA (with ``@pytest.mark.gpu``);
+- ``file_states``: every file and folder under a directory with its hash and mtime (did an
+  operation touch nothing?).
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import hashlib
 import importlib
 import os
 import shutil
@@ -22,6 +25,7 @@ import tempfile
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,3 +333,18 @@ def spawn_ranks(world: int, module: str, case: str, *args: object) -> None:
         raise AssertionError(f"{case} failed on {world} ranks: {err}\n" + "\n".join(msgs)) from None
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def file_states(root: Path) -> dict[str, tuple[str, int]]:
+    """Every file and folder under ``root`` by relative path: ``(sha256 or "dir", mtime in ns)``.
+    Equal before and after an operation when it wrote, created, removed and renamed nothing
+    there (a folder's mtime changes when an entry is added or removed)."""
+    states = {}
+    for path in sorted(Path(root).rglob("*")):
+        kind = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        states[str(path.relative_to(root))] = (kind, path.stat().st_mtime_ns)
+    states["."] = ("dir", Path(root).stat().st_mtime_ns)
+    return states

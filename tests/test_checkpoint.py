@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -106,8 +107,9 @@ def test_keep_last_n_and_latest(tmp_path):
         save_checkpoint(tmp_path, step, model, opt, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
     assert latest_checkpoint(tmp_path).name == "step-00000004"
-    with pytest.raises(CheckpointError, match="already exists"):
+    with pytest.raises(CheckpointError, match="step-00000004 already exists"):  # refused before writing anything
         save_checkpoint(tmp_path, 4, model, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
 
 
 def _corrupt_case(tmp_path: Path, how: str) -> Path:
@@ -183,26 +185,25 @@ _CRASH = textwrap.dedent(
             open(path, "wb").write(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
         io.save_file = half
-    else:
-        io._finalize = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    else:  # killed before the rename, or between the rename and the index
+        setattr(io, "_finalize" if {where!r} == "before-rename" else "_write_index", lambda *a: os.kill(os.getpid(), 9))
     save_checkpoint({root!r}, 2, model, opt)
     """
 )
 
 
 @pytest.mark.reference
-@pytest.mark.parametrize("where", ["mid-file", "before-index"])
+@pytest.mark.parametrize("where", ["mid-file", "before-rename", "after-rename"])
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, where):
     script = _CRASH.format(tests=str(ROOT / "tests"), root=str(tmp_path), where=where)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -9, done.stderr  # killed by SIGKILL
-    assert latest_checkpoint(tmp_path).name == "step-00000001"
-    assert [p.name for p in partial_checkpoints(tmp_path)] == [".tmp-step-00000002"]
-    info = load_checkpoint(tmp_path, _model(), None)  # verifies every checksum it reads
-    assert info["step"] == 1
-    # the next save of step 2 replaces the leftovers
-    model, opt = _trained(1)
-    save_checkpoint(tmp_path, 2, model, opt)
+    left = "step-00000002" if where == "after-rename" else ".tmp-step-00000002"  # after: renamed, no index.json
+    (tmp_path / ".tmp-step-00000007").mkdir()  # and the remains of another step's save
+    assert [p.name for p in partial_checkpoints(tmp_path)] == sorted([left, ".tmp-step-00000007"])
+    assert load_checkpoint(tmp_path, _model(), None)["step"] == 1  # the latest complete; checksums verified
+    # the leftovers never block a save: the next one (of step 2 again) removes them all
+    save_checkpoint(tmp_path, 2, *_trained(1))
     assert partial_checkpoints(tmp_path) == [] and latest_checkpoint(tmp_path).name == "step-00000002"
 
 
@@ -307,8 +308,6 @@ def _case_resume(rank: int, world: int, root: str, src: str, tag: str, shards: i
 def _case_sliced_state_differs(rank: int, world: int, root: str) -> None:
     """Saving hidden-sharded experts joins slices collectively: optimizer state that differs
     between ranks must raise on every rank, not leave them waiting on each other."""
-    import pytest
-
     model, opt = _setup(rank, world, 2)
     _train(model, opt, rank, world, range(1))
     if rank == 1:
@@ -375,10 +374,6 @@ def test_hidden_sharded_save_refuses_state_that_differs_between_ranks(tmp_path):
 
 
 def _torchrun(root: Path, *extra: str) -> None:
-    import socket
-    import subprocess
-    import sys
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -386,7 +381,7 @@ def _torchrun(root: Path, *extra: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=5",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            str(Path(__file__).resolve().parent / "elastic_train.py"), str(root), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -1,5 +1,6 @@
-"""``moeflow train`` and ``moeflow generate`` end to end, and the errors of both commands (checked
-before any rank starts). The other commands are tested with their subject: ``bench`` in
+"""``moeflow train`` and ``moeflow generate`` end to end, the errors of both commands (checked
+before any rank starts), and ``--out`` holding one run (refused, resumed, finished, overwritten)
+alike with one process and with ``--nproc 2``. The other commands are tested with their subject: ``bench`` in
 test_bench.py, ``convert`` in test_checkpoint.py and test_convert_mixtral.py, ``infer`` in
 test_storage.py, ``train-vision`` in test_train_vision.py."""
 
@@ -14,6 +15,8 @@ import moeflow
 from moeflow.checkpoint import CheckpointError, save_checkpoint
 from moeflow.cli.main import main
 from moeflow.train import build_from_checkpoint
+
+from helpers import file_states
 
 pytestmark = pytest.mark.e2e
 
@@ -55,3 +58,41 @@ def test_cli_generate_and_its_errors(tmp_path, capsys) -> None:
                           (["--nproc", "2", "--expert-slots", "5"], "applies with --rebalance-every")):
         assert main(["train", "--out", str(tmp_path / "x"), *flags]) == 2
         assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_cli_out_holds_one_run(tmp_path, capsys, nproc: int) -> None:
+    """One process and 2 torchrun ranks behave the same; every refusal comes before a rank starts."""
+    torch.set_num_threads(2)
+    out = tmp_path / "run"
+
+    def train(*flags: str) -> int:
+        ranks = ["--nproc", "2"] if nproc == 2 else []
+        return main(["train", "--out", str(out), *ranks, "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1",
+                     "--no-progress", "--no-plot", "--sample-tokens", "0", *flags])
+
+    def history() -> dict:
+        return json.loads((out / "history.json").read_text())
+
+    assert train("--steps", "2") == 0
+    first = history()
+    (out / "notes.txt").write_text("not moeflow's")
+    before = file_states(out)
+    capsys.readouterr()
+    assert train("--steps", "2") == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert train("--steps", "1", "--resume") == 2
+    assert "steps=1 is below step 2" in capsys.readouterr().err
+    assert train("--steps", "2", "--resume") == 0
+    assert "already finished step 2 of --steps 2" in capsys.readouterr().out
+    assert file_states(out) == before
+
+    assert train("--steps", "3", "--resume") == 0
+    resumed = history()
+    assert resumed["step"] == [1, 2, 3] and resumed["run_id"] == first["run_id"] and resumed["world_size"] == nproc
+    assert resumed["train_loss"][:2] == first["train_loss"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
+
+    assert train("--steps", "1", "--overwrite") == 0
+    assert history()["run_id"] != first["run_id"] and (out / "notes.txt").read_text() == "not moeflow's"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]

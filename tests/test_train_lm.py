@@ -1,6 +1,7 @@
 """The language-model training loop (``moeflow.train.lm``, ``moeflow train``): its config validates
-(no compute), a short run on real text lowers the loss and resumes exactly, and on 2 and 4 gloo
-ranks (expert parallel) it trains like one process on the same global batches."""
+(no compute), a short run on real text lowers the loss and resumes exactly, its ``out_dir`` holds
+one run (``moeflow.train.lm_checkpoint``), and on 2 and 4 gloo ranks (expert parallel) it trains
+like one process on the same global batches and keeps the same run-directory rules."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import moeflow.train.lm as lm
+from moeflow.checkpoint import read_index
 from moeflow.train import LMTrainConfig, build_from_checkpoint, train_lm
 
-from helpers import spawn_ranks
+from helpers import file_states, spawn_ranks
 
 
 # ----------------------------------------------------------------------------- config
@@ -30,6 +33,7 @@ from helpers import spawn_ranks
         (dict(preset="nope"), "preset"),
         (dict(top_k=20), "top_k"),
         (dict(steps=0), "steps"),
+        (dict(resume=True, overwrite=True), "resume=True and overwrite=True contradict"),
     ],
 )
 def test_train_config_rejects_bad_values(tmp_path, fields: dict, match: str) -> None:
@@ -79,6 +83,68 @@ def test_resume_continues_the_same_run(tmp_path) -> None:
     # other data settings would silently train on other batches: refused
     with pytest.raises(ValueError, match="grad_accum"):
         train_lm(LMTrainConfig(out_dir=tmp_path / "part", resume=True, **{**kw, "steps": 8, "grad_accum": 2}))
+
+
+def _no_training_work(*args, **kwargs):
+    raise AssertionError("training work started (the tokenizer was built)")
+
+
+def _same_parameters(a: Path, b: Path) -> None:
+    (ma, _, _), (mb, _, _) = build_from_checkpoint(a), build_from_checkpoint(b)
+    for (n, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.e2e
+def test_out_dir_holds_one_run(tmp_path, monkeypatch) -> None:
+    """A new run into another run's directory, and steps below its checkpoint, are refused before
+    any work; resuming a finished run touches nothing; raising steps continues it exactly as an
+    uninterrupted run (fp64, bit for bit), past a leftover temporary and a half-written step
+    directory; the index stays small; overwrite replaces only the run's own files."""
+    torch.set_num_threads(2)
+    # lr == min_lr: a flat schedule, so a 3-step run is the start of a 6-step one
+    kw = dict(steps=3, batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False,
+              plot=False, dtype="float64", lr=1e-3, min_lr=1e-3)
+    run = tmp_path / "run"
+    first = train_lm(LMTrainConfig(out_dir=run, **kw))
+    (run / "notes.txt").write_text("not moeflow's")
+    before = file_states(run)
+    with monkeypatch.context() as m:
+        m.setattr(lm, "_build_tokenizer", _no_training_work)
+        with pytest.raises(ValueError, match=r"out_dir=.*already holds a run .*step 3.*resume=True.*overwrite=True"):
+            train_lm(LMTrainConfig(out_dir=run, **kw))
+        with pytest.raises(ValueError, match="steps=2 is below step 3 of the checkpoint"):
+            train_lm(LMTrainConfig(out_dir=run, resume=True, **{**kw, "steps": 2}))
+        assert train_lm(LMTrainConfig(out_dir=run, resume=True, **kw)) == first  # finished: the saved history
+    assert file_states(run) == before
+
+    ckpts = run / "checkpoints"
+    (ckpts / ".tmp-step-00000004").mkdir()  # remains of a killed save
+    (ckpts / "step-00000006").mkdir()  # killed between the rename and the index, or half copied
+    (ckpts / "step-00000006" / "rank00000-of-00001.safetensors").write_bytes(b"half")
+    resumed = train_lm(LMTrainConfig(out_dir=run, resume=True, **{**kw, "steps": 6}))
+    full = train_lm(LMTrainConfig(out_dir=tmp_path / "full", **{**kw, "steps": 6}))
+    assert resumed["train_loss"] == full["train_loss"] and resumed["step"] == list(range(1, 7))
+    assert resumed["run_id"] == first["run_id"] != full["run_id"]
+    assert json.loads((run / "history.json").read_text()) == resumed
+    _same_parameters(run, tmp_path / "full")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000003", "step-00000006"]
+
+    # the index holds what resuming needs (no history): the same size after 3 and after 6 steps
+    sizes = [(p / "index.json").stat().st_size for p in sorted(ckpts.iterdir())]
+    assert max(sizes) - min(sizes) < 8, sizes
+    assert "history" not in read_index(ckpts / "step-00000006")["extra"]
+
+    # files of two runs in one directory: resume cannot tell which to continue
+    (tmp_path / "full" / "run.json").write_text(json.dumps({"run_id": "another"}))
+    with pytest.raises(ValueError, match=r"mixes runs \(run.json: another, history.json: "):
+        train_lm(LMTrainConfig(out_dir=tmp_path / "full", resume=True, **{**kw, "steps": 6}))
+
+    new = train_lm(LMTrainConfig(out_dir=run, overwrite=True, **{**kw, "steps": 1}))
+    assert new["run_id"] != first["run_id"] and new["train_loss"] == first["train_loss"][:1]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001"]
+    assert (run / "notes.txt").read_text() == "not moeflow's"
+    assert json.loads((run / "run.json").read_text())["run_id"] == new["run_id"]
 
 
 # ----------------------------------------------------------------------------- on gloo ranks
@@ -222,3 +288,25 @@ def test_rebalanced_vocab_parallel_training_equals_one_process(tmp_path, world: 
         torch.testing.assert_close(q, p, rtol=1e-8, atol=1e-10, msg=n)
     with pytest.raises(ValueError, match="more than one rank"):
         train_lm(_cfg(str(tmp_path / "bad"), vocab_parallel=True))
+
+
+@pytest.mark.distributed
+def test_out_dir_rules_hold_on_two_ranks(tmp_path) -> None:
+    """The same rules when every rank calls train_lm: a refusal raises on every rank (none is left
+    waiting), a finished run is left untouched, and raising steps continues the run like one
+    process that went the whole way (fp64)."""
+    torch.set_num_threads(2)
+    flat = {"lr": 1e-3, "min_lr": 1e-3}
+    ep = tmp_path / "ep"
+    spawn_ranks(2, __name__, "train_with", str(ep), json.dumps(flat))
+    before = file_states(ep)
+    with pytest.raises(AssertionError, match=r"rank 1:(.|\n)*rank 0: ValueError: out_dir=.* already holds a run"):
+        spawn_ranks(2, __name__, "train_with", str(ep), json.dumps(flat))
+    spawn_ranks(2, __name__, "train_with", str(ep), json.dumps({**flat, "resume": True}))
+    assert file_states(ep) == before
+    spawn_ranks(2, __name__, "train_with", str(ep), json.dumps({**flat, "resume": True, "steps": 5}))
+    single = train_lm(_cfg(str(tmp_path / "one"), steps=5, dtype="float64", load_balance_coef=0.0, **flat))
+    resumed = json.loads((ep / "history.json").read_text())
+    assert resumed["step"] == list(range(1, 6)) and resumed["world_size"] == 2
+    torch.testing.assert_close(torch.tensor(resumed["train_loss"]), torch.tensor(single["train_loss"]), rtol=1e-10,
+                               atol=0)

@@ -3,6 +3,7 @@
 from moeflow.checkpoint.io import (
     FORMAT,
     CheckpointError,
+    complete_checkpoints,
     describe_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -15,6 +16,7 @@ from moeflow.checkpoint.io import (
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
+    "complete_checkpoints",
     "latest_checkpoint",
     "partial_checkpoints",
     "read_index",

@@ -8,9 +8,12 @@ Layout of one checkpoint (``<root>/step-00000123/``)::
     rank00000-of-00004.safetensors   the experts rank 0 held (global keys ``...@<g>``), plus the
     rank00001-of-00004.safetensors   dense tensors (rank 0 only) and each rank's RNG state
 
-A checkpoint is complete once its ``step-*`` directory holds ``index.json`` (the writer,
-``moeflow.checkpoint.io``, renames it into place last); ``.tmp-step-*`` directories are the
-remains of interrupted saves and are never read.
+A checkpoint is complete once its ``step-*`` directory holds ``index.json``: the writer,
+``moeflow.checkpoint.io``, renames the directory into place and then writes ``index.json`` into
+it, last, so the index appears only when every file it lists is in place, even where a
+directory rename is not atomic (network and object-store mounts copy file by file).
+``.tmp-step-*`` directories and ``step-*`` directories without ``index.json`` are the remains of
+interrupted saves (or copies): never read, and removed by the next save into the same root.
 
 Everything that reads a checkpoint directory goes through here: ``read_index`` parses and
 checks ``index.json``, ``_Reader`` opens the files it lists, verifying each file's size and
@@ -34,6 +37,7 @@ from moeflow.checkpoint.state import split_key
 __all__ = [
     "FORMAT",
     "CheckpointError",
+    "complete_checkpoints",
     "latest_checkpoint",
     "partial_checkpoints",
     "read_index",
@@ -53,10 +57,6 @@ def _step_dirs(root: Path, step: int) -> tuple[Path, Path]:
     return root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
 
 
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """The complete checkpoint directories directly under the existing directory ``root``
-    (unordered)."""
-    return [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "index.json").exists()]
 
 
 def _sha256(path: Path) -> str:
@@ -70,19 +70,30 @@ def _sha256(path: Path) -> str:
 # ------------------------------------------------------------------ finding checkpoints
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete checkpoint with the highest step under ``root`` (None if there is none)."""
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """The complete checkpoint directories under ``root``, oldest step first (none if ``root``
+    does not exist)."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    complete = _complete_checkpoints(root)
-    return max(complete, key=lambda p: p.name) if complete else None
+        return []
+    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "index.json").exists())
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step under ``root`` (None if there is none)."""
+    complete = complete_checkpoints(root)
+    return complete[-1] if complete else None
 
 
 def partial_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Leftovers of interrupted saves under ``root`` (never loaded)."""
+    """Leftovers of interrupted saves under ``root``, never loaded: every ``.tmp-step-*``
+    directory, and every ``step-*`` directory without ``index.json`` (killed between the rename
+    and the index, or half copied)."""
     root = Path(root)
-    return sorted(p for p in root.iterdir() if p.name.startswith(".tmp-step-")) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (
+        p.name.startswith(".tmp-step-") or (_STEP_DIR.match(p.name) and not (p / "index.json").exists())))
 
 
 # ------------------------------------------------------------------ reading and checking

@@ -5,10 +5,13 @@ also holds everything that reads a checkpoint back; loading into a model is
 ``moeflow.checkpoint.load``. Both are re-exported here, so ``moeflow.checkpoint.io`` still names
 the whole surface.
 
-Writes go to ``<root>/.tmp-step-...``; every file is fsynced, then ``index.json``, then the
-directory is renamed into place and the root fsynced, so a crash at any point leaves the
-previous checkpoints complete and loadable; a leftover ``.tmp-*`` is never loaded (and is
-replaced by the next save of that step). The last ``keep`` checkpoints are kept.
+Writes go to ``<root>/.tmp-step-...``; every file is fsynced, the directory is renamed into
+place and the root fsynced, and ``index.json`` is written into it last (itself through a
+temporary name), so a crash at any point leaves the previous checkpoints complete and loadable
+and the new one without an index, which is never loaded. Before it writes anything, a save
+removes such remains (``partial_checkpoints``: every ``.tmp-step-*``, every ``step-*`` without
+an index) and refuses to replace a complete checkpoint of the same step. One writer per root.
+The last ``keep`` checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from moeflow.checkpoint.format import (  # noqa: F401  (all re-exported: they we
     _STEP_DIR,
     FORMAT,
     CheckpointError,
-    _complete_checkpoints,
     _Reader,
     _sha256,
     _step_dirs,
+    complete_checkpoints,
     describe_checkpoint,
     latest_checkpoint,
     partial_checkpoints,
@@ -50,6 +53,7 @@ __all__ = [
     "CheckpointError",
     "save_checkpoint",
     "load_checkpoint",
+    "complete_checkpoints",
     "latest_checkpoint",
     "partial_checkpoints",
     "read_index",
@@ -60,8 +64,9 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ low-level writing
-# (``save_file`` and ``_finalize`` are looked up in this module when a save runs: the crash
-# tests replace them here to kill a save mid-file and before the index.)
+# (``save_file``, ``_finalize`` and ``_write_index`` are looked up in this module when a save
+# runs: the crash tests replace them here to kill a save mid-file, before the rename and between
+# the rename and the index.)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -86,20 +91,43 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
     }
 
 
-def _finalize(tmp: Path, final: Path, index: dict, keep: int) -> None:
-    """Publish ``tmp`` as ``final``: write ``index.json`` last, fsync, rename atomically, then
-    delete all but the newest ``keep`` complete checkpoints beside it."""
-    index_path = tmp / "index.json"
-    with open(index_path, "w") as f:
+def _begin(root: Path, final: Path, tmp: Path) -> None:
+    """Make room for writing checkpoint ``final`` into ``tmp`` (rank 0, before any rank writes).
+
+    A complete checkpoint of the same step is refused here, before anything is written or
+    removed. The remains of interrupted saves under ``root`` (this step's and any other's) are
+    removed: they are never loaded, and a ``step-*`` directory without an index would otherwise
+    block the rename of this save."""
+    if (final / "index.json").exists():
+        raise CheckpointError(f"{final} already exists (a complete checkpoint); refusing to overwrite it")
+    root.mkdir(parents=True, exist_ok=True)
+    for partial in partial_checkpoints(root):
+        shutil.rmtree(partial)
+    tmp.mkdir()
+
+
+def _write_index(path: Path, index: dict) -> None:
+    """Write ``path/index.json`` durably and atomically (through a temporary name): the moment a
+    checkpoint directory becomes complete."""
+    part = path / ".index.json.tmp"
+    with open(part, "w") as f:
         json.dump(index, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+    os.replace(part, path / "index.json")
+    _fsync_dir(path)
+
+
+def _finalize(tmp: Path, final: Path, index: dict, keep: int) -> None:
+    """Publish ``tmp`` as ``final``: rename it into place, write ``index.json`` into it last,
+    then delete all but the newest ``keep`` complete checkpoints beside it."""
     _fsync_dir(tmp)
     if final.exists():
-        raise CheckpointError(f"{final} already exists; refusing to overwrite a complete checkpoint")
+        raise CheckpointError(f"{final} appeared during the save; refusing to overwrite it")
     os.rename(tmp, final)
     _fsync_dir(final.parent)
-    complete = sorted(_complete_checkpoints(final.parent))
+    _write_index(final, index)
+    complete = complete_checkpoints(final.parent)
     for old in complete[: max(len(complete) - keep, 0)]:
         shutil.rmtree(old)
 
@@ -122,6 +150,8 @@ def save_checkpoint(
 
     ``extra`` is JSON-able user state saved in the index (e.g. the data position). Each rank's
     CPU (and CUDA) RNG state is saved too and restored by ``load_checkpoint`` on the same rank.
+    A complete checkpoint ``step`` already under ``root`` raises ``CheckpointError`` on every
+    rank before anything is written; the remains of interrupted saves are removed first.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -130,12 +160,19 @@ def save_checkpoint(
     rank, world = process_position(group)
     root = Path(root)
     final, tmp = _step_dirs(root, step)
+    problem = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # the remains of a save that crashed
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    sync(group)
+        try:
+            _begin(root, final, tmp)
+        except CheckpointError as err:
+            problem = str(err)
+        except OSError as err:
+            problem = f"{root}: cannot prepare the save of step {step}: {err}"
+    # every rank learns rank 0's verdict (a refusal raises everywhere instead of leaving the
+    # other ranks waiting for files that never come); this is also the barrier before writing
+    problem = gather_objects(problem, group)[0]
+    if problem is not None:
+        raise CheckpointError(problem)
 
     tensors = model_tensors(model, include_dense=rank == 0)
     optim_meta = None
@@ -197,11 +234,8 @@ def reshard_checkpoint(src: str | os.PathLike, dst_root: str | os.PathLike, worl
         else:
             files[0][key] = reader.get(key)
     dst_root = Path(dst_root)
-    dst_root.mkdir(parents=True, exist_ok=True)
     final, tmp = _step_dirs(dst_root, index["step"])
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    _begin(dst_root, final, tmp)
     infos = [_write_tensors(tmp / f"rank{r:05d}-of-{world_size:05d}.safetensors", t) for r, t in enumerate(files)]
     _finalize(tmp, final, {**index, "world_size": world_size, "files": infos}, keep)
     return final

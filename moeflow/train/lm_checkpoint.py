@@ -1,54 +1,293 @@
-"""What a ``moeflow train`` checkpoint holds besides the weights, and reading it back.
+"""A ``moeflow train`` run directory: what it and its checkpoints hold, and reading them back.
 
-``train_lm`` saves under ``out_dir/checkpoints`` with the ``extra`` of ``checkpoint_extra``:
-the model family, the model config, the parameter dtype, the tokenizer and the training config
-(plus the history so far). Both readers rely on it: ``resume`` continues a run and refuses one
-whose model config or data settings (which decide the batch each step sees) differ, and
-``build_from_checkpoint`` rebuilds the model and tokenizer on one process for sampling or
-conversion. Writer and readers of ``extra`` live here together so they cannot drift apart.
+One run per directory (``out_dir``)::
+
+    run.json               the run's identity: {"format": "moeflow-run/1", "run_id", "created"}
+    history.json           losses, validation, expert load, lr, ... (``train_lm``'s history):
+                           rewritten by rank 0 before every checkpoint and at the end
+    checkpoints/step-*     the checkpoints (``moeflow.checkpoint``); their ``extra`` is
+                           ``checkpoint_extra``: model family and config, dtype, tokenizer, the
+                           training config and the run id (small: no history, flat in steps)
+    training.png, tuned.json, train_config.json
+                           the plot, the tuner's choices, the config the ``--nproc`` workers read
+
+Rules, checked by ``inspect_run`` before any training work (read-only), on rank 0 of a job
+(``open_run`` shares the verdict, so a refusal raises on every rank):
+
+- A directory *holds a run* when it has ``run.json``, ``history.json`` or any checkpoint
+  directory (complete or partial). A new run (``resume=False``) into such a directory is refused
+  unless ``overwrite=True``, which deletes exactly the files listed above (never other files;
+  never the file ``tuned`` names, this run's input) and starts a new run id.
+- ``resume=True`` continues from the latest complete checkpoint: ``run.json``, that checkpoint
+  and ``history.json`` must name the same run (else the directory mixes runs: refused); the
+  checkpoint must be ``moeflow train``'s with the same model and data settings; ``steps`` below
+  its step is refused, equal to it means finished (nothing is touched, the saved history is
+  returned). Without a checkpoint it starts from step 0 under the directory's run id.
+- What resuming restores: weights, optimizer and router state, and each rank's RNG from the
+  checkpoint; the data position is the step (batches are drawn by step number); the history
+  (the loss curve for the plot) is ``history.json`` cut at the checkpoint's step. It is written
+  before each save, so it is never behind a complete checkpoint.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from moeflow.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_index
+from moeflow.checkpoint import (
+    CheckpointError,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    partial_checkpoints,
+    read_index,
+)
 from moeflow.models import GPTConfig, MoEGPT
-from moeflow.parallel.comm import ProcessGroup
+from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position
 from moeflow.train.data import Tokenizer, tokenizer_from_dict
 from moeflow.train.lm_config import LMTrainConfig
 
-__all__ = ["MODEL_FAMILY", "build_from_checkpoint", "checkpoint_extra", "resume"]
+__all__ = ["MODEL_FAMILY", "RunState", "build_from_checkpoint", "checkpoint_extra", "claim_run", "inspect_run",
+           "new_history", "open_run", "write_history"]
 
 MODEL_FAMILY = "moeflow.MoEGPT"
+RUN_FORMAT = "moeflow-run/1"
+RUN_FILE, HISTORY_FILE = "run.json", "history.json"
+# outputs a run writes that alone do not show a run lives there; ``overwrite`` deletes them too
+_OUTPUTS = ("training.png", "tuned.json", "train_config.json", f".{RUN_FILE}.tmp", f".{HISTORY_FILE}.tmp")
 
 # these decide which data each step sees: a resumed run must keep them
 _DATA_SETTINGS = ("batch_size", "grad_accum", "seq_len", "seed", "tokenizer", "bpe_vocab", "val_works")
 
+T = TypeVar("T")
 
-def checkpoint_extra(cfg: LMTrainConfig, model_cfg: GPTConfig, tok: Tokenizer) -> dict:
-    """The ``extra`` every checkpoint of this run stores (``train_lm`` adds ``"history"``)."""
+
+def checkpoint_extra(cfg: LMTrainConfig, model_cfg: GPTConfig, tok: Tokenizer, run_id: str) -> dict:
+    """The ``extra`` every checkpoint of this run stores: what rebuilding and resuming need."""
     return {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "dtype": cfg.dtype, "tokenizer": tok.to_dict(),
-            "train": cfg.to_dict()}
+            "train": cfg.to_dict(), "run_id": run_id}
 
 
-def resume(root: Path, cfg: LMTrainConfig, model_cfg: GPTConfig, model: MoEGPT, opt: torch.optim.Optimizer,
-           group: ProcessGroup | None) -> dict | None:
-    """Load the latest complete checkpoint under ``root`` into ``model`` and ``opt`` (every rank
-    of ``group`` calls it); ``load_checkpoint``'s info, or None when there is none yet. Raises
-    ``ValueError`` when it was written with another model config or other data settings."""
-    if latest_checkpoint(root) is None:
+def new_history(run_id: str) -> dict:
+    """The history of a run before its first step (``train_lm`` appends to every list)."""
+    return {"run_id": run_id, "step": [], "train_loss": [], "lr": [], "val": [], "load": [], "rebalance": []}
+
+
+def _history_until(history: dict, step: int) -> dict:
+    """``history`` as it stood after ``step``; the totals of a finished run (throughput, world
+    size, tuned settings, final checkpoint) are left out: the continued run computes them."""
+    keep = [i for i, s in enumerate(history["step"]) if s <= step]
+    out = {"run_id": history.get("run_id")}
+    for key in ("step", "train_loss", "lr"):
+        out[key] = [history[key][i] for i in keep]
+    for key in ("val", "load", "rebalance"):
+        out[key] = [entry for entry in history.get(key, []) if entry[0] <= step]
+    return out
+
+
+def _write_json(path: Path, obj: object) -> None:
+    """Replace ``path`` atomically (a reader or a crash sees the old file or the new one)."""
+    part = path.with_name(f".{path.name}.tmp")
+    with open(part, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.exists():
         return None
-    info = load_checkpoint(root, model, opt, group=group)
-    if info["extra"].get("model") != model_cfg.to_dict():
-        raise ValueError(f"{info['path']}: checkpoint model config differs from this run's; use another out_dir")
-    saved = info["extra"].get("train", {})
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); move it away or start over with overwrite=True") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def write_history(out_dir: Path, history: dict) -> None:
+    """Rank 0 writes ``history`` to ``out_dir/history.json`` (atomically)."""
+    _write_json(out_dir / HISTORY_FILE, history)
+
+
+# ----------------------------------------------------------------------------- the run directory
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What ``out_dir`` holds for this run, decided before any training work."""
+
+    run_id: str
+    start: int  # the step training continues from (0: from the beginning)
+    checkpoint: Path | None  # the checkpoint it continues from
+    history: dict  # the history up to ``start`` (the whole saved one when finished)
+    finished: bool  # resume=True on a run already at ``steps``: nothing to do
+    remove: tuple[Path, ...] = ()  # what overwrite=True deletes, run.json last
+
+
+def _run_markers(out: Path) -> list[Path]:
+    """The files and directories under ``out`` that show a run lives there."""
+    ckpts = out / "checkpoints"
+    return ([out / name for name in (RUN_FILE, HISTORY_FILE) if (out / name).exists()]
+            + complete_checkpoints(ckpts) + partial_checkpoints(ckpts))
+
+
+def _removable(cfg: LMTrainConfig, markers: list[Path]) -> tuple[Path, ...]:
+    """The run files ``overwrite`` deletes: checkpoints first, ``run.json`` last (an interrupted
+    delete still reads as a run), never the file ``tuned`` names."""
+    out = cfg.out_dir
+    files = [p for p in markers if p.parent != out] + [out / n for n in (*_OUTPUTS, HISTORY_FILE, RUN_FILE)]
+    keep = cfg.tuned.resolve() if cfg.tuned is not None else None
+    return tuple(p for p in files if p.exists() and p.resolve() != keep)
+
+
+def _describe(out: Path, markers: list[Path]) -> str:
+    names = [str(p.relative_to(out)) for p in markers]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    run = _read_json(out / RUN_FILE) if (out / RUN_FILE).exists() else None
+    latest = latest_checkpoint(out / "checkpoints")
+    return (f"run {run.get('run_id')!r}: " if run else "") + shown + (
+        f"; latest complete checkpoint: step {read_index(latest)['step']}" if latest else "; no complete checkpoint")
+
+
+def _check_resumable(cfg: LMTrainConfig, path: Path, index: dict) -> None:
+    """Refuse to continue the checkpoint ``path`` under settings that would not continue it."""
+    extra, step = index["extra"], index["step"]
+    if extra.get("family") != MODEL_FAMILY:
+        raise ValueError(f"{path}: not a `moeflow train` checkpoint (family {extra.get('family')!r}); "
+                         "resume=True continues a run of train_lm")
+    saved = extra.get("train", {})
     changed = {k: (saved.get(k), v) for k, v in cfg.to_dict().items() if k in _DATA_SETTINGS and saved.get(k) != v}
     if changed:
-        raise ValueError(f"{info['path']}: resuming with other data settings (saved, now): {changed}")
-    return info
+        raise ValueError(f"{path}: resuming with other data settings (saved, now): {changed}")
+    saved_model = extra.get("model")
+    if not isinstance(saved_model, dict) or "vocab_size" not in saved_model:
+        raise ValueError(f"{path}/index.json: no model config; it cannot be resumed")
+    now = cfg.model_config(vocab_size=saved_model["vocab_size"]).to_dict()
+    changed = {k: (saved_model.get(k), v) for k, v in now.items() if saved_model.get(k) != v}
+    if changed:
+        raise ValueError(f"{path}: the checkpoint's model config differs from this run's (saved, now): {changed}; "
+                         "use another out_dir, or overwrite=True to start over")
+    if cfg.steps < step:
+        raise ValueError(f"steps={cfg.steps} is below step {step} of the checkpoint {path} that resume=True "
+                         f"continues; a run is not shortened: pass steps={step} (finished, nothing to do) or more")
+
+
+def _restored_history(out: Path, path: Path, step: int, saved: dict | None, legacy: dict | None) -> dict:
+    """The history up to ``step`` from ``history.json`` (or, for checkpoints written before the
+    history left the index, from the index), checked to hold every step up to it."""
+    for source in (saved, legacy):
+        if source is None:
+            continue
+        try:
+            kept = _history_until(source, step)
+        except (KeyError, IndexError, TypeError) as err:
+            raise ValueError(f"{out / HISTORY_FILE}: malformed history ({err!r})") from None
+        if kept["step"] == list(range(1, step + 1)):
+            return kept
+    found = "missing" if saved is None else f"covers steps {saved.get('step', [])[:1]}..{saved.get('step', [])[-1:]}"
+    raise ValueError(f"{out / HISTORY_FILE} is {found}, but the checkpoint {path} is at step {step}: resuming needs "
+                     "the history up to it (restore the file, or start over with overwrite=True)")
+
+
+def inspect_run(cfg: LMTrainConfig) -> RunState:
+    """What ``cfg.out_dir`` holds and what this run does there (read-only; the rules are in the
+    module docstring). Raises ``ValueError`` naming the argument and value it refuses."""
+    out = cfg.out_dir
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir={str(out)!r} exists and is not a directory")
+    markers = _run_markers(out)
+    if not cfg.resume:
+        if markers and not cfg.overwrite:
+            raise ValueError(f"out_dir={str(out)!r} already holds a run ({_describe(out, markers)}); pass resume=True "
+                             "(--resume) to continue it, or overwrite=True (--overwrite) to delete its files and start "
+                             "a new run there")
+        run_id = uuid.uuid4().hex
+        remove = _removable(cfg, markers) if cfg.overwrite else ()
+        return RunState(run_id=run_id, start=0, checkpoint=None, history=new_history(run_id), finished=False,
+                        remove=remove)
+    run, saved = _read_json(out / RUN_FILE), _read_json(out / HISTORY_FILE)
+    latest = latest_checkpoint(out / "checkpoints")
+    index = read_index(latest) if latest is not None else None
+    sources = {RUN_FILE: run, HISTORY_FILE: saved}
+    if latest is not None and index is not None:
+        sources[f"checkpoints/{latest.name}"] = index["extra"]
+    ids = {name: doc["run_id"] for name, doc in sources.items() if doc is not None and doc.get("run_id")}
+    if len(set(ids.values())) > 1:
+        raise ValueError(f"out_dir={str(out)!r} mixes runs ({', '.join(f'{k}: {v}' for k, v in ids.items())}); "
+                         "resume=True cannot tell which to continue: move one run's files elsewhere")
+    run_id = next(iter(ids.values()), None) or uuid.uuid4().hex
+    if latest is None or index is None:
+        return RunState(run_id=run_id, start=0, checkpoint=None, history=new_history(run_id), finished=False)
+    _check_resumable(cfg, latest, index)
+    step = index["step"]
+    history = _restored_history(out, latest, step, saved, index["extra"].get("history"))
+    finished = step == cfg.steps
+    if finished and saved is not None and saved.get("step") == history["step"]:
+        history = saved  # the finished run's own record, totals included
+    return RunState(run_id=run_id, start=step, checkpoint=latest, history={**history, "run_id": run_id},
+                    finished=finished)
+
+
+def claim_run(cfg: LMTrainConfig, state: RunState) -> None:
+    """Make ``cfg.out_dir`` this run's (after ``inspect_run``, before any training; rank 0):
+    delete what ``overwrite`` replaces and write ``run.json`` if it is missing."""
+    for path in state.remove:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    ckpts = cfg.out_dir / "checkpoints"
+    if state.remove and ckpts.is_dir() and not any(ckpts.iterdir()):
+        ckpts.rmdir()
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    if not (cfg.out_dir / RUN_FILE).exists():
+        _write_json(cfg.out_dir / RUN_FILE, {"format": RUN_FORMAT, "run_id": state.run_id,
+                                             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def _on_rank0(fn: Callable[[], T], group: ProcessGroup | None) -> T:
+    """``fn()`` run on rank 0 only, its result shared with every rank of ``group``; when it
+    raises, every rank raises (rank 0 its own error, the others a ``ValueError`` with its
+    message) instead of the others waiting in their next collective."""
+    rank, _ = process_position(group)
+    outcome: tuple = ("ok", None)
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            outcome = ("ok", fn())
+        except Exception as err:  # noqa: BLE001 - re-raised below, after every rank has heard of it
+            outcome, error = ("error", f"{type(err).__name__}: {err}"), err
+    shared = gather_objects(outcome, group)[0]
+    if error is not None:
+        raise error
+    if shared[0] == "error":
+        raise ValueError(f"rank 0: {shared[1]}")
+    return shared[1]
+
+
+def open_run(cfg: LMTrainConfig, group: ProcessGroup | None) -> RunState:
+    """``inspect_run`` and, unless the run is finished, ``claim_run``, on rank 0; every rank of
+    ``group`` calls it and gets the same ``RunState``."""
+
+    def inspect_and_claim() -> RunState:
+        state = inspect_run(cfg)
+        if not state.finished:
+            claim_run(cfg, state)
+        return state
+
+    return _on_rank0(inspect_and_claim, group)
 
 
 def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoEGPT, Tokenizer | None, dict]:

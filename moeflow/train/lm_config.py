@@ -45,6 +45,10 @@ class LMTrainConfig:
     (and their optimizer state) every that many steps to a load-aware placement computed from the
     expert load since the last move, with ``expert_slots`` experts per rank (0: E / ranks, i.e.
     no memory for replicas; more lets hot experts be replicated).
+    ``out_dir`` belongs to one run (``moeflow.train.lm_checkpoint`` has the rules): a new run
+    into a directory that holds another is refused unless ``overwrite`` (which deletes that
+    run's files, nothing else); ``resume`` continues the run there from its latest checkpoint
+    (``steps`` below that checkpoint's step is refused; equal to it: finished, nothing to do).
     """
 
     out_dir: Path
@@ -78,6 +82,7 @@ class LMTrainConfig:
     dtype: str = "float32"
     device: str = "cpu"
     resume: bool = False
+    overwrite: bool = False
     deterministic: bool = False
     vocab_parallel: bool = False
     rebalance_every: int = 0
@@ -105,6 +110,9 @@ class LMTrainConfig:
             _int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "rebalance_every", "expert_slots"):
             _int(name, getattr(self, name), minimum=0)
+        if self.resume and self.overwrite:
+            raise ValueError("resume=True and overwrite=True contradict each other: resume continues the run in "
+                             f"out_dir={str(self.out_dir)!r}, overwrite deletes it to start a new one")
         if self.deterministic and "auto" in (self.parallel, self.overlap_degree):
             raise ValueError("deterministic=True needs a fixed parallel mode and overlap_degree: "
                              "'auto' chooses by timing, which differs from run to run")
