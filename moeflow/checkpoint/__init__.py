@@ -12,9 +12,12 @@ from moeflow.checkpoint.io import (
     reshard_checkpoint,
     save_checkpoint,
 )
+from moeflow.checkpoint.background import PendingSave, save_checkpoint_async
 
 __all__ = [
     "save_checkpoint",
+    "save_checkpoint_async",
+    "PendingSave",
     "load_checkpoint",
     "complete_checkpoints",
     "latest_checkpoint",

@@ -19,7 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -77,9 +80,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
+def _owned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies that belong to the save (the model may change the moment the save returns)."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+
+
+def _write_tensors(path: Path, owned: dict[str, torch.Tensor]) -> dict:
     """Write one safetensors file durably; return its index entry."""
-    owned = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     save_file(owned, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -152,7 +159,47 @@ def save_checkpoint(
     CPU (and CUDA) RNG state is saved too and restored by ``load_checkpoint`` on the same rank.
     A complete checkpoint ``step`` already under ``root`` raises ``CheckpointError`` on every
     rank before anything is written; the remains of interrupted saves are removed first.
+    ``save_checkpoint_async`` (``moeflow.checkpoint.background``) writes the files beside the
+    caller's next steps instead.
     """
+    _wait_pending(Path(root))
+    return _write(_snapshot(root, step, model, optimizer, extra=extra, group=group, keep=keep, stage=True), group)
+
+
+_PENDING: dict[Path, Any] = {}  # root -> its save in flight (a ``background.PendingSave``): one writer per root
+
+
+def _wait_pending(root: Path) -> None:
+    """Let the save in flight under ``root`` finish first (its error surfaces here, unless its
+    ``wait()`` already raised it)."""
+    pending = _PENDING.pop(root.resolve(), None)
+    if pending is not None:
+        pending.finish()
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A save's state and where it goes: everything ``_write`` needs, so that the write needs
+    neither the model nor a collective of the caller's group. ``tensors`` are host copies,
+    except the ``later`` keys (parameters and optimizer state, with ``stage=False``), which
+    still share the live tensors' memory until ``_write`` copies them."""
+
+    tmp: Path
+    final: Path
+    rank: int
+    world: int
+    tensors: dict[str, torch.Tensor]
+    later: frozenset[str]
+    index: dict  # (rank 0) the index without its "files"
+    keep: int
+
+
+def _snapshot(root: str | os.PathLike, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+              extra: dict | None, group: ProcessGroup | None, keep: int, stage: bool) -> _Snapshot:
+    """The synchronous part of a save: rank 0's verdict on ``root`` (shared with every rank,
+    so a refusal raises everywhere), the collectives that assemble this rank's tensors, and
+    host copies of them (``stage=False``: of all but the parameters and optimizer state, which
+    only an optimizer step changes; buffers and RNG states are copied now)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -186,23 +233,43 @@ def save_checkpoint(
     tensors[f"rng/rank{rank}/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors[f"rng/rank{rank}/cuda"] = torch.cuda.get_rng_state()
-    info = _write_tensors(tmp / f"rank{rank:05d}-of-{world:05d}.safetensors", tensors)
-    infos = gather_objects(info, group)
-
+    index = {}
     if rank == 0:
         experts = {name: layout.num_experts for name, layout in expert_slices(model).items()}
-        index = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": world,
-            "experts": experts,
-            "files": infos,
-            "optimizer": optim_meta,
-            "extra": extra or {},
-        }
-        _finalize(tmp, final, index, keep)
+        index = {"format": FORMAT, "step": step, "world_size": world, "experts": experts,
+                 "optimizer": optim_meta, "extra": extra or {}}
+    later = frozenset() if stage else frozenset(k for k in tensors if k.startswith(("param/", "optim/")))
+    now = _owned({k: v for k, v in tensors.items() if k not in later})
+    tensors = {k: now.get(k, v) for k, v in tensors.items()}  # (the file keeps this order)
+    return _Snapshot(tmp=tmp, final=final, rank=rank, world=world, tensors=tensors, later=later, index=index,
+                     keep=keep)
+
+
+def _write(snapshot: _Snapshot, group: ProcessGroup | None, staged: Callable[[], None] | None = None) -> Path:
+    """Write this rank's file; rank 0 indexes every rank's and publishes the checkpoint. The
+    ``later`` tensors are copied first, then ``staged()`` says the live state may change. A
+    rank whose write failed still takes part in the gather, so every rank learns of it and
+    raises."""
+    try:
+        try:
+            later = _owned({k: snapshot.tensors[k] for k in snapshot.later})
+        finally:
+            if staged is not None:
+                staged()
+        tensors = {k: later.get(k, v) for k, v in snapshot.tensors.items()}
+        info: dict = _write_tensors(snapshot.tmp / f"rank{snapshot.rank:05d}-of-{snapshot.world:05d}.safetensors",
+                                    tensors)
+    except Exception as err:  # noqa: BLE001 - every rank must reach the gather below
+        info = {"error": f"rank {snapshot.rank}: {type(err).__name__}: {err}"}
+    infos = gather_objects(info, group)
+    failed = [i["error"] for i in infos if "error" in i]
+    if failed:
+        raise CheckpointError(f"the save of {snapshot.final} failed (the previous checkpoint stays the latest): "
+                              + "; ".join(failed))
+    if snapshot.rank == 0:
+        _finalize(snapshot.tmp, snapshot.final, {**snapshot.index, "files": infos}, snapshot.keep)
     sync(group)
-    return final
+    return snapshot.final
 
 
 # ------------------------------------------------------------------ resharding (offline)
@@ -236,6 +303,6 @@ def reshard_checkpoint(src: str | os.PathLike, dst_root: str | os.PathLike, worl
     dst_root = Path(dst_root)
     final, tmp = _step_dirs(dst_root, index["step"])
     _begin(dst_root, final, tmp)
-    infos = [_write_tensors(tmp / f"rank{r:05d}-of-{world_size:05d}.safetensors", t) for r, t in enumerate(files)]
+    infos = [_write_tensors(tmp / f"rank{r:05d}-of-{world_size:05d}.safetensors", _owned(t)) for r, t in enumerate(files)]
     _finalize(tmp, final, {**index, "world_size": world_size, "files": infos}, keep)
     return final

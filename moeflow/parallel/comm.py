@@ -33,6 +33,7 @@ __all__ = [
     "wait_all_to_all_rows",
     "all_to_all_equal",
     "backend_name",
+    "side_group",
 ]
 
 
@@ -287,3 +288,25 @@ def all_to_all_equal(out_N: torch.Tensor, x_N: torch.Tensor, group: dist.Process
 def backend_name(group: dist.ProcessGroup | None = None) -> str:
     """The torch.distributed backend of ``group`` (``"gloo"``, ``"nccl"``, ...), for reports."""
     return str(dist.get_backend(group))
+
+
+_SIDE_GROUPS: dict[int, dist.ProcessGroup] = {}  # id of the default group -> its side group
+
+
+def side_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A gloo group over the same ranks as ``group`` (the whole job: ``None`` or a group of every
+    rank), for collectives that a background thread runs beside the main thread's (an
+    asynchronous checkpoint's completion): collectives of one group must come in the same order
+    on every rank, and a second group keeps the two streams apart. Created on first use, by
+    every rank at the same point (``new_group`` is a collective), then reused. ``None`` without
+    torch.distributed. Raises ``ValueError`` for a group smaller than the job."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    world = dist.get_world_size()
+    if dist.get_world_size(group) != world:
+        raise ValueError(f"a side group is made over the whole job ({world} ranks); the given group has "
+                         f"{dist.get_world_size(group)}")
+    key = id(dist.group.WORLD)  # a new process group (a restarted job) gets a new side group
+    if key not in _SIDE_GROUPS:
+        _SIDE_GROUPS[key] = dist.new_group(list(range(world)), backend="gloo")
+    return _SIDE_GROUPS[key]
