@@ -1,4 +1,5 @@
-"""``moeflow convert``: inspect or reshard a checkpoint; Mixtral weights from/to Hugging Face."""
+"""``moeflow convert``: inspect or reshard a checkpoint; Mixtral weights from/to Hugging Face; PyTorch
+distributed checkpoints (DCP) both ways."""
 
 from __future__ import annotations
 
@@ -12,20 +13,28 @@ __all__ = ["add_convert"]
 def add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="inspect or reshard a checkpoint; import/export Mixtral weights from/to Hugging Face",
+        help="inspect or reshard a checkpoint; import/export Mixtral weights from/to Hugging Face; DCP both ways",
         description="Inspect (--info) or reshard a moeflow checkpoint. Checkpoints store every expert under "
         "its global index, so any world size can load any checkpoint; resharding only regroups the files "
         "(e.g. --world-size 1 gathers everything into one file). --from-hf HF_DIR DST writes a moeflow "
         "checkpoint of a Mixtral model directory; SRC --to-hf HF_DIR writes a moeflow MoE GPT checkpoint "
-        "as a Mixtral directory (both exact).",
+        "as a Mixtral directory (both exact). SRC --to-dcp DIR writes a torch.distributed.checkpoint directory "
+        "(the layout of moeflow.parallel.dcp_state_dict); --from-dcp DIR DST writes one as a moeflow checkpoint "
+        "(both exact).",
     )
     p.add_argument("paths", type=Path, nargs="*", metavar="PATH",
                    help="SRC [DST]: a checkpoint directory (or a root: its latest complete checkpoint) and the "
-                   "destination root; with --from-hf only DST")
+                   "destination root; with --from-hf and --from-dcp only DST")
     p.add_argument("--world-size", type=int, default=None, help="number of rank files to write")
     p.add_argument("--info", action="store_true", help="print layers, experts, shapes and files, then exit")
     p.add_argument("--from-hf", type=Path, default=None, metavar="HF_DIR", help="import a Mixtral model directory")
     p.add_argument("--to-hf", type=Path, default=None, metavar="HF_DIR", help="export to a Mixtral model directory")
+    p.add_argument("--to-dcp", type=Path, default=None, metavar="DIR",
+                   help="write SRC as a PyTorch distributed checkpoint (DCP) directory")
+    p.add_argument("--from-dcp", type=Path, default=None, metavar="DIR",
+                   help="write a DCP directory (saved from moeflow.parallel.dcp_state_dict) as a checkpoint under DST")
+    p.add_argument("--step", type=int, default=None,
+                   help="with --from-dcp: the step of the checkpoint (default: the step DIR records)")
     p.set_defaults(func=_run_convert)
 
 
@@ -42,8 +51,17 @@ def _run_convert(args: argparse.Namespace) -> int:
             if len(paths) != 1 or args.to_hf is not None:
                 return fail("usage: moeflow convert --from-hf HF_DIR DST")
             return _convert_from_hf(args.from_hf, paths[0])
+        if args.step is not None and args.from_dcp is None:
+            return fail(f"--step {args.step} goes with --from-dcp DIR")
+        if args.from_dcp is not None:
+            if len(paths) != 1 or args.to_dcp is not None:
+                return fail("usage: moeflow convert --from-dcp DIR DST [--step N]")
+            from moeflow.convert.dcp import dcp_to_moeflow
+
+            print(f"wrote {dcp_to_moeflow(args.from_dcp, paths[0], step=args.step)} (from DCP {args.from_dcp})")
+            return 0
         if not paths:
-            return fail("give SRC (and DST --world-size N, --info or --to-hf HF_DIR)")
+            return fail("give SRC (and DST --world-size N, --info, --to-hf HF_DIR or --to-dcp DIR)")
         src = paths[0]
         if not (src / "index.json").exists():
             src = latest_checkpoint(src) or latest_checkpoint(src / "checkpoints") or src
@@ -55,11 +73,18 @@ def _run_convert(args: argparse.Namespace) -> int:
             print(f"wrote {gpt_to_hf(model, args.to_hf)} (Mixtral, {model.config.n_layers} layers, "
                   f"{model.config.num_experts} experts)")
             return 0
+        if args.to_dcp is not None:
+            if len(paths) != 1:
+                return fail("usage: moeflow convert SRC --to-dcp DIR")
+            from moeflow.convert.dcp import moeflow_to_dcp
+
+            print(f"wrote {moeflow_to_dcp(src, args.to_dcp)} (DCP, from {src})")
+            return 0
         if args.info:
             print(describe_checkpoint(src))
             return 0
         if len(paths) != 2 or args.world_size is None:
-            return fail("give DST and --world-size (or --info, --to-hf)")
+            return fail("give DST and --world-size (or --info, --to-hf, --to-dcp)")
         out = reshard_checkpoint(src, paths[1], args.world_size)
     except (CheckpointError, ValueError, TypeError) as err:
         return fail(str(err))

@@ -9,6 +9,9 @@ import warnings
 
 from moeflow.config import ParallelConfig
 from moeflow.parallel.apply import expert_parallel, fix_tuned_settings, gather_hidden_experts, tuned_settings
+from moeflow.parallel.dcp import DCPState, dcp_state_dict, load_dcp_state_dict
+from moeflow.parallel.dcp_guard import RankLocalTensor
+from moeflow.parallel.dcp_tensor import ChunkedTensor
 from moeflow.parallel.dispatcher import ExpertParallelDispatcher
 from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.parallel.gradients import (
@@ -69,6 +72,11 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "gather_vocab_weight",
+    "dcp_state_dict",
+    "load_dcp_state_dict",
+    "DCPState",
+    "ChunkedTensor",
+    "RankLocalTensor",
 ]
 
 # names that moved; they keep working for one release

@@ -14,6 +14,7 @@ from moeflow.experts import GroupedExperts, ModuleExperts
 from moeflow.experts.ffn import join_hidden_slices
 from moeflow.layer.moe import MoE, moe_layers
 from moeflow.parallel.comm import all_to_all_rows, gather_objects
+from moeflow.parallel.dcp_guard import mark_rank_local
 from moeflow.parallel.dispatcher import ExpertParallelDispatcher
 from moeflow.parallel.exchange import Hierarchy
 
@@ -111,6 +112,8 @@ def expert_parallel(
             num_experts=E, group=group, config=layer.config.dispatch, parallel=settings, hierarchy=hierarchy,
             hidden_shards=hidden_shards,
         )
+        # model.state_dict() keeps the local experts, which torch.distributed.checkpoint refuses
+        layer.register_state_dict_post_hook(mark_rank_local)
     return model
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.parallel.comm import all_gather_rows, all_to_all_rows
+from moeflow.parallel.dcp_guard import mark_rank_local
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "vocab_parallel", "vocab_range", "gather_vocab_weight"]
 
@@ -91,6 +92,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"vocab size {self.num_embeddings} is smaller than the group size {self.world}")
         self.start, count = vocab_range(self.num_embeddings, self.rank, self.world)
         self.weight = _mark(nn.Parameter(weight_VD.detach()[self.start : self.start + count].clone()), self.start)
+        self.register_state_dict_post_hook(mark_rank_local)  # DCP refuses the rows in model.state_dict()
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.start + self.weight.shape[0]})"
@@ -172,6 +174,7 @@ class VocabParallelHead(nn.Module):
             raise ValueError(f"weight_vD has {weight_vD.shape[0]} rows; rank {self.rank} of {self.world} holds "
                              f"{count} of vocab_size={vocab_size}")
         self.weight = _mark(weight_vD, self.start)
+        self.register_state_dict_post_hook(mark_rank_local)  # DCP refuses the rows in model.state_dict()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h_TD = h.reshape(-1, h.shape[-1])
