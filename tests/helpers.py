@@ -10,7 +10,9 @@ Fixtures live in ``conftest.py``; everything a test module imports by name lives
 - running on ranks: ``spawn_ranks`` (gloo on 127.0.0.1; a rank's failure or a hang fails the test);
 - ``needs_cuda``: skip without CUDA (with ``@pytest.mark.gpu``);
 - ``file_states``: every file and folder under a directory with its hash and mtime (did an
-  operation touch nothing?).
+  operation touch nothing?);
+- torchrun jobs: ``torchrun_cmd`` (one node's agent; static or c10d rendezvous), ``TORCHRUN_ENV``,
+  ``rank_pids`` (the ranks' process ids, to kill one).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import hashlib
 import importlib
 import os
 import shutil
+import sys
 import tempfile
 import traceback
 import warnings
@@ -348,3 +351,37 @@ def file_states(root: Path) -> dict[str, tuple[str, int]]:
         states[str(path.relative_to(root))] = (kind, path.stat().st_mtime_ns)
     states["."] = ("dir", Path(root).stat().st_mtime_ns)
     return states
+
+
+# ----------------------------------------------------------------------------- torchrun jobs
+
+
+def torchrun_cmd(*args: str, nproc: int = 2, max_restarts: int = 0, rdzv: str | None = None, nnodes: int = 1,
+                 node_rank: int = 0) -> list[str]:
+    """torchrun running ``args`` (a script, or ``-m module ...``) on ``nproc`` ranks of this machine: a
+    static rendezvous on a free port of 127.0.0.1, or with ``rdzv="127.0.0.1:PORT"`` the agent of node
+    ``node_rank`` of ``nnodes`` in a c10d rendezvous there. Run it with ``TORCHRUN_ENV`` (1 thread a rank)."""
+    from moeflow.parallel.launch import free_port
+
+    where = (["--master-addr=127.0.0.1", f"--master-port={free_port()}"] if rdzv is None else
+             [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}"])
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", *where, *args]
+
+
+TORCHRUN_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def rank_pids(pid: int) -> dict[int, int]:
+    """``{RANK: pid}`` of the torchrun ranks among the descendants of process ``pid`` (read from /proc)."""
+    found, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            todo += [int(k) for t in Path(f"/proc/{p}/task").iterdir() for k in (t / "children").read_text().split()]
+            env = dict(e.split(b"=", 1) for e in Path(f"/proc/{p}/environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:  # it exited meanwhile
+            continue
+        if p != pid and b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env:
+            found[int(env[b"RANK"])] = p
+    return found

@@ -34,6 +34,9 @@ from helpers import file_states, spawn_ranks
         (dict(top_k=20), "top_k"),
         (dict(steps=0), "steps"),
         (dict(resume=True, overwrite=True), "resume=True and overwrite=True contradict"),
+        (dict(stall_timeout_s=0), "stall_timeout_s must be > 0 seconds, got 0"),
+        (dict(collective_timeout_s=float("inf")), "collective_timeout_s must be finite"),
+        (dict(exchange="ring"), "exchange must be 'auto', 'flat' or 'two-level', got 'ring'"),
     ],
 )
 def test_train_config_rejects_bad_values(tmp_path, fields: dict, match: str) -> None:

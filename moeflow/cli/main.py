@@ -8,6 +8,8 @@ This module builds the parser and dispatches; each command family lives in its o
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from moeflow.cli.bench import add_a2a_model, add_bench
 from moeflow.cli.convert import add_convert
@@ -18,8 +20,18 @@ from moeflow.cli.train import add_train, add_train_vision
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """On the ranks of a torchrun job other than 0 a bad flag exits with status 2 quietly: every
+    rank parses the same command line, and rank 0 reports it once."""
+
+    def error(self, message: str):  # type: ignore[no-untyped-def]
+        if "LOCAL_WORLD_SIZE" in os.environ and os.environ.get("RANK", "0") != "0":
+            self.exit(2)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeflow", description="Mixture-of-Experts layers for PyTorch.")
+    parser = _Parser(prog="moeflow", description="Mixture-of-Experts layers for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench(sub)
     add_a2a_model(sub)
@@ -32,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command line as given (``moeflow train --nproc`` hands it on to its ranks)
     return int(args.func(args))
 
 

@@ -1,10 +1,12 @@
-"""``moeflow train`` (the MoE GPT on Shakespeare, one process or N expert-parallel ranks) and
-``moeflow train-vision`` (the vision MoE on scikit-learn's digits)."""
+"""``moeflow train`` (the MoE GPT on Shakespeare: one process, or one rank of a torchrun job, or
+``--nproc N``, which starts such a job on this machine) and ``moeflow train-vision`` (the vision
+MoE on scikit-learn's digits)."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import io
 import math
 import sys
 from pathlib import Path
@@ -21,12 +23,14 @@ def add_train(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "train",
-        help="train the MoE GPT on the Shakespeare corpus (one process or N expert-parallel ranks)",
+        help="train the MoE GPT on the Shakespeare corpus (one process, or expert-parallel ranks under torchrun)",
         description="Train moeflow's MoE GPT language model on the 42 works of the `shakespeare` package, "
         "holding out whole works for validation. Prints the validation loss before and after, writes "
         "checkpoints, history.json and training.png (loss curves + per-layer expert load) under --out, "
         "and prints a sample from the final checkpoint. --out holds one run: a new run into a directory "
-        "that holds another is refused unless --resume or --overwrite.",
+        "that holds another is refused unless --resume or --overwrite. Under torchrun "
+        "(`torchrun [--nnodes ...] --nproc-per-node P -m moeflow train ...`) every rank runs this command "
+        "and the experts spread over all ranks of all nodes; --nproc N starts that on this machine.",
     )
     p.add_argument("--out", type=Path, default=Path("runs/shakespeare"), help="output directory (default runs/shakespeare)")
     p.add_argument("--preset", default="tiny", choices=sorted(GPT_PRESETS), help="model size (default tiny)")
@@ -53,110 +57,205 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
                    help="autocast; auto = bf16 on CUDA, fp32 on CPU (no native bf16 on most CPUs)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                   help="parameter dtype (float64: exact comparisons, e.g. ranks against one process)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint up to --steps (if it is already "
                    "there: say so, touch nothing and exit 0; --steps below it is refused)")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run in --out, deleting the run there: its checkpoints, run.json, history.json, "
-                   "training.png, tuned.json, train_config.json (no other file)")
+                   "training.png, tuned.json (no other file)")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms: the run repeats bit for bit (same machine and ranks)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--no-plot", dest="plot", action="store_false")
-    p.add_argument("--nproc", type=int, default=None, help="expert parallelism: N local ranks through torchrun (gloo on CPU)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2; 1 with --nproc)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="expert parallelism on this machine: runs `torchrun --nproc-per-node N -m moeflow train` "
+                   "with the other flags (gloo on CPU); for several machines start torchrun on each yourself")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="with --nproc: torchrun restarts the ranks up to N times after a failure, each time "
+                   "continuing from the latest complete checkpoint")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2; 1 per rank)")
     p.add_argument("--parallel", default="expert", choices=["expert", "data", "auto"],
-                   help="with --nproc: the MoE layers' parallel mode (auto: tuned at run time)")
+                   help="with several ranks: the MoE layers' parallel mode (auto: tuned at run time)")
     p.add_argument("--overlap-degree", type=lambda v: v if v == "auto" else int(v), default=1,
-                   help="with --nproc: pipelining chunks of the exchange (an int, or auto)")
+                   help="with several ranks: pipelining chunks of the exchange (an int, or auto)")
+    p.add_argument("--exchange", default="auto", choices=["auto", "flat", "two-level"],
+                   help="with several ranks: the all-to-all, flat or two-level (inside each node, then across "
+                   "nodes); auto (default): two-level when the ranks span more than one node")
     p.add_argument("--tuned", type=Path, default=None,
                    help="with --parallel/--overlap-degree auto: lock the choices of an earlier run's tuned.json")
     p.add_argument("--vocab-parallel", action="store_true",
-                   help="with --nproc: split the embedding and tied output projection by vocabulary rows")
+                   help="with several ranks: split the embedding and tied output projection by vocabulary rows")
     p.add_argument("--rebalance-every", type=int, default=0,
-                   help="with --nproc: move experts to a load-aware placement every N steps (0: never)")
+                   help="with several ranks: move experts to a load-aware placement every N steps (0: never)")
     p.add_argument("--expert-slots", type=int, default=0,
                    help="with --rebalance-every: experts each rank may hold (default E/ranks; more allows replicas)")
+    p.add_argument("--stall-timeout", dest="stall_timeout_s", type=float, default=30.0,
+                   help="with several ranks: a rank whose heartbeat stops this many seconds is named and the job "
+                   "stopped (default 30)")
+    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=300.0,
+                   help="with several ranks: the longest one collective may wait, in seconds (default 300)")
     p.add_argument("--sample-tokens", type=int, default=300, help="tokens to sample from the final checkpoint (0: none)")
     p.add_argument("--prompt", default="ROMEO.\n")
     p.set_defaults(func=_run_train)
+
+
+def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[no-untyped-def]
+    """Why these flags cannot run (None: they can): the checks every rank makes alike, before
+    any work (the run directory is checked after these, by rank 0 under torchrun)."""
+    from moeflow.train.data import CorpusError, load_corpus
+    from moeflow.train.lm import check_world_settings
+
+    if job is not None and (args.nproc is not None or args.max_restarts is not None):
+        return (f"--nproc and --max-restarts start torchrun, but this process already is rank {job.rank} of a "
+                f"torchrun job of {job.world} ranks (give torchrun its own --max-restarts)")
+    if args.nproc is not None and args.nproc < 1:
+        return f"--nproc must be >= 1, got {args.nproc}"
+    if args.max_restarts is not None and (args.nproc is None or args.max_restarts < 0):
+        return f"--max-restarts applies with --nproc and must be >= 0, got {args.max_restarts}"
+    world = job.world if job is not None else args.nproc or 1
+    if (cfg.vocab_parallel or cfg.rebalance_every) and world < 2:
+        return "--vocab-parallel and --rebalance-every need --nproc >= 2 (or torchrun with more than one rank)"
+    E = cfg.model_config(vocab_size=256).num_experts
+    if cfg.expert_slots and not E // world <= cfg.expert_slots <= E:
+        return f"--expert-slots must lie in [E / ranks, E] = [{E // world}, {E}], got {cfg.expert_slots}"
+    if cfg.expert_slots and not cfg.rebalance_every:
+        return "--expert-slots applies with --rebalance-every N"
+    try:  # torchrun's LOCAL_WORLD_SIZE may differ between nodes: the ranks compare it once they are connected
+        check_world_settings(cfg, world, args.nproc if job is None else None)
+        load_corpus(cfg.val_works)
+    except (CorpusError, ValueError) as err:
+        return str(err)
+    return None
 
 
 def _run_train(args: argparse.Namespace) -> int:
     import torch
 
     from moeflow.checkpoint import CheckpointError
-    from moeflow.parallel.launch import run_torchrun
+    from moeflow.parallel.launch import torchrun_job
     from moeflow.train import LMTrainConfig, train_lm
-    from moeflow.train.data import CorpusError, load_corpus
-    from moeflow.train.lm import check_world_settings
-    from moeflow.train.lm_checkpoint import claim_run, inspect_run
+    from moeflow.train.data import CorpusError
+    from moeflow.train.lm_checkpoint import inspect_run
 
-    args.val_works = tuple(w.strip() for w in args.val_works.split(",") if w.strip())
-    cfg = config_from_flags(LMTrainConfig, args, out_dir=args.out, prog="moeflow train")
-    if cfg is None:
-        return 2
-    if args.nproc is not None and args.nproc < 1:
-        print(f"moeflow train: error: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
-        return 2
-    world = args.nproc or 1
-    if (cfg.vocab_parallel or cfg.rebalance_every) and world < 2:
-        print("moeflow train: error: --vocab-parallel and --rebalance-every need --nproc >= 2", file=sys.stderr)
-        return 2
-    E = cfg.model_config(vocab_size=256).num_experts
-    if cfg.expert_slots and not E // world <= cfg.expert_slots <= E:
-        print(f"moeflow train: error: --expert-slots must lie in [E / nproc, E] = [{E // world}, {E}], "
-              f"got {cfg.expert_slots}", file=sys.stderr)
-        return 2
-    if cfg.expert_slots and not cfg.rebalance_every:
-        print("moeflow train: error: --expert-slots applies with --rebalance-every N", file=sys.stderr)
-        return 2
-    try:  # everything that can be refused is, before any rank starts
-        check_world_settings(cfg, world)
-        load_corpus(cfg.val_works)
-        run = inspect_run(cfg)
-    except (CorpusError, CheckpointError, ValueError) as err:
+    try:
+        job = torchrun_job()
+    except ValueError as err:
         print(f"moeflow train: error: {err}", file=sys.stderr)
         return 2
+    lead = job is None or job.rank == 0  # under torchrun every rank checks alike; rank 0 says why
+    args.val_works = tuple(w.strip() for w in args.val_works.split(",") if w.strip())
+    with contextlib.redirect_stderr(sys.stderr if lead else io.StringIO()):
+        cfg = config_from_flags(LMTrainConfig, args, out_dir=args.out, prog="moeflow train")
+    problem = None if cfg is None else _refusal(args, cfg, job)
+    if problem is not None and lead:
+        print(f"moeflow train: error: {problem}", file=sys.stderr)
+    if cfg is None or problem is not None:
+        return 2
+    if job is not None:
+        return _train_rank(args, cfg, job)
+    try:  # everything that can be refused is, before any rank starts
+        run = inspect_run(cfg)
+    except (CheckpointError, ValueError) as err:
+        print(f"moeflow train: error: {err}", file=sys.stderr)
+        return 2
+    if args.nproc and not run.finished:
+        return _start_ranks(args)
+    _announce(cfg, run)
     if run.finished:
-        print(f"moeflow train: the run in {cfg.out_dir} already finished step {run.start} of --steps {cfg.steps} "
-              f"({run.checkpoint}); nothing to do (raise --steps to continue it)")
         return 0
-    if run.start:
-        print(f"resuming the run in {cfg.out_dir} at step {run.start} ({run.checkpoint}), up to step {cfg.steps}")
-    elif run.remove:
-        print(f"--overwrite: deleting the run files in {cfg.out_dir}: {', '.join(str(p.relative_to(cfg.out_dir)) for p in run.remove)}")
     try:
-        if args.nproc:
-            # the directory is claimed here, so the workers continue this run (resume=True): a
-            # restarted worker then resumes from the latest checkpoint instead of starting over
-            claim_run(cfg, run)
-            path = cfg.out_dir / "train_config.json"
-            path.write_text(json.dumps({**cfg.to_dict(), "resume": True, "overwrite": False}, indent=2))
-            print(f"training on {args.nproc} expert-parallel ranks (torchrun, {args.threads or 1} thread(s) each)")
-            run_torchrun("moeflow.train.worker", [str(path)], nproc=args.nproc, threads=args.threads or 1, stream=True)
-            history = json.loads((cfg.out_dir / "history.json").read_text())
-        else:
-            torch.set_num_threads(args.threads or 2)
-            history = train_lm(cfg)
+        torch.set_num_threads(args.threads or 2)
+        history = train_lm(cfg)
     except (CorpusError, CheckpointError, ValueError) as err:
         print(f"moeflow train: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
         print(f"moeflow train: error: {err}", file=sys.stderr)
         return 1
+    _summarize(history, cfg, args)
+    return 0
+
+
+def _start_ranks(args: argparse.Namespace) -> int:
+    """``--nproc N``: ``torchrun --nproc-per-node N -m moeflow train`` with the other flags."""
+    from moeflow.parallel.launch import run_torchrun
+
+    launcher = argparse.ArgumentParser(add_help=False)  # the flags of this process, not of the ranks
+    launcher.add_argument("--nproc")
+    launcher.add_argument("--max-restarts")
+    _, flags = launcher.parse_known_args(args.argv[1:])
+    threads, restarts = args.threads or 1, args.max_restarts or 0
+    print(f"training on {args.nproc} expert-parallel ranks (torchrun, {threads} thread(s) each"
+          + (f", up to {restarts} restart(s)" if restarts else "") + ")", flush=True)
+    try:
+        run_torchrun("moeflow", ["train", *flags], nproc=args.nproc, threads=threads, stream=True,
+                     max_restarts=restarts)
+    except RuntimeError as err:
+        print(f"moeflow train: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _train_rank(args: argparse.Namespace, cfg, job) -> int:  # type: ignore[no-untyped-def]
+    """This process is one rank of a torchrun job: train with the others (``moeflow.train.worker``)."""
+    import dataclasses
+
+    import torch
+
+    from moeflow.checkpoint import CheckpointError
+    from moeflow.train.data import CorpusError
+    from moeflow.train.worker import run_rank
+
+    lead = job.rank == 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not lead:  # one progress bar, one plot
+        cfg = dataclasses.replace(cfg, progress=False, plot=False)
+    try:
+        history = run_rank(cfg, job, on_run=(lambda run, continuing: _announce(cfg, run, continuing)) if lead else None)
+    except (CorpusError, CheckpointError, ValueError) as err:
+        if lead:  # every rank raised it (rank 0's verdict is shared); rank 0 reports it
+            print(f"moeflow train: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        print(f"moeflow train: error on rank {job.rank}: {err}", file=sys.stderr)
+        return 1
+    if lead and history is not None:
+        _summarize(history, cfg, args)
+    return 0
+
+
+def _announce(cfg, run, continuing: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """What the run in ``out_dir`` does (``run``: ``inspect_run``'s verdict)."""
+    if continuing:
+        at = f"step {run.start} ({run.checkpoint})" if run.start else "step 0 (no checkpoint yet)"
+        print(f"torchrun restarted the ranks: continuing the run in {cfg.out_dir} from {at}", flush=True)
+    if run.finished:
+        print(f"moeflow train: the run in {cfg.out_dir} already finished step {run.start} of --steps {cfg.steps} "
+              f"({run.checkpoint}); nothing to do (raise --steps to continue it)")
+    elif run.start and not continuing:
+        print(f"resuming the run in {cfg.out_dir} at step {run.start} ({run.checkpoint}), up to step {cfg.steps}")
+    elif run.remove:
+        print(f"--overwrite: deleting the run files in {cfg.out_dir}: "
+              f"{', '.join(str(p.relative_to(cfg.out_dir)) for p in run.remove)}")
+
+
+def _summarize(history: dict, cfg, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
     (_, before), (s1, after) = history["val"][0], history["val"][-1]
     print(f"validation loss (held-out works) before training: {before:.4f} nats/token (perplexity {math.exp(before):.2f})")
     print(f"validation loss after {s1} steps:                  {after:.4f} nats/token (perplexity {math.exp(after):.2f})")
-    print(f"throughput: {history['tokens_per_s']:,.0f} tokens/s on {history['world_size']} rank(s)")
+    ranks = history["world_size"]
+    how = f" ({history['exchange']} exchange)" if history.get("exchange") else ""
+    print(f"throughput: {history['tokens_per_s']:,.0f} tokens/s on {ranks} rank(s){how}")
     print(f"checkpoint: {history['checkpoint']}")
     if cfg.plot:
         print(f"plot: {cfg.out_dir / 'training.png'}")
     if args.sample_tokens > 0:
         print(f"\nsample ({args.sample_tokens} tokens, temperature 0.8, top-k 40):")
         print(sample(history["checkpoint"], args.prompt.replace("\\n", "\n"), args.sample_tokens, 0.8, 40, args.seed))
-    return 0
 
 
 def add_train_vision(sub: argparse._SubParsersAction) -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.parallel.exchange import Hierarchy
+from moeflow.parallel.launch import attempt_store
 
 __all__ = ["init_distributed", "shutdown_distributed", "ParallelGroups", "make_groups"]
 
@@ -21,6 +22,10 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
     device is set from ``LOCAL_RANK``. ``timeout_s`` bounds every collective (torch's default is
     30 minutes): with torchrun's restart policy, a short timeout turns a peer that died into a
     quick failure and a restart instead of a long hang. Does nothing if already initialised.
+
+    Restart-safe: when torchrun's agents share their store with the workers (its default), the
+    group is built on a store of this attempt only (``moeflow.parallel.launch.attempt_store``),
+    never on keys an earlier attempt left there.
     """
     if dist.is_initialized():
         return
@@ -32,7 +37,12 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    dist.init_process_group(backend=backend, **kwargs)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store outlives the attempt
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = attempt_store(rank, 600.0 if timeout_s is None else timeout_s)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, **kwargs)
 
 
 def shutdown_distributed() -> None:

@@ -7,6 +7,9 @@ store torchrun's rendezvous provides, reached at ``MASTER_ADDR:MASTER_PORT``) ev
 ``timeout_s`` is reported on stderr (``rank R has not sent a heartbeat for S s``) and the watching
 rank exits with status ``EXIT_STALLED``, so torchrun tears the worker group down and, with
 ``--max-restarts``, restarts it. A beat is a counter, so clocks need not agree across hosts.
+torchrun's store outlives restarts, so every attempt beats under keys of its own: a random
+prefix that rank 0 draws and broadcasts (torchrun's restart count cannot serve: it is kept per
+node and can differ between nodes).
 
 It detects a *stopped* process (its beat thread stops too); a rank that is alive but stuck (a
 collective that never matches) keeps beating and is left to the collective timeout
@@ -15,13 +18,15 @@ collective that never matches) keeps beating and is left to the collective timeo
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import threading
 import time
+import uuid
 
 import torch.distributed as dist
+
+from moeflow.parallel.launch import job_store
 
 __all__ = ["Heartbeat", "EXIT_STALLED"]
 
@@ -33,9 +38,10 @@ class Heartbeat:
     """Context manager: beat and watch the other ranks while the block runs.
 
     ``rank``/``world``: this rank and the job size (default: the initialised default group's);
-    ``key``: a prefix that is new for every attempt of the job (default: torchrun's run id and
-    restart count, so a restarted group never reads its predecessor's beats). ``on_stall(rank,
-    seconds)`` replaces the default report-and-exit (tests use it)."""
+    ``key``: a prefix that is new for every attempt of the job (default: a random one that rank
+    0 draws and broadcasts to the default group on entering, so a restarted group never reads
+    its predecessor's beats). ``on_stall(rank, seconds)`` replaces the default report-and-exit
+    (tests use it)."""
 
     def __init__(self, *, interval_s: float = 1.0, timeout_s: float = 30.0, rank: int | None = None,
                  world: int | None = None, key: str | None = None, on_stall=None) -> None:  # type: ignore[no-untyped-def]
@@ -47,16 +53,18 @@ class Heartbeat:
         self.interval_s, self.timeout_s = float(interval_s), float(timeout_s)
         self.rank = dist.get_rank() if rank is None else rank
         self.world = dist.get_world_size() if world is None else world
-        attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.key = f"moeflow/heartbeat/{attempt if key is None else key}"
+        self.key = None if key is None else f"moeflow/heartbeat/{key}"
         self.on_stall = on_stall if on_stall is not None else _report_and_exit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._store: dist.TCPStore | None = None
 
     def __enter__(self) -> Heartbeat:
-        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s))
+        if self.key is None:  # one collective: every rank of the attempt beats under rank 0's prefix
+            drawn = [uuid.uuid4().hex if self.rank == 0 else None]
+            dist.broadcast_object_list(drawn, src=0)
+            self.key = f"moeflow/heartbeat/{drawn[0]}"
+        self._store = job_store(self.timeout_s)
         self._thread = threading.Thread(target=self._run, args=(self._store,), name="moeflow-heartbeat", daemon=True)
         self._thread.start()
         return self

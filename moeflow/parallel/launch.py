@@ -1,13 +1,141 @@
-"""Launch a module on N local ranks through torchrun (used by the CLI's parallel commands)."""
+"""torchrun: the job this process is a rank of, its stores, and launching one on this machine.
+
+- ``torchrun_job()`` reads the shape of the job from torchrun's environment (``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ...); ``None`` outside torchrun.
+- ``job_store()`` is a client of the key-value store torchrun's agents keep at
+  ``MASTER_ADDR:MASTER_PORT``. With torchrun's default (the rendezvous shares its store with the
+  workers, ``TORCHELASTIC_USE_AGENT_STORE=True``) it outlives every restart of the job, so an
+  attempt can read what an earlier one wrote (``moeflow train`` records there which run the job
+  claimed). It also keeps the keys of the earlier attempts' process groups, so a restarted rank
+  can read a dead rank's address from it and fail or hang in ``init_process_group`` (torch
+  2.5+, pytorch/pytorch#135712, seen here with gloo on every restart). ``attempt_store()``
+  avoids that: rank 0 hosts a new store for each attempt and announces it in the job's store;
+  ``moeflow.parallel.init_distributed`` builds the process group on it.
+- ``run_torchrun`` starts a module on N local ranks (the CLI's ``--nproc`` commands).
+"""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-__all__ = ["free_port", "run_torchrun"]
+import torch.distributed as dist
+
+__all__ = ["TorchrunJob", "attempt_store", "free_port", "job_store", "run_torchrun", "torchrun_job"]
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_ANNOUNCE = "moeflow/attempt-store"  # in the job's store: "PORT TOKEN" of this attempt's store
+_TOKEN = "moeflow/attempt-token"  # in the attempt's store: the TOKEN rank 0 announced
+
+
+@dataclass(frozen=True)
+class TorchrunJob:
+    """This process's place in a torchrun job (read from torchrun's environment).
+
+    ``local_world`` is the number of ranks on this node (``LOCAL_WORLD_SIZE``); torchrun numbers
+    the ranks node by node, so node ``n`` holds ranks ``[n*L, (n+1)*L)`` when the nodes are
+    equal. ``restart_count`` counts the restarts of this node's workers (torchrun keeps it per
+    node: after a failure on another node it can differ between nodes)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    restart_count: int
+    run_id: str | None
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the job has ranks on other nodes than this one."""
+        return self.world > self.local_world
+
+
+def torchrun_job(environ: Mapping[str, str] | None = None) -> TorchrunJob | None:
+    """The torchrun job this process is a rank of, or ``None`` when it is not one (torchrun
+    sets ``LOCAL_WORLD_SIZE`` and ``TORCHELASTIC_RUN_ID`` for every rank it starts; neither is
+    set). Raises ``ValueError`` naming the variable when the environment is incomplete or
+    inconsistent."""
+    env = os.environ if environ is None else environ
+    marks = [k for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE") if k in env]
+    if not marks:
+        return None
+    missing = [k for k in _REQUIRED if k not in env]
+    if missing:
+        raise ValueError(f"this process looks like a torchrun rank ({', '.join(marks)} set) but the environment "
+                         f"lacks {missing}; start it with torchrun")
+
+    def number(name: str, default: str | None = None) -> int:
+        value = env.get(name, default)
+        try:
+            return int(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}={value!r} in the environment is not an integer") from None
+
+    job = TorchrunJob(rank=number("RANK"), world=number("WORLD_SIZE"), local_rank=number("LOCAL_RANK"),
+                      local_world=number("LOCAL_WORLD_SIZE"),
+                      restart_count=number("TORCHELASTIC_RESTART_COUNT", "0"), run_id=env.get("TORCHELASTIC_RUN_ID"))
+    if not (0 <= job.rank < job.world and 0 <= job.local_rank < job.local_world <= job.world):
+        raise ValueError(f"inconsistent torchrun environment: RANK={job.rank}, WORLD_SIZE={job.world}, "
+                         f"LOCAL_RANK={job.local_rank}, LOCAL_WORLD_SIZE={job.local_world}")
+    return job
+
+
+def job_store(timeout_s: float) -> dist.TCPStore:
+    """A client of the job's key-value store at ``MASTER_ADDR:MASTER_PORT`` (torchrun's);
+    operations wait at most ``timeout_s``."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def attempt_store(rank: int, timeout_s: float) -> dist.TCPStore:
+    """A key-value store for this attempt of the job only (see the module docstring).
+
+    Rank 0 hosts a new store on a free port of its node (``MASTER_ADDR``: torchrun places rank 0
+    on the node that hosts the job's store), writes a random token into it and announces
+    ``"PORT TOKEN"`` in the job's store. Every other rank reads the announcement, connects and
+    takes the store only once it holds that token: an announcement left by an earlier attempt
+    points at a store that died with that attempt's rank 0 (refused, or another store now on the
+    port, without the token), so the rank reads again until this attempt's rank 0 has written
+    its own. Raises ``TimeoutError`` after ``timeout_s``."""
+    host, timeout = os.environ["MASTER_ADDR"], datetime.timedelta(seconds=timeout_s)
+    shared = job_store(timeout_s)
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store = dist.TCPStore(host, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        store.set(_TOKEN, token)
+        shared.set(_ANNOUNCE, f"{store.port} {token}")
+        return store
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        port, token = shared.get(_ANNOUNCE).decode().split()
+        if _listening(host, int(port)):  # else: the store of an attempt that is over
+            try:
+                store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=2))
+                if store.check([_TOKEN]) and store.get(_TOKEN).decode() == token:
+                    store.set_timeout(timeout)
+                    return store
+            except RuntimeError:  # it went away, or it is not a store
+                pass
+        time.sleep(0.05)
+    raise TimeoutError(f"rank {rank}: rank 0 announced no store for this attempt within {timeout_s:.0f} s "
+                       f"(job store {host}:{os.environ['MASTER_PORT']})")
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether something accepts connections at ``host:port`` (a plain connect: a dead store's
+    port is refused at once, where a store client would retry until its timeout)."""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def free_port() -> int:
@@ -18,14 +146,15 @@ def free_port() -> int:
 
 
 def run_torchrun(
-    module: str, args: list[str], *, nproc: int, threads: int, stream: bool = False
+    module: str, args: list[str], *, nproc: int, threads: int, stream: bool = False, max_restarts: int = 0
 ) -> subprocess.CompletedProcess:
     """Run ``python -m module *args`` on ``nproc`` local ranks (torchrun, rendezvous on
     127.0.0.1) with ``threads`` OpenMP threads each; returns the finished process (output
     captured, or passed through to this process's stdout/stderr with ``stream=True``).
-    Raises ``RuntimeError`` (with the tail of the captured output) if it fails."""
+    ``max_restarts``: torchrun restarts the ranks that often after a failure. Raises
+    ``RuntimeError`` (with the tail of the captured output) if it fails."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}

@@ -11,6 +11,11 @@ would take on the whole batch:
 - gradient clipping uses the global norm (``moeflow.parallel.clip_grad_norm_``);
 - batches are drawn by step number, so the global batch does not depend on W.
 
+The expert-parallel layers exchange rows with the flat all-to-all, or with the two-level one
+(inside each node, then across nodes) when the ranks span several nodes (``node_size``, the
+ranks per node, below the world size) or ``exchange="two-level"`` asks for it; the history
+records which (``"exchange"``). Under torchrun, ``moeflow.train.worker`` runs it on every rank.
+
 Balance losses are per rank (on its own tokens), as in Switch/GShard; with W > 1 and a nonzero
 ``load_balance_coef`` the training trajectory therefore differs slightly from one process (the
 task loss of the first step is identical).
@@ -42,6 +47,7 @@ from moeflow.parallel import (
     dense_parameters,
     expert_parallel,
     fix_tuned_settings,
+    make_groups,
     tuned_settings,
     placement_of,
     plan_placement,
@@ -61,7 +67,8 @@ from moeflow.train.data import (
 from moeflow.train.lm_checkpoint import MODEL_FAMILY, build_from_checkpoint, checkpoint_extra, open_run, write_history
 from moeflow.train.lm_config import LMTrainConfig
 
-__all__ = ["LMTrainConfig", "train_lm", "check_world_settings", "MODEL_FAMILY", "build_from_checkpoint"]
+__all__ = ["LMTrainConfig", "train_lm", "check_world_settings", "exchange_for", "MODEL_FAMILY",
+           "build_from_checkpoint"]
 
 
 def lr_at(step: int, cfg: LMTrainConfig) -> float:
@@ -129,9 +136,20 @@ def _rebalance(model: MoEGPT, opt: torch.optim.Optimizer, window_LE: torch.Tenso
     return {"before": before, "after": after, "slots": [[list(r) for r in plan.slots] for plan in plans]}
 
 
-def check_world_settings(cfg: LMTrainConfig, world: int) -> list | None:
-    """Refuse settings this number of ranks cannot run (before any work); return the tuner's
-    recorded choices that ``cfg.tuned`` names (None without it)."""
+def exchange_for(cfg: LMTrainConfig, world: int, node_size: int | None) -> str | None:
+    """The exchange the expert-parallel layers use: None on one rank; ``cfg.exchange`` when it
+    is not ``"auto"``; else ``"two-level"`` when the ranks span more than one node."""
+    if world == 1:
+        return None
+    if cfg.exchange == "auto":
+        return "two-level" if node_size is not None and node_size < world else "flat"
+    return cfg.exchange
+
+
+def check_world_settings(cfg: LMTrainConfig, world: int, node_size: int | None = None) -> list | None:
+    """Refuse settings this number of ranks (``node_size`` of them per node, None: unknown)
+    cannot run (before any work); return the tuner's recorded choices that ``cfg.tuned`` names
+    (None without it)."""
     if cfg.batch_size % (cfg.grad_accum * world):
         raise ValueError(
             f"batch_size={cfg.batch_size} must be divisible by grad_accum x ranks = {cfg.grad_accum} x {world}"
@@ -139,6 +157,14 @@ def check_world_settings(cfg: LMTrainConfig, world: int) -> list | None:
     if world == 1 and (cfg.vocab_parallel or cfg.rebalance_every or cfg.tuned is not None):
         raise ValueError("vocab_parallel, rebalance_every and tuned need more than one rank (--nproc >= 2)")
     E = cfg.model_config(vocab_size=256).num_experts
+    if E % world:
+        raise ValueError(f"the {E} experts of each MoE layer must divide evenly over the ranks: {E} is not "
+                         f"divisible by {world}")
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1
+                                  or world % node_size):
+        raise ValueError(f"node_size={node_size!r} must be a positive divisor of the number of ranks {world}")
+    if cfg.exchange == "two-level" and world == 1:
+        raise ValueError("exchange='two-level' needs more than one rank")
     if cfg.expert_slots and not cfg.rebalance_every:
         raise ValueError(f"expert_slots={cfg.expert_slots} applies with rebalance_every > 0")
     if cfg.expert_slots and not E // world <= cfg.expert_slots <= E:
@@ -156,16 +182,23 @@ def check_world_settings(cfg: LMTrainConfig, world: int) -> list | None:
     return recorded
 
 
-def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
-    """Run the training; every rank of ``group`` calls it. Returns (on every rank) the history:
+def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size: int | None = None) -> dict:
+    """Run the training; every rank of ``group`` calls it. ``node_size``: the ranks per node
+    (torchrun's ``LOCAL_WORLD_SIZE``; None: one node), for the two-level exchange, which needs
+    ``group=None`` (the whole job). Returns (on every rank) the history:
     ``{"run_id": str, "step": [...], "train_loss": [...], "val": [[step, loss], ...], "load":
     [[step, [[frac per expert] per MoE layer]], ...], "tokens_per_s": float, "checkpoint": path,
-    ...}``; rank 0 also writes it to ``out_dir/history.json`` (before every checkpoint too) and,
-    with ``plot``, ``out_dir/training.png``. With ``resume`` on a run already at ``steps`` it
+    "exchange": "flat" | "two-level" | None, ...}``; rank 0 also writes it to
+    ``out_dir/history.json`` (before every checkpoint too) and, with ``plot``,
+    ``out_dir/training.png``. With ``resume`` on a run already at ``steps`` it
     trains nothing, touches no file and returns the saved history."""
     rank, world = process_position(group)
     device = torch.device(cfg.device)
-    recorded = check_world_settings(cfg, world)
+    recorded = check_world_settings(cfg, world, node_size)
+    exchange = exchange_for(cfg, world, node_size)
+    if exchange == "two-level" and (group is not None or node_size is None):
+        raise ValueError(f"exchange='two-level' groups the ranks of the whole job by node: it needs group=None and "
+                         f"node_size (ranks per node, the same on every node), got node_size={node_size}")
     corpus = load_corpus(cfg.val_works)
     run = open_run(cfg, group)  # refuses another run in out_dir, claims it, finds the checkpoint to resume
     if run.finished:
@@ -180,7 +213,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
     model_cfg = cfg.model_config(vocab_size=tok.vocab_size)
     model = MoEGPT(model_cfg, device=device, dtype=getattr(torch, cfg.dtype))
     if world > 1:
-        expert_parallel(model, group, config=cfg.parallel_config())
+        hierarchy = make_groups(world, node_size=node_size).hierarchy if exchange == "two-level" else None
+        expert_parallel(model, group, config=cfg.parallel_config(), hierarchy=hierarchy)
         if cfg.vocab_parallel:
             vocab_parallel(model, group)
         if recorded is not None:
@@ -279,6 +313,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None) -> dict:
         history["val"].append([cfg.steps, evaluate(model, val, cfg, group, device)])
     history["tokens_per_s"] = tokens_per_step * (cfg.steps - start) / max(elapsed, 1e-9)
     history["world_size"] = world
+    history["exchange"], history["node_size"] = exchange, node_size
     tuned = tuned_settings(model) if world > 1 and "auto" in (cfg.parallel, cfg.overlap_degree) else None
     if tuned is not None:
         history["tuned"] = tuned

@@ -8,8 +8,9 @@ One run per directory (``out_dir``)::
     checkpoints/step-*     the checkpoints (``moeflow.checkpoint``); their ``extra`` is
                            ``checkpoint_extra``: model family and config, dtype, tokenizer, the
                            training config and the run id (small: no history, flat in steps)
-    training.png, tuned.json, train_config.json
-                           the plot, the tuner's choices, the config the ``--nproc`` workers read
+    training.png, tuned.json
+                           the plot, the tuner's choices (``train_config.json``, which older
+                           ``--nproc`` runs wrote, is removed by ``overwrite`` too)
 
 Rules, checked by ``inspect_run`` before any training work (read-only), on rank 0 of a job
 (``open_run`` shares the verdict, so a refusal raises on every rank):
@@ -57,7 +58,7 @@ from moeflow.train.data import Tokenizer, tokenizer_from_dict
 from moeflow.train.lm_config import LMTrainConfig
 
 __all__ = ["MODEL_FAMILY", "RunState", "build_from_checkpoint", "checkpoint_extra", "claim_run", "inspect_run",
-           "new_history", "open_run", "write_history"]
+           "new_history", "on_rank0", "open_run", "write_history"]
 
 MODEL_FAMILY = "moeflow.MoEGPT"
 RUN_FORMAT = "moeflow-run/1"
@@ -257,7 +258,7 @@ def claim_run(cfg: LMTrainConfig, state: RunState) -> None:
                                              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
-def _on_rank0(fn: Callable[[], T], group: ProcessGroup | None) -> T:
+def on_rank0(fn: Callable[[], T], group: ProcessGroup | None) -> T:
     """``fn()`` run on rank 0 only, its result shared with every rank of ``group``; when it
     raises, every rank raises (rank 0 its own error, the others a ``ValueError`` with its
     message) instead of the others waiting in their next collective."""
@@ -287,7 +288,7 @@ def open_run(cfg: LMTrainConfig, group: ProcessGroup | None) -> RunState:
             claim_run(cfg, state)
         return state
 
-    return _on_rank0(inspect_and_claim, group)
+    return on_rank0(inspect_and_claim, group)
 
 
 def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoEGPT, Tokenizer | None, dict]:

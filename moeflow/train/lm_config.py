@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from moeflow.checks import _float
 from moeflow.config import ParallelConfig, RouterConfig, _int
 from moeflow.models import GPT_PRESETS, gpt_config
 from moeflow.train.data import DEFAULT_VAL_WORKS
@@ -44,7 +45,14 @@ class LMTrainConfig:
     by vocabulary rows (``moeflow.parallel.vocab_parallel``); ``rebalance_every`` moves experts
     (and their optimizer state) every that many steps to a load-aware placement computed from the
     expert load since the last move, with ``expert_slots`` experts per rank (0: E / ranks, i.e.
-    no memory for replicas; more lets hot experts be replicated).
+    no memory for replicas; more lets hot experts be replicated). ``exchange`` picks the
+    all-to-all of the expert-parallel layers: ``"flat"``, ``"two-level"`` (inside each node,
+    then across nodes; needs the node size, see ``train_lm``) or ``"auto"`` (two-level when the
+    ranks span more than one node). Under torchrun (``moeflow train``'s ranks):
+    ``collective_timeout_s`` bounds every collective (a peer that died turns into a failure and,
+    with ``--max-restarts``, a restart), and a rank whose heartbeat stops for
+    ``stall_timeout_s`` (stopped, or its host hung) is named and the job stopped
+    (``moeflow.parallel.heartbeat``).
     ``out_dir`` belongs to one run (``moeflow.train.lm_checkpoint`` has the rules): a new run
     into a directory that holds another is refused unless ``overwrite`` (which deletes that
     run's files, nothing else); ``resume`` continues the run there from its latest checkpoint
@@ -87,6 +95,9 @@ class LMTrainConfig:
     vocab_parallel: bool = False
     rebalance_every: int = 0
     expert_slots: int = 0
+    exchange: str = "auto"
+    stall_timeout_s: float = 30.0
+    collective_timeout_s: float = 300.0
     progress: bool = True
     plot: bool = True
 
@@ -110,6 +121,12 @@ class LMTrainConfig:
             _int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "rebalance_every", "expert_slots"):
             _int(name, getattr(self, name), minimum=0)
+        if self.exchange not in ("auto", "flat", "two-level"):
+            raise ValueError(f"exchange must be 'auto', 'flat' or 'two-level', got {self.exchange!r}")
+        for name in ("stall_timeout_s", "collective_timeout_s"):
+            _float(name, getattr(self, name))
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.resume and self.overwrite:
             raise ValueError("resume=True and overwrite=True contradict each other: resume continues the run in "
                              f"out_dir={str(self.out_dir)!r}, overwrite deletes it to start a new one")
