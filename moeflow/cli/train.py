@@ -54,6 +54,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    p.add_argument("--sync-checkpoints", dest="async_checkpoints", action="store_false",
+                   help="write the --checkpoint-every saves before the next step (default: in the background, "
+                   "the training waits only until the state is in host memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
                    help="autocast; auto = bf16 on CUDA, fp32 on CPU (no native bf16 on most CPUs)")

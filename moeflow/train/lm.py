@@ -38,7 +38,7 @@ import time
 import torch
 
 import moeflow
-from moeflow.checkpoint import load_checkpoint, save_checkpoint
+from moeflow.checkpoint import load_checkpoint, save_checkpoint, save_checkpoint_async
 from moeflow.models import MoEGPT
 from moeflow.parallel import (
     all_reduce_gradients,
@@ -305,7 +305,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 != cfg.steps:
             if rank == 0:  # before the checkpoint, so that it never lags behind one (resume cuts it back)
                 write_history(cfg.out_dir, history)
-            save_checkpoint(ckpt_root, step + 1, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
+            save = save_checkpoint_async if cfg.async_checkpoints else save_checkpoint
+            save(ckpt_root, step + 1, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start

@@ -53,6 +53,10 @@ class LMTrainConfig:
     with ``--max-restarts``, a restart), and a rank whose heartbeat stops for
     ``stall_timeout_s`` (stopped, or its host hung) is named and the job stopped
     (``moeflow.parallel.heartbeat``).
+    ``checkpoint_every`` saves are written in the background (``async_checkpoints``:
+    ``moeflow.checkpoint.save_checkpoint_async``; the training waits only until the state is
+    staged in host memory); the final save is synchronous.
+
     ``out_dir`` belongs to one run (``moeflow.train.lm_checkpoint`` has the rules): a new run
     into a directory that holds another is refused unless ``overwrite`` (which deletes that
     run's files, nothing else); ``resume`` continues the run there from its latest checkpoint
@@ -85,6 +89,7 @@ class LMTrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    async_checkpoints: bool = True
     seed: int = 0
     amp: str = "auto"
     dtype: str = "float32"
