@@ -278,6 +278,18 @@ def test_input_checks(small_layer):
         small_layer(_x(dtype=torch.float32))  # layer is float64
     with pytest.raises(TypeError, match="Tensor"):
         small_layer([[1.0] * 8])
+    with pytest.raises(ValueError, match="x is on meta but the layer parameters are on cpu"):
+        small_layer(torch.empty(5, 8, dtype=torch.float64, device="meta"))  # would return uninitialised memory
+
+
+@pytest.mark.parametrize("kwargs, exc, needle", [
+    (dict(dtype=torch.int64), TypeError, "dtype must be a floating-point torch.dtype or None, got torch.int64"),
+    (dict(dtype="float32"), TypeError, "got 'float32'"),
+    (dict(device="nonsense"), ValueError, "device must name a torch device .* got 'nonsense'"),
+])
+def test_constructor_dtype_and_device_checked(kwargs, exc, needle):
+    with pytest.raises(exc, match=needle):
+        moeflow.MoE(**BASE, **kwargs)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])

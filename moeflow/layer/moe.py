@@ -57,6 +57,13 @@ class MoE(nn.Module):
         **fields: object,
     ) -> None:
         super().__init__()
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must name a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}") from None
         if config is None:
             config = MoEConfig(**fields)  # type: ignore[arg-type]
         elif fields:
@@ -114,6 +121,9 @@ class MoE(nn.Module):
         if x.dim() < 1 or x.shape[-1] != self.config.dim:
             raise ValueError(f"x must have last dimension dim={self.config.dim}, got shape {tuple(x.shape)}")
         param = next(self.experts.parameters(), None)
+        if param is not None and param.device != x.device:
+            raise ValueError(f"x is on {x.device} but the layer parameters are on {param.device}; move one of them "
+                             "(e.g. x.to(device) or layer.to(device))")
         if param is not None and param.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
                 f"x has dtype {x.dtype} but the layer parameters are {param.dtype}; cast one of them "
