@@ -19,6 +19,7 @@ import moeflow
 from moeflow.compat.tutel import moe as tutel_moe
 from moeflow.compat.tutel import moeflow_capacity_factor, tutel_capacity
 from moeflow.compat.tutel.impls import fast_dispatch, losses
+from moeflow.compat.tutel.gates import TutelCustomGate
 from moeflow.compat.tutel.impls.fast_dispatch import compute_sorted_location
 from moeflow.compat.tutel.jit_kernels.gating import fast_cumsum_sub_one
 from moeflow.dispatch.capacity import capacity_rows
@@ -48,6 +49,8 @@ def _layer(k=2, cf=1.0, E=4, seed=0, gate_noise=0.0, gate="top", act=None, **kw)
 
 def _gate_logits(layer, gate_index, x_TD):
     g = layer.gates[gate_index]
+    if isinstance(g, TutelCustomGate):
+        return g.module(x_TD)
     if g.config.kind == "linear":
         return x_TD @ g.linear.weight.t()
     z = F.normalize(x_TD @ g.proj.weight.t() + g.proj.bias, dim=-1)
@@ -262,7 +265,9 @@ def test_fast_encode_decode_against_one_hot_einsum():
     T, E, k = 15, 4, 2
     scores = torch.softmax(torch.randn(T, E, dtype=F64) * 2, dim=1).requires_grad_(True)
     crit, l_loss = fast_dispatch.extract_critical(scores, k, capacity_factor=0.25)
-    E_, indices_s, locations_s, gates_s, C = crit
+    E_, indices_s, locations_s, gates_s, C, counts_E = crit
+    assert torch.equal(fast_dispatch.get_dispatch_count(crit), counts_E)
+    assert torch.equal(counts_E, torch.bincount(torch.cat(indices_s).long(), minlength=E))
     assert E_ == E and C == tutel_capacity(0.25, num_tokens=T, top_k=k, num_experts=E) == 2
     assert all(i.dtype == torch.int32 for i in indices_s + locations_s)
     torch.testing.assert_close(l_loss, losses.gshard_loss(scores, torch.stack(indices_s, 1).long()))
@@ -302,7 +307,7 @@ def test_extract_critical_locations_match_cumsum_scan(bpr):
     torch.manual_seed(2)
     T, E, k = 21, 5, 3
     scores = torch.softmax(torch.randn(T, E, dtype=F64), dim=1)
-    (_, indices_s, locations_s, gates_s, C), _ = fast_dispatch.extract_critical(
+    (_, indices_s, locations_s, gates_s, C, counts_E), _ = fast_dispatch.extract_critical(
         scores, k, capacity_factor=0.0, batch_prioritized_routing=bpr
     )
     masks = [F.one_hot(i.long(), E) for i in indices_s]
@@ -312,8 +317,16 @@ def test_extract_critical_locations_match_cumsum_scan(bpr):
         scan = compute_sorted_location(mask, importance) if bpr else fast_cumsum_sub_one(mask) * mask
         want = ((scan + base) * mask).sum(dim=1)
         assert torch.equal(loc.long(), want)
+        tutel_last_row = (fast_cumsum_sub_one(mask) if not bpr else scan)[-1] + base[0] + 1
         base = base + mask.sum(dim=0, keepdim=True)
-    assert C == int(torch.cat(locations_s).max()) + 1  # dropless: the largest expert
+    # dropless: the largest expert's true count. Tutel reads the dropless capacity (and its dispatch
+    # count) from the last row of the last choice's scan: the per-expert totals without BPR, but
+    # the last token's slots with BPR, so Tutel's "dropless" capacity is too small there
+    assert C == int(torch.cat(locations_s).max()) + 1 == int(counts_E.max())
+    if bpr:
+        assert int(tutel_last_row.max()) < C
+    else:
+        assert torch.equal(tutel_last_row, counts_E)
     gates = torch.stack(gates_s, 1)
     torch.testing.assert_close(gates.sum(1), torch.ones(T, dtype=F64))
 
@@ -359,8 +372,10 @@ def test_bad_arguments_name_the_argument():
         with pytest.raises(ValueError) as err:
             tutel_moe.moe_layer(**kw)
         assert needle in str(err.value), (needle, str(err.value))
-    with pytest.raises(TypeError, match="unsupported arguments"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fancy'"):
         tutel_moe.moe_layer(gate_type=gate, model_dim=D, experts=ffn, fancy=1)
+    with pytest.raises(ValueError, match="gate_type='TopKGate'"):
+        tutel_moe.moe_layer(gate_type="TopKGate", model_dim=D, experts=ffn)
     layer = tutel_moe.moe_layer(gate_type=gate, model_dim=D, experts=ffn)
     x = torch.randn(4, D)
     for kw, needle in ((dict(a2a_ffn_overlap_degree=0), "a2a_ffn_overlap_degree"), (dict(adaptive_r=2), "adaptive_r=2"),
@@ -383,6 +398,212 @@ def test_importance_load_loss_when_not_gshard():
     normal = torch.distributions.Normal(0.0, 0.25)
     load = normal.cdf(s - noisy.gather(1, ids)[:, -1:]).sum(0)
     torch.testing.assert_close(y.l_aux, ((cv(s.sum(0)) + cv(load)) / 2).float(), rtol=1e-5, atol=1e-6)
+
+
+# -- Tutel API that code written for Tutel uses ------------------------------------------------
+
+
+def test_string_gate_type_pad_samples_and_layer_attributes():
+    ffn = {"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": H}
+    torch.manual_seed(0)
+    layer = tutel_moe.moe_layer(gate_type="Top2Gate", model_dim=D, experts=ffn, pad_samples=True)  # accepted, ignored
+    assert layer.gate_specs[0].k == 2 and layer.gate_specs[0].type == "top"
+    assert layer.sharded_count == 1 and layer.adaptive_degree == 1
+    assert tutel_moe.moe_layer.global_expert_count(3) == 3 and tutel_moe.MOELayer.global_expert_count(-1) == 1
+    gate_names = [n for n, _ in layer.get_parameter_iterator(param_type="gate")]
+    expert_names = sorted(n for n, _ in layer.get_parameter_iterator(param_type="local_experts"))
+    assert gate_names == ["0.linear.weight"]
+    assert expert_names == ["batched_fc1_bias", "batched_fc1_w", "batched_fc2_bias", "batched_fc2_w"]
+    with pytest.raises(ValueError, match="param_type"):
+        layer.get_parameter_iterator("all")
+    # expert_local: the experts on [e, N, D] rows, one FFN per expert
+    x_eND = torch.randn(4, 3, D)
+    ex = layer.experts
+    want = torch.stack([F.relu(x_eND[e] @ ex.batched_fc1_w[e].t() + ex.batched_fc1_bias[e]) @ ex.batched_fc2_w[e]
+                        + ex.batched_fc2_bias[e] for e in range(4)])
+    torch.testing.assert_close(layer.expert_local(x_eND, (D,)), want)
+    # dispatch_count after a call: assignments per expert before drops
+    x = torch.randn(10, D)
+    layer(x)
+    ids = torch.topk(x @ layer.router.linear.weight.t(), 2, dim=1).indices
+    assert torch.equal(layer.dispatch_count, torch.bincount(ids.reshape(-1), minlength=4))
+
+
+def test_overlap_degree_rounds_capacity_as_tutel():
+    # k=1, cf=1.25, T=16, E=4: C = int(1.25 * 4) = 5; a2a_ffn_overlap_degree=2 rounds it up to 6 (Tutel,
+    # even on one process), the capacity cf=1.5 gives
+    layer = _layer(k=1, cf=1.25, a2a_ffn_overlap_degree=2).eval()
+    x = torch.randn(16, D, dtype=F64, requires_grad=True)
+    y = layer(x)
+    _compare(layer, x, y, y.l_aux, 1, 1.5)
+    y5 = layer(x, a2a_ffn_overlap_degree=1)  # kept for later calls, as in Tutel
+    _compare(layer, x, y5, y5.l_aux, 1, 1.25)
+    assert layer.a2a_ffn_overlap_degree == 1
+    assert not torch.allclose(y, y5)  # the skewed router overflows C = 5
+    from moeflow.compat.tutel.impls.arguments import tutel_alignment
+
+    assert [tutel_alignment(d, m) for d, m in ((1, 0), (3, 0), (2, 4), (6, 4), (300, 0))] == [1, 3, 4, 8, 384]
+
+
+def test_megablocks_size_rounds_capacity_only_where_tutel_uses_it():
+    layer = _layer(k=1, cf=1.25).eval()
+    x = torch.randn(16, D, dtype=F64)
+    with torch.no_grad():  # active: 4 local experts, no autograd, one process -> C = 8 (cf 2.0)
+        y = layer(x, megablocks_size=4)
+        assert layer.megablocks_size == 4
+        want, _ = reference(layer, x, k=1, cf=2.0)
+        torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-10)
+    y5 = layer(x, megablocks_size=4)  # autograd on: ignored, C = 5
+    assert layer.megablocks_size == 0
+    torch.testing.assert_close(y5, reference(layer, x, k=1, cf=1.25)[0], rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(y, y5)  # the skewed router overflows C = 5
+    with pytest.raises(ValueError, match="megablocks_size"):
+        layer(x, megablocks_size=-1)
+
+
+class _ExampleGate(torch.nn.Module):
+    """A custom gate in the style of Tutel's helloworld_custom_gate_expert: options by keyword."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.top_k = options.pop("top_k")
+        self.model_dim, self.num_global_experts = options.pop("model_dim"), options.pop("num_global_experts")
+        if options:
+            raise TypeError(f"CustomGate does not handle {sorted(options)}")
+        self.my_wg = torch.nn.Linear(self.model_dim, self.num_global_experts, bias=False, dtype=F64)
+        with torch.no_grad():
+            self.my_wg.weight.mul_(3.0)
+
+    def forward(self, x):
+        return self.my_wg(x)
+
+
+@pytest.mark.parametrize("cf,bpr", [(0.5, False), (0.5, True), (0.0, False)])
+def test_custom_gate_matches_tutel_equations(cf, bpr):
+    torch.manual_seed(0)
+    gates = [{"type": "custom", "module": _ExampleGate, "top_k": 2, "capacity_factor": cf},
+             {"type": "custom", "module": _ExampleGate, "top_k": 1}]
+    with pytest.raises(TypeError, match="capacity_factor"):  # Tutel passes every entry to the class
+        tutel_moe.moe_layer(gate_type=gates, model_dim=D, experts={"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": H})
+    gates[0].pop("capacity_factor")
+    layer = tutel_moe.moe_layer(gate_type=gates, model_dim=D, batch_prioritized_routing=bpr, seeds=(3, 4, 5),
+                                experts={"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": H}).to(F64).eval()
+    assert isinstance(layer.router, TutelCustomGate) and isinstance(layer.gates[1], TutelCustomGate)
+    assert [g.k for g in layer.gate_specs] == [2, 1] and layer.gate_specs[0].capacity_factor == 1.0
+    assert [n for n, _ in layer.get_parameter_iterator("gate")] == ["0.module.my_wg.weight", "1.module.my_wg.weight"]
+    x = torch.randn(3, 6, D, dtype=F64, requires_grad=True)
+    y = layer(x, capacity_factor=cf)
+    _compare(layer, x, y, y.l_aux, 2, cf)
+    y1 = layer(x, gate_index=1, capacity_factor=cf)
+    _compare(layer, x, y1, y1.l_aux, 1, cf, gate_index=1)
+    torch.testing.assert_close(moeflow.aux_loss(layer), y1.l_aux)
+    with pytest.raises(ValueError, match="top_k"):
+        tutel_moe.moe_layer(gate_type={"type": "custom", "module": _ExampleGate, "top_k": 5}, model_dim=D,
+                            experts={"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": H})
+
+
+def _llama_reference(layer, x_TD, *, k, cf, act=F.silu):
+    """Tutel's llama_ffn experts ``(act(x W1) * (x W2)) W3`` on Tutel's routing, token by token."""
+    E, ex = layer.num_global_experts, layer.experts
+    Hh = ex.hidden
+    w1, w2, w3 = ex.w_in[..., :Hh], ex.w_in[..., Hh:], ex.w_out
+    scores = torch.softmax(x_TD @ layer.router.linear.weight.t(), dim=1)
+    top = torch.topk(scores, k, dim=1)
+    gates = top.values / top.values.sum(1, keepdim=True) if k > 1 else top.values
+    T = x_TD.shape[0]
+    C = max(1, k * int(cf * -(-T // E))) if cf > 0 else T * k
+    used, rows = [0] * E, [x_TD.new_zeros(D) for _ in range(T)]
+    for kk in range(k):
+        for t in range(T):
+            e = int(top.indices[t, kk])
+            if used[e] < C:
+                used[e] += 1
+                v = x_TD[t]
+                rows[t] = rows[t] + gates[t, kk] * ((act(v @ w1[e]) * (v @ w2[e])) @ w3[e])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("act", [None, torch.tanh])
+def test_llama_ffn_experts(act):
+    torch.manual_seed(0)
+    experts = {"type": "llama_ffn", "count_per_node": 4, "hidden_size_per_expert": H}
+    if act is not None:
+        experts["activation_fn"] = act
+    layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2}, model_dim=D, experts=experts).to(F64).eval()
+    assert isinstance(layer.experts, moeflow.experts.GroupedExperts) and layer.experts.config.activation == "swiglu"
+    assert layer.experts.w_in.shape == (4, D, 2 * H) and abs(float(layer.experts.w_in.detach().std()) - 0.01) < 0.005
+    with torch.no_grad():
+        layer.experts.w_in.mul_(100.0)  # outputs well away from 0, so a wrong activation shows
+        layer.router.linear.weight.mul_(3.0)
+    x = torch.randn(14, D, dtype=F64, requires_grad=True)
+    for cf in (0.5, 0.0):  # padded [e, C, D] experts, then dropless grouped rows
+        y = layer(x, capacity_factor=cf)
+        want = _llama_reference(layer, x, k=2, cf=cf, act=act or F.silu)
+        torch.testing.assert_close(y, want, rtol=1e-10, atol=1e-10)
+        g = torch.randn_like(y)
+        got = torch.autograd.grad((y * g).sum(), [x, layer.experts.w_in, layer.experts.w_out])
+        ref = torch.autograd.grad((want * g).sum(), [x, layer.experts.w_in, layer.experts.w_out])
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    # a Tutel llama_ffn state dict (flat W_fc1, W_fc2 [e, D, H]; W_fc3 [e, H, D]) loads by its own keys
+    w1, w2, w3 = torch.randn(4, D, H, dtype=F64), torch.randn(4, D, H, dtype=F64), torch.randn(4, H, D, dtype=F64)
+    sd = {k: v for k, v in layer.state_dict().items() if not k.startswith("experts.")}
+    sd.update({"experts.W_fc1": w1.reshape(-1), "experts.W_fc2": w2.reshape(-1), "experts.W_fc3": w3.reshape(-1)})
+    layer.load_state_dict(sd)
+    assert torch.equal(layer.experts.w_in, torch.cat([w1, w2], -1)) and torch.equal(layer.experts.w_out, w3)
+
+
+def test_activation_fn_with_self():
+    seen = []
+
+    def act(h, experts):
+        seen.append(experts)
+        return torch.tanh(h) * experts.scale
+
+    torch.manual_seed(0)
+    layer = tutel_moe.moe_layer(gate_type={"type": "top", "k": 2, "capacity_factor": 0.5}, model_dim=D,
+                                experts={"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": H,
+                                         "activation_fn_with_self": act}).to(F64).eval()
+    layer.experts.scale = 0.5
+    ex = layer.experts
+    x = torch.randn(12, D, dtype=F64, requires_grad=True)
+    y = layer(x)
+    assert seen and all(s is ex for s in seen)
+    ex.activation_fn = lambda h: torch.tanh(h) * 0.5  # what the reference calls
+    _compare(layer, x, y, y.l_aux, 2, 0.5)
+    with pytest.raises(ValueError, match="activation_fn_with_self"):
+        tutel_moe.moe_layer(gate_type={"type": "top", "k": 2}, model_dim=D,
+                            experts={"type": "ffn", "count_per_node": 4, "hidden_size_per_expert": H,
+                                     "activation_fn_with_self": act, "activation_fn": torch.tanh})
+
+
+@pytest.mark.parametrize("post", [True, False])
+def test_gating_encoder_decoder_and_top_k_routing(post):
+    assert tutel_moe.top_k_routing is tutel_moe.extract_critical
+    torch.manual_seed(3)
+    T, E, k = 13, 4, 2
+    scores = torch.softmax(torch.randn(T, E, dtype=F64) * 2, dim=1).requires_grad_(True)
+    crit, _ = tutel_moe.top_k_routing(scores, top_k=k, capacity_factor=0.5)
+    E_, indices_s, locations_s, gates_s, C, _ = crit
+    x = torch.randn(T, D, dtype=F64, requires_grad=True)
+    rows = torch.randn(E * C, D, dtype=F64, requires_grad=True)
+    fd = tutel_moe.fast_dispatcher(E, C, D, F64)
+    fd.update(indices_s, locations_s, gates_s, capacity=C, is_postscore=post)
+    enc = fast_dispatch.GatingEncoder.apply(fd, x) if post else fast_dispatch.GatingEncoder.apply(fd, x, *gates_s)
+    dec = fast_dispatch.GatingDecoder.apply(fd, rows, *gates_s) if post else fast_dispatch.GatingDecoder.apply(fd, rows)
+    enc_ref = fast_dispatch.fast_encode(x, crit, is_postscore=post).view(E * C, D)
+    dec_ref = fast_dispatch.fast_decode(rows, crit, is_postscore=post)
+    torch.testing.assert_close(enc, enc_ref)
+    torch.testing.assert_close(dec, dec_ref)
+    g1, g2 = torch.randn_like(enc), torch.randn_like(dec)
+    got = torch.autograd.grad((enc * g1).sum() + (dec * g2).sum(), [x, rows, scores], retain_graph=True)
+    ref = torch.autograd.grad((enc_ref * g1).sum() + (dec_ref * g2).sum(), [x, rows, scores])
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    # the older five-item tuple still works; a bare tuple is refused by get_dispatch_count
+    torch.testing.assert_close(fast_dispatch.fast_decode(rows, crit[:5], is_postscore=post), dec_ref)
+    with pytest.raises(TypeError, match="6-tuple"):
+        fast_dispatch.get_dispatch_count(crit[:5])
 
 
 # -- expert parallelism on 2 gloo ranks -------------------------------------------------------

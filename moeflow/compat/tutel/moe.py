@@ -9,12 +9,15 @@ from moeflow.compat.tutel.impls.fast_dispatch import (
 )
 from moeflow.compat.tutel.impls.moe_layer import MOELayer, moe_layer
 
+top_k_routing = extract_critical  # Tutel's name for it in ``tutel.moe`` (helloworld_from_scratch)
+
 __all__ = [
     "moe_layer",
     "MOELayer",
     "fast_encode",
     "fast_decode",
     "extract_critical",
+    "top_k_routing",
     "fast_cumsum_sub_one",
     "fast_dispatcher",
 ]

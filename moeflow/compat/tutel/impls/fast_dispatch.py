@@ -1,10 +1,12 @@
 """``tutel.impls.fast_dispatch`` on moeflow's index dispatch (legend: moeflow.types).
 
-Tutel's "critical data" describes a routing decision as five items:
-``(num_global_experts, indices_s, locations_s, gates_s, capacity)``, where ``indices_s``,
-``locations_s`` and ``gates_s`` are lists of K tensors ``[T]`` (choice k of every token):
-the chosen expert, the slot inside that expert (0-based, computed *before* capacity, so a
-slot ``>= capacity`` means the assignment is dropped), and the gate value.
+Tutel's "critical data" describes a routing decision as six items:
+``(num_global_experts, indices_s, locations_s, gates_s, capacity, dispatch_count)``, where
+``indices_s``, ``locations_s`` and ``gates_s`` are lists of K tensors ``[T]`` (choice k of every
+token): the chosen expert, the slot inside that expert (0-based, computed *before* capacity, so
+a slot ``>= capacity`` means the assignment is dropped), and the gate value;
+``dispatch_count`` (``get_dispatch_count``) is the int64 ``[E]`` count of assignments per
+expert before drops. The functions here also take the older five-item tuple (no count).
 
 ``fast_encode`` moves token rows into the ``[E, C, D]`` expert layout and ``fast_decode``
 brings them back and sums the K contributions per token. Both are row gathers
@@ -42,9 +44,12 @@ __all__ = [
     "TutelMoeFastDispatcher",
     "compute_sorted_location",
     "fast_cumsum_sub_one",
+    "get_dispatch_count",
+    "GatingEncoder",
+    "GatingDecoder",
 ]
 
-CriticalData = tuple[int, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]
+CriticalData = tuple[int, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int, torch.Tensor]
 
 
 def tutel_capacity(
@@ -86,13 +91,15 @@ def tutel_capacity(
 
 
 def _check_critical(critial_data: Sequence) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Unpack critical data into ``(E, ids_TK, loc_TK, gates_TK, C)`` (int64 ids/locations)."""
-    if not isinstance(critial_data, (tuple, list)) or len(critial_data) != 5:
+    """Unpack critical data (six items, or the older five) into ``(E, ids_TK, loc_TK, gates_TK, C)``
+    (int64 ids/locations)."""
+    if not isinstance(critial_data, (tuple, list)) or len(critial_data) not in (5, 6):
         raise TypeError(
-            "critial_data must be the 5-tuple (num_global_experts, indices_s, locations_s, gates_s, capacity) "
-            f"from extract_critical, got {type(critial_data).__name__}"
+            "critial_data must be the tuple (num_global_experts, indices_s, locations_s, gates_s, capacity, "
+            f"dispatch_count) from extract_critical, got {type(critial_data).__name__} of length "
+            f"{len(critial_data) if isinstance(critial_data, (tuple, list)) else '-'}"
         )
-    E, indices_s, locations_s, gates_s, C = critial_data
+    E, indices_s, locations_s, gates_s, C = critial_data[:5]
     if not (len(indices_s) == len(locations_s) == len(gates_s) >= 1):
         raise ValueError(
             f"indices_s, locations_s and gates_s must be lists of the same length K >= 1, got "
@@ -247,7 +254,7 @@ def extract_critical(
     alignment: int = 1,
     inequivalent_tokens: bool = False,
 ) -> tuple[CriticalData, torch.Tensor | None]:
-    """Router probabilities ``[T, E]`` -> ``((E, indices_s, locations_s, gates_s, C), l_loss)``.
+    """Router probabilities ``[T, E]`` -> ``((E, indices_s, locations_s, gates_s, C, counts_E), l_loss)``.
 
     Picks the top ``top_k`` experts per token (``top_k`` must be <= E; Tutel clamps it
     silently), gates = the picked probabilities (divided by their sum when ``normalize_gate``
@@ -258,6 +265,12 @@ def extract_critical(
     ``group`` (an expert-parallel process group) matters only for ``capacity_factor <= 0``
     (the dropless capacity is the maximum over the group) and ``inequivalent_tokens=True``
     (``T`` is the maximum token count over the group), as in Tutel.
+
+    ``counts_E`` (int64 ``[E]``, ``get_dispatch_count``) holds the assignments per expert of
+    this process before drops. With ``batch_prioritized_routing`` Tutel reads both it and the
+    dropless capacity from the last row of its location scan, which is then the *last token's*
+    row, not the per-expert totals, so Tutel's "dropless" mode drops tokens there; here both
+    are the true counts (a Tutel bug fixed).
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2:
         raise ValueError(f"scores must be a [T, E] tensor, got {getattr(scores, 'shape', type(scores).__name__)}")
@@ -292,4 +305,44 @@ def extract_critical(
     indices_s = [ids_TK[:, k].to(torch.int32) for k in range(top_k)]
     locations_s = [loc_TK[:, k].to(torch.int32) for k in range(top_k)]
     gates_s = [gates_TK[:, k] for k in range(top_k)]
-    return (E, indices_s, locations_s, gates_s, capacity), l_loss
+    return (E, indices_s, locations_s, gates_s, capacity, slots.counts_E.long()), l_loss
+
+
+def get_dispatch_count(critial_data: Sequence) -> torch.Tensor:
+    """The int64 ``[E]`` assignments per expert (before drops) of ``extract_critical``'s tuple."""
+    if not isinstance(critial_data, (tuple, list)) or len(critial_data) != 6:
+        raise TypeError("critial_data must be the 6-tuple from extract_critical (the dispatch count is its last item)")
+    return critial_data[-1]
+
+
+def _dispatcher_state(config: object, what: str) -> tuple[_Rows, torch.Tensor]:
+    if not isinstance(config, TutelMoeFastDispatcher):
+        raise TypeError(f"{what}.apply needs a fast_dispatcher (after update(...)) as config, got {type(config).__name__}")
+    return config._state()
+
+
+class GatingEncoder:
+    """``GatingEncoder.apply(config, x_TD, *gates_s) -> [E*C, D]``, as Tutel's autograd function.
+
+    ``config`` is a ``fast_dispatcher`` after ``update(...)``; with gates (one ``[T]`` tensor
+    per choice) every row is scaled by its gate. The gradients (input and gates) come from
+    moeflow's differentiable row gathers, the same as ``fast_encode``.
+    """
+
+    @staticmethod
+    def apply(config: "TutelMoeFastDispatcher", reshaped_input: torch.Tensor, *gates_: torch.Tensor) -> torch.Tensor:
+        rows, _ = _dispatcher_state(config, "GatingEncoder")
+        gates_TK = torch.stack([g.reshape(-1) for g in gates_], dim=1) if gates_ else None
+        return rows.encode(reshaped_input.reshape(-1, reshaped_input.shape[-1]), gates_TK)
+
+
+class GatingDecoder:
+    """``GatingDecoder.apply(config, rows [E*C, D], *gates_s) -> [T, D]``, as Tutel's autograd
+    function: the sum of each token's kept rows, weighted by the gates when given."""
+
+    @staticmethod
+    def apply(config: "TutelMoeFastDispatcher", expert_output: torch.Tensor, *gates_: torch.Tensor) -> torch.Tensor:
+        rows, gates_TK = _dispatcher_state(config, "GatingDecoder")
+        if gates_:
+            gates_TK = torch.stack([g.reshape(-1) for g in gates_], dim=1)
+        return rows.decode(expert_output.reshape(-1, expert_output.shape[-1]), gates_TK, bool(gates_))

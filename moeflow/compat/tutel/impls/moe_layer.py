@@ -17,6 +17,7 @@ what they become.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,13 +26,18 @@ import torch
 from torch import nn
 
 from moeflow.compat.tutel.experts import TutelCustomExperts
+from moeflow.compat.tutel.gates import TutelCustomGate
 from moeflow.compat.tutel.impls.arguments import (  # noqa: F401  (all re-exported: they were defined here)
     _FFN_KEYS,
     _GATE_KEYS,
     _GATE_TYPES,
+    EXPERT_TYPES,
     SUPPORTED_PARALLEL_TYPES,
     TutelGate,
     _build_custom,
+    build_custom_gate,
+    gate_specs,
+    tutel_alignment,
     _build_experts,
     _count,
     _local_count,
@@ -40,7 +46,7 @@ from moeflow.compat.tutel.impls.arguments import (  # noqa: F401  (all re-export
     moeflow_capacity_factor,
 )
 from moeflow.compat.tutel.impls.losses import gshard_loss, load_importance_loss
-from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig
+from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig
 from moeflow.experts.ffn import graph_zero
 from moeflow.layer.moe import MoE
 from moeflow.layer.router import Router
@@ -50,17 +56,23 @@ from moeflow.types import RoutingResult
 
 __all__ = ["MOELayer", "moe_layer", "TutelGate", "moeflow_capacity_factor"]
 
+_log = logging.getLogger(__name__)
+
 
 class MOELayer(MoE):
     """Tutel's ``moe_layer`` built on ``moeflow.MoE`` (arguments as in Tutel; see ``moeflow.compat.tutel``).
 
     Args:
         gate_type: one gate dict (``{'type': 'top' | 'cosine_top', 'k', 'capacity_factor',
-            'gate_noise', 'fp32_gate'}`` plus ``'proj_dim'``, ``'init_t'`` for cosine) or a list
-            of them (choose per call with ``gate_index``).
+            'gate_noise', 'fp32_gate'}`` plus ``'proj_dim'``, ``'init_t'`` for cosine;
+            ``{'type': 'custom', 'module': cls, ...}`` for a user gate, see
+            ``arguments.build_custom_gate``), Tutel's string form ``'Top<k>Gate'``, or a list of
+            gate dicts (choose per call with ``gate_index``).
         model_dim: ``D``.
         experts: ``{'type': 'ffn', 'count_per_node': e, 'hidden_size_per_expert': H,
-            'activation_fn': fn, 'output_dim': O, 'has_fc1_bias', 'has_fc2_bias'}`` or
+            'activation_fn': fn (or 'activation_fn_with_self': fn(h, experts)), 'output_dim': O,
+            'has_fc1_bias', 'has_fc2_bias'}``, ``{'type': 'llama_ffn', 'count_per_node': e,
+            'hidden_size_per_expert': H, 'activation_fn': fn}`` (SwiGLU) or
             ``{'type': 'custom', 'module': cls_or_instance, 'count_per_node': e, ...}``
             (``num_experts_per_device`` is accepted as an alias of ``count_per_node``).
         scan_expert_func: called as ``fn(name, param)`` for every expert parameter at the end
@@ -72,16 +84,23 @@ class MOELayer(MoE):
             before building the gates (gate i uses ``gate_seed + i``), before building the
             experts, and at the end.
         a2a_ffn_overlap_degree: pipelining of the expert-parallel exchange (moeflow's
-            ``overlap_degree``: an int >= 1; also settable per call).
+            ``overlap_degree``: an int >= 1). As in Tutel, it also rounds the capacity ``C`` up
+            to a multiple of it (even on one process), and a value given per call is kept.
         parallel_type, use_2dh: only ``'adaptive:1'`` and ``False`` are supported (anything
             else raises ``ValueError``).
         is_postscore: weight expert outputs by the gate (True) or expert inputs (False).
         batch_prioritized_routing, normalize_gate, is_gshard_loss: as in Tutel.
+        pad_samples: accepted and ignored, as in Tutel; any other keyword raises ``TypeError``.
+
+    Tutel's attributes are kept for code that reads them: ``num_global_experts``,
+    ``num_local_experts``, ``sharded_count`` (1), ``adaptive_degree`` (1), ``l_aux``,
+    ``dispatch_count`` (int64 ``[E]`` of the last call), ``megablocks_size``, and the methods
+    ``global_expert_count``, ``get_parameter_iterator`` and ``expert_local``.
     """
 
     def __init__(
         self,
-        gate_type: dict | Sequence[dict],
+        gate_type: dict | str | Sequence[dict],
         model_dim: int,
         experts: dict | None = None,
         scan_expert_func: Callable[[str, nn.Parameter], Any] | None = None,
@@ -97,8 +116,11 @@ class MOELayer(MoE):
         use_2dh: bool = False,
         **kwargs: object,
     ) -> None:
-        if kwargs:
-            raise TypeError(f"moe_layer got unsupported arguments {sorted(kwargs)}")
+        if "pad_samples" in kwargs:  # Tutel accepts it and ignores it (always unpadded)
+            kwargs.pop("pad_samples")
+            _log.warning("moe_layer: `pad_samples` is deprecated in Tutel and ignored (samples are never padded)")
+        for name in kwargs:  # Tutel raises for any other unknown keyword too
+            raise TypeError(f"moe_layer got an unexpected keyword argument {name!r}")
         model_dim = _count("model_dim", model_dim)
         _count("a2a_ffn_overlap_degree", a2a_ffn_overlap_degree)
         if parallel_type not in SUPPORTED_PARALLEL_TYPES:
@@ -124,23 +146,14 @@ class MOELayer(MoE):
             raise ValueError(f"seeds must be a tuple of up to 3 ints (or None entries), got {seeds!r}")
         seeds = tuple(seeds or ()) + (None,) * (3 - len(seeds or ()))
 
-        specs = list(gate_type) if isinstance(gate_type, (list, tuple)) else [gate_type]
-        if not specs:
-            raise ValueError("gate_type must be a gate dict or a non-empty list of them, got []")
-        gates = [_parse_gate(i, s) for i, s in enumerate(specs)]
-        if not is_gshard_loss:
-            for i, g in enumerate(gates):
-                if g.gate_noise <= 0:
-                    raise ValueError(
-                        f"is_gshard_loss=False (load/importance loss) needs gate_type[{i}]['gate_noise'] > 0, got {g.gate_noise}"
-                    )
+        gates = [_parse_gate(i, s) for i, s in enumerate(gate_specs(gate_type))]
 
         if not isinstance(experts, dict):
             raise TypeError(f"experts must be a dict like {{'type': 'ffn', 'count_per_node': 2, ...}}, got {type(experts).__name__}")
         experts = dict(experts)
         kind = experts.pop("type", None)
-        if kind not in ("ffn", "custom"):
-            raise ValueError(f"experts['type'] must be 'ffn' or 'custom', got {kind!r}")
+        if kind not in EXPERT_TYPES:
+            raise ValueError(f"experts['type'] must be one of {list(EXPERT_TYPES)}, got {kind!r}")
         count = _local_count(experts)
         _, world = process_position(group)
         num_experts = count * world
@@ -153,12 +166,26 @@ class MOELayer(MoE):
         experts_module, hidden = _build_experts(kind, experts, model_dim=model_dim, num_experts=num_experts,
                                                 local_count=count)
 
+        custom_gates = {}
+        for i, g in enumerate(gates):  # Tutel builds each gate after seeding with seeds[0] + i
+            if g.type == "custom":
+                if seeds[0] is not None:
+                    torch.manual_seed(seeds[0] + i)
+                custom_gates[i], gates[i] = build_custom_gate(i, g, model_dim=model_dim, num_experts=num_experts)
+        if not is_gshard_loss:
+            for i, g in enumerate(gates):
+                if g.gate_noise <= 0:
+                    raise ValueError(
+                        f"is_gshard_loss=False (load/importance loss) needs gate_type[{i}]['gate_noise'] > 0, got {g.gate_noise}"
+                    )
+
         if seeds[0] is not None:
             torch.manual_seed(seeds[0])
         first = gates[0]
         config = MoEConfig(
             dim=model_dim, hidden=hidden, num_experts=num_experts, top_k=first.k,
-            capacity_factor=first.capacity_factor, router=first.router,
+            capacity_factor=first.capacity_factor,
+            router=first.router if first.router is not None else RouterConfig(kind="linear", bias=False, load_balance_coef=0.0),
             dispatch=DispatchConfig(
                 drop_policy="bpr" if batch_prioritized_routing else "position",
                 weight_at="combine" if is_postscore else "dispatch",
@@ -166,8 +193,13 @@ class MOELayer(MoE):
             experts=ExpertsConfig(activation="relu", bias=True),
         )
         super().__init__(config=config, experts_module=experts_module)
-        extra = []
+        if 0 in custom_gates:  # the placeholder router MoE built gives way to the user's gate
+            self.router = TutelCustomGate(custom_gates[0], num_experts=num_experts)
+        extra: list[nn.Module] = []
         for i, g in enumerate(gates[1:], start=1):
+            if i in custom_gates:
+                extra.append(TutelCustomGate(custom_gates[i], num_experts=num_experts))
+                continue
             if seeds[0] is not None:
                 torch.manual_seed(seeds[0] + i)
             extra.append(Router(dim=model_dim, num_experts=num_experts, config=g.router))
@@ -185,6 +217,12 @@ class MOELayer(MoE):
         self.a2a_ffn_overlap_degree = a2a_ffn_overlap_degree
         self.result_func = result_func
         self.l_aux: torch.Tensor | None = None
+        # Tutel's attributes that user code and custom experts read: one process per expert
+        # shard (sharded experts are not supported) and expert parallelism ('adaptive:1')
+        self.sharded_count = 1
+        self.adaptive_degree = 1
+        self.megablocks_size = 0
+        self.dispatch_count: torch.Tensor | None = None
 
         if world > 1:
             from moeflow.parallel import expert_parallel  # the layer is built; now spread its experts
@@ -200,9 +238,45 @@ class MOELayer(MoE):
             torch.manual_seed(seeds[2])
 
     @property
-    def gates(self) -> list[Router]:
-        """The gates in ``gate_type`` order (gate 0 is ``self.router``)."""
+    def gates(self) -> list[nn.Module]:
+        """The gates in ``gate_type`` order (gate 0 is ``self.router``): moeflow ``Router``s, or
+        ``TutelCustomGate`` for custom gates."""
         return [self.router, *self.extra_gates]
+
+    @staticmethod
+    def global_expert_count(num_local_experts: int, group: object | None = None) -> int:
+        """Tutel's global expert count for ``num_local_experts`` per process over ``group``:
+        ``e * W`` for ``e > 0``; for ``e = -s`` (one expert sharded over ``s`` processes, which
+        ``moe_layer`` does not support) ``W / s``."""
+        if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts == 0:
+            raise ValueError(f"num_local_experts must be a non-zero int, got {num_local_experts!r}")
+        _, world = process_position(group)
+        if num_local_experts > 0:
+            return num_local_experts * world
+        if world % -num_local_experts:
+            raise ValueError(f"num_local_experts={num_local_experts}: {world} processes cannot share experts {-num_local_experts} ways")
+        return world // -num_local_experts
+
+    def get_parameter_iterator(self, param_type: str):  # type: ignore[no-untyped-def]
+        """``named_parameters()`` of the gates (``'gate'``) or of this process's experts
+        (``'local_experts'``), as in Tutel."""
+        if param_type == "gate":
+            return nn.ModuleList(self.gates).named_parameters()
+        if param_type == "local_experts":
+            return self.experts.named_parameters()
+        raise ValueError(f"param_type must be 'gate' or 'local_experts', got {param_type!r}")
+
+    def expert_local(self, x: torch.Tensor, reserve_shape: Sequence[int]) -> torch.Tensor:
+        """This process's experts on expert rows ``x [e, N, prod(reserve_shape)]`` ->
+        ``[e, N, O]`` (Tutel's hook between the exchanges; custom expert modules see
+        ``x.view(e, N, *reserve_shape)`` and the layer, as in Tutel)."""
+        e, N = x.shape[0], x.shape[1]
+        if isinstance(self.experts, TutelCustomExperts):
+            y = self.experts.module(x.reshape(e, N, *reserve_shape), self)
+        else:
+            counts_e = torch.full((e,), N, dtype=torch.long, device=x.device)
+            y = self.experts(x.reshape(e, N, -1), counts_e)
+        return y.reshape(e, N, -1)
 
     @property
     def top_k(self) -> int:
@@ -225,6 +299,7 @@ class MOELayer(MoE):
         reserve_dims: int = 1,
         inequivalent_tokens: bool = False,
         adaptive_r: int | None = None,
+        megablocks_size: int = 0,
     ) -> Any:
         """``input [..., D] -> y [..., O]`` (``result_func(y)`` if set); sets ``y.l_aux`` and
         ``self.l_aux`` to the balance loss of this call.
@@ -235,9 +310,19 @@ class MOELayer(MoE):
         with ``group=`` the capacity always uses the group's largest token count (Tutel's
         ``inequivalent_tokens=True`` rule) and moeflow's all-to-all handles different token
         counts per rank without padding.
+
+        As in Tutel, a given ``a2a_ffn_overlap_degree`` is kept for later calls, and Tutel's
+        capacity ``C`` (cf != 0) is rounded up to a multiple of it, even on one process.
+        ``megablocks_size`` (Tutel's block-sparse inference) is honoured only where Tutel
+        honours it (more than one local expert, no autograd, one process): there ``C`` is
+        rounded up to a multiple of it; the result is the same as without it.
         """
         degree = self.a2a_ffn_overlap_degree if a2a_ffn_overlap_degree is None else _count(
             "a2a_ffn_overlap_degree", a2a_ffn_overlap_degree)
+        if isinstance(megablocks_size, bool) or not isinstance(megablocks_size, int) or megablocks_size < 0:
+            raise ValueError(f"megablocks_size must be an int >= 0, got {megablocks_size!r}")
+        if self.num_local_experts <= 1 or torch.is_grad_enabled() or self.world_size > 1:
+            megablocks_size = 0
         if adaptive_r not in (None, 1):
             raise ValueError(f"adaptive_r={adaptive_r!r} is not supported yet; only 1 (expert parallel) or None is")
         if not isinstance(input, torch.Tensor) or not input.is_floating_point():
@@ -253,6 +338,7 @@ class MOELayer(MoE):
             raise ValueError(f"top_k must be an int in [1, {E}], got {top_k!r}")
         cf = spec.capacity_factor if capacity_factor is None else _number("capacity_factor", capacity_factor)
 
+        self.a2a_ffn_overlap_degree, self.megablocks_size = degree, megablocks_size  # kept, as in Tutel
         shape, dtype = input.shape, input.dtype
         token_dim = math.prod(shape[-reserve_dims:])
         if token_dim != self.model_dim:
@@ -280,6 +366,7 @@ class MOELayer(MoE):
         if T == 0 and not self.dispatcher.collective:
             O = getattr(self.experts, "output_dim", self.model_dim)
             y_TO = x_TD.new_zeros(0, O) + graph_zero(self, x_TD)
+            self.dispatch_count = torch.zeros(E, dtype=torch.long, device=x_TD.device)
         else:
             # batch-prioritized routing orders tokens by Tutel's *raw* top score, while the
             # (normalised) gates weight the outputs: the raw scores are the routing's priority
@@ -291,8 +378,10 @@ class MOELayer(MoE):
                 # translate Tutel's C from the group's largest token count (one tiny all-gather)
                 sizes = all_gather_rows(torch.tensor([[T]], dtype=torch.long, device=x_TD.device), self.group)
                 T_cap = max(int(s.sum()) for s in sizes)
-            mf_cf = moeflow_capacity_factor(cf, num_tokens=T_cap, top_k=k, num_experts=E)
+            mf_cf = moeflow_capacity_factor(cf, num_tokens=T_cap, top_k=k, num_experts=E,
+                                            alignment=tutel_alignment(self.sharded_count * degree, megablocks_size))
             y_TO = self.forward_routed(x_TD, routing, capacity_factor=mf_cf, overlap_degree=degree)
+            self.dispatch_count = self.last_counts_E
         O = y_TO.shape[-1]
         out_shape = tuple(shape) if O == self.model_dim else (*shape[:-reserve_dims], O)
         y = y_TO.reshape(out_shape).to(dtype)
