@@ -4,7 +4,7 @@ Layout of one checkpoint (``<root>/step-00000123/``)::
 
     index.json                       format, step, world size at save, experts per parameter,
                                      every file with its sha256 and its tensors (shape, dtype),
-                                     optimizer hyper-parameters, user ``extra`` (data position, ...)
+                                     optimizer type and hyper-parameters, user ``extra``
     rank00000-of-00004.safetensors   the experts rank 0 held (global keys ``...@<g>``), plus the
     rank00001-of-00004.safetensors   dense tensors (rank 0 only) and each rank's RNG state
 
@@ -15,37 +15,38 @@ directory rename is not atomic (network and object-store mounts copy file by fil
 ``.tmp-step-*`` directories and ``step-*`` directories without ``index.json`` are the remains of
 interrupted saves (or copies): never read, and removed by the next save into the same root.
 
-Everything that reads a checkpoint directory goes through here: ``read_index`` parses and
-checks ``index.json``, ``_Reader`` opens the files it lists, verifying each file's size and
-sha256 once, and reads only JSON and safetensors (no pickle). Every failure is a
-``CheckpointError`` naming the file, key and mismatch.
+Everything that reads a checkpoint directory goes through here, and treats it as untrusted:
+``read_index`` parses ``index.json`` and checks its schema (every required field, its type and
+range, every tensor key) before anything uses it; ``_Reader`` opens only the files it lists,
+each a plain file name that must resolve (symbolic links followed) inside the directory, and
+verifies each file's size, sha256 and tensor list once; only JSON and safetensors are read
+(nothing is unpickled). Every failure is a ``CheckpointError`` naming the file and the field or
+mismatch, and a path that would leave the directory is refused before it is opened or stat'ed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
-from pathlib import Path
+import warnings
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from moeflow.checkpoint.state import split_key
 
-__all__ = [
-    "FORMAT",
-    "CheckpointError",
-    "complete_checkpoints",
-    "latest_checkpoint",
-    "partial_checkpoints",
-    "read_index",
-    "describe_checkpoint",
-]
+__all__ = ["FORMAT", "CheckpointError", "check_index", "checkpoint_dir", "complete_checkpoints", "inside",
+           "latest_checkpoint", "partial_checkpoints", "read_index", "read_json", "describe_checkpoint"]
 
 FORMAT = "moeflow-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_RNG_KEY = re.compile(r"^rng/rank(\d+)/[A-Za-z0-9_]+$")
+_REQUIRED = ("step", "world_size", "experts", "files", "optimizer", "extra")
 
 
 class CheckpointError(ValueError):
@@ -57,14 +58,190 @@ def _step_dirs(root: Path, step: int) -> tuple[Path, Path]:
     return root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
 
 
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# ------------------------------------------------------------------ untrusted paths and JSON
+
+
+def inside(root: str | os.PathLike, name: object, what: str) -> Path:
+    """``root/name`` with symbolic links resolved, refusing (``CheckpointError`` naming ``what``)
+    a name that is not a non-empty relative path, has a ``..`` part, or resolves outside
+    ``root``. Nothing is opened or stat'ed here except through resolving links, and the message
+    never says where a link leads."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise CheckpointError(f"{what}: {_show(name)} is not a file name")
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).drive or "\\" in name or ".." in parts:
+        raise CheckpointError(f"{what}: {name!r} leaves the directory {root} (an absolute path or '..'); "
+                              "only files inside it are read")
+    base = Path(root).resolve()
+    full = base.joinpath(*parts).resolve()
+    if full != base and base not in full.parents:
+        raise CheckpointError(f"{what}: {name!r} is or passes a symbolic link that leads outside {root}; "
+                              "only files inside it are read")
+    return full
+
+
+def read_json(root: str | os.PathLike, name: str) -> object:
+    """The parsed JSON file ``root/name`` (which must lie inside ``root``); ``CheckpointError``
+    naming the file when it is missing, unreadable or not JSON."""
+    shown = Path(root) / name
+    path = inside(root, name, str(shown))
+    if not path.is_file():
+        raise CheckpointError(f"{shown}: missing (or not a regular file)")
+    try:
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{shown}: not valid JSON ({err})") from None
+    except OSError as err:
+        raise CheckpointError(f"{shown}: cannot be read ({err.strerror or err})") from None
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_error(where: str, field: str, value: object, want: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {field}={_show(value)} ({type(value).__name__}), expected {want}")
+
+
+def _int(where: str, field: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _type_error(where, field, value, f"an int >= {low}")
+    return value
+
+
+def _typed(where: str, field: str, value: object, kind: type) -> object:
+    """``value`` if it is a JSON object (``kind=dict``) or list (``kind=list``)."""
+    if not isinstance(value, kind):
+        raise _type_error(where, field, value, "a JSON object" if kind is dict else "a JSON list")
+    return value
+
+
+def _finite(where: str, field: str, value: object) -> None:
+    """Every number inside ``value`` (hyper-parameters, extra) is finite: NaN and infinities
+    parse as JSON extensions and would poison an optimizer silently."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _type_error(where, field, value, "a finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _finite(where, f"{field}[{k!r}]", v)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _finite(where, f"{field}[{i}]", v)
+
+
+# ------------------------------------------------------------------ the index schema
+
+
+def _check_key(where: str, field: str, key: str, experts: dict[str, int], world_size: int) -> None:
+    """A tensor key the loaders can take apart: ``param/<n>[@g]``, ``buffer/<n>``,
+    ``optim/<n>/<k>[@g]``, ``rng/rank<r>/<device>``, with ``g`` below the parameter's expert count
+    and ``r`` below the world size."""
+    kind, _, rest = key.partition("/")
+    base, at, g = key.rpartition("@") if "@" in key else (key, "", "")
+    if kind not in ("param", "buffer", "optim", "rng") or not rest or (at and not (g.isascii() and g.isdigit())):
+        raise CheckpointError(f"{where}: {field} has key {key!r}, not one of param/<name>[@<expert>], "
+                              "buffer/<name>, optim/<name>/<state>[@<expert>], rng/rank<r>/<device>")
+    if kind == "rng":
+        m = _RNG_KEY.match(key)
+        if m is None or int(m.group(1)) >= world_size:
+            raise CheckpointError(f"{where}: {field} has key {key!r}: not rng/rank<r>/<device> with r below "
+                                  f"world_size={world_size}")
+        return
+    if kind == "optim" and "/" not in base.split("/", 1)[1]:
+        raise CheckpointError(f"{where}: {field} has key {key!r}, expected optim/<name>/<state>")
+    if at:
+        name = base.split("/", 1)[1]
+        name = name.rsplit("/", 1)[0] if kind == "optim" else name
+        if kind == "buffer" or name not in experts or int(g) >= experts[name]:
+            raise CheckpointError(f"{where}: {field} has key {key!r}, but 'experts' records "
+                                  f"{experts.get(name, 'no')} experts for {name!r}")
+
+
+def _check_files(where: str, files: object, experts: dict[str, int], world_size: int) -> None:
+    seen_files: set[str] = set()
+    seen_keys: dict[str, str] = {}
+    if not _typed(where, "files", files, list):
+        raise CheckpointError(f"{where}: files is empty (a checkpoint has at least one file)")
+    for i, entry in enumerate(files):  # type: ignore[arg-type]
+        at = f"files[{i}]"
+        _typed(where, at, entry, dict)
+        for field in ("file", "sha256", "bytes", "tensors"):
+            if field not in entry:
+                raise CheckpointError(f"{where}: {at} has no {field!r} field")
+        name = entry["file"]
+        if not isinstance(name, str) or name in (".", "..") or PurePosixPath(name).name != name or "\\" in name:
+            raise CheckpointError(f"{where}: {at}.file={_show(name)} is not a plain file name inside the checkpoint "
+                                  "directory (no directories, no absolute paths)")
+        if not name.endswith(".safetensors"):
+            raise CheckpointError(f"{where}: {at}.file={name!r} is not a .safetensors file (only safetensors are read)")
+        if name in seen_files:
+            raise CheckpointError(f"{where}: {at}.file={name!r} is listed twice")
+        seen_files.add(name)
+        if not isinstance(entry["sha256"], str) or not _SHA256.match(entry["sha256"]):
+            raise _type_error(where, f"{at}.sha256", entry["sha256"], "64 lowercase hex digits")
+        _int(where, f"{at}.bytes", entry["bytes"], 0)
+        for key, meta in _typed(where, f"{at}.tensors", entry["tensors"], dict).items():
+            field = f"{at}.tensors[{key!r}]"
+            _check_key(where, f"{at}.tensors", key, experts, world_size)
+            if key in seen_keys:
+                raise CheckpointError(f"{where}: {key!r} is listed in both {seen_keys[key]} and {name}")
+            seen_keys[key] = name
+            _typed(where, field, meta, dict)
+            shape, dtype = meta.get("shape"), meta.get("dtype")
+            if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+                raise _type_error(where, f"{field}.shape", shape, "a list of non-negative ints")
+            if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise _type_error(where, f"{field}.dtype", dtype, "a torch dtype name such as 'float32'")
+
+
+def _check_optimizer(where: str, meta: object) -> None:
+    if meta is None:
+        return
+    _typed(where, "optimizer", meta, dict)
+    if "type" in meta and not isinstance(meta["type"], str):
+        raise _type_error(where, "optimizer.type", meta["type"], "a class name")
+    for field in ("param_groups", "scalars"):
+        if field not in meta:
+            raise CheckpointError(f"{where}: optimizer has no {field!r} field")
+    for i, group in enumerate(_typed(where, "optimizer.param_groups", meta["param_groups"], list)):
+        at = f"optimizer.param_groups[{i}]"
+        _typed(where, at, group, dict)
+        if "params" not in group or "hyper" not in group:
+            raise CheckpointError(f"{where}: {at} needs 'params' and 'hyper'")
+        for j, param in enumerate(_typed(where, f"{at}.params", group["params"], list)):
+            if not isinstance(param, str):
+                raise _type_error(where, f"{at}.params[{j}]", param, "a parameter name")
+        _finite(where, f"{at}.hyper", _typed(where, f"{at}.hyper", group["hyper"], dict))
+    for name, state in _typed(where, "optimizer.scalars", meta["scalars"], dict).items():
+        _finite(where, f"optimizer.scalars[{name!r}]", _typed(where, f"optimizer.scalars[{name!r}]", state, dict))
+
+
+def check_index(index: object, where: str) -> dict:
+    """``index`` (parsed ``index.json``) checked against the schema; ``where`` names it in errors."""
+    index = _typed(where, "the index", index, dict)
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: format {_show(index.get('format'))}, expected {FORMAT!r}")
+    missing = [field for field in _REQUIRED if field not in index]
+    if missing:
+        raise CheckpointError(f"{where}: required field {missing[0]!r} is missing")
+    _int(where, "step", index["step"], 0)
+    world_size = _int(where, "world_size", index["world_size"], 1)
+    experts = _typed(where, "experts", index["experts"], dict)
+    for name, E in experts.items():
+        _int(where, f"experts[{name!r}]", E, 1)
+    _check_files(where, index["files"], experts, world_size)
+    _check_optimizer(where, index["optimizer"])
+    _typed(where, "extra", index["extra"], dict)
+    return index
 
 
 # ------------------------------------------------------------------ finding checkpoints
@@ -96,34 +273,51 @@ def partial_checkpoints(root: str | os.PathLike) -> list[Path]:
         p.name.startswith(".tmp-step-") or (_STEP_DIR.match(p.name) and not (p / "index.json").exists())))
 
 
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The checkpoint that ``path`` names: ``path`` itself when it holds ``index.json``; for a
+    root, its latest complete checkpoint, with a warning when a newer ``step-*`` directory
+    without an index lies beside it (an interrupted save or a partial copy: never loaded). A
+    ``step-*`` directory without an index is refused, never replaced by an older step."""
+    path = Path(path)
+    if (path / "index.json").exists():
+        return path
+    if _STEP_DIR.match(path.name) and path.is_dir():
+        older = latest_checkpoint(path.parent)
+        raise CheckpointError(f"{path}: no index.json: an incomplete checkpoint (a save that was interrupted or a "
+                              "partial copy), never loaded" + (f"; the latest complete one is {older}" if older else ""))
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path}: no complete checkpoint here")
+    newer = [p.name for p in partial_checkpoints(path) if _STEP_DIR.match(p.name) and p.name > latest.name]
+    if newer:
+        warnings.warn(f"{path}: loading {latest.name}, the latest complete checkpoint; {newer[-1]} has no "
+                      "index.json (an interrupted save or a partial copy) and is never loaded", UserWarning,
+                      stacklevel=3)
+    return latest
+
+
 # ------------------------------------------------------------------ reading and checking
 
 
 def read_index(path: str | os.PathLike) -> dict:
-    """The parsed ``index.json`` of a checkpoint directory (checked for format)."""
+    """The parsed ``index.json`` of a checkpoint directory, checked against the schema."""
     path = Path(path)
-    index_path = path / "index.json"
-    if not index_path.exists():
+    if not (path / "index.json").exists() and not (path / "index.json").is_symlink():
         raise CheckpointError(f"{path}: no index.json (not a complete moeflow checkpoint)")
-    try:
-        index = json.loads(index_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{index_path}: not valid JSON ({err})") from None
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{index_path}: format {index.get('format')!r}, expected {FORMAT!r}")
-    return index
+    return check_index(read_json(path, "index.json"), str(path / "index.json"))
 
 
 class _Reader:
-    """Opens the checkpoint's files lazily, verifying each file's checksum once.
-
-    ``where`` maps every tensor key of the index to its file's index entry.
-    """
+    """Opens the checkpoint's files lazily, verifying each file's size, checksum and tensor list
+    once. ``where`` maps every tensor key of the index to its file's index entry; every file
+    is checked to lie inside ``path`` before any is opened."""
 
     def __init__(self, path: Path, index: dict) -> None:
         self.path, self.index = path, index
         self.where: dict[str, dict] = {}
-        for entry in index["files"]:
+        self.files: dict[str, Path] = {}
+        for i, entry in enumerate(index["files"]):
+            self.files[entry["file"]] = inside(path, entry["file"], f"{path / 'index.json'}: files[{i}].file")
             for key in entry["tensors"]:
                 self.where[key] = entry
         self.verified: set[str] = set()
@@ -131,24 +325,44 @@ class _Reader:
     def has(self, key: str) -> bool:
         return key in self.where
 
-    def get(self, key: str) -> torch.Tensor:
-        entry = self.where[key]
-        file = self.path / entry["file"]
-        if entry["file"] not in self.verified:
-            if not file.exists():
-                raise CheckpointError(f"{file}: missing (listed in index.json)")
-            size = file.stat().st_size
-            if size != entry["bytes"]:
-                raise CheckpointError(f"{file}: {size} bytes, index.json says {entry['bytes']} (truncated or replaced)")
-            digest = _sha256(file)
-            if digest != entry["sha256"]:
-                raise CheckpointError(f"{file}: sha256 {digest[:12]}... does not match index.json ({entry['sha256'][:12]}...): corrupted")
-            self.verified.add(entry["file"])
+    def _verify(self, entry: dict) -> None:
+        file, shown = self.files[entry["file"]], self.path / entry["file"]
+        if not file.is_file():
+            raise CheckpointError(f"{shown}: missing (listed in index.json)" if not file.exists() else
+                                  f"{shown}: not a regular file")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{shown}: {size} bytes, index.json says {entry['bytes']} (truncated or replaced)")
+        digest = _sha256(file)
+        if digest != entry["sha256"]:
+            raise CheckpointError(f"{shown}: sha256 {digest[:12]}... does not match index.json ({entry['sha256'][:12]}...): corrupted")
         try:
             with safe_open(str(file), framework="pt") as f:
-                return f.get_tensor(key)
-        except SafetensorError as err:
-            raise CheckpointError(f"{file}: cannot read {key!r} ({err})") from None
+                keys = set(f.keys())
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{shown}: not a readable safetensors file ({err})") from None
+        listed = set(entry["tensors"])
+        if keys != listed:
+            raise CheckpointError(f"{shown}: its tensors differ from index.json's (unlisted: {sorted(keys - listed)[:3]}, "
+                                  f"absent: {sorted(listed - keys)[:3]})")
+        self.verified.add(entry["file"])
+
+    def get(self, key: str) -> torch.Tensor:
+        entry = self.where[key]
+        if entry["file"] not in self.verified:
+            self._verify(entry)
+        shown = self.path / entry["file"]
+        try:
+            with safe_open(str(self.files[entry["file"]]), framework="pt") as f:
+                value = f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{shown}: cannot read {key!r} ({err})") from None
+        meta = entry["tensors"][key]
+        dtype = str(value.dtype).removeprefix("torch.")
+        if list(value.shape) != meta["shape"] or dtype != meta["dtype"]:
+            raise CheckpointError(f"{shown}: {key} is {dtype} {list(value.shape)} in the file, index.json says "
+                                  f"{meta['dtype']} {meta['shape']}")
+        return value
 
 
 def describe_checkpoint(path: str | os.PathLike) -> str:

@@ -6,18 +6,26 @@ vocabulary-split table it holds. Every tensor the model has must be in the check
 the same shape and dtype, and every model tensor the checkpoint has must be in the model: a
 mismatch raises ``CheckpointError`` naming file, key and mismatch, and nothing is ever filled
 with zeros. Files are read and verified through ``moeflow.checkpoint.format``.
+
+The optimizer must be of the type that wrote the checkpoint (recorded since the type was, and
+implied by the hyper-parameter names before), hold the same parameters in the same groups, and
+every saved hyper-parameter must be one of its own with a value of the type it has now (a
+number where it has a number, a bool where a bool, a list of as many where a tuple); a
+hyper-parameter the checkpoint lacks (a flag newer torch versions added) keeps its value. All of
+it is checked before the model or the optimizer is touched.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from moeflow.checkpoint.format import CheckpointError, _Reader, latest_checkpoint, read_index
-from moeflow.checkpoint.state import ExpertLayout, expert_slices, split_key
+from moeflow.checkpoint.format import CheckpointError, _Reader, checkpoint_dir, read_index
+from moeflow.checkpoint.state import ExpertLayout, expert_slices, optimizer_type, split_key
 from moeflow.parallel.comm import ProcessGroup, process_position
 
 __all__ = ["load_checkpoint"]
@@ -66,16 +74,12 @@ def load_checkpoint(
     Each rank reads the experts it holds now (``MoE.expert_slots``: any placement). Returns
     ``{"step": ..., "extra": ..., "world_size": <at save>, "path": ...}``.
     """
-    path = Path(path)
-    if not (path / "index.json").exists():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"{path}: no complete checkpoint here")
-        path = latest
+    path = checkpoint_dir(path)
     index = read_index(path)
     reader = _Reader(path, index)
     rank, _ = process_position(group)
     slices = expert_slices(model)
+    hyper = _checked_hyper(reader, index, model, optimizer) if optimizer is not None else []
 
     for name, layout in slices.items():
         E = layout.num_experts
@@ -108,7 +112,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path}: checkpoint has tensors the model does not: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
 
     if optimizer is not None:
-        _load_optimizer(reader, index, model, optimizer, slices)
+        _load_optimizer(reader, index, model, optimizer, slices, hyper)
     if restore_rng and reader.has(f"rng/rank{rank}/cpu"):
         torch.set_rng_state(reader.get(f"rng/rank{rank}/cpu"))
         if torch.cuda.is_available() and reader.has(f"rng/rank{rank}/cuda"):
@@ -116,10 +120,27 @@ def load_checkpoint(
     return {"step": index["step"], "extra": index["extra"], "world_size": index["world_size"], "path": str(path)}
 
 
-def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: torch.optim.Optimizer, slices: dict) -> None:
-    meta = index.get("optimizer")
+def _fits(now: object, saved: object) -> bool:
+    """Whether the JSON value ``saved`` may replace the hyper-parameter value ``now``."""
+    if isinstance(now, bool) or now is None:
+        return isinstance(saved, bool) or (now is None and (saved is None or isinstance(saved, (int, float, str))))
+    if isinstance(now, (int, float)) or (isinstance(now, torch.Tensor) and now.numel() == 1):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(now, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(now) and all(_fits(a, b) for a, b in zip(now, saved))
+    return isinstance(now, str) and isinstance(saved, str)
+
+
+def _checked_hyper(reader: _Reader, index: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's saved hyper-parameters, checked against ``optimizer`` (type, groups,
+    parameters, names and value types) before anything is loaded."""
+    where = f"{reader.path}/index.json"
+    meta = index["optimizer"]
     if meta is None:
         raise CheckpointError(f"{reader.path}: the checkpoint holds no optimizer state")
+    mine = optimizer_type(optimizer)
+    if meta.get("type", mine) != mine:
+        raise CheckpointError(f"{where}: optimizer.type is {meta['type']!r}, but it is loaded into a {mine}")
     names = {id(p): n for n, p in model.named_parameters()}
     saved_groups = meta["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
@@ -127,11 +148,29 @@ def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: t
             f"{reader.path}: optimizer has {len(optimizer.param_groups)} param groups, checkpoint {len(saved_groups)}"
         )
     for i, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
-        mine = [names[id(p)] for p in group["params"]]
-        if mine != saved["params"]:
+        if [names.get(id(p)) for p in group["params"]] != saved["params"]:
             raise CheckpointError(f"{reader.path}: optimizer param group {i} holds other parameters than the checkpoint's")
+        own = sorted(k for k in group if k != "params")
         for k, v in saved["hyper"].items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v
+            if k not in own:
+                raise CheckpointError(f"{where}: optimizer.param_groups[{i}].hyper[{k!r}] is not a hyper-parameter of "
+                                      f"{type(optimizer).__name__} (it has {own}): written by another optimizer?")
+            if not _fits(group[k], v):
+                raise CheckpointError(f"{where}: optimizer.param_groups[{i}].hyper[{k!r}]={v!r} does not fit "
+                                      f"{type(optimizer).__name__}'s {k}={group[k]!r}")
+    model_names = set(names.values())
+    unknown = sorted(set(meta["scalars"]) - model_names) + sorted(
+        k for k in reader.where if k.startswith("optim/") and split_key(k)[0][6:].rsplit("/", 1)[0] not in model_names)
+    if unknown:
+        raise CheckpointError(f"{reader.path}: optimizer state for parameters the model does not have: {unknown[:5]}")
+    return [saved["hyper"] for saved in saved_groups]
+
+
+def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: torch.optim.Optimizer, slices: dict,
+                    hyper: list[dict]) -> None:
+    """Read every state tensor first, then set the hyper-parameters (checked by
+    ``_checked_hyper``) and the state: a damaged file leaves the optimizer as it was."""
+    meta = index["optimizer"]
     by_param: dict[str, dict[str, list[tuple[int | None, str]]]] = {}
     for key in reader.where:
         if key.startswith("optim/"):
@@ -139,16 +178,30 @@ def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: t
             _, rest = base.split("/", 1)
             name, state_key = rest.rsplit("/", 1)
             by_param.setdefault(name, {}).setdefault(state_key, []).append((g, key))
-    scalars = meta.get("scalars", {})
+    scalars = meta["scalars"]
+    states: dict[nn.Parameter, dict[str, object]] = {}
     for name, p in model.named_parameters():
         entries = by_param.get(name, {})
         state: dict[str, object] = dict(scalars.get(name, {}))
         for state_key, keys in entries.items():
             if any(g is not None for g, _ in keys):
-                state[state_key] = _gather_experts(reader, f"optim/{name}/{state_key}", slices[name], p).to(p.device)
+                if name not in slices or any(g is None for g, _ in keys):
+                    raise CheckpointError(f"{reader.path}: optimizer state {name}/{state_key} is split per expert, "
+                                          f"but {name} is not an expert parameter of the model")
+                value = _gather_experts(reader, f"optim/{name}/{state_key}", slices[name], p)
+                if value.shape != p.shape:
+                    raise CheckpointError(f"{reader.path}: optimizer state {name}/{state_key} has shape "
+                                          f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
+                state[state_key] = value.to(p.device)
             else:
                 value = reader.get(keys[0][1])
                 state[state_key] = (_vocab_rows(p, value) if value.dim() and value.shape[1:] == p.shape[1:] else value).to(p.device)
         if state:
-            optimizer.state[p] = state
-
+            states[p] = state
+    for group, saved in zip(optimizer.param_groups, hyper):
+        for k, v in saved.items():
+            now = group[k]
+            group[k] = (tuple(v) if isinstance(now, tuple) else
+                        torch.tensor(v, dtype=now.dtype, device=now.device) if isinstance(now, torch.Tensor) else v)
+    for p, state in states.items():
+        optimizer.state[p] = state

@@ -25,7 +25,7 @@ from moeflow.experts.ffn import cut_hidden_slice
 from moeflow.layer.moe import MoE
 from moeflow.parallel.apply import gather_hidden_experts, gather_layer_objects
 
-__all__ = ["ExpertLayout", "expert_slices", "model_tensors", "optimizer_tensors", "split_key", "vocab_shards"]
+__all__ = ["ExpertLayout", "expert_slices", "model_tensors", "optimizer_tensors", "optimizer_type", "split_key", "vocab_shards"]
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ def optimizer_tensors(
     model: nn.Module, optimizer: torch.optim.Optimizer, *, include_dense: bool
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Optimizer state as tensors keyed like ``model_tensors`` and the JSON-able rest
-    (param groups' hyper-parameters and which parameters they hold, non-tensor state)."""
+    (the optimizer's type, param groups' hyper-parameters and which parameters they hold,
+    non-tensor state)."""
     layouts = expert_slices(model)
     names = {id(p): n for n, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
@@ -166,7 +167,12 @@ def optimizer_tensors(
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups.append({"params": [names[id(p)] for p in group["params"]], "hyper": _jsonable(hyper)})
-    return tensors, {"param_groups": groups, "scalars": _jsonable(scalars)}
+    return tensors, {"type": optimizer_type(optimizer), "param_groups": groups, "scalars": _jsonable(scalars)}
+
+
+def optimizer_type(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class as the index records it (loading refuses another class)."""
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _check_sliced_state_agrees(model: nn.Module, optimizer: torch.optim.Optimizer, layouts: dict[str, ExpertLayout]) -> None:

@@ -40,6 +40,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 
 def _run_convert(args: argparse.Namespace) -> int:
     from moeflow.checkpoint import CheckpointError, describe_checkpoint, latest_checkpoint, reshard_checkpoint
+    from moeflow.checkpoint.format import checkpoint_dir
 
     def fail(msg: str) -> int:
         print(f"moeflow convert: error: {msg}", file=sys.stderr)
@@ -50,6 +51,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         if args.from_hf is not None:
             if len(paths) != 1 or args.to_hf is not None:
                 return fail("usage: moeflow convert --from-hf HF_DIR DST")
+            _refuse_file(paths[0], "DST")
             return _convert_from_hf(args.from_hf, paths[0])
         if args.step is not None and args.from_dcp is None:
             return fail(f"--step {args.step} goes with --from-dcp DIR")
@@ -58,25 +60,32 @@ def _run_convert(args: argparse.Namespace) -> int:
                 return fail("usage: moeflow convert --from-dcp DIR DST [--step N]")
             from moeflow.convert.dcp import dcp_to_moeflow
 
+            _refuse_file(paths[0], "DST")
             print(f"wrote {dcp_to_moeflow(args.from_dcp, paths[0], step=args.step)} (from DCP {args.from_dcp})")
             return 0
         if not paths:
             return fail("give SRC (and DST --world-size N, --info, --to-hf HF_DIR or --to-dcp DIR)")
         src = paths[0]
-        if not (src / "index.json").exists():
-            src = latest_checkpoint(src) or latest_checkpoint(src / "checkpoints") or src
+        if not (src / "index.json").exists() and latest_checkpoint(src) is None and (src / "checkpoints").is_dir():
+            src = src / "checkpoints"  # a run directory: its checkpoints
+        src = checkpoint_dir(src)
         if args.to_hf is not None:
             from moeflow.convert.mixtral import gpt_to_hf
             from moeflow.train import build_from_checkpoint
 
-            model, _, _ = build_from_checkpoint(src)
-            print(f"wrote {gpt_to_hf(model, args.to_hf)} (Mixtral, {model.config.n_layers} layers, "
-                  f"{model.config.num_experts} experts)")
+            _refuse_file(args.to_hf, "--to-hf")
+            model, tok, info = build_from_checkpoint(src)
+            out = gpt_to_hf(model, args.to_hf, special_tokens=info["extra"].get("special_tokens"),
+                            tokenizer=tok.to_dict() if tok is not None else None)
+            print(f"wrote {out} (Mixtral, {model.config.n_layers} layers, {model.config.num_experts} experts"
+                  f"{', tokenizer' if tok is not None else ''})")
             return 0
         if args.to_dcp is not None:
             if len(paths) != 1:
                 return fail("usage: moeflow convert SRC --to-dcp DIR")
             from moeflow.convert.dcp import moeflow_to_dcp
+
+            _refuse_file(args.to_dcp, "--to-dcp")
 
             print(f"wrote {moeflow_to_dcp(src, args.to_dcp)} (DCP, from {src})")
             return 0
@@ -85,22 +94,33 @@ def _run_convert(args: argparse.Namespace) -> int:
             return 0
         if len(paths) != 2 or args.world_size is None:
             return fail("give DST and --world-size (or --info, --to-hf, --to-dcp)")
+        _refuse_file(paths[1], "DST")
         out = reshard_checkpoint(src, paths[1], args.world_size)
     except (CheckpointError, ValueError, TypeError) as err:
         return fail(str(err))
+    except OSError as err:  # an unreadable source or an unwritable destination
+        return fail(f"{err.filename or ''}: {err.strerror or err}".lstrip(": "))
     print(f"wrote {out} for {args.world_size} rank(s)")
     return 0
 
 
+def _refuse_file(path: Path, what: str) -> None:
+    """A destination must be a directory or not exist yet (an existing file is never replaced)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what}={str(path)!r} is an existing file; give a directory (it is created if missing)")
+
+
 def _convert_from_hf(hf_dir: Path, dst: Path) -> int:
     from moeflow.checkpoint import save_checkpoint
+    from moeflow.convert.hf_files import read_hf_config, read_special_tokens
     from moeflow.convert.mixtral import gpt_from_hf
     from moeflow.train.lm import MODEL_FAMILY
 
     model = gpt_from_hf(hf_dir)
+    tokens = read_special_tokens(hf_dir, read_hf_config(hf_dir), model.config.vocab_size)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     extra = {"family": MODEL_FAMILY, "model": model.config.to_dict(), "dtype": dtype, "tokenizer": None,
-             "source": str(hf_dir)}
+             "special_tokens": tokens, "source": str(hf_dir)}
     out = save_checkpoint(dst, 0, model, extra=extra)
     print(f"wrote {out} (MoE GPT from Mixtral: {model.config.n_layers} layers, {model.config.num_experts} experts)")
     return 0

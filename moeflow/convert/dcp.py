@@ -11,7 +11,8 @@ and a DCP checkpoint saved that way converts to moeflow's format:
   ``optim["state"][n][k]``; its param groups <-> ``optim["param_groups"]`` (hyper-parameters
   with ``"params"``: the parameter names);
 - what only a moeflow checkpoint records travels along: ``rng/<rank>/<device>`` <-> ``rng[...]``,
-  and the step, ``extra`` and the world size at save in the ``"moeflow"`` JSON entry.
+  and the step, ``extra``, the world size at save and the optimizer's type in the ``"moeflow"``
+  JSON entry.
 
 A DCP checkpoint from ``dcp_state_dict`` records no step: pass ``step=`` (``--step``). The moeflow
 checkpoint is written as one file (``moeflow convert --world-size`` regroups it); all reading and
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from moeflow.checkpoint.format import FORMAT as CHECKPOINT_FORMAT
-from moeflow.checkpoint.format import CheckpointError, _Reader, latest_checkpoint, read_index
+from moeflow.checkpoint.format import CheckpointError, _Reader, checkpoint_dir, read_index
 from moeflow.checkpoint.io import _begin, _finalize, _owned, _step_dirs, _write_tensors
 from moeflow.checkpoint.state import _jsonable, split_key
 from moeflow.parallel.dcp import FORMAT as DCP_FORMAT
@@ -36,19 +37,10 @@ from moeflow.parallel.dcp_files import read_dcp_dir, write_dcp_dir
 __all__ = ["moeflow_to_dcp", "dcp_to_moeflow"]
 
 
-def _checkpoint_dir(src: Path) -> Path:
-    if (src / "index.json").exists():
-        return src
-    latest = latest_checkpoint(src)
-    if latest is None:
-        raise CheckpointError(f"{src}: no complete checkpoint here")
-    return latest
-
-
 def moeflow_to_dcp(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Write moeflow checkpoint ``src`` (a checkpoint directory, or a root: its latest) as a DCP
     checkpoint directory ``dst``. Returns ``dst``."""
-    src = _checkpoint_dir(Path(src))
+    src = checkpoint_dir(src)
     index = read_index(src)
     reader = _Reader(src, index)
     experts: dict[str, int] = index["experts"]
@@ -84,10 +76,12 @@ def moeflow_to_dcp(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     buffers = sorted(key.split("/", 1)[1] for key in reader.where if key.startswith("buffer/"))
     meta = {"format": DCP_FORMAT, "experts": experts, "buffers": buffers, "step": index["step"],
             "extra": index["extra"], "world_size": index["world_size"]}
+    optim = index["optimizer"]
+    if optim is not None and "type" in optim:
+        meta["optimizer_type"] = optim["type"]
     state: dict = {"model": model, "moeflow": json.dumps(meta, sort_keys=True)}
     if rng:
         state["rng"] = rng
-    optim = index.get("optimizer")
     if optim is not None:
         for name, values in optim["scalars"].items():
             optim_state.setdefault(name, {}).update(values)
@@ -120,6 +114,22 @@ def _moeflow_part(saved: dict, src: object) -> dict:
     return saved[found[0]]
 
 
+def _checked_meta(meta: dict, src: object) -> dict:
+    """The ``"moeflow"`` description of a DCP checkpoint, checked before use (the checkpoint
+    written from it is checked again, like any, when it is read)."""
+    experts, buffers = meta.get("experts"), meta.get("buffers")
+    if not isinstance(experts, dict) or any(isinstance(E, bool) or not isinstance(E, int) or E < 1
+                                            for E in experts.values()):
+        raise CheckpointError(f"{src}: its 'moeflow' description has experts={str(experts)[:60]!r}, expected "
+                              "{parameter: expert count}")
+    if not isinstance(buffers, list) or not all(isinstance(b, str) for b in buffers):
+        raise CheckpointError(f"{src}: its 'moeflow' description has buffers={str(buffers)[:60]!r}, expected a list "
+                              "of names")
+    if not isinstance(meta.get("extra", {}), dict) or not isinstance(meta.get("optimizer_type", ""), str):
+        raise CheckpointError(f"{src}: its 'moeflow' description has a malformed 'extra' or 'optimizer_type'")
+    return meta
+
+
 def dcp_to_moeflow(src: str | os.PathLike, dst_root: str | os.PathLike, *, step: int | None = None,
                    keep: int = 3) -> Path:
     """Write DCP checkpoint directory ``src`` (saved from ``dcp_state_dict`` or ``DCPState``, at
@@ -127,7 +137,7 @@ def dcp_to_moeflow(src: str | os.PathLike, dst_root: str | os.PathLike, *, step:
     ``dst_root``. ``step`` names the checkpoint; by default the step ``src`` records
     (``moeflow_to_dcp`` records one). Returns the checkpoint directory."""
     state = _moeflow_part(read_dcp_dir(src), src)
-    meta = json.loads(state["moeflow"])
+    meta = _checked_meta(json.loads(state["moeflow"]), src)
     if step is None:
         step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -161,6 +171,8 @@ def dcp_to_moeflow(src: str | os.PathLike, dst_root: str | os.PathLike, *, step:
         groups = [{"params": list(g["params"]), "hyper": _jsonable({k: v for k, v in g.items() if k != "params"})}
                   for g in state["optim"]["param_groups"]]
         optimizer = {"param_groups": groups, "scalars": _jsonable(scalars)}
+        if "optimizer_type" in meta:
+            optimizer["type"] = meta["optimizer_type"]
     dst_root = Path(dst_root)
     final, tmp = _step_dirs(dst_root, step)
     _begin(dst_root, final, tmp)

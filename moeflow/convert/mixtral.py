@@ -9,7 +9,10 @@ expert: ``block_sparse_moe.experts.{e}.w1`` (gate, ``[H, D]``), ``w3`` (up) and 
 moeflow stores ``w_in [E, D, 2H]`` (gate columns, then up) and ``w_out [E, H, D]``.
 
 Reading and writing need only ``safetensors`` and JSON (not ``transformers``): an HF directory is
-``config.json`` plus ``model.safetensors`` or shards listed in ``model.safetensors.index.json``.
+``config.json`` plus ``model.safetensors`` or shards listed in ``model.safetensors.index.json``
+(``moeflow.convert.hf_files``: it reads only files inside the directory). ``config.json`` is
+checked before use (every required field present, each of its type, ``CheckpointError`` naming
+it), and every tensor's shape against the config before a model is built.
 
 Import direction: ``moeflow.convert`` sits above ``models`` and ``checkpoint``: this module
 converts to and from one model class (``moeflow.models.gpt``) and reports damaged input as a
@@ -18,16 +21,15 @@ converts to and from one model class (``moeflow.models.gpt``) and reports damage
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from moeflow.checkpoint.io import CheckpointError
 from moeflow.config import RouterConfig
+from moeflow.convert.hf_files import read_hf, read_hf_config, tokenizer_files, write_hf
 from moeflow.models.gpt import GPTConfig, MoEGPT
 
 __all__ = ["gpt_config_from_hf", "hf_config_from_gpt", "state_dict_from_hf", "state_dict_to_hf",
@@ -43,33 +45,68 @@ _DENSE = {  # moeflow name (per layer) -> HF name (per layer)
 }
 
 
+_REQUIRED = object()
+
+
+def _field(hf: dict, name: str, kind: str, default: object = _REQUIRED, *, where: str = "") -> object:
+    """``hf[name]`` checked to be ``kind`` (``"count"``: an int >= 1; ``"number"``: finite, >= 0;
+    ``"bool"``, ``"str"``, ``"dict"``); absent or null gives ``default`` (absent and required:
+    ``CheckpointError``)."""
+    value = hf.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"config.json: required field {where}{name!r} is missing" if name not in hf else
+                                  f"config.json: {where}{name}=null, expected a value")
+        return default
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {"count": number and isinstance(value, int) and value >= 1,
+          "number": number and math.isfinite(value) and value >= 0,
+          "bool": isinstance(value, bool), "str": isinstance(value, str), "dict": isinstance(value, dict)}[kind]
+    if not ok:
+        want = {"count": "an int >= 1", "number": "a finite number >= 0", "dict": "a JSON object"}.get(kind, f"a {kind}")
+        raise CheckpointError(f"config.json: {where}{name}={value!r:.60} ({type(value).__name__}), expected {want}")
+    return value
+
+
 def gpt_config_from_hf(hf: dict) -> GPTConfig:
     """The ``GPTConfig`` equivalent to a Mixtral ``config.json`` dict; ``CheckpointError`` naming
-    the field for anything moeflow's GPT does not express (another family, a head_dim that is not
-    ``hidden_size / heads``, sliding windows, another activation or RoPE type)."""
+    the field for a missing or mistyped field and for anything moeflow's GPT does not express
+    (another family, a head_dim that is not ``hidden_size / heads``, sliding windows, another
+    activation or RoPE type)."""
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"config.json: a JSON {type(hf).__name__}, expected an object")
     if hf.get("model_type") != "mixtral":
-        raise CheckpointError(f"config.json: model_type {hf.get('model_type')!r} is not supported; only 'mixtral'")
-    D, N = hf["hidden_size"], hf["num_attention_heads"]
+        raise CheckpointError(f"config.json: model_type {hf.get('model_type')!r:.60} is not supported; only 'mixtral'")
+    D, N = _field(hf, "hidden_size", "count"), _field(hf, "num_attention_heads", "count")
+    rope = _field(hf, "rope_parameters", "dict", None) or {"rope_theta": _field(hf, "rope_theta", "number", 1e6)}
     checks = {
-        "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
-        "head_dim": (hf.get("head_dim") or D // N, D // N),
+        "hidden_act": (_field(hf, "hidden_act", "str", "silu"), "silu"),
+        "head_dim": (_field(hf, "head_dim", "count", D // N), D // N),
         "sliding_window": (hf.get("sliding_window"), None),
+        "rope_parameters.rope_type": (_field(rope, "rope_type", "str", "default", where="rope_parameters."), "default"),
     }
-    rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 1e6), "rope_type": "default"}
-    checks["rope_parameters.rope_type"] = (rope.get("rope_type", "default"), "default")
     for field, (got, want) in checks.items():
         if got != want:
-            raise CheckpointError(f"config.json: {field}={got!r} is not supported (moeflow's GPT needs {want!r})")
-    return GPTConfig(
-        vocab_size=hf["vocab_size"], dim=D, n_layers=hf["num_hidden_layers"], n_heads=N,
-        n_kv_heads=hf.get("num_key_value_heads") or N, max_seq_len=hf.get("max_position_embeddings", 4096),
-        moe_every=1, num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
-        expert_hidden=hf["intermediate_size"], capacity_factor=0.0,
-        router=RouterConfig(scoring="topk_softmax", load_balance_coef=hf.get("router_aux_loss_coef", 0.001),
-                            jitter_eps=hf.get("router_jitter_noise", 0.0) or 0.0),
-        norm_eps=hf.get("rms_norm_eps", 1e-5), rope_theta=float(rope["rope_theta"]),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), init_std=hf.get("initializer_range", 0.02),
-    )
+            raise CheckpointError(f"config.json: {field}={got!r:.60} is not supported (moeflow's GPT needs {want!r})")
+    try:
+        return GPTConfig(
+            vocab_size=_field(hf, "vocab_size", "count"), dim=D, n_layers=_field(hf, "num_hidden_layers", "count"),
+            n_heads=N, n_kv_heads=_field(hf, "num_key_value_heads", "count", N),
+            max_seq_len=_field(hf, "max_position_embeddings", "count", 4096), moe_every=1,
+            num_experts=_field(hf, "num_local_experts", "count"), top_k=_field(hf, "num_experts_per_tok", "count"),
+            expert_hidden=_field(hf, "intermediate_size", "count"), capacity_factor=0.0,
+            router=RouterConfig(scoring="topk_softmax",
+                                load_balance_coef=_field(hf, "router_aux_loss_coef", "number", 0.001),
+                                jitter_eps=_field(hf, "router_jitter_noise", "number", 0.0)),
+            norm_eps=_field(hf, "rms_norm_eps", "number", 1e-5),
+            rope_theta=float(_field(rope, "rope_theta", "number", where="rope_parameters.")),
+            tie_embeddings=_field(hf, "tie_word_embeddings", "bool", False),
+            init_std=_field(hf, "initializer_range", "number", 0.02),
+        )
+    except (ValueError, TypeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"config.json: describes no valid model: {err}") from None
 
 
 def hf_config_from_gpt(cfg: GPTConfig) -> dict:
@@ -159,42 +196,18 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
     return out
 
 
-def read_hf_config(path: str | os.PathLike) -> dict:
-    """The ``config.json`` dict of an HF model directory."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
-    try:
-        return json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path / 'config.json'}: not valid JSON: {err}") from err
-
-
-def read_hf(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(config dict, tensors)`` of an HF model directory (single or sharded safetensors)."""
-    path = Path(path)
-    config = read_hf_config(path)
-    if (path / "model.safetensors.index.json").is_file():
-        files = sorted(set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{path}: no model.safetensors (nor a sharded index); only safetensors weights are read")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-    return config, tensors
-
-
-def write_hf(path: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (loadable by ``from_pretrained``)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
+def _check_shapes(path: object, sd: dict[str, torch.Tensor], cfg: GPTConfig) -> None:
+    """Every tensor floating point and of the shape ``cfg`` gives it, checked on a model built on
+    the meta device (no memory) before a real one is allocated: a config.json that does not fit
+    its weights is a ``CheckpointError`` naming the tensor, not torch's size-mismatch message."""
+    with torch.device("meta"):
+        want = MoEGPT(cfg).state_dict()
+    for name, value in sd.items():
+        if name in want and tuple(value.shape) != tuple(want[name].shape):
+            raise CheckpointError(f"{path}: tensor for {name} has shape {tuple(value.shape)}, config.json gives "
+                                  f"{tuple(want[name].shape)}")
+        if not value.is_floating_point():
+            raise CheckpointError(f"{path}: tensor for {name} is {value.dtype}, expected a floating-point dtype")
 
 
 def gpt_from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> MoEGPT:
@@ -203,6 +216,7 @@ def gpt_from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None) ->
     cfg = gpt_config_from_hf(read_hf_config(path))  # refuse another family before reading weights
     _, tensors = read_hf(path)
     sd = state_dict_from_hf(tensors, cfg)
+    _check_shapes(path, sd, cfg)
     model = MoEGPT(cfg, dtype=dtype if dtype is not None else sd["embed.weight"].dtype)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     buffers = {name for name, _ in model.named_buffers()}
@@ -212,8 +226,12 @@ def gpt_from_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None) ->
     return model
 
 
-def gpt_to_hf(model: MoEGPT, path: str | os.PathLike) -> Path:
-    """Write ``model`` as a Mixtral directory that ``MixtralForCausalLM.from_pretrained`` loads."""
+def gpt_to_hf(model: MoEGPT, path: str | os.PathLike, *, special_tokens: dict | None = None,
+              tokenizer: dict | None = None) -> Path:
+    """Write ``model`` as a Mixtral directory that ``MixtralForCausalLM.from_pretrained`` loads,
+    with ``generation_config.json`` (``special_tokens``: bos/eos/pad ids, ``None`` by default)
+    and, given a moeflow tokenizer description (``Tokenizer.to_dict()``), the tokenizer files
+    ``AutoTokenizer.from_pretrained`` reads."""
     if not isinstance(model, MoEGPT):
         raise TypeError(f"model must be a MoEGPT, got {type(model).__name__}")
     config = hf_config_from_gpt(model.config)
@@ -221,6 +239,7 @@ def gpt_to_hf(model: MoEGPT, path: str | os.PathLike) -> Path:
         if name.endswith("router.expert_bias") and bool(buf.ne(0).any()):
             raise ValueError(f"cannot export to Mixtral: {name} is nonzero (aux-loss-free balancing changes which "
                              "experts are chosen, and Mixtral's router has no such bias)")
+    files = tokenizer_files(tokenizer, config["vocab_size"], config["max_position_embeddings"]) if tokenizer else None
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     config["dtype"] = str(sd["embed.weight"].dtype).removeprefix("torch.")
-    return write_hf(path, config, state_dict_to_hf(sd, model.config))
+    return write_hf(path, config, state_dict_to_hf(sd, model.config), special_tokens=special_tokens, tokenizer=files)

@@ -1,0 +1,409 @@
+"""Checkpoints and Hugging Face directories as untrusted input (issue 17): every damaged, edited or
+hostile file gives a ``CheckpointError`` (the CLI: one line, exit 2) naming the file and the field,
+never a bare ``KeyError``, a crash, a silently wrong model, or a read of a file outside the
+directory. Each case starts from a good checkpoint (or HF directory) written by moeflow, applies
+one edit, loads, and checks the error; a file outside the directory ("the secret") must never be
+opened, which an audit hook on ``open`` and a wrapper around ``safetensors.safe_open`` watch.
+The counts of the sweep are in ``docs/reliability.md``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import moeflow
+import moeflow.checkpoint.format as fmt
+import moeflow.convert.hf_files as hf_files
+from moeflow.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moeflow.cli.main import main
+from moeflow.convert.mixtral import gpt_from_hf, gpt_to_hf
+from moeflow.models import MoEGPT, gpt_config
+
+pytestmark = pytest.mark.reference
+
+_OPENED: list[str] = []  # every path opened while _WATCH is set (audit hooks cannot be removed)
+_WATCH = [False]
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _WATCH[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.fixture
+def watch(monkeypatch):
+    """Record every file opened (Python ``open`` and ``safe_open``) during the test."""
+    for module in (fmt, hf_files):
+        real = module.safe_open
+
+        def spy(path, *a, _real=real, **kw):
+            _OPENED.append(os.fsdecode(path))
+            return _real(path, *a, **kw)
+
+        monkeypatch.setattr(module, "safe_open", spy)
+    _OPENED.clear()
+    _WATCH[0] = True
+    yield _OPENED
+    _WATCH[0] = False
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 8, dtype=torch.float64),
+        moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0, dtype=torch.float64),
+    )
+
+
+@pytest.fixture
+def good(tmp_path) -> tuple[Path, Path]:
+    """(checkpoint directory of a trained model with AdamW state, a secret file beside it)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(6, 8, dtype=torch.float64)).square().sum().backward()
+    opt.step()
+    path = save_checkpoint(tmp_path / "ck", 1, model, opt, extra={"data": 3})
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("x" * 12345)
+    return path, secret
+
+
+def _load(path: Path, optimizer: str = "adamw") -> None:
+    model = _model()
+    opt = {"adamw": lambda: torch.optim.AdamW(model.parameters(), lr=1e-3),
+           "sgd": lambda: torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+           "none": lambda: None}[optimizer]()
+    load_checkpoint(path, model, opt)
+
+
+def _edit_index(path: Path, edit) -> None:
+    index = json.loads((path / "index.json").read_text())
+    index = edit(index)
+    (path / "index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+
+
+def _set(keys: tuple, value: object):
+    def edit(index):
+        node = index
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = value
+        return index
+    return edit
+
+
+def _drop(*keys: str):
+    def edit(index):
+        node = index
+        for k in keys[:-1]:
+            node = node[k]
+        del node[keys[-1]]
+        return index
+    return edit
+
+
+def _first_tensor_key(index: dict) -> str:
+    return next(iter(index["files"][0]["tensors"]))
+
+
+# (case id, edit of the parsed index (or a str: the new file text), words the message must hold)
+INDEX_EDITS = [
+    ("not-json", lambda i: "{not json", "not valid JSON"),
+    ("a-list", lambda i: "[1, 2]", "JSON object"),
+    ("format", _set(("format",), "other/1"), "format"),
+    *[(f"no-{k}", _drop(k), repr(k)) for k in ("step", "world_size", "experts", "files", "optimizer", "extra")],
+    ("step-str", _set(("step",), "two"), "step='two'"),
+    ("step-negative", _set(("step",), -1), "step=-1"),
+    ("step-bool", _set(("step",), True), "step=True"),
+    ("world-size-0", _set(("world_size",), 0), "world_size=0"),
+    ("experts-list", _set(("experts",), [4]), "experts"),
+    ("experts-count-str", lambda i: _set(("experts", next(iter(i["experts"]))), "4")(i), "experts["),
+    ("files-dict", _set(("files",), {}), "files"),
+    ("files-empty", _set(("files",), []), "files is empty"),
+    ("entry-not-dict", _set(("files", 0), "rank0.safetensors"), "files[0]"),
+    ("entry-no-sha", _drop("files", 0, "sha256"), "'sha256'"),
+    ("entry-no-bytes", _drop("files", 0, "bytes"), "'bytes'"),
+    ("entry-no-tensors", _drop("files", 0, "tensors"), "'tensors'"),
+    ("bytes-negative", _set(("files", 0, "bytes"), -5), "bytes=-5"),
+    ("bytes-str", _set(("files", 0, "bytes"), "10"), "bytes='10'"),
+    ("sha-short", _set(("files", 0, "sha256"), "abc"), "sha256"),
+    ("file-pickle", _set(("files", 0, "file"), "weights.pt"), "not a .safetensors file"),
+    ("file-dir", _set(("files", 0, "file"), "sub/rank.safetensors"), "not a plain file name"),
+    ("file-int", _set(("files", 0, "file"), 3), "not a plain file name"),
+    ("tensors-list", _set(("files", 0, "tensors"), []), "tensors"),
+    ("tensor-bad-key", lambda i: _set(("files", 0, "tensors", "weights"), {"shape": [1], "dtype": "float64"})(i),
+     "'weights'"),
+    ("tensor-expert-out-of-range", lambda i: _set(("files", 0, "tensors", "param/1.experts.w_in@99"),
+                                                  {"shape": [8, 16], "dtype": "float64"})(i), "experts"),
+    ("tensor-rng-rank", lambda i: _set(("files", 0, "tensors", "rng/rank7/cpu"),
+                                       {"shape": [1], "dtype": "uint8"})(i), "world_size"),
+    ("tensor-shape-str", lambda i: _set(("files", 0, "tensors", _first_tensor_key(i), "shape"), "8x8")(i), "shape"),
+    ("tensor-dtype", lambda i: _set(("files", 0, "tensors", _first_tensor_key(i), "dtype"), "Tensor")(i), "dtype"),
+    ("tensor-wrong-shape", lambda i: _set(("files", 0, "tensors", _first_tensor_key(i), "shape"), [3, 3])(i),
+     "index.json says"),
+    ("optimizer-str", _set(("optimizer",), "adam"), "optimizer"),
+    ("optimizer-no-groups", _drop("optimizer", "param_groups"), "'param_groups'"),
+    ("optimizer-params-int", _set(("optimizer", "param_groups", 0, "params"), [1]), "params[0]"),
+    ("hyper-nan", _set(("optimizer", "param_groups", 0, "hyper", "lr"), float("nan")), "finite"),
+    ("hyper-inf", _set(("optimizer", "param_groups", 0, "hyper", "weight_decay"), float("inf")), "finite"),
+    ("hyper-lr-str", _set(("optimizer", "param_groups", 0, "hyper", "lr"), "abc"), "'lr'"),
+    ("hyper-betas-short", _set(("optimizer", "param_groups", 0, "hyper", "betas"), [0.9]), "'betas'"),
+    ("hyper-unknown", _set(("optimizer", "param_groups", 0, "hyper", "momentum"), 0.9), "'momentum'"),
+    ("optimizer-type", _set(("optimizer", "type"), "torch.optim.sgd.SGD"), "optimizer.type"),
+    ("extra-list", _set(("extra",), [1]), "extra"),
+]
+
+
+@pytest.mark.parametrize("case,edit,words", INDEX_EDITS, ids=[c[0] for c in INDEX_EDITS])
+def test_index_schema_edits_are_named(good, case, edit, words) -> None:
+    path, _ = good
+    _edit_index(path, edit)
+    with pytest.raises(CheckpointError) as err:
+        _load(path)
+    assert words in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("name", ["../outside/secret.txt", "../../outside/secret.txt", "ABSOLUTE", "..",
+                                  "C:\\secret.safetensors", "link.safetensors"])
+def test_paths_leaving_the_directory_are_refused_unopened(good, watch, name) -> None:
+    path, secret = good
+    if name == "ABSOLUTE":
+        name = str(secret)
+    if name == "link.safetensors":  # a plain name that is a symbolic link leading out
+        (path / name).symlink_to(secret)
+    _edit_index(path, _set(("files", 0, "file"), name))
+    with pytest.raises(CheckpointError) as err:
+        _load(path)
+    assert "12345" not in str(err.value)  # the secret's size is never revealed
+    assert not [p for p in watch if Path(p).resolve() == secret.resolve()], watch
+
+
+def test_a_data_file_that_is_a_link_out_is_refused(good, watch) -> None:
+    path, secret = good
+    index = json.loads((path / "index.json").read_text())
+    name = index["files"][0]["file"]
+    (path / name).unlink()
+    (path / name).symlink_to(secret)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        _load(path)
+    assert not [p for p in watch if Path(p).resolve() == secret.resolve()], watch
+
+
+def test_an_index_that_is_a_link_out_is_refused(good, watch) -> None:
+    path, secret = good
+    (path / "index.json").unlink()
+    (path / "index.json").symlink_to(secret)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        _load(path)
+    assert not [p for p in watch if Path(p).resolve() == secret.resolve()], watch
+
+
+def _rehash(path: Path, name: str) -> None:
+    """Make the index agree with a replaced file (size and sha256): what an attacker can do."""
+    data = (path / name).read_bytes()
+    import hashlib
+
+    def edit(index):
+        for entry in index["files"]:
+            if entry["file"] == name:
+                entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+        return index
+    _edit_index(path, edit)
+
+
+class _Boom:
+    def __reduce__(self):  # would run at unpickling: never happens, safetensors does not unpickle
+        return (os.system, ("touch /tmp/moeflow-pwned",))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "garbage", "pickle", "pickle-rehashed", "garbage-rehashed",
+                                 "empty-rehashed", "header-huge-rehashed"])
+def test_damaged_or_hostile_data_files(good, how) -> None:
+    path, _ = good
+    name = json.loads((path / "index.json").read_text())["files"][0]["file"]
+    file = path / name
+    data = file.read_bytes()
+    payload = {
+        "truncate": data[: len(data) // 2], "flip": data[:200] + bytes([data[200] ^ 1]) + data[201:],
+        "garbage": os.urandom(len(data)), "pickle": pickle.dumps(_Boom()), "empty": b"",
+        "header-huge": (10**15).to_bytes(8, "little") + b"{}",
+    }[how.removesuffix("-rehashed")]
+    file.write_bytes(payload)
+    if how.endswith("-rehashed"):
+        _rehash(path, name)
+    with pytest.raises(CheckpointError) as err:
+        _load(path)
+    assert name in str(err.value)
+    assert not Path("/tmp/moeflow-pwned").exists()
+
+
+def test_optimizer_of_another_type_is_refused_before_anything_changes(good) -> None:
+    path, _ = good
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with pytest.raises(CheckpointError, match="SGD"):
+        load_checkpoint(path, model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.param_groups[0]["lr"] == 1e-3 and not opt.state
+
+
+def test_index_without_type_still_checks_hyper_parameter_names(good) -> None:
+    """Checkpoints written before the type was recorded: an AdamW one into SGD is still refused
+    (its hyper-parameters are not SGD's)."""
+    path, _ = good
+    _edit_index(path, _drop("optimizer", "type"))
+    with pytest.raises(CheckpointError, match="not a hyper-parameter of SGD"):
+        _load(path, "sgd")
+    _load(path)  # and loads into AdamW
+
+
+def test_loaded_hyper_parameters_keep_their_types(good) -> None:
+    path, _ = good
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_checkpoint(path, model, opt)
+    group = opt.param_groups[0]
+    assert group["lr"] == 1e-2 and isinstance(group["betas"], tuple)
+    model(torch.randn(3, 8, dtype=torch.float64)).sum().backward()
+    opt.step()  # usable
+
+
+def test_newest_step_without_index_is_never_silently_replaced(good) -> None:
+    path, _ = good
+    root = path.parent
+    model = _model()
+    newer = save_checkpoint(root, 2, model)
+    (newer / "index.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        _load(newer, "none")
+    with pytest.warns(UserWarning, match="step-00000002 has no index.json"):
+        _load(root)  # the root: the latest complete one, said out loud
+
+
+# ------------------------------------------------------------------ Hugging Face directories
+
+
+@pytest.fixture
+def hf_dir(tmp_path) -> tuple[Path, Path]:
+    torch.manual_seed(0)
+    model = MoEGPT(gpt_config("tiny", vocab_size=64, n_layers=1, num_experts=4))
+    path = gpt_to_hf(model, tmp_path / "hf")
+    secret = tmp_path / "outside" / "secret.safetensors"
+    secret.parent.mkdir()
+    shutil.copy(path / "model.safetensors", secret)  # a valid file, so reading it would "work"
+    return path, secret
+
+
+def _shard(path: Path, weight_map_of) -> None:
+    """Turn the directory into a sharded one whose index maps tensors by ``weight_map_of``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map_of(keys)}))
+
+
+def _edit_config(path: Path, edit) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = edit(cfg)
+    (path / "config.json").write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+
+
+HF_CASES = [
+    ("config-missing", lambda p, s: (p / "config.json").unlink(), "no config.json"),
+    ("config-garbage", lambda p, s: (p / "config.json").write_text("{oops"), "not valid JSON"),
+    ("config-list", lambda p, s: (p / "config.json").write_text("[]"), "expected an object"),
+    ("no-hidden-size", lambda p, s: _edit_config(p, lambda c: {k: v for k, v in c.items() if k != "hidden_size"}),
+     "'hidden_size'"),
+    ("hidden-size-str", lambda p, s: _edit_config(p, lambda c: {**c, "hidden_size": "64"}), "hidden_size='64'"),
+    ("experts-zero", lambda p, s: _edit_config(p, lambda c: {**c, "num_local_experts": 0}), "num_local_experts=0"),
+    ("eps-nan", lambda p, s: _edit_config(p, lambda c: {**c, "rms_norm_eps": float("nan")}), "rms_norm_eps"),
+    ("family", lambda p, s: _edit_config(p, lambda c: {**c, "model_type": "llama"}), "model_type"),
+    ("shape-vs-config", lambda p, s: _edit_config(p, lambda c: {**c, "intermediate_size": c["intermediate_size"] + 1}),
+     "config.json gives"),
+    ("weights-missing", lambda p, s: (p / "model.safetensors").unlink(), "no model.safetensors"),
+    ("weights-truncated", lambda p, s: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:300]),
+     "not a readable safetensors"),
+    ("weights-garbage", lambda p, s: (p / "model.safetensors").write_bytes(os.urandom(4000)), "not a readable safetensors"),
+    ("weights-pickle", lambda p, s: (p / "model.safetensors").write_bytes(pickle.dumps(_Boom())),
+     "not a readable safetensors"),
+    ("weights-link-out", lambda p, s: ((p / "model.safetensors").unlink(), (p / "model.safetensors").symlink_to(s)),
+     "symbolic link"),
+    ("index-no-weight-map", lambda p, s: (p / "model.safetensors.index.json").write_text("{}"), "weight_map"),
+    ("index-list", lambda p, s: (p / "model.safetensors.index.json").write_text("[]"), "weight_map"),
+    ("index-traversal", lambda p, s: _shard(p, lambda ks: {k: "../outside/secret.safetensors" for k in ks}),
+     "leaves the directory"),
+    ("index-absolute", lambda p, s: _shard(p, lambda ks: {k: str(s) for k in ks}), "leaves the directory"),
+    ("index-file-int", lambda p, s: _shard(p, lambda ks: {k: 7 for k in ks}), "not a file name"),
+    ("index-wrong-file", lambda p, s: (shutil.copy(p / "model.safetensors", p / "b.safetensors"),
+                                      _shard(p, lambda ks: {k: "b.safetensors" if i == 0 else "model.safetensors"
+                                                            for i, k in enumerate(ks)})),
+     "both"),
+    ("index-missing-file", lambda p, s: _shard(p, lambda ks: {k: "gone.safetensors" for k in ks}), "missing"),
+    ("extra-tensor", lambda p, s: _add_tensor(p, "model.layers.9.mlp.weight", torch.zeros(2)), "does not know"),
+    ("int-tensor", lambda p, s: _add_tensor(p, "model.norm.weight", None),
+     "floating-point"),
+    ("generation-config-bad-eos", lambda p, s: (p / "generation_config.json").write_text('{"eos_token_id": 999}'),
+     "eos_token_id"),
+]
+
+
+def _add_tensor(path: Path, key: str, value: torch.Tensor) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[key] = value if value is not None else tensors[key].to(torch.int64)  # None: same shape, integer
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("case,damage,words", HF_CASES, ids=[c[0] for c in HF_CASES])
+def test_damaged_or_hostile_hf_directories(hf_dir, watch, tmp_path, capsys, case, damage, words) -> None:
+    path, secret = hf_dir
+    damage(path, secret)
+    code = main(["convert", "--from-hf", str(path), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("moeflow convert: error:") and err.count("\n") == 1, err
+    assert words in err, err
+    assert not [p for p in watch if Path(p).resolve() == secret.resolve()], watch
+    assert not (tmp_path / "out").exists()
+    assert not Path("/tmp/moeflow-pwned").exists()
+
+
+def test_hf_round_trip_keeps_tokenizer_and_special_tokens(tmp_path) -> None:
+    """``--to-hf`` writes generation_config.json and the tokenizer; ``--from-hf`` keeps the ids."""
+    torch.manual_seed(0)
+    model = MoEGPT(gpt_config("tiny", vocab_size=256, n_layers=1, num_experts=4))
+    path = gpt_to_hf(model, tmp_path / "hf", special_tokens={"eos_token_id": 10, "bos_token_id": None},
+                     tokenizer={"kind": "byte"})
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 10
+    tok = json.loads((path / "tokenizer.json").read_text())
+    assert tok["model"]["vocab"]["a"] == ord("a")
+    assert main(["convert", "--from-hf", str(path), str(tmp_path / "ck")]) == 0
+    from moeflow.checkpoint import read_index
+    from moeflow.checkpoint.format import latest_checkpoint
+
+    extra = read_index(latest_checkpoint(tmp_path / "ck"))["extra"]
+    assert extra["special_tokens"] == {"bos_token_id": None, "eos_token_id": 10, "pad_token_id": None}
+    back = gpt_from_hf(path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+
+
+def test_a_file_as_destination_is_one_line(tmp_path, capsys, hf_dir) -> None:
+    path, _ = hf_dir
+    (tmp_path / "f").write_text("keep me")
+    assert main(["convert", "--from-hf", str(path), str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert "existing file" in err and err.count("\n") == 1
+    assert (tmp_path / "f").read_text() == "keep me"
