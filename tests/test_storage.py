@@ -28,7 +28,7 @@ from moeflow.storage import (
     parse_bytes,
     slot_bytes,
 )
-from moeflow.storage.tiers import DiskFile
+from moeflow.storage.disk import DiskFile
 
 from helpers import needs_cuda
 
@@ -123,15 +123,23 @@ def test_disk_file_is_safetensors_and_reads_back(tmp_path, gen):
         with safe_open(str(tmp_path / "t.safetensors"), "pt") as g:
             assert all(torch.equal(g.get_tensor(k), v) for k, v in tensors.items())
         for key, t in tensors.items():
-            assert torch.equal(f[key], t)
+            assert torch.equal(f.tensor(key), t)
+            assert f.spec(key).is_meta and f.spec(key).shape == t.shape and f.spec(key).dtype == t.dtype
             start, _ = f.byte_range(key)
             assert start % 4096 == 0
-        # a slice read: aligned start, unaligned length (O_DIRECT for whole pages, then buffered)
+        # a block read: aligned start, unaligned length (O_DIRECT for whole pages, then buffered)
         row = torch.empty(1500)
-        f.read_into(row, *f.byte_range("w", 1))
+        f.read(row, "w", 1)
         assert torch.equal(row, tensors["w"][1])
+        # a block rewritten: read back, checksum renewed (the other blocks keep theirs)
+        new = torch.randn(1500, generator=gen)
+        f.write(new, "w", 2)
+        f.read(row, "w", 2)
+        assert torch.equal(row, new) and torch.equal(f.tensor("w")[:2], tensors["w"][:2])
         with pytest.raises(ValueError, match="dst must be"):
-            f.read_into(torch.empty(3), *f.byte_range("w", 1))
+            f.read(torch.empty(3), "w", 1)
+        with pytest.raises(IndexError, match="block 3"):
+            f.byte_range("w", 3)
     finally:
         f.close()
 
@@ -418,6 +426,30 @@ def test_cli_infer_runs_and_matches(tmp_path, capsys):
     assert "unknown unit 'XB'" in capsys.readouterr().err
 
 
+def _exit_status(argv: list[str]) -> int:
+    """``moeflow`` run in-process; argparse's refusals exit (SystemExit), the handlers return."""
+    from moeflow.cli.main import main
+
+    try:
+        return main(argv)
+    except SystemExit as stop:
+        return int(stop.code)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--seq-len", "100000"], "--seq-len 100000 is longer than the model's context (max_seq_len="),
+    (["--seed", "-1"], "argument --seed: must be >= 0"),
+    (["--bench", "--threads", "0"], "argument --threads: must be >= 1"),
+    (["--bench", "--seq-len", "8"], "it does not take --seq-len"),
+])
+def test_cli_infer_refuses_before_work(argv, says, private_tmp, capsys):
+    """Refused with one line and status 2, before any store is built (no experts file)."""
+    rc = _exit_status(["infer", "--preset", "tiny", "--vocab-size", "64", "--layers", "2", "--new-tokens", "1", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and says in err[0], (rc, err)
+    assert _leftovers(private_tmp) == []
+
+
 def test_cli_infer_from_checkpoint(tmp_path):
     """A `moeflow train`-style checkpoint is rebuilt, offloaded and run; same output as loaded."""
     import json
@@ -467,7 +499,13 @@ def test_storage_bench_small():
     assert report["expert_bytes"] >= 4 * report["fast_budget"]
     assert [r["regime"] for r in report["regimes"]] == ["balanced", "compute-bound"]
     assert all(r["identical"] for r in report["regimes"])
-    assert "sync/pref" in format_storage_report(report)
+    # checked and unchecked rings side by side; the checks' own time per forward is counted
+    assert report["checksum"] in report["checksum_gb_per_s"]
+    for r in report["regimes"]:
+        assert r["sync_unchecked_s"] > 0 and r["prefetch_unchecked_s"] > 0 and r["verify_s"] > 0
+        assert r["sync_bytes_loaded"] == r["sync_unchecked_bytes_loaded"]
+    text = format_storage_report(report)
+    assert "sync/pref" in text and "checksum cost" in text
     with pytest.raises(ValueError, match="n_layers"):
         StorageBenchConfig(n_layers=3)
 

@@ -10,7 +10,14 @@ forward pass (``B x S`` random tokens):
 
 - ``in-memory``: the plain model, every expert weight resident (the floor);
 - ``sync``: ring of the same budget, ``prefetch=0``: each layer loads when it is needed;
-- ``prefetch``: ring with ``prefetch=1``: layer ``l + 1`` loads while layer ``l`` computes.
+- ``prefetch``: ring with ``prefetch=1``: layer ``l + 1`` loads while layer ``l`` computes;
+- ``sync_unchecked`` / ``prefetch_unchecked``: the same two with ``verify_checksums=False``, so
+  the cost of checking every expert block read from disk (``moeflow.storage.checksum``) is the
+  ratio checked / unchecked: exposed in ``sync``, overlapped with compute in ``prefetch``.
+
+All runs of a regime are timed interleaved (each repeat runs every model once, in a rotating
+order), so a machine that gets busier or quieter during the run shifts them alike; the times
+are medians. The report also gives each checksum's throughput on this machine (GB/s, one core).
 
 Two regimes: ``balanced`` (token count calibrated so one layer's compute takes about as long as
 one layer's load) and ``compute-bound`` (``compute_factor`` times more tokens). Outputs of the
@@ -35,9 +42,12 @@ from pathlib import Path
 import torch
 
 from moeflow.config import _float, _int
-from moeflow.storage import StorageConfig, format_bytes, offload_experts, slot_bytes
+from moeflow.storage import StorageConfig, checksum, format_bytes, offload_experts, slot_bytes
 
 __all__ = ["StorageBenchConfig", "run_storage_bench", "format_storage_report", "run_and_report", "main"]
+
+# store name -> (prefetch, verify_checksums)
+_STORES = {"sync": (0, True), "prefetch": (1, True), "sync_unchecked": (0, False), "prefetch_unchecked": (1, False)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +102,38 @@ def _time(fn, repeats: int, warmup: int = 2) -> tuple[float, torch.Tensor]:
     return statistics.median(times), out
 
 
+def _time_interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict[str, tuple[float, torch.Tensor]]:
+    """name -> (median seconds, last output) of ``fns``, timed interleaved: after ``warmup``
+    calls of each, every repeat calls each once, the order rotating from repeat to repeat."""
+    names, out, times = list(fns), {}, {name: [] for name in fns}
+    for name in names:
+        for _ in range(warmup):
+            out[name] = fns[name]()
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            out[name] = fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(times[name]), out[name]) for name in names}
+
+
+def checksum_throughput(nbytes: int = 32 << 20, repeats: int = 5) -> dict[str, float]:
+    """GB/s of each checksum this process can compute (``moeflow.storage.checksum``) over a
+    random ``nbytes`` buffer (larger than the caches, as a slot is), median of ``repeats``."""
+    import numpy as np
+
+    buf = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
+    out = {}
+    for name, fn in checksum.algorithms().items():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(buf)
+            times.append(time.perf_counter() - t0)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
 def run_storage_bench(cfg: StorageBenchConfig, progress=lambda msg: None) -> dict:  # type: ignore[no-untyped-def]
     """Run the benchmark; returns a JSON-able report (see ``format_storage_report``). Runs with
     ``cfg.threads`` torch threads and restores the caller's setting afterwards."""
@@ -118,11 +160,11 @@ def _run_storage_bench(cfg: StorageBenchConfig, progress) -> dict:  # type: igno
              f"fast budget {format_bytes(budget)}")
     stores, models = {}, {}
     try:
-        for name, prefetch in (("sync", 0), ("prefetch", 1)):
+        for name, (prefetch, verify) in _STORES.items():
             models[name] = copy.deepcopy(ref)
             stores[name] = offload_experts(models[name], StorageConfig(
                 offload="disk", fast_memory=budget, prefetch=prefetch, evict_page_cache=cfg.evict_page_cache,
-                directory=None if cfg.directory is None else f"{cfg.directory}/{name}",
+                verify_checksums=verify, directory=None if cfg.directory is None else f"{cfg.directory}/{name}",
             ))
     except BaseException:
         for store in stores.values():
@@ -148,23 +190,35 @@ def _run_storage_bench(cfg: StorageBenchConfig, progress) -> dict:  # type: igno
                                    ("compute-bound", round(balanced * cfg.compute_factor / cfg.seq_len) * cfg.seq_len)):
                 idx = torch.randint(0, 256, (max(1, tokens // cfg.seq_len), cfg.seq_len), generator=gen)
                 row = {"regime": regime, "tokens": idx.numel()}
-                outs = {}
-                row["in_memory_s"], outs["in_memory"] = _time(lambda: ref(idx), cfg.repeats)
-                for name in ("sync", "prefetch"):
-                    store = stores[name]
+                for store in stores.values():
                     store.reset_stats()
-                    row[f"{name}_s"], outs[name] = _time(lambda: models[name](idx), cfg.repeats)
-                    calls = cfg.repeats + 2
+                verify_s0 = {name: store.disk.verify_s for name, store in stores.items()}
+                fns = {"in_memory": lambda idx=idx: ref(idx)}
+                fns.update({name: (lambda m=models[name], idx=idx: m(idx)) for name in _STORES})
+                timed = _time_interleaved(fns, cfg.repeats)
+                outs = {name: out for name, (_, out) in timed.items()}
+                row["in_memory_s"] = timed["in_memory"][0]
+                calls = cfg.repeats + 2
+                for name, store in stores.items():
+                    row[f"{name}_s"] = timed[name][0]
                     row[f"{name}_stall_s"] = store.stats.stall_s / calls
                     row[f"{name}_bytes_loaded"] = store.stats.bytes_loaded / calls
                     row[f"{name}_peak_fast_bytes"] = store.stats.peak_fast_bytes
                     row[f"{name}_hit_rate"] = store.stats.hit_rate
-                row["identical"] = bool(torch.equal(outs["in_memory"], outs["sync"])
-                                        and torch.equal(outs["in_memory"], outs["prefetch"]))
+                row["identical"] = all(torch.equal(outs["in_memory"], outs[name]) for name in _STORES)
                 row["speedup_prefetch_vs_sync"] = row["sync_s"] / row["prefetch_s"]
                 row["prefetch_over_in_memory"] = row["prefetch_s"] / row["in_memory_s"]
+                # the checksums' cost: checked / unchecked - 1 (negative: below the noise)
+                row["checksum_cost_sync"] = row["sync_s"] / row["sync_unchecked_s"] - 1
+                row["checksum_cost_prefetch"] = row["prefetch_s"] / row["prefetch_unchecked_s"] - 1
+                # the copy thread's seconds spent checking, per forward: what a synchronous load
+                # adds to the step at most (less noisy than the difference of two medians)
+                row["verify_s"] = (stores["sync"].disk.verify_s - verify_s0["sync"]) / calls
+                row["verify_over_step"] = row["verify_s"] / row["prefetch_s"]
                 progress(f"{regime}: {row['tokens']} tokens, in-memory {row['in_memory_s'] * 1e3:.0f} ms, "
-                         f"sync {row['sync_s'] * 1e3:.0f} ms, prefetch {row['prefetch_s'] * 1e3:.0f} ms")
+                         f"sync {row['sync_s'] * 1e3:.0f} ms, prefetch {row['prefetch_s'] * 1e3:.0f} ms; "
+                         f"unchecked sync {row['sync_unchecked_s'] * 1e3:.0f} ms, "
+                         f"prefetch {row['prefetch_unchecked_s'] * 1e3:.0f} ms")
                 regimes.append(row)
     finally:
         for store in stores.values():
@@ -180,6 +234,8 @@ def _run_storage_bench(cfg: StorageBenchConfig, progress) -> dict:  # type: igno
         "direct_io": direct_io,
         "ring_slots": slots,
         "calibration": {"load_s_per_forward": load_s, "compute_s_per_token": per_token},
+        "checksum": checksum.ALGORITHM,
+        "checksum_gb_per_s": checksum_throughput(),
         "regimes": regimes,
     }
 
@@ -194,6 +250,8 @@ def format_storage_report(report: dict) -> str:
         f"disk reads: {'O_DIRECT (no page cache)' if report['direct_io'] else 'buffered'}"
         f"{', page cache dropped after each read' if c['evict_page_cache'] and not report['direct_io'] else ''}; "
         f"calibrated load time {report['calibration']['load_s_per_forward'] * 1e3:.0f} ms per forward",
+        f"checksums: {report['checksum']} on every block read; throughput on this machine: "
+        + ", ".join(f"{k} {v:.1f} GB/s" for k, v in report["checksum_gb_per_s"].items()),
         "",
         f"{'regime':<14}{'tokens':>7}{'in-mem ms':>11}{'sync ms':>9}{'prefetch ms':>13}{'sync/pref':>11}"
         f"{'pref/in-mem':>13}{'stall ms sync/pref':>20}{'loaded/fwd':>12}{'equal':>7}",
@@ -205,8 +263,18 @@ def format_storage_report(report: dict) -> str:
             f"{r['sync_stall_s'] * 1e3:>11.1f} / {r['prefetch_stall_s'] * 1e3:<6.1f}"
             f"{format_bytes(r['prefetch_bytes_loaded']):>12}{'yes' if r['identical'] else 'NO':>7}"
         )
-    lines.append("targets: balanced sync/pref >= 1.5x; compute-bound pref/in-mem <= 1.3x; "
-                 "times are medians of the repeats; stall = time the compute thread waited for a load")
+    lines.append("")
+    lines.append(f"{'checksum cost':<14}{'sync ms':>9}{'unchecked':>11}{'cost':>8}{'prefetch ms':>13}{'unchecked':>11}"
+                 f"{'cost':>8}{'check ms/fwd':>14}{'/ step':>8}")
+    for r in report["regimes"]:
+        lines.append(
+            f"{r['regime']:<14}{r['sync_s'] * 1e3:>9.1f}{r['sync_unchecked_s'] * 1e3:>11.1f}"
+            f"{r['checksum_cost_sync']:>+8.1%}{r['prefetch_s'] * 1e3:>13.1f}{r['prefetch_unchecked_s'] * 1e3:>11.1f}"
+            f"{r['checksum_cost_prefetch']:>+8.1%}{r['verify_s'] * 1e3:>14.1f}{r['verify_over_step']:>8.1%}"
+        )
+    lines.append("targets: balanced sync/pref >= 1.5x; compute-bound pref/in-mem <= 1.3x; checksum cost < 5% of "
+                 "the step; times are medians of the repeats, interleaved; stall = time the compute thread waited "
+                 "for a load")
     return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 streamed into a fast tier with a byte budget, prefetched so loads overlap compute.
 
 Tiers: fast (GPU memory on CUDA; on CPU, a resident-memory budget the store accounts for),
-host (pinned when the fast device is CUDA), disk (a memory-mapped safetensors file). Copies
+host (pinned when the fast device is CUDA), disk (a safetensors file read into owned buffers,
+each expert block checked against a checksum taken when it was written: a file damaged under a
+running model raises ``DiskTierError``, an ``OSError`` naming the file and the block). Copies
 run on a background thread (and on CUDA a dedicated copy stream, with pinned buffers and events),
 so layer ``l + 1``'s experts load while layer ``l`` computes.
 
@@ -19,10 +21,11 @@ inference and training, see ``OffloadedAdamW``), ``"cache"`` an ``ExpertCache`` 
 single experts with routing-aware prefetch, for small-batch decoding). ``config.mode`` picks
 the class once, when the store is built.
 
-Modules, bottom up: ``config`` (``StorageConfig``), ``tiers`` (disk file, pinned host copies,
-copy thread), ``home`` (where each layer's weights live, slot sizes), ``stats``, ``base``
-(``ExpertStore``), ``ring`` and ``cache`` (the two layouts), ``store`` (``StoredExperts``,
-``offload_experts``), ``optimizer`` (``OffloadedAdamW``).
+Modules, bottom up: ``config`` (``StorageConfig``), ``tiers`` (aligned and pinned host buffers,
+copy thread), ``checksum`` (block checksums), ``disk`` (``DiskFile``, ``DiskTierError``),
+``home`` (where each layer's weights live, slot sizes), ``stats``, ``base`` (``ExpertStore``),
+``ring`` and ``cache`` (the two layouts), ``store`` (``StoredExperts``, ``offload_experts``),
+``optimizer`` (``OffloadedAdamW``).
 
 Design: why an experts-protocol module and not a hook. ``offload_experts`` replaces each MoE
 layer's ``GroupedExperts`` with a parameter-free ``StoredExperts`` whose ``forward(expert_in,
@@ -43,6 +46,7 @@ and gradients are the in-memory layer's, bit for bit.
 from moeflow.storage.base import ExpertStore
 from moeflow.storage.cache import ExpertCache
 from moeflow.storage.config import StorageConfig, format_bytes, parse_bytes
+from moeflow.storage.disk import DiskTierError
 from moeflow.storage.home import slot_bytes
 from moeflow.storage.optimizer import OffloadedAdamW
 from moeflow.storage.ring import RingStreamer
@@ -57,6 +61,7 @@ __all__ = [
     "RingStreamer",
     "ExpertCache",
     "StorageStats",
+    "DiskTierError",
     "StoredExperts",
     "offload_experts",
     "slot_bytes",

@@ -36,12 +36,15 @@ from moeflow.experts.ffn import GroupedExperts
 from moeflow.storage.config import StorageConfig, StoreMode
 from moeflow.storage.home import HomeLayer, disk_key, expert_tensors, home_layers, padded
 from moeflow.storage.stats import StorageStats
-from moeflow.storage.tiers import CopyEngine, DiskFile, aligned_empty, tensor_bytes
+from moeflow.storage.disk import DiskFile
+from moeflow.storage.tiers import CopyEngine, aligned_empty, tensor_bytes
 
 __all__ = ["ExpertStore"]
 
-# one copy of a load: (fast-tier destination, home source, the source's disk byte range or None)
-Copy = tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]
+# a block of the disk tier: (the file's key of a tensor, one expert's row of it or None: all)
+DiskBlock = tuple[str, int | None]
+# one copy of a load: (fast-tier destination, home source, the source's disk block or None)
+Copy = tuple[torch.Tensor, torch.Tensor, DiskBlock | None]
 
 
 class ExpertStore(ABC):
@@ -104,7 +107,7 @@ class ExpertStore(ABC):
             if config.offload == "disk":
                 flat = {disk_key(i, n): t for i, d in enumerate(named) for n, t in d.items()}
                 # a file of its own: stores sharing ``directory`` must not overwrite each other's map
-                self.disk = DiskFile.create(self._disk_directory(), "experts-", flat)
+                self.disk = DiskFile.create(self._disk_directory(), "experts-", flat, verify=config.verify_checksums)
             self.layers = home_layers(experts, named, self.disk, self.device)
             self.num_layers = len(self.layers)
             self.engine = CopyEngine(self.device)
@@ -150,19 +153,50 @@ class ExpertStore(ABC):
         self._finalizer = weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
         return Path(self._tmpdir)
 
-    def _disk_range(self, layer: int, name: str, expert: int | None = None) -> tuple[int, int] | None:
-        """File bytes of layer ``layer``'s tensor ``name`` (its row ``expert`` if given);
+    def _disk_block(self, layer: int, name: str, expert: int | None = None) -> DiskBlock | None:
+        """The disk block of layer ``layer``'s tensor ``name`` (its row ``expert`` if given);
         ``None`` when the home tier is host memory."""
         if self.disk is None:
             return None
-        return self.disk.byte_range(disk_key(layer, name), expert)
+        return disk_key(layer, name), expert
 
     @torch.no_grad()
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        """A host copy of layer ``layer``'s current expert weights (name -> ``[E, ...]``)."""
+        """A host copy of layer ``layer``'s current expert weights (name -> ``[E, ...]``); from
+        the disk tier, read and checked (``DiskTierError`` if the file was damaged)."""
         self._require_open()
         self._check_layer(layer)
+        if self.disk is not None:
+            return {n: self.disk.tensor(disk_key(layer, n)) for n in self.layers[layer].names}
         return {n: t.detach().to("cpu", copy=True) for n, t in self.layers[layer].home.items()}
+
+    @torch.no_grad()
+    def set_layer_weights(self, layer: int, weights: dict[str, torch.Tensor]) -> None:
+        """Write ``weights`` (name -> ``[E, ...]``, any device, the home tensors' shapes; a
+        subset of the names is fine) into layer ``layer``'s home tier and forget every slot.
+
+        Loads in flight are waited for first, so no read of the disk tier overlaps the write;
+        a failed one (a damaged tier's block) is dropped with the slots: the weights it read
+        are being replaced, and every later read is checked again."""
+        self._require_open()
+        self._check_layer(layer)
+        home = self.layers[layer].home
+        for n, t in weights.items():
+            if n not in home or tuple(t.shape) != tuple(home[n].shape):
+                raise ValueError(f"layer {layer} has no expert tensor {n!r} of shape "
+                                 f"{tuple(home[n].shape) if n in home else '?'}, got {tuple(t.shape)}")
+        try:
+            self.invalidate()
+        except OSError:
+            pass
+        for n, t in weights.items():
+            src = t.detach().to("cpu", home[n].dtype).contiguous()
+            if self.disk is not None:
+                self.disk.write(src, disk_key(layer, n))
+            else:
+                home[n].copy_(src)
+        if self.disk is not None and weights:
+            self.disk.flush()  # durable, and its pages clean (evictable)
 
     def compute(self, layer: int, weights: dict[str, torch.Tensor], expert_in: torch.Tensor,
                 counts_E: torch.Tensor) -> torch.Tensor:
@@ -184,7 +218,8 @@ class ExpertStore(ABC):
 
         On CUDA the device copies wait for ``after`` (the consumer released the destination),
         read disk sources through the pinned ``staging`` buffer, and the job returns the event
-        that marks them done. On CPU every copy is done when the job returns.
+        that marks them done. On CPU every copy is done when the job returns. Disk reads are
+        checked (``DiskFile.read``) before the bytes go on to the device.
         """
         disk = self.disk
         evict = disk is not None and self.config.evict_page_cache
@@ -193,20 +228,20 @@ class ExpertStore(ABC):
             if stream is not None and after is not None:
                 stream.wait_event(after)
             offset = 0
-            for dst, src, disk_range in pairs:
-                if disk_range is None:  # host -> fast
+            for dst, src, block in pairs:
+                if block is None:  # host -> fast
                     dst.copy_(src, non_blocking=stream is not None)
                     continue
                 if stream is None:  # disk -> host memory (the CPU fast tier) directly
-                    disk.read_into(dst, *disk_range)
+                    disk.read(dst, *block)
                 else:  # disk -> pinned staging (this thread) -> device (copy stream)
                     n = tensor_bytes(dst)
                     stage = staging[offset : offset + n].view(dst.dtype).view(dst.shape)
                     offset += padded(n)
-                    disk.read_into(stage, *disk_range)
+                    disk.read(stage, *block)
                     dst.copy_(stage, non_blocking=True)
                 if evict:
-                    disk.evict(*disk_range)
+                    disk.evict(*disk.byte_range(*block))
             if stream is None:
                 return None
             done = torch.cuda.Event()
@@ -323,12 +358,13 @@ class ExpertStore(ABC):
         self._loading.clear()
         if self.engine is not None:
             self.engine.close()
-        for layer in self.layers:  # views of the mapping: unusable once it is closed
+        for layer in self.layers:
             layer.home = {}
         if self.disk is not None:
-            self.disk.close()
-            if self._tmpdir is None:  # the store's own file in the user's directory
-                Path(self.disk.path).unlink(missing_ok=True)
+            if self._tmpdir is None:  # the store's own file in the user's directory (if still there)
+                self.disk.remove()
+            else:
+                self.disk.close()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             if self._finalizer is not None:
@@ -339,5 +375,7 @@ class ExpertStore(ABC):
     def __enter__(self) -> ExpertStore:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # leaving on an error (a damaged disk tier, say): that error is the one to see, not a
+        # prefetch that failed the same way behind it (close would raise it in its place)
+        self.close(check=exc_type is None)

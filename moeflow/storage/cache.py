@@ -83,7 +83,7 @@ class ExpertCache(ExpertStore, mode="cache"):
         return None
 
     def _load_expert(self, layer: int, expert: int, slot: int, *, prefetch: bool) -> None:
-        pairs = [(self._slab[n][slot], t[expert], self._disk_range(layer, n, expert))
+        pairs = [(self._slab[n][slot], t[expert], self._disk_block(layer, n, expert))
                  for n, t in self.layers[layer].home.items()]
         self._start_load(slot, pairs, self._staging[slot], self._gather_done, prefetch=prefetch)
         self._cache[(layer, expert)] = slot

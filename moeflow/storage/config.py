@@ -70,8 +70,9 @@ class StorageConfig:
     Attributes:
         offload: the home tier of the expert weights (and, when trainable, their AdamW
             state): ``"host"`` (host memory, pinned when the fast device is CUDA) or ``"disk"``
-            (safetensors files, memory-mapped). Gradient accumulators (``trainable``) are
-            always host buffers (pinned on CUDA), whichever the home tier.
+            (safetensors files, read into owned buffers, a checksum per expert block).
+            Gradient accumulators (``trainable``) are always host buffers (pinned on CUDA),
+            whichever the home tier.
         fast_memory: byte budget of the fast tier (an int or ``"512MB"``; normalised to int).
             On CUDA this is GPU memory; on CPU it is the resident memory the store may hold
             for expert weights (the ring slots or cache slots, and transient gradients).
@@ -99,6 +100,12 @@ class StorageConfig:
             Page-aligned reads use ``O_DIRECT`` where the file system supports it and bypass
             the page cache anyway; this matters for the buffered rest (unaligned tails, file
             systems without ``O_DIRECT``) and for the optimizer state's reads.
+        verify_checksums: check every block read from the disk tier (one expert's slice of a
+            tensor) against the checksum computed when it was written (``moeflow.storage.
+            checksum``): a file changed under the running store raises ``DiskTierError`` (an
+            ``OSError``) instead of feeding the model other weights. Disk tier only; ``False``
+            skips the check (the storage benchmark measures its cost). A truncated file is a
+            clear error either way.
         device: the fast device (``"cpu"`` or ``"cuda[:N]"``).
     """
 
@@ -110,6 +117,7 @@ class StorageConfig:
     trainable: bool = False
     directory: str | Path | None = None
     evict_page_cache: bool = False
+    verify_checksums: bool = True
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -124,13 +132,16 @@ class StorageConfig:
                 f"prefetch={self.prefetch} needs at least prefetch + 1 ring slots (one computing, the "
                 f"others loading), got ring_slots={self.ring_slots}"
             )
-        for flag in ("trainable", "evict_page_cache"):
+        for flag in ("trainable", "evict_page_cache", "verify_checksums"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.trainable and self.mode != "ring":
             raise ValueError(f"trainable=True needs mode='ring' (the expert cache is for inference), got mode={self.mode!r}")
         if self.evict_page_cache and self.offload != "disk":
             raise ValueError(f"evict_page_cache=True only applies to offload='disk', got offload={self.offload!r}")
+        if not self.verify_checksums and self.offload != "disk":
+            raise ValueError(f"verify_checksums=False only applies to offload='disk' (host memory has no checksums), "
+                             f"got offload={self.offload!r}")
         if self.directory is not None and not isinstance(self.directory, (str, Path)):
             raise TypeError(f"directory must be a str or Path, got {type(self.directory).__name__}")
         # options that would be silently ignored are refused

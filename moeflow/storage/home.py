@@ -6,8 +6,10 @@ slot holds all of a layer's tensors, a cache slot one row ``[e]`` of each. Tenso
 a slot start on a page (4096 bytes), so disk reads into them can use ``O_DIRECT``; that padding
 is why a slot is larger than the bytes it holds, and why budgets are sized with ``slot_bytes``.
 
-The home tensors are host copies (pinned when the fast device is CUDA) or views of the store's
-``DiskFile``, under the keys ``disk_key`` names. Each layer keeps a tiny stand-in
+The home tensors are host copies (pinned when the fast device is CUDA) or, for the disk tier,
+meta tensors standing for the ``DiskFile``'s tensors (under the keys ``disk_key`` names): shape
+and dtype without data, so nothing reads the file except ``DiskFile.read`` (checked, into an
+owned buffer; see ``moeflow.storage.disk`` for why no memory map). Each layer keeps a tiny stand-in
 ``GroupedExperts`` of its config (the math, not the data; see ``stand_in``).
 """
 
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from moeflow.experts.ffn import GroupedExperts
-from moeflow.storage.tiers import PAGE, DiskFile, pin, tensor_bytes
+from moeflow.storage.disk import DiskFile
+from moeflow.storage.tiers import PAGE, pin, tensor_bytes
 
 __all__ = ["HomeLayer", "slot_bytes", "padded", "disk_key", "expert_tensors", "home_layers"]
 
@@ -30,7 +33,8 @@ class HomeLayer:
 
     Attributes:
         names: the expert tensors' names (``w_in``, ``w_out``, ...), in parameter order.
-        home: name -> ``[E, ...]`` host tensor (pinned on CUDA) or ``DiskFile`` view.
+        home: name -> ``[E, ...]`` host tensor (pinned on CUDA), or for the disk tier a meta
+            tensor of that shape and dtype (the data is read with ``DiskFile.read``).
         template: the stand-in ``GroupedExperts`` the store computes with (see ``stand_in``).
         num_experts: ``E``.
         expert_nbytes: unpadded bytes of one expert (all its tensors): what one cache load moves.
@@ -83,12 +87,13 @@ def expert_tensors(experts: Sequence[GroupedExperts]) -> list[dict[str, torch.Te
 
 def home_layers(experts: Sequence[GroupedExperts], named: list[dict[str, torch.Tensor]], disk: DiskFile | None,
                 device: torch.device) -> list[HomeLayer]:
-    """The home tier of each layer: views of ``disk`` (written from ``named`` under
-    ``disk_key``) when given, else host copies of ``named``, pinned when ``device`` is CUDA."""
+    """The home tier of each layer: meta tensors standing for ``disk``'s tensors (written from
+    ``named`` under ``disk_key``) when given, else host copies of ``named``, pinned when
+    ``device`` is CUDA."""
     layers = []
     for i, (module, tensors) in enumerate(zip(experts, named)):
         if disk is not None:
-            home = {n: disk[disk_key(i, n)] for n in tensors}
+            home = {n: disk.spec(disk_key(i, n)) for n in tensors}
         else:
             home = {n: pin(t, device) for n, t in tensors.items()}
         expert_nbytes = sum(tensor_bytes(t) // module.num_experts for t in tensors.values())

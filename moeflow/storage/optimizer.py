@@ -27,7 +27,8 @@ from torch.optim.adamw import adamw
 from moeflow.storage.base import ExpertStore
 from moeflow.storage.home import disk_key
 from moeflow.storage.ring import RingStreamer
-from moeflow.storage.tiers import DiskFile, tensor_bytes
+from moeflow.storage.disk import DiskFile
+from moeflow.storage.tiers import tensor_bytes
 
 __all__ = ["OffloadedAdamW"]
 
@@ -71,8 +72,9 @@ class OffloadedAdamW:
         if store.disk is not None:
             # a file of its own beside the weights: optimizers of stores sharing a directory
             # never overwrite each other's state
-            self.state_file = DiskFile.create(Path(store.disk.path).parent, "adamw-state-", moments)
-            self._moments = {k: self.state_file[k] for k in moments}
+            self.state_file = DiskFile.create(Path(store.disk.path).parent, "adamw-state-", moments,
+                                              verify=store.disk.verify)
+            self._moments = {k: self.state_file.spec(k) for k in moments}  # shapes only: data is read
         else:
             self._moments = moments
         self._steps = {(i, n): torch.tensor(0.0) for i, layer in enumerate(store.layers) for n in layer.names}
@@ -86,7 +88,8 @@ class OffloadedAdamW:
         self.store.zero_grads()
 
     def _state(self, layer: int) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``(name, weight, exp_avg, exp_avg_sq)`` of each tensor of ``layer`` in its home tier."""
+        """``(name, weight, exp_avg, exp_avg_sq)`` of each tensor of ``layer`` in its home tier
+        (host tensors; for the disk tier, meta tensors giving shapes and dtypes)."""
         home = self.store.layers[layer].home
         return [(n, home[n], self._moments[f"exp_avg.{layer}.{n}"], self._moments[f"exp_avg_sq.{layer}.{n}"])
                 for n in home]
@@ -103,23 +106,24 @@ class OffloadedAdamW:
 
     # ------------------------------------------------------------------ disk: streamed state
 
-    def _ranges(self, layer: int, name: str) -> list[tuple[DiskFile, tuple[int, int]]]:
-        """Where ``(weight, exp_avg, exp_avg_sq)`` of ``layer``'s tensor ``name`` live on disk."""
+    def _blocks(self, layer: int, name: str) -> list[tuple[DiskFile, str]]:
+        """Where ``(weight, exp_avg, exp_avg_sq)`` of ``layer``'s tensor ``name`` live on disk:
+        (file, key)."""
         disk, state = self.store.disk, self.state_file
         assert disk is not None and state is not None
-        return [(disk, disk.byte_range(disk_key(layer, name))),
-                (state, state.byte_range(f"exp_avg.{layer}.{name}")),
-                (state, state.byte_range(f"exp_avg_sq.{layer}.{name}"))]
+        return [(disk, disk_key(layer, name)), (state, f"exp_avg.{layer}.{name}"),
+                (state, f"exp_avg_sq.{layer}.{name}")]
 
     def _start_load(self, layer: int) -> None:
-        """Queue the read of ``layer``'s weights and moments into fresh host buffers."""
+        """Queue the read of ``layer``'s weights and moments into fresh host buffers (checked:
+        a damaged file raises ``DiskTierError`` from the step)."""
         store = self.store
-        host = [(n, torch.empty_like(w), torch.empty_like(m), torch.empty_like(v)) for n, w, m, v in self._state(layer)]
+        host = [(n, *(torch.empty_like(t, device="cpu") for t in (w, m, v))) for n, w, m, v in self._state(layer)]
 
         def job(stream: object) -> None:
             for n, *buffers in host:
-                for buf, (file, rng) in zip(buffers, self._ranges(layer, n)):
-                    file.read_into(buf, *rng)
+                for buf, (file, key) in zip(buffers, self._blocks(layer, n)):
+                    file.read(buf, key)
             return None
 
         store.stats.bytes_from_disk += sum(3 * tensor_bytes(w) for _, w, _, _ in host)
@@ -168,8 +172,8 @@ class OffloadedAdamW:
 
             def write(stream: object, i: int = i, host: list = host) -> None:
                 for n, *buffers in host:
-                    for buf, (file, rng) in zip(buffers, self._ranges(i, n)):
-                        file.write_from(buf, *rng)
+                    for buf, (file, key) in zip(buffers, self._blocks(i, n)):
+                        file.write(buf, key)
                 return None
 
             writes.append(store.engine.submit(write))
@@ -185,8 +189,8 @@ class OffloadedAdamW:
         if store.config.evict_page_cache:
             for i in todo:
                 for n in store.layers[i].names:
-                    for file, rng in self._ranges(i, n):
-                        file.evict(*rng)
+                    for file, key in self._blocks(i, n):
+                        file.evict(*file.byte_range(key))
 
     def close(self) -> None:
         if self.store.on_grads == self._on_grads:
@@ -195,6 +199,5 @@ class OffloadedAdamW:
             future.result()
         self._loads.clear()
         if self.state_file is not None:
-            self.state_file.close()
-            Path(self.state_file.path).unlink(missing_ok=True)  # this optimizer's own file
+            self.state_file.remove()  # this optimizer's own file
             self.state_file = None

@@ -125,7 +125,7 @@ class RingStreamer(ExpertStore, mode="ring"):
             del self._layer_slot[old]
             del self._views[old]
         views = self._carve(slot, layer)
-        pairs = [(views[n], t, self._disk_range(layer, n)) for n, t in self.layers[layer].home.items()]
+        pairs = [(views[n], t, self._disk_block(layer, n)) for n, t in self.layers[layer].home.items()]
         self._start_load(slot, pairs, self._staging[slot], self._slot_release[slot], prefetch=prefetch)
         self._slot_layer[slot], self._layer_slot[layer], self._views[layer] = layer, slot, views
 

@@ -65,7 +65,7 @@ class StoredExperts(nn.Module):
         store = self.store
         store._require_open()
         home = store.layers[self.layer].home
-        loaded = False
+        loaded = {}
         for name, dst in home.items():
             key = prefix + name
             if key not in state_dict:
@@ -76,13 +76,9 @@ class StoredExperts(nn.Module):
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(src.shape)}, "
                                   f"the stored experts have shape {tuple(dst.shape)}")
                 continue
-            with torch.no_grad():
-                dst.copy_(src.detach().to("cpu"))
-            loaded = True
-        if loaded:
-            if store.disk is not None:
-                store.disk.flush()  # written through the mapping: make it visible to O_DIRECT reads
-            store.invalidate()
+            loaded[name] = src
+        if loaded:  # written into the home tier (disk: checksums renewed), every slot forgotten
+            store.set_layer_weights(self.layer, loaded)
 
     # the store owns a copy thread and files: a copy would share (or fight over) them
     def __deepcopy__(self, memo: dict) -> StoredExperts:
