@@ -96,3 +96,73 @@ def test_cli_out_holds_one_run(tmp_path, capsys, nproc: int) -> None:
     assert train("--steps", "1", "--overwrite") == 0
     assert history()["run_id"] != first["run_id"] and (out / "notes.txt").read_text() == "not moeflow's"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys) -> None:
+    """How a command fails (``moeflow.cli.errors``): a ``UsageError`` is its one line and status;
+    an exception a handler did not expect is one line saying so (status 1); ``--debug``, before
+    or after the command, lets it through with its traceback."""
+    import moeflow.cli.train as train_cli
+    from moeflow.cli.errors import UsageError
+
+    argv = ["train", "--out", str(tmp_path / "run"), "--steps", "1"]
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise UsageError("--steps 1: not today\nsecond line", status=3)
+
+    monkeypatch.setattr(train_cli, "_refusal", refuse)
+    assert main(argv) == 3
+    assert capsys.readouterr().err == "moeflow train: error: --steps 1: not today | second line\n"
+
+    def bug(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(train_cli, "_refusal", bug)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("moeflow train: error: unexpected KeyError: 'a bug'") and "--debug" in err
+    assert len(err.splitlines()) == 1
+    for debug in (["--debug", *argv], [*argv, "--debug"]):
+        with pytest.raises(KeyError, match="a bug"):
+            main(debug)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as done:  # a bad flag: argparse's line, without the usage block
+        main(["train", "--lr", "nan"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == ("moeflow train: error: argument --lr: must be a finite number, got 'nan' "
+                                       "(see moeflow train --help)\n")
+
+
+@pytest.mark.parametrize("what", ["help", "a2a-model", "convert-info"])
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, what: str) -> None:
+    """``moeflow convert --info | head`` (the reader gone before the output): nothing on stderr
+    (no BrokenPipeError traceback, from the command or from the flush at exit) and status 1."""
+    import os
+    import subprocess
+    import sys
+
+    ck = save_checkpoint(tmp_path / "ck", 1, moeflow.MoE(dim=8, hidden=8, num_experts=2, top_k=1))
+    argv = {"help": ["--help"], "a2a-model": ["a2a-model"], "convert-info": ["convert", str(ck), "--info"]}[what]
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone: every write fails with EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "moeflow", *argv], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.stderr == "", done.stderr
+    assert done.returncode == (0 if what == "help" else 1)  # argparse's help ignores the failed write
+
+
+def test_nonfinite_loss_stops_every_rank_under_nproc(tmp_path, capfd) -> None:
+    """``moeflow train --nproc 2`` with a learning rate that overflows the weights in step 1:
+    every rank stops at step 2 (its gradient is nan) and exits 1; rank 0 says so once, the
+    step-1 checkpoint is kept and nothing is saved after it."""
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--nproc", "2", "--lr", "1e30", "--warmup", "1", "--steps", "4",
+                 "--checkpoint-every", "1", "--batch-size", "4", "--seq-len", "16", "--eval-batches", "1",
+                 "--no-progress", "--no-plot", "--sample-tokens", "0"]) == 1
+    err = capfd.readouterr().err
+    assert err.count("moeflow train: error: training stopped at step 2") == 1, err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
+    assert json.loads((out / "history.json").read_text())["skipped"][0][0] == 2

@@ -7,6 +7,12 @@
 Prints what the store moved: bytes loaded into the fast tier (and read from disk), the time the
 compute waited for data (stall), hit rates and the peak fast-tier bytes; ``--compare`` also runs
 the in-memory model on the same tokens and reports whether the outputs are identical.
+
+Every flag is checked before any work (numbers in range, ``--dir``/``--json`` writable, the
+device present, the prompt within the model's context), and a failure is one line
+``moeflow infer: error: ...`` on stderr: status 2 for a refused argument, 1 for a failure while
+running (a damaged disk tier, ``moeflow.storage.disk.DiskTierError``, names the file and the
+expert block). ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -18,7 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+from moeflow.cli.errors import UsageError, error_line
+from moeflow.cli.flags import check_device, check_output_dir, check_output_file, int_at_least
+
 __all__ = ["add_infer"]
+
+_PROG = "moeflow infer"
 
 
 def add_infer(sub: argparse._SubParsersAction) -> None:
@@ -35,33 +46,50 @@ def add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", type=Path, nargs="?", default=None,
                    help="a `moeflow train` checkpoint (or its --out directory); default: a random --preset")
     p.add_argument("--preset", default="tiny", choices=sorted(GPT_PRESETS), help="random model size (default tiny)")
-    p.add_argument("--vocab-size", type=int, default=256, help="with --preset (default 256)")
-    p.add_argument("--layers", type=int, default=None, help="with --preset: override n_layers")
+    p.add_argument("--vocab-size", type=int_at_least(2), default=256, help="with --preset (default 256)")
+    p.add_argument("--layers", type=int_at_least(1), default=None, help="with --preset: override n_layers")
     p.add_argument("--offload", default=None, choices=["host", "disk"], help="home tier of the experts (default disk)")
     p.add_argument("--fast-memory", default=None, help="fast-tier byte budget, e.g. 512MB, 2GiB (default 512MB)")
     p.add_argument("--mode", default=None, choices=["ring", "cache"], help="default ring")
-    p.add_argument("--ring-slots", type=int, default=None, help="default: as many as --fast-memory holds")
-    p.add_argument("--prefetch", type=int, default=None, help="layers loaded ahead (0: synchronous loading; default 1)")
+    p.add_argument("--ring-slots", type=int_at_least(1), default=None, help="default: as many as --fast-memory holds")
+    p.add_argument("--prefetch", type=int_at_least(0), default=None,
+                   help="layers loaded ahead (0: synchronous loading; default 1)")
     p.add_argument("--dir", type=Path, default=None, help="where the disk tier writes (default: a temporary dir)")
     p.add_argument("--evict-page-cache", action="store_true",
                    help="drop each disk read from the page cache (only matters where O_DIRECT is unavailable)")
     p.add_argument("--device", default=None, help="the fast tier's device: cpu or cuda[:N] (default cpu)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=32, help="prompt tokens per row (random tokens unless --prompt)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1)
+    p.add_argument("--seq-len", type=int_at_least(1), default=None,
+                   help="prompt tokens per row (random tokens unless --prompt; default 32, at most the model's "
+                   "max_seq_len)")
     p.add_argument("--prompt", default=None, help="with a checkpoint that has a tokenizer: the prompt text")
-    p.add_argument("--new-tokens", type=int, default=16, help="greedy decoding steps after the prefill")
+    p.add_argument("--new-tokens", type=int_at_least(0), default=16, help="greedy decoding steps after the prefill")
     p.add_argument("--compare", action="store_true", help="also run the in-memory model; report time and equality")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default 2; 1 with --bench)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads (default 2; 1 with --bench)")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--bench", action="store_true",
                    help="run the ring-inference benchmark (moeflow.bench.storage) with --layers/--threads instead")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
     p.set_defaults(func=run_infer)
 
 
-def _fail(msg: str) -> int:
-    print(f"moeflow infer: error: {msg}", file=sys.stderr)
-    return 2
+def _fail(msg: object, status: int = 2) -> int:
+    print(error_line(_PROG, msg), file=sys.stderr)
+    return status
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """``UsageError`` unless every path flag is usable (before any work)."""
+    if args.checkpoint is not None and not args.checkpoint.exists():
+        raise UsageError(f"checkpoint {args.checkpoint}: no such file or directory")
+    if args.dir is not None:
+        check_output_dir("--dir", args.dir)
+    if args.json is not None:
+        check_output_file("--json", args.json)
+    if args.device is not None:
+        check_device("--device", args.device)
+    if args.seed >= 2**63:
+        raise UsageError(f"--seed must be below 2**63, got {args.seed}")
 
 
 def _build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -84,14 +112,30 @@ def _build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def run_infer(args: argparse.Namespace) -> int:
+    """The handler: ``_infer``, its refusals and run-time failures as one line (status 2 / 1)."""
+    try:
+        return _infer(args)
+    except UsageError as err:
+        if getattr(args, "debug", False):
+            raise
+        return _fail(err, err.status)
+    except OSError as err:  # a damaged disk tier (DiskTierError), a full disk, an unwritable --json
+        if getattr(args, "debug", False):
+            raise
+        return _fail(err, 1)
+
+
+def _infer(args: argparse.Namespace) -> int:
     import torch
 
+    _check_paths(args)
     if args.bench:
         ignored = [flag for flag, value in (
             ("checkpoint", args.checkpoint), ("--offload", args.offload), ("--fast-memory", args.fast_memory),
             ("--mode", args.mode), ("--ring-slots", args.ring_slots), ("--prefetch", args.prefetch),
             ("--dir", args.dir), ("--device", args.device), ("--prompt", args.prompt),
             ("--evict-page-cache", args.evict_page_cache or None), ("--compare", args.compare or None),
+            ("--seq-len", args.seq_len), ("--batch-size", args.batch_size if args.batch_size != 1 else None),
         ) if value is not None]
         if ignored:
             return _fail(f"--bench runs a fixed benchmark (it takes --layers, --threads, --seed, --json); "
@@ -102,11 +146,6 @@ def run_infer(args: argparse.Namespace) -> int:
         if getattr(args, name) is None:
             setattr(args, name, default)
     args.threads = 2 if args.threads is None else args.threads
-    for name in ("batch_size", "seq_len", "threads"):
-        if getattr(args, name) < 1:
-            return _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.new_tokens < 0:
-        return _fail(f"--new-tokens must be >= 0, got {args.new_tokens}")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -133,12 +172,18 @@ def _run(args: argparse.Namespace) -> int:
     if args.prompt is not None and tok is None:
         return _fail("--prompt needs a checkpoint with a tokenizer; without one the prompt is random tokens")
     cfg = model.config
+    if args.seq_len is not None and args.seq_len > cfg.max_seq_len:
+        return _fail(f"--seq-len {args.seq_len} is longer than the model's context (max_seq_len={cfg.max_seq_len})")
     gen = torch.Generator().manual_seed(args.seed)
     if args.prompt is not None:
         ids = tok.encode(args.prompt.replace("\\n", "\n")) or [0]
+        if len(ids) > cfg.max_seq_len:
+            return _fail(f"--prompt is {len(ids)} tokens, longer than the model's context (max_seq_len="
+                         f"{cfg.max_seq_len})")
         idx = torch.tensor([ids] * args.batch_size)
     else:
-        idx = torch.randint(0, cfg.vocab_size, (args.batch_size, min(args.seq_len, cfg.max_seq_len)), generator=gen)
+        seq_len = args.seq_len if args.seq_len is not None else min(32, cfg.max_seq_len)
+        idx = torch.randint(0, cfg.vocab_size, (args.batch_size, seq_len), generator=gen)
     idx = idx.to(args.device)
     model = model.to(args.device)
     reference = copy.deepcopy(model) if args.compare else None
@@ -157,25 +202,32 @@ def _run(args: argparse.Namespace) -> int:
             t2 = time.perf_counter()
         return logits, out, t1 - t0, t2 - t1
 
-    with store:
-        logits, out, prefill_s, decode_s = run(model)
-        stats = store.stats
-        layout = (f"ring of {store.num_slots} slot(s) x {format_bytes(store.slot_bytes)}" if args.mode == "ring"
-                  else f"LRU cache of {store.cache_slots} experts x {format_bytes(store.expert_slot_bytes)}")
-        report = {
-            "model": what, "n_layers": cfg.n_layers, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
-            "expert_bytes": expert_bytes, "fast_memory": storage.fast_memory, "offload": args.offload,
-            "mode": args.mode, "prefetch": args.prefetch, "layout": layout,
-            "direct_io": store.disk.direct_io if store.disk is not None else None,
-            "tokens": {"batch": idx.shape[0], "prompt": idx.shape[1], "new": args.new_tokens},
-            "prefill_s": prefill_s, "decode_s": decode_s, "stats": stats.as_dict(),
-        }
-        if args.mode == "cache":
-            report["prefetch_hits"] = store.prefetch_hits
+    try:
+        with store:
+            logits, out, prefill_s, decode_s = run(model)
+            stats = store.stats
+            layout = (f"ring of {store.num_slots} slot(s) x {format_bytes(store.slot_bytes)}" if args.mode == "ring"
+                      else f"LRU cache of {store.cache_slots} experts x {format_bytes(store.expert_slot_bytes)}")
+            report = {
+                "model": what, "n_layers": cfg.n_layers, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                "expert_bytes": expert_bytes, "fast_memory": storage.fast_memory, "offload": args.offload,
+                "mode": args.mode, "prefetch": args.prefetch, "layout": layout,
+                "direct_io": store.disk.direct_io if store.disk is not None else None,
+                "checksum": store.disk.checksum if store.disk is not None else None,
+                "tokens": {"batch": idx.shape[0], "prompt": idx.shape[1], "new": args.new_tokens},
+                "prefill_s": prefill_s, "decode_s": decode_s, "stats": stats.as_dict(),
+            }
+            if args.mode == "cache":
+                report["prefetch_hits"] = store.prefetch_hits
+    except RuntimeError as err:
+        if isinstance(err.__cause__, OSError):  # a prefetch nobody waited for found the disk tier damaged
+            raise err.__cause__ from None
+        raise
     lines = [
         f"moeflow infer: MoE GPT ({what}): {cfg.n_layers} layers, {cfg.num_experts} experts, top-{cfg.top_k}; "
         f"expert weights {format_bytes(expert_bytes)} in {args.offload}"
-        + (f" ({'O_DIRECT' if report['direct_io'] else 'buffered'} reads)" if args.offload == "disk" else ""),
+        + (f" ({'O_DIRECT' if report['direct_io'] else 'buffered'} reads, {report['checksum']} checksums)"
+           if args.offload == "disk" else ""),
         f"fast tier: {format_bytes(storage.fast_memory)} budget on {args.device}: {layout}, prefetch {args.prefetch} "
         f"(experts = {expert_bytes / storage.fast_memory:.1f}x the budget)",
         f"prefill: {idx.shape[0]} x {idx.shape[1]} tokens in {prefill_s * 1e3:.1f} ms; "
@@ -205,8 +257,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     from moeflow.bench.storage import StorageBenchConfig, run_and_report
 
     try:
-        cfg = StorageBenchConfig(n_layers=args.layers or 8, threads=args.threads or 1,
-                                 seed=args.seed)
+        cfg = StorageBenchConfig(n_layers=8 if args.layers is None else args.layers,
+                                 threads=1 if args.threads is None else args.threads, seed=args.seed)
     except (ValueError, TypeError) as err:
         return _fail(str(err))
     run_and_report(cfg, args.json)

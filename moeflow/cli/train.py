@@ -11,7 +11,14 @@ import math
 import sys
 from pathlib import Path
 
-from moeflow.cli.flags import config_from_flags
+from moeflow.cli.errors import UsageError, error_line
+from moeflow.cli.flags import (
+    check_device,
+    check_output_dir,
+    config_from_flags,
+    int_at_least,
+    name_flags,
+)
 from moeflow.cli.generate import sample
 
 __all__ = ["add_train", "add_train_vision"]
@@ -54,6 +61,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    p.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                   help="a step whose loss or gradient is nan/inf stops the run (exit 1; the latest checkpoint is "
+                   "the last good one, none is written after); with N > 0, up to N such steps are skipped instead "
+                   "(no update; listed in history.json) and the next one stops the run")
     p.add_argument("--sync-checkpoints", dest="async_checkpoints", action="store_false",
                    help="write the --checkpoint-every saves before the next step (default: in the background, "
                    "the training waits only until the state is in host memory)")
@@ -73,16 +84,16 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="torch.use_deterministic_algorithms: the run repeats bit for bit (same machine and ranks)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--no-plot", dest="plot", action="store_false")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=int_at_least(1), default=None,
                    help="expert parallelism on this machine: runs `torchrun --nproc-per-node N -m moeflow train` "
                    "with the other flags (gloo on CPU); for several machines start torchrun on each yourself")
-    p.add_argument("--max-restarts", type=int, default=None,
+    p.add_argument("--max-restarts", type=int_at_least(0), default=None,
                    help="with --nproc: torchrun restarts the ranks up to N times after a failure, each time "
                    "continuing from the latest complete checkpoint")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2; 1 per rank)")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads per process (default 2; 1 per rank)")
     p.add_argument("--parallel", default="expert", choices=["expert", "data", "auto"],
                    help="with several ranks: the MoE layers' parallel mode (auto: tuned at run time)")
-    p.add_argument("--overlap-degree", type=lambda v: v if v == "auto" else int(v), default=1,
+    p.add_argument("--overlap-degree", type=_overlap_degree, default=1,
                    help="with several ranks: pipelining chunks of the exchange (an int, or auto)")
     p.add_argument("--exchange", default="auto", choices=["auto", "flat", "two-level"],
                    help="with several ranks: the all-to-all, flat or two-level (inside each node, then across "
@@ -100,24 +111,44 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    "stopped (default 30)")
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=300.0,
                    help="with several ranks: the longest one collective may wait, in seconds (default 300)")
-    p.add_argument("--sample-tokens", type=int, default=300, help="tokens to sample from the final checkpoint (0: none)")
+    p.add_argument("--sample-tokens", type=int_at_least(0), default=300, help="tokens to sample from the final checkpoint (0: none)")
     p.add_argument("--prompt", default="ROMEO.\n")
     p.set_defaults(func=_run_train)
 
 
+def _error(args: argparse.Namespace, message: object) -> None:
+    """One line on stderr, naming the flags (``--out``) where the library named fields (``out_dir``)."""
+    print(error_line("moeflow train", name_flags(str(message), getattr(args, "flag_names", {}))), file=sys.stderr)
+
+
+def _overlap_degree(text: str) -> int | str:
+    """``--overlap-degree``: ``auto`` or an integer (its range is ``ParallelConfig``'s)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {text!r}") from None
+
+
 def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[no-untyped-def]
     """Why these flags cannot run (None: they can): the checks every rank makes alike, before
-    any work (the run directory is checked after these, by rank 0 under torchrun)."""
+    any work (the run directory's contents are checked after these, by rank 0 under torchrun):
+    the device exists, ``--out`` can be written, the corpus and ``--tuned`` can be read, and the
+    numbers suit the ranks (``--nproc N`` checks them here, before any rank starts)."""
     from moeflow.train.data import CorpusError, load_corpus
     from moeflow.train.lm import check_world_settings
 
     if job is not None and (args.nproc is not None or args.max_restarts is not None):
         return (f"--nproc and --max-restarts start torchrun, but this process already is rank {job.rank} of a "
                 f"torchrun job of {job.world} ranks (give torchrun its own --max-restarts)")
-    if args.nproc is not None and args.nproc < 1:
-        return f"--nproc must be >= 1, got {args.nproc}"
-    if args.max_restarts is not None and (args.nproc is None or args.max_restarts < 0):
+    if args.max_restarts is not None and args.nproc is None:
         return f"--max-restarts applies with --nproc and must be >= 0, got {args.max_restarts}"
+    try:
+        check_device("--device", cfg.device)
+        check_output_dir("--out", cfg.out_dir)
+    except UsageError as err:
+        return str(err)
     world = job.world if job is not None else args.nproc or 1
     if (cfg.vocab_parallel or cfg.rebalance_every) and world < 2:
         return "--vocab-parallel and --rebalance-every need --nproc >= 2 (or torchrun with more than one rank)"
@@ -128,9 +159,13 @@ def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[
         return "--expert-slots applies with --rebalance-every N"
     try:  # torchrun's LOCAL_WORLD_SIZE may differ between nodes: the ranks compare it once they are connected
         check_world_settings(cfg, world, args.nproc if job is None else None)
-        load_corpus(cfg.val_works)
+        corpus = load_corpus(cfg.val_works)
     except (CorpusError, ValueError) as err:
         return str(err)
+    shortest = min(len(corpus.train_text), len(corpus.val_text))  # characters: at least as many as tokens
+    if cfg.seq_len + 1 >= shortest:
+        return (f"--seq-len {cfg.seq_len} is longer than the held-out text ({len(corpus.val_text):,} characters) or "
+                f"the training text ({len(corpus.train_text):,}): lower it, or hold out more --val-works")
     return None
 
 
@@ -142,19 +177,22 @@ def _run_train(args: argparse.Namespace) -> int:
     from moeflow.train import LMTrainConfig, train_lm
     from moeflow.train.data import CorpusError
     from moeflow.train.lm_checkpoint import inspect_run
+    from moeflow.train.nonfinite import NonFiniteLossError
 
     try:
         job = torchrun_job()
     except ValueError as err:
-        print(f"moeflow train: error: {err}", file=sys.stderr)
+        _error(args, err)
         return 2
     lead = job is None or job.rank == 0  # under torchrun every rank checks alike; rank 0 says why
+    # the config calls --out out_dir (and "out" is too common a word to stand for it)
+    args.flag_names = {**{k: v for k, v in getattr(args, "flag_names", {}).items() if k != "out"}, "out_dir": "--out"}
     args.val_works = tuple(w.strip() for w in args.val_works.split(",") if w.strip())
     with contextlib.redirect_stderr(sys.stderr if lead else io.StringIO()):
         cfg = config_from_flags(LMTrainConfig, args, out_dir=args.out, prog="moeflow train")
     problem = None if cfg is None else _refusal(args, cfg, job)
     if problem is not None and lead:
-        print(f"moeflow train: error: {problem}", file=sys.stderr)
+        _error(args, problem)
     if cfg is None or problem is not None:
         return 2
     if job is not None:
@@ -162,7 +200,7 @@ def _run_train(args: argparse.Namespace) -> int:
     try:  # everything that can be refused is, before any rank starts
         run = inspect_run(cfg)
     except (CheckpointError, ValueError) as err:
-        print(f"moeflow train: error: {err}", file=sys.stderr)
+        _error(args, err)
         return 2
     if args.nproc and not run.finished:
         return _start_ranks(args)
@@ -173,10 +211,13 @@ def _run_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads or 2)
         history = train_lm(cfg)
     except (CorpusError, CheckpointError, ValueError) as err:
-        print(f"moeflow train: error: {err}", file=sys.stderr)
+        _error(args, err)
         return 2
+    except NonFiniteLossError as err:
+        _error(args, err)
+        return 1
     except RuntimeError as err:
-        print(f"moeflow train: error: {err}", file=sys.stderr)
+        _error(args, err)
         return 1
     _summarize(history, cfg, args)
     return 0
@@ -197,7 +238,7 @@ def _start_ranks(args: argparse.Namespace) -> int:
         run_torchrun("moeflow", ["train", *flags], nproc=args.nproc, threads=threads, stream=True,
                      max_restarts=restarts)
     except RuntimeError as err:
-        print(f"moeflow train: error: {err}", file=sys.stderr)
+        _error(args, err)
         return 1
     return 0
 
@@ -210,6 +251,7 @@ def _train_rank(args: argparse.Namespace, cfg, job) -> int:  # type: ignore[no-u
 
     from moeflow.checkpoint import CheckpointError
     from moeflow.train.data import CorpusError
+    from moeflow.train.nonfinite import NonFiniteLossError
     from moeflow.train.worker import run_rank
 
     lead = job.rank == 0
@@ -221,8 +263,12 @@ def _train_rank(args: argparse.Namespace, cfg, job) -> int:  # type: ignore[no-u
         history = run_rank(cfg, job, on_run=(lambda run, continuing: _announce(cfg, run, continuing)) if lead else None)
     except (CorpusError, CheckpointError, ValueError) as err:
         if lead:  # every rank raised it (rank 0's verdict is shared); rank 0 reports it
-            print(f"moeflow train: error: {err}", file=sys.stderr)
+            _error(args, err)
         return 2
+    except NonFiniteLossError as err:
+        if lead:  # every rank stopped at the same step (the loss and gradient norm are reduced)
+            _error(args, err)
+        return 1
     except RuntimeError as err:
         print(f"moeflow train: error on rank {job.rank}: {err}", file=sys.stderr)
         return 1
@@ -274,20 +320,25 @@ def add_train_vision(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router", default="linear", choices=["linear", "cosine"])
     p.add_argument("--drop-policy", default="position", choices=["position", "score", "bpr"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int_at_least(1), default=2)
     p.set_defaults(func=_run_train_vision)
 
 
 def _run_train_vision(args: argparse.Namespace) -> int:
     import torch
 
+    from moeflow.train.nonfinite import NonFiniteLossError
     from moeflow.train.vision import VisionTrainConfig, train_vision
 
     cfg = config_from_flags(VisionTrainConfig, args, prog="moeflow train-vision")
     if cfg is None:
         return 2
     torch.set_num_threads(args.threads)
-    result = train_vision(cfg)
+    try:
+        result = train_vision(cfg)
+    except NonFiniteLossError as err:
+        print(error_line("moeflow train-vision", err), file=sys.stderr)
+        return 1
     print(f"test accuracy: {result['test_accuracy']:.4f} on {result['test_images']} held-out digits "
           f"(before training {result['test_accuracy_before']:.4f}; {result['seconds']:.1f} s)")
     return 0
