@@ -1,7 +1,8 @@
 """The language-model training loop (``moeflow.train.lm``, ``moeflow train``): its config validates
 (no compute), a short run on real text lowers the loss and resumes exactly, its ``out_dir`` holds
-one run (``moeflow.train.lm_checkpoint``), and on 2 and 4 gloo ranks (expert parallel) it trains
-like one process on the same global batches and keeps the same run-directory rules."""
+one run (``moeflow.train.lm_checkpoint``), a non-finite step stops the run (or is skipped) and
+never becomes a checkpoint, and on 2 and 4 gloo ranks (expert parallel) it trains like one
+process on the same global batches, keeps the same run-directory rules and stops together."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import moeflow.train.lm as lm
 from moeflow.checkpoint import read_index
 from moeflow.train import LMTrainConfig, build_from_checkpoint, train_lm
+from moeflow.train.nonfinite import NonFiniteLossError, check_parameters_finite
 
 from helpers import file_states, spawn_ranks
 
@@ -37,6 +39,17 @@ from helpers import file_states, spawn_ranks
         (dict(stall_timeout_s=0), "stall_timeout_s must be > 0 seconds, got 0"),
         (dict(collective_timeout_s=float("inf")), "collective_timeout_s must be finite"),
         (dict(exchange="ring"), "exchange must be 'auto', 'flat' or 'two-level', got 'ring'"),
+        # non-finite numbers pass no comparison (nan > 0 is False): each is refused by name
+        (dict(lr=float("inf")), "lr must be finite, got inf"),
+        (dict(lr=float("nan")), "lr must be finite, got nan"),
+        (dict(min_lr=float("nan")), "min_lr must be finite"),
+        (dict(grad_clip=float("nan")), "grad_clip must be finite"),
+        (dict(weight_decay=float("nan")), "weight_decay must be finite"),
+        (dict(capacity_factor=float("inf")), "capacity_factor must be finite"),
+        (dict(load_balance_coef=float("nan")), "load_balance_coef must be finite"),
+        (dict(device="nonsense"), "device must name a torch device"),
+        (dict(skip_nonfinite=-1), "skip_nonfinite must be >= 0"),
+        (dict(tokenizer="bpe", bpe_vocab=100), "bpe_vocab must be >= 257"),
     ],
 )
 def test_train_config_rejects_bad_values(tmp_path, fields: dict, match: str) -> None:
@@ -150,6 +163,136 @@ def test_out_dir_holds_one_run(tmp_path, monkeypatch) -> None:
     assert json.loads((run / "run.json").read_text())["run_id"] == new["run_id"]
 
 
+# ----------------------------------------------------------------------------- non-finite steps
+
+
+class _NaNGrad(torch.autograd.Function):
+    """Identity forward, nan gradient: a finite loss whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g * float("nan")
+
+
+def _poison_steps(setter, steps: set[int], *, grad_only: bool = False) -> None:
+    """Make the training loss of these steps (counted from the first training call) nan, or
+    only its gradient (``grad_only``); evaluation (no grad) is left alone. ``setter``:
+    ``monkeypatch.setattr`` or ``setattr``."""
+    from moeflow.models import MoEGPT
+
+    original, calls = MoEGPT.loss, [0]
+
+    def loss(self, x, y):  # type: ignore[no-untyped-def]
+        out = original(self, x, y)
+        if not torch.is_grad_enabled():
+            return out
+        calls[0] += 1
+        if calls[0] not in steps:
+            return out
+        return _NaNGrad.apply(out) if grad_only else out * float("nan")
+
+    setter(MoEGPT, "loss", loss)
+
+
+def _strict_json(path: Path) -> dict:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{path} holds {name}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def _all_finite(path: Path) -> bool:
+    model, _, _ = build_from_checkpoint(path)
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.e2e
+def test_nonfinite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys) -> None:
+    """``moeflow train``: a nan loss at step 5 stops the run with exit 1 and one line naming the
+    step and the last good checkpoint (step 4, written in the background: the stop waits for it);
+    nothing is saved after it, history.json stays strict JSON, and --resume continues from it."""
+    from moeflow.cli.main import main
+
+    torch.set_num_threads(2)
+    run = tmp_path / "run"
+    argv = ["train", "--out", str(run), "--steps", "6", "--checkpoint-every", "2", "--batch-size", "4",
+            "--seq-len", "32", "--eval-batches", "1", "--warmup", "1", "--no-progress", "--no-plot",
+            "--sample-tokens", "0"]
+    with monkeypatch.context() as m:
+        _poison_steps(m.setattr, {5})
+        assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "training stopped at step 5: the loss is nan" in err and "step-00000004" in err and "--skip-nonfinite" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert _all_finite(run)
+    history = _strict_json(run / "history.json")
+    assert history["step"] == [1, 2, 3, 4] and history["skipped"] == [[5, "nan", "nan"]]
+    assert main([*argv, "--resume"]) == 0  # the last good checkpoint carries on
+    assert _strict_json(run / "history.json")["step"] == [1, 2, 3, 4, 5, 6]
+    assert _all_finite(run)
+
+
+@pytest.mark.e2e
+def test_skip_nonfinite_skips_the_step_without_touching_the_weights(tmp_path, monkeypatch) -> None:
+    """With skip_nonfinite=1 a step whose gradient (not its loss) is nan is skipped: the weights
+    end exactly where a run without that last step ends (the warm-up keeps the learning rates of
+    both runs equal); a second such step stops the run."""
+    torch.set_num_threads(2)
+    kw = dict(batch_size=4, seq_len=32, warmup_steps=10, eval_every=0, eval_batches=1, progress=False, plot=False,
+              dtype="float64")
+    clean = train_lm(LMTrainConfig(out_dir=tmp_path / "clean", steps=2, **kw))
+    with monkeypatch.context() as m:
+        _poison_steps(m.setattr, {3}, grad_only=True)
+        skipped = train_lm(LMTrainConfig(out_dir=tmp_path / "skip", steps=3, skip_nonfinite=1, **kw))
+    assert skipped["step"] == [1, 2] and skipped["train_loss"] == clean["train_loss"]
+    assert [s[0] for s in skipped["skipped"]] == [3] and skipped["skipped"][0][2] == "nan"
+    assert float(skipped["skipped"][0][1]) > 0  # the loss itself was finite
+    assert sorted(p.name for p in (tmp_path / "skip" / "checkpoints").iterdir()) == ["step-00000003"]
+    _same_parameters(tmp_path / "skip", tmp_path / "clean")
+    with monkeypatch.context() as m:
+        _poison_steps(m.setattr, {2, 3}, grad_only=True)
+        with pytest.raises(NonFiniteLossError, match="stopped at step 3.*after skipping 1 such step"):
+            train_lm(LMTrainConfig(out_dir=tmp_path / "twice", steps=3, skip_nonfinite=1, **kw))
+    assert not (tmp_path / "twice" / "checkpoints").exists()
+
+
+@pytest.mark.unit
+def test_nonfinite_weights_are_never_saved() -> None:
+    """A finite loss can be followed by an update that overflows the weights: every save checks them."""
+    layer = torch.nn.Linear(3, 2)
+    check_parameters_finite(layer, 7)
+    with torch.no_grad():
+        layer.bias[1] = float("inf")
+    with pytest.raises(NonFiniteLossError, match=r"weights became non-finite in step 7 \(e.g. bias\)"):
+        check_parameters_finite(layer, 7)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("content", "match"), [
+    (None, "cannot read the tuner's choices"),
+    (b"\xff\xfe garbage", "cannot read the tuner's choices"),
+    (b"{not json", "cannot read the tuner's choices"),
+    (b'{"a": 1}', "is not a tuned.json of moeflow train"),
+    (b"[[1, 2]]", "is not a tuned.json of moeflow train"),
+    (b"[[]]", "holds the choices of 1 MoE layer"),
+    (b'[[{"parallel": "auto", "overlap_degree": "auto"}], [], [], []]', "tuned setting #0"),
+])
+def test_tuned_file_is_validated_before_any_rank_starts(tmp_path, content, match: str) -> None:
+    """``--tuned`` is read and checked (schema, layer count, records) where the settings are, so
+    ``moeflow train --nproc N`` refuses a bad file before starting ranks."""
+    path = tmp_path / "tuned.json"
+    if content is not None:
+        path.write_bytes(content)
+    cfg = LMTrainConfig(out_dir=tmp_path / "run", parallel="auto", overlap_degree="auto", tuned=path)
+    with pytest.raises(ValueError, match=match):
+        lm.check_world_settings(cfg, 2)
+
+
 # ----------------------------------------------------------------------------- on gloo ranks
 
 
@@ -169,7 +312,26 @@ def _case_train_with(rank: int, world: int, out: str, kw: str) -> None:
     train_lm(_cfg(out, dtype="float64", load_balance_coef=0.0, **json.loads(kw)))
 
 
-CASES = {"train": _case_train, "train_with": _case_train_with}
+def _case_poisoned(rank: int, world: int, out: str) -> None:
+    """Only rank 1's loss is nan, at step 2: every rank stops there (none waits in a collective)."""
+    if rank == 1:
+        _poison_steps(setattr, {2})
+    with pytest.raises(NonFiniteLossError, match="training stopped at step 2: the loss is nan"):
+        train_lm(_cfg(out, checkpoint_every=1))
+
+
+CASES = {"train": _case_train, "train_with": _case_train_with, "poisoned": _case_poisoned}
+
+
+@pytest.mark.distributed
+def test_nonfinite_loss_on_one_rank_stops_every_rank(tmp_path) -> None:
+    """The loss and gradient norm are reduced over the ranks before the optimizer step, so a nan
+    on one rank stops all of them at the same step; the step-1 checkpoint is kept, finite."""
+    torch.set_num_threads(2)
+    spawn_ranks(2, __name__, "poisoned", str(tmp_path / "ep"))
+    assert sorted(p.name for p in (tmp_path / "ep" / "checkpoints").iterdir()) == ["step-00000001"]
+    assert _all_finite(tmp_path / "ep")
+    assert _strict_json(tmp_path / "ep" / "history.json")["skipped"] == [[2, "nan", "nan"]]
 
 
 @pytest.mark.distributed

@@ -48,14 +48,20 @@ from moeflow.parallel import (
     expert_parallel,
     fix_tuned_settings,
     make_groups,
-    tuned_settings,
     placement_of,
     plan_placement,
     sync_load_counts,
     sync_replica_gradients,
+    tuned_settings,
     vocab_parallel,
 )
-from moeflow.parallel.comm import ProcessGroup, all_reduce_sum, gather_objects, process_position
+from moeflow.parallel.comm import (
+    ProcessGroup,
+    all_reduce_sum,
+    gather_objects,
+    process_position,
+)
+from moeflow.parallel.tuner import ParallelTuner
 from moeflow.train.data import (
     BPETokenizer,
     ByteTokenizer,
@@ -64,8 +70,15 @@ from moeflow.train.data import (
     load_corpus,
     tokenizer_from_dict,
 )
-from moeflow.train.lm_checkpoint import MODEL_FAMILY, build_from_checkpoint, checkpoint_extra, open_run, write_history
+from moeflow.train.lm_checkpoint import (
+    MODEL_FAMILY,
+    build_from_checkpoint,
+    checkpoint_extra,
+    open_run,
+    write_history,
+)
 from moeflow.train.lm_config import LMTrainConfig
+from moeflow.train.nonfinite import check_weights, nonfinite_step, step_is_finite
 
 __all__ = ["LMTrainConfig", "train_lm", "check_world_settings", "exchange_for", "MODEL_FAMILY",
            "build_from_checkpoint"]
@@ -158,8 +171,8 @@ def check_world_settings(cfg: LMTrainConfig, world: int, node_size: int | None =
         raise ValueError("vocab_parallel, rebalance_every and tuned need more than one rank (--nproc >= 2)")
     E = cfg.model_config(vocab_size=256).num_experts
     if E % world:
-        raise ValueError(f"the {E} experts of each MoE layer must divide evenly over the ranks: {E} is not "
-                         f"divisible by {world}")
+        raise ValueError(f"num_experts={E} (the experts of each MoE layer) must divide evenly over the ranks: {E} is "
+                         f"not divisible by {world}")
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1
                                   or world % node_size):
         raise ValueError(f"node_size={node_size!r} must be a positive divisor of the number of ranks {world}")
@@ -173,8 +186,20 @@ def check_world_settings(cfg: LMTrainConfig, world: int, node_size: int | None =
         return None
     try:
         recorded = json.loads(cfg.tuned.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:  # missing, unreadable, not UTF-8, not JSON
         raise ValueError(f"tuned={str(cfg.tuned)!r}: cannot read the tuner's choices: {err}") from None
+    if not (isinstance(recorded, list) and all(isinstance(layer, list) and all(
+            isinstance(r, dict) and isinstance(r.get("parallel"), str) and isinstance(r.get("overlap_degree"), (int, str))
+            for r in layer) for layer in recorded)):
+        raise ValueError(f"tuned={str(cfg.tuned)!r} is not a tuned.json of moeflow train (a list per MoE layer of "
+                         "records with 'parallel' and 'overlap_degree')")
+    model_cfg = cfg.model_config(vocab_size=256)
+    moe_layers = sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))
+    if len(recorded) != moe_layers:
+        raise ValueError(f"tuned={str(cfg.tuned)!r} holds the choices of {len(recorded)} MoE layer(s); this model has "
+                         f"{moe_layers}")
+    for records in recorded:
+        ParallelTuner(None).fix(records)  # validates every record, as the ranks will
     args = {(r["parallel"], r["overlap_degree"]) for layer in recorded for r in layer}
     if args - {(cfg.parallel, cfg.overlap_degree)}:
         raise ValueError(f"tuned={str(cfg.tuned)!r} was recorded with (parallel, overlap_degree) "
@@ -245,6 +270,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     counts_LE = torch.zeros(len(layers), E, dtype=torch.float64, device=device)
     window_LE = torch.zeros_like(counts_LE)  # load since the last rebalance (this rank's tokens)
     since_log, t_start, t_log = 0, time.perf_counter(), time.perf_counter()
+    pending = None  # the latest background save (a stop waits for it: it holds the last good weights)
     log_every = max(1, min(10, cfg.steps // 50 or 1))
     for step in range(start, cfg.steps):
         for group_ in opt.param_groups:
@@ -263,10 +289,16 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         if world > 1:
             sync_replica_gradients(model)
             all_reduce_gradients(dense_parameters(model), group, average=False)
-        clip_grad_norm_(model, cfg.grad_clip, group)
-        opt.step()
+        grad_norm = float(clip_grad_norm_(model, cfg.grad_clip, group))
+        # the same two numbers on every rank (both reduced over the group): every rank decides alike
+        step_loss = float(all_reduce_sum(loss_sum, group)) / (world * cfg.grad_accum)
+        finite = step_is_finite(step_loss, grad_norm)
+        if not finite:
+            nonfinite_step(cfg, history, step + 1, step_loss, grad_norm, pending, rank, bar)
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
-        if bias_update:
+        if bias_update and finite:
             if world > 1:
                 sync_load_counts(model, group)
             moeflow.update_expert_bias(model)
@@ -280,10 +312,10 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
                 bar.write(f"step {step + 1}: experts moved; busiest rank's share of the rows since the last move "
                           f"{mean(moved['before']):.1%} -> {mean(moved['after']):.1%} (mean over layers)")
 
-        step_loss = float(all_reduce_sum(loss_sum, group)) / (world * cfg.grad_accum)
-        history["step"].append(step + 1)
-        history["train_loss"].append(step_loss)
-        history["lr"].append(lr_at(step, cfg))
+        if finite:  # a skipped step leaves no point on the loss curve (and no NaN in history.json)
+            history["step"].append(step + 1)
+            history["train_loss"].append(step_loss)
+            history["lr"].append(lr_at(step, cfg))
         if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
             all_reduce_sum(counts_LE, group)
             frac_LE = counts_LE / counts_LE.sum(-1, keepdim=True).clamp(min=1)
@@ -305,8 +337,12 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 != cfg.steps:
             if rank == 0:  # before the checkpoint, so that it never lags behind one (resume cuts it back)
                 write_history(cfg.out_dir, history)
-            save = save_checkpoint_async if cfg.async_checkpoints else save_checkpoint
-            save(ckpt_root, step + 1, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
+            check_weights(model, step + 1, group, pending)
+            if cfg.async_checkpoints:
+                pending = save_checkpoint_async(ckpt_root, step + 1, model, opt, extra=extra, group=group,
+                                                keep=cfg.keep_checkpoints)
+            else:
+                save_checkpoint(ckpt_root, step + 1, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_start
@@ -320,6 +356,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         history["tuned"] = tuned
     if rank == 0:
         write_history(cfg.out_dir, history)
+    check_weights(model, cfg.steps, group, pending)
     path = save_checkpoint(ckpt_root, cfg.steps, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
     history["checkpoint"] = str(path)
     if rank == 0:

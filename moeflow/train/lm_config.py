@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from moeflow.checks import _float
 from moeflow.config import ParallelConfig, RouterConfig, _int
 from moeflow.models import GPT_PRESETS, gpt_config
@@ -57,6 +59,12 @@ class LMTrainConfig:
     ``moeflow.checkpoint.save_checkpoint_async``; the training waits only until the state is
     staged in host memory); the final save is synchronous.
 
+    A step whose loss or global gradient norm is not finite stops the run with
+    ``moeflow.train.nonfinite.NonFiniteLossError`` before the optimizer step (the weights and
+    every checkpoint stay finite; the latest checkpoint is the last good one), unless
+    ``skip_nonfinite`` > 0: then up to that many such steps are skipped (no update; recorded in
+    the history's ``"skipped"``) and the next one stops the run. Every number must be finite.
+
     ``out_dir`` belongs to one run (``moeflow.train.lm_checkpoint`` has the rules): a new run
     into a directory that holds another is refused unless ``overwrite`` (which deletes that
     run's files, nothing else); ``resume`` continues the run there from its latest checkpoint
@@ -89,6 +97,7 @@ class LMTrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    skip_nonfinite: int = 0
     async_checkpoints: bool = True
     seed: int = 0
     amp: str = "auto"
@@ -124,8 +133,11 @@ class LMTrainConfig:
             raise ValueError(f"amp must be one of auto, bf16, fp16, off, got {self.amp!r}")
         for name in ("seq_len", "steps", "batch_size", "grad_accum", "eval_batches", "keep_checkpoints", "bpe_vocab"):
             _int(name, getattr(self, name), minimum=1)
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "rebalance_every", "expert_slots"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "rebalance_every", "expert_slots",
+                     "skip_nonfinite"):
             _int(name, getattr(self, name), minimum=0)
+        if self.tokenizer == "bpe" and self.bpe_vocab < 257:
+            raise ValueError(f"bpe_vocab must be >= 257 (the 256 bytes and a merge), got {self.bpe_vocab}")
         if self.exchange not in ("auto", "flat", "two-level"):
             raise ValueError(f"exchange must be 'auto', 'flat' or 'two-level', got {self.exchange!r}")
         for name in ("stall_timeout_s", "collective_timeout_s"):
@@ -140,10 +152,21 @@ class LMTrainConfig:
                              "'auto' chooses by timing, which differs from run to run")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            _float(name, getattr(self, name))  # a type and finiteness first: nan passes no comparison below
+        for name in ("capacity_factor", "load_balance_coef"):
+            if getattr(self, name) is not None:
+                _float(name, getattr(self, name))
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device must name a torch device (cpu, cuda, cuda:N), got {self.device!r}") from None
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.weight_decay < 0 or self.grad_clip <= 0:
-            raise ValueError(f"need weight_decay >= 0 and grad_clip > 0, got {self.weight_decay}, {self.grad_clip}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
         self.model_config(vocab_size=256)  # validates the model overrides
         self.parallel_config()  # and the parallel settings
 

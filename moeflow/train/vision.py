@@ -13,15 +13,19 @@ import torch
 import torch.nn.functional as F
 
 import moeflow
+from moeflow.checks import _float
 from moeflow.config import DispatchConfig, RouterConfig, _int
-from moeflow.models import ViTMoEConfig, VisionMoE
+from moeflow.models import VisionMoE, ViTMoEConfig
+from moeflow.train.nonfinite import NonFiniteLossError, step_is_finite
 
 __all__ = ["VisionTrainConfig", "train_vision", "load_digits"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class VisionTrainConfig:
-    """A digits training run. ``router`` is ``"linear"`` or ``"cosine"`` (SwinV2-MoE)."""
+    """A digits training run. ``router`` is ``"linear"`` or ``"cosine"`` (SwinV2-MoE). A step
+    whose loss or gradient is not finite stops the run (``NonFiniteLossError``, before the
+    optimizer step: the weights stay finite)."""
 
     epochs: int = 15
     batch_size: int = 64
@@ -39,6 +43,9 @@ class VisionTrainConfig:
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "num_experts", "top_k", "dim", "depth"):
             _int(name, getattr(self, name), minimum=1)
+        _int("seed", self.seed, minimum=0)
+        for name in ("lr", "weight_decay", "capacity_factor"):
+            _float(name, getattr(self, name))  # nan passes no comparison
         if self.lr <= 0 or self.weight_decay < 0:
             raise ValueError(f"need lr > 0 and weight_decay >= 0, got {self.lr}, {self.weight_decay}")
         self.model_config()
@@ -94,6 +101,11 @@ def train_vision(cfg: VisionTrainConfig, *, log=print) -> dict:  # type: ignore[
             idx = order[i : i + cfg.batch_size]
             loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
             (loss + moeflow.aux_loss(model)).backward()
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.double().norm() for p in model.parameters() if p.grad is not None]))
+            if not step_is_finite(loss.item(), float(grad_norm)):
+                raise NonFiniteLossError(f"training stopped in epoch {epoch + 1}: the loss is {loss.item()} and the "
+                                         f"gradient norm {float(grad_norm)}; the weights were not updated (lower --lr)")
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
