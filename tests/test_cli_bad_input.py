@@ -1,0 +1,300 @@
+"""Bad input on the command line, table-driven: every subcommand x missing and garbage files,
+nonsense numbers, nan/inf, wrong types, unwritable paths, impossible devices and rank counts.
+
+Each case runs ``moeflow.cli.main.main(argv)`` in this process (argparse's ``SystemExit``
+caught) and must end with a non-zero status and exactly one line on stderr that names the
+argument (its option, or the field of the config it sets) or the file at fault: no traceback, no ``unexpected error`` (the one line main prints
+for a bug), and nothing on stdout, since every argument is checked before any work. The counts
+(cases tried / clear errors) are in docs/reliability.md ("Command line").
+
+Placeholders in an argv, filled per case: ``{new}`` a fresh path under the case's own directory
+(an ``--out`` that does not exist yet), ``{file}`` an existing regular file, ``{dir}`` an existing
+empty directory, ``{missing}`` a path that does not exist, ``{ckpt}`` a complete ``moeflow train``
+checkpoint of a tiny model, ``{garbage_ckpt}`` a directory whose index.json is not JSON, ``{hf_*}``
+damaged Mixtral directories, ``{tuned_*}`` bad ``--tuned`` files. Every case is small enough that
+a check which fails to refuse it still finishes quickly (tiny models, one step).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeflow.cli.main import main
+
+pytestmark = pytest.mark.e2e
+
+# cheap settings, so that a case a check lets through still ends quickly
+_TRAIN = ["--steps", "1", "--batch-size", "2", "--seq-len", "8", "--eval-batches", "1", "--no-progress", "--no-plot",
+          "--sample-tokens", "0"]
+_INFER = ["--layers", "1", "--vocab-size", "64", "--seq-len", "4", "--new-tokens", "1"]
+_BENCH = ["--tokens", "16", "--dim", "8", "--hidden", "8", "--experts", "2", "--top-k", "1", "--repeats", "1",
+          "--warmup", "0", "--no-memory"]
+_UNWRITABLE = ("/proc/moeflow-no/x", "/sys/moeflow-no")
+
+
+def _train(*flags: str) -> list[str]:
+    return ["train", "--out", "{new}", *_TRAIN, *flags]
+
+
+# (id, argv, what the one line must name)
+CASES: list[tuple[str, list[str], str]] = [
+    ("no-command", [], "command"),
+    ("unknown-command", ["nonsense"], "nonsense"),
+    ("debug-no-command", ["--debug"], "command"),
+    # ---- train: numbers
+    *[(f"train-lr-{v}", _train("--lr", v), "--lr") for v in ("inf", "nan", "-inf", "abc", "0", "-1", "1e400")],
+    ("train-lr-equals-minus-inf", _train("--lr=-inf"), "--lr"),
+    ("train-min-lr-nan", _train("--min-lr", "nan"), "--min-lr"),
+    ("train-min-lr-above-lr", _train("--min-lr", "1"), "lr"),
+    *[(f"train-grad-clip-{v}", _train("--grad-clip", v), "--grad-clip") for v in ("nan", "inf", "0", "-1")],
+    *[(f"train-weight-decay-{v}", _train("--weight-decay", v), "--weight-decay") for v in ("nan", "inf", "-0.1")],
+    *[(f"train-threads-{v}", _train("--threads", v), "--threads") for v in ("0", "-1", "two")],
+    *[(f"train-steps-{v}", _train("--steps", v), "--steps") for v in ("0", "-5", "1.5", "abc")],
+    *[(f"train-batch-size-{v}", _train("--batch-size", v), "--batch-size") for v in ("0", "-1", "x")],
+    ("train-grad-accum-0", _train("--grad-accum", "0"), "--grad-accum"),
+    ("train-batch-not-divisible", _train("--batch-size", "3", "--grad-accum", "2"), "--batch-size"),
+    ("train-seq-len-0", _train("--seq-len", "0"), "--seq-len"),
+    ("train-seq-len-huge", _train("--seq-len", "100000000"), "--seq-len"),
+    ("train-experts-0", _train("--experts", "0"), "--experts"),
+    ("train-top-k-0", _train("--top-k", "0"), "--top-k"),
+    ("train-top-k-above-experts", _train("--top-k", "99"), "--top-k"),
+    ("train-capacity-factor-nan", _train("--capacity-factor", "nan"), "--capacity-factor"),
+    ("train-moe-every-negative", _train("--moe-every", "-1"), "--moe-every"),
+    ("train-load-balance-coef-nan", _train("--load-balance-coef", "nan"), "--load-balance-coef"),
+    ("train-warmup-negative", _train("--warmup", "-1"), "--warmup"),
+    ("train-eval-every-negative", _train("--eval-every", "-1"), "--eval-every"),
+    ("train-eval-batches-0", _train("--eval-batches", "0"), "--eval-batches"),
+    ("train-checkpoint-every-negative", _train("--checkpoint-every", "-1"), "--checkpoint-every"),
+    ("train-seed-negative", _train("--seed", "-1"), "--seed"),
+    ("train-skip-nonfinite-negative", _train("--skip-nonfinite", "-1"), "--skip-nonfinite"),
+    ("train-sample-tokens-negative", _train("--sample-tokens", "-1"), "--sample-tokens"),
+    ("train-bpe-vocab-tiny", _train("--tokenizer", "bpe", "--bpe-vocab", "10"), "--bpe-vocab"),
+    ("train-stall-timeout-0", _train("--stall-timeout", "0"), "--stall-timeout"),
+    ("train-stall-timeout-nan", _train("--stall-timeout", "nan"), "--stall-timeout"),
+    ("train-collective-timeout-inf", _train("--collective-timeout", "inf"), "--collective-timeout"),
+    ("train-collective-timeout-negative", _train("--collective-timeout", "-1"), "--collective-timeout"),
+    ("train-overlap-degree-0", _train("--overlap-degree", "0"), "--overlap-degree"),
+    ("train-overlap-degree-word", _train("--overlap-degree", "many"), "--overlap-degree"),
+    ("train-rebalance-every-negative", _train("--rebalance-every", "-1"), "--rebalance-every"),
+    # ---- train: choices and contradictions
+    *[(f"train-{flag[2:]}-bad", _train(flag, "nope"), flag)
+      for flag in ("--preset", "--tokenizer", "--dtype", "--amp", "--parallel", "--exchange")],
+    ("train-unknown-flag", _train("--learning-rate", "1"), "--learning-rate"),
+    ("train-val-works-unknown", _train("--val-works", "nope"), "val_works"),
+    ("train-val-works-empty", _train("--val-works", ","), "val_works"),
+    ("train-resume-and-overwrite", _train("--resume", "--overwrite"), "--resume"),
+    ("train-deterministic-auto", _train("--deterministic", "--parallel", "auto"), "--deterministic"),
+    ("train-two-level-one-rank", _train("--exchange", "two-level"), "--exchange"),
+    ("train-vocab-parallel-one-rank", _train("--vocab-parallel"), "--vocab-parallel"),
+    ("train-rebalance-one-rank", _train("--rebalance-every", "5"), "--rebalance-every"),
+    ("train-tuned-without-auto", _train("--tuned", "{file}"), "--tuned"),
+    # ---- train: devices and paths
+    *[(f"train-device-{v}", _train("--device", v), "--device") for v in ("cuda", "cuda:7", "nonsense", "meta")],
+    ("train-out-is-file", ["train", "--out", "{file}", *_TRAIN], "--out"),
+    ("train-out-under-file", ["train", "--out", "{file}/run", *_TRAIN], "--out"),
+    *[(f"train-out-unwritable-{i}", ["train", "--out", p, *_TRAIN], "--out") for i, p in enumerate(_UNWRITABLE)],
+    # ---- train: ranks, all refused before torchrun starts
+    *[(f"train-nproc-{v}", _train("--nproc", v), "--nproc") for v in ("0", "-2", "x")],
+    ("train-nproc-experts-not-divisible", _train("--nproc", "2", "--experts", "3"), "--experts"),
+    ("train-nproc-batch-not-divisible", _train("--nproc", "2", "--batch-size", "3"), "--batch-size"),
+    ("train-nproc-3-of-8-experts", _train("--nproc", "3", "--batch-size", "3"), "--experts"),
+    ("train-max-restarts-alone", _train("--max-restarts", "1"), "--max-restarts"),
+    ("train-max-restarts-negative", _train("--nproc", "2", "--max-restarts", "-1"), "--max-restarts"),
+    ("train-expert-slots-alone", _train("--nproc", "2", "--expert-slots", "5"), "--expert-slots"),
+    ("train-expert-slots-too-many", _train("--nproc", "2", "--rebalance-every", "5", "--expert-slots", "9"),
+     "--expert-slots"),
+    *[(f"train-nproc-tuned-{name}", _train("--nproc", "2", "--parallel", "auto", "--tuned", f"{{{name}}}"), "--tuned")
+      for name in ("missing", "dir", "tuned_garbage", "tuned_dict", "tuned_layers", "tuned_record")],
+    # ---- train-vision
+    *[(f"vision-lr-{v}", ["train-vision", "--lr", v], "--lr") for v in ("nan", "inf", "0", "-1")],
+    *[(f"vision-{flag[2:]}-0", ["train-vision", flag, "0"], flag)
+      for flag in ("--epochs", "--batch-size", "--experts", "--top-k", "--threads")],
+    ("vision-top-k-above-experts", ["train-vision", "--top-k", "9"], "top_k"),
+    ("vision-capacity-factor-inf", ["train-vision", "--capacity-factor", "inf"], "--capacity-factor"),
+    ("vision-seed-negative", ["train-vision", "--seed", "-1"], "--seed"),
+    ("vision-router-bad", ["train-vision", "--router", "dot"], "--router"),
+    ("vision-drop-policy-bad", ["train-vision", "--drop-policy", "x"], "--drop-policy"),
+    ("vision-epochs-word", ["train-vision", "--epochs", "ten"], "--epochs"),
+    # ---- generate
+    ("generate-missing", ["generate", "{missing}"], "{missing}"),
+    ("generate-file", ["generate", "{file}"], "{file}"),
+    ("generate-empty-dir", ["generate", "{dir}"], "{dir}"),
+    ("generate-garbage", ["generate", "{garbage_ckpt}"], "index.json"),
+    *[(f"generate-tokens-{v}", ["generate", "{ckpt}", "--tokens", v], "--tokens") for v in ("-1", "x")],
+    *[(f"generate-temperature-{v}", ["generate", "{ckpt}", "--temperature", v], "--temperature")
+      for v in ("nan", "inf", "-1")],
+    ("generate-top-k-negative", ["generate", "{ckpt}", "--top-k", "-1"], "--top-k"),
+    ("generate-seed-negative", ["generate", "{ckpt}", "--seed", "-1"], "--seed"),
+    # ---- infer
+    *[(f"infer-fast-memory-{v}", ["infer", *_INFER, "--fast-memory", v], "--fast-memory")
+      for v in ("abc", "-1", "0", "nan")],
+    *[(f"infer-{flag[2:]}-0", ["infer", *_INFER, flag, "0"], flag) for flag in ("--batch-size", "--threads")],
+    ("infer-seq-len-0", ["infer", "--layers", "1", "--vocab-size", "64", "--new-tokens", "1", "--seq-len", "0"],
+     "--seq-len"),
+    ("infer-new-tokens-negative", ["infer", "--layers", "1", "--vocab-size", "64", "--new-tokens", "-1"],
+     "--new-tokens"),
+    ("infer-layers-0", ["infer", "--vocab-size", "64", "--seq-len", "4", "--new-tokens", "1", "--layers", "0"],
+     "--layers"),
+    ("infer-vocab-size-0", ["infer", "--layers", "1", "--seq-len", "4", "--new-tokens", "1", "--vocab-size", "0"],
+     "--vocab-size"),
+    ("infer-ring-slots-0", ["infer", *_INFER, "--ring-slots", "0"], "--ring-slots"),
+    ("infer-prefetch-negative", ["infer", *_INFER, "--prefetch", "-1"], "--prefetch"),
+    *[(f"infer-device-{v}", ["infer", *_INFER, "--device", v], "--device") for v in ("cuda", "nonsense")],
+    ("infer-dir-is-file", ["infer", *_INFER, "--dir", "{file}"], "--dir"),
+    ("infer-dir-unwritable", ["infer", *_INFER, "--dir", _UNWRITABLE[0]], "--dir"),
+    ("infer-json-unwritable", ["infer", *_INFER, "--json", _UNWRITABLE[0]], "--json"),
+    ("infer-json-is-dir", ["infer", *_INFER, "--json", "{dir}"], "--json"),
+    ("infer-checkpoint-missing", ["infer", "{missing}", "--seq-len", "4", "--new-tokens", "1"], "{missing}"),
+    ("infer-checkpoint-garbage", ["infer", "{garbage_ckpt}", "--seq-len", "4", "--new-tokens", "1"], "index.json"),
+    ("infer-mode-bad", ["infer", *_INFER, "--mode", "x"], "--mode"),
+    ("infer-offload-bad", ["infer", *_INFER, "--offload", "gpu"], "--offload"),
+    ("infer-bench-layers-0", ["infer", "--bench", "--layers", "0"], "--layers"),
+    ("infer-bench-json-unwritable", ["infer", "--bench", "--layers", "2", "--json", _UNWRITABLE[0]], "--json"),
+    # ---- convert
+    ("convert-nothing", ["convert"], "SRC"),
+    ("convert-info-missing", ["convert", "{missing}", "--info"], "{missing}"),
+    ("convert-info-file", ["convert", "{file}", "--info"], "{file}"),
+    ("convert-info-garbage", ["convert", "{garbage_ckpt}", "--info"], "index.json"),
+    *[(f"convert-world-size-{v}", ["convert", "{ckpt}", "{new}", "--world-size", v], "--world-size")
+      for v in ("0", "-1", "x")],
+    ("convert-dst-is-file", ["convert", "{ckpt}", "{file}", "--world-size", "1"], "{file}"),
+    ("convert-dst-unwritable", ["convert", "{ckpt}", _UNWRITABLE[0], "--world-size", "1"], _UNWRITABLE[0]),
+    ("convert-to-hf-file", ["convert", "{ckpt}", "--to-hf", "{file}"], "--to-hf"),
+    ("convert-to-hf-unwritable", ["convert", "{ckpt}", "--to-hf", _UNWRITABLE[0]], "--to-hf"),
+    ("convert-to-dcp-file", ["convert", "{ckpt}", "--to-dcp", "{file}"], "--to-dcp"),
+    ("convert-from-hf-missing", ["convert", "--from-hf", "{missing}", "{new}"], "{missing}"),
+    *[(f"convert-from-hf-{name[3:]}", ["convert", "--from-hf", f"{{{name}}}", "{new}"], what)
+      for name, what in (("hf_truncated", "safetensors"), ("hf_garbage", "safetensors"),
+                         ("hf_no_hidden_size", "hidden_size"), ("hf_no_weight_map", "weight_map"),
+                         ("hf_outside", "weight_map"))],
+    ("convert-from-hf-dst-is-file", ["convert", "--from-hf", "{hf_ok}", "{file}"], "{file}"),
+    ("convert-from-dcp-missing", ["convert", "--from-dcp", "{missing}", "{new}"], "{missing}"),
+    ("convert-step-without-from-dcp", ["convert", "{ckpt}", "--step", "3"], "--step"),
+    ("convert-from-dcp-empty-dir", ["convert", "--from-dcp", "{dir}", "{new}"], "{dir}"),
+    # ---- bench
+    *[(f"bench-{flag[2:]}-0", ["bench", *_BENCH, flag, "0"], flag)
+      for flag in ("--tokens", "--dim", "--hidden", "--experts", "--top-k", "--repeats", "--threads")],
+    ("bench-top-k-above-experts", ["bench", *_BENCH, "--top-k", "9"], "--top-k"),
+    ("bench-capacity-factor-nan", ["bench", *_BENCH, "--capacity-factor", "nan"], "--capacity-factor"),
+    ("bench-warmup-negative", ["bench", *_BENCH, "--warmup", "-1"], "--warmup"),
+    *[(f"bench-device-{v}", ["bench", *_BENCH, "--device", v], "--device") for v in ("cuda", "nonsense")],
+    ("bench-impls-bad", ["bench", *_BENCH, "--impls", "nope"], "impls"),
+    ("bench-dtype-bad", ["bench", *_BENCH, "--dtype", "int8"], "--dtype"),
+    ("bench-activation-bad", ["bench", *_BENCH, "--activation", "tanhh"], "--activation"),
+    ("bench-json-unwritable", ["bench", *_BENCH, "--json", _UNWRITABLE[0]], "--json"),
+    ("bench-json-is-dir", ["bench", *_BENCH, "--json", "{dir}"], "--json"),
+    ("bench-nproc-0", ["bench", "--nproc", "0", "--experts", "4"], "--nproc"),
+    ("bench-nproc-experts-not-divisible", ["bench", "--nproc", "3", "--experts", "4"], "experts"),
+    ("bench-skew-without-nproc", ["bench", *_BENCH, "--skew", "0.5"], "--skew"),
+    ("bench-skew-nan", ["bench", "--nproc", "2", "--experts", "4", "--skew", "nan"], "--skew"),
+    # ---- a2a-model
+    ("a2a-node-size-0", ["a2a-model", "--node-size", "0"], "node_size"),
+    ("a2a-node-size-word", ["a2a-model", "--node-size", "eight"], "--node-size"),
+    *[(f"a2a-bytes-{v}", ["a2a-model", "--bytes-per-rank", v], "--bytes-per-rank") for v in ("nan", "-1", "0")],
+]
+
+
+def _tiny_checkpoint(root: Path) -> Path:
+    """A complete ``moeflow train``-style checkpoint of a one-layer byte-level MoE GPT."""
+    from moeflow.checkpoint import save_checkpoint
+    from moeflow.models import MoEGPT, gpt_config
+    from moeflow.train.data import ByteTokenizer
+    from moeflow.train.lm import MODEL_FAMILY
+
+    cfg = gpt_config("tiny", vocab_size=256, n_layers=1, max_seq_len=32)
+    extra = {"family": MODEL_FAMILY, "model": cfg.to_dict(), "dtype": "float32",
+             "tokenizer": ByteTokenizer().to_dict()}
+    return save_checkpoint(root, 1, MoEGPT(cfg), extra=extra)
+
+
+def _hf_dirs(base: Path, outside: Path) -> dict[str, Path]:
+    """A Mixtral directory moeflow writes (``hf_ok``) and damaged copies of it."""
+    from moeflow.convert.mixtral import gpt_config_from_hf, gpt_to_hf
+    from moeflow.models import MoEGPT
+
+    config = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 24,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 2,
+              "num_experts_per_tok": 1, "max_position_embeddings": 32}
+    ok = gpt_to_hf(MoEGPT(gpt_config_from_hf(config)), base / "hf_ok")
+    dirs = {"hf_ok": ok}
+    for name in ("hf_truncated", "hf_garbage", "hf_no_hidden_size", "hf_no_weight_map", "hf_outside"):
+        dirs[name] = Path(shutil.copytree(ok, base / name))
+    weights = next(dirs["hf_truncated"].glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    next(dirs["hf_garbage"].glob("*.safetensors")).write_bytes(bytes(range(256)) * 64)
+    cfg = json.loads((dirs["hf_no_hidden_size"] / "config.json").read_text())
+    del cfg["hidden_size"]
+    (dirs["hf_no_hidden_size"] / "config.json").write_text(json.dumps(cfg))
+    (dirs["hf_no_weight_map"] / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    (dirs["hf_outside"] / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": str(Path("..") / ".." / outside.name)}}))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("bad-input")
+    (base / "afile.txt").write_text("not what moeflow wants\n")
+    (base / "empty").mkdir()
+    garbage = base / "garbage_ckpt"
+    garbage.mkdir()
+    (garbage / "index.json").write_text("{not json")
+    (garbage / "rank00000-of-00001.safetensors").write_bytes(b"\x00garbage" * 10)
+    tuned = {"tuned_garbage": b"\xff\xfe{", "tuned_dict": b'{"layers": 4}', "tuned_layers": b"[[]]",
+             "tuned_record": b'[[{"parallel": "auto", "overlap_degree": "auto"}], [], [], []]'}
+    for name, content in tuned.items():
+        (base / f"{name}.json").write_bytes(content)
+    found = {"file": base / "afile.txt", "dir": base / "empty", "missing": base / "does-not-exist",
+             "garbage_ckpt": garbage, "ckpt": _tiny_checkpoint(base / "ckpt"),
+             **{name: base / f"{name}.json" for name in tuned}, **_hf_dirs(base, base.parent / "outside.bin")}
+    return {k: str(v) for k, v in found.items()}
+
+
+def _names(line: str, needle: str) -> bool:
+    """``line`` names ``needle``: a flag by its option (``--fast-memory``) or its field
+    (``fast_memory``, as a config's message says), a path or word as it is."""
+    if needle.startswith("--"):
+        return needle[2:].replace("-", "_") in line.replace("-", "_")
+    return needle.lower() in line.lower()
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``main(argv)`` in this process: (status, stdout, stderr)."""
+    threads = torch.get_num_threads()
+    try:
+        status = main(argv)
+    except SystemExit as done:  # argparse
+        status = done.code if isinstance(done.code, int) else 1
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [pytest.param(a, n, id=i) for i, a, n in CASES])
+def test_bad_input_is_one_clear_line(argv: list[str], needle: str, paths, tmp_path, capsys) -> None:
+    fill = {**paths, "new": str(tmp_path / "new")}
+    argv = [a.format(**fill) for a in argv]
+    needle = needle.format(**fill)
+    status, out, err = run_cli(argv, capsys)
+    lines = err.strip().splitlines()
+    assert status not in (0, None), f"accepted: moeflow {' '.join(argv)}\nstdout: {out[-500:]}"
+    assert "Traceback" not in err and "unexpected" not in err, err
+    assert len(lines) == 1, f"{len(lines)} lines on stderr:\n{err[-2000:]}"
+    assert _names(lines[0], needle), f"the message does not name {needle!r}: {lines[0]}"
+    assert out == "", f"work started before the refusal; stdout: {out[-500:]}"
+
+
+def test_the_sweep_covers_every_subcommand() -> None:
+    from moeflow.cli.main import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    tried = {argv[0] for _, argv, _ in CASES if argv}
+    assert set(commands) <= tried, set(commands) - tried
+    assert len(CASES) >= 100 and len({i for i, _, _ in CASES}) == len(CASES)
