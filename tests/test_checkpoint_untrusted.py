@@ -405,5 +405,5 @@ def test_a_file_as_destination_is_one_line(tmp_path, capsys, hf_dir) -> None:
     (tmp_path / "f").write_text("keep me")
     assert main(["convert", "--from-hf", str(path), str(tmp_path / "f")]) == 2
     err = capsys.readouterr().err
-    assert "existing file" in err and err.count("\n") == 1
+    assert "exists and is not a directory" in err and err.count("\n") == 1
     assert (tmp_path / "f").read_text() == "keep me"

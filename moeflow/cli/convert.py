@@ -41,6 +41,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
 def _run_convert(args: argparse.Namespace) -> int:
     from moeflow.checkpoint import CheckpointError, describe_checkpoint, latest_checkpoint, reshard_checkpoint
     from moeflow.checkpoint.format import checkpoint_dir
+    from moeflow.cli.flags import check_output_dir
 
     def fail(msg: str) -> int:
         print(f"moeflow convert: error: {msg}", file=sys.stderr)
@@ -51,7 +52,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         if args.from_hf is not None:
             if len(paths) != 1 or args.to_hf is not None:
                 return fail("usage: moeflow convert --from-hf HF_DIR DST")
-            _refuse_file(paths[0], "DST")
+            check_output_dir("DST", paths[0])
             return _convert_from_hf(args.from_hf, paths[0])
         if args.step is not None and args.from_dcp is None:
             return fail(f"--step {args.step} goes with --from-dcp DIR")
@@ -60,7 +61,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                 return fail("usage: moeflow convert --from-dcp DIR DST [--step N]")
             from moeflow.convert.dcp import dcp_to_moeflow
 
-            _refuse_file(paths[0], "DST")
+            check_output_dir("DST", paths[0])
             print(f"wrote {dcp_to_moeflow(args.from_dcp, paths[0], step=args.step)} (from DCP {args.from_dcp})")
             return 0
         if not paths:
@@ -73,7 +74,7 @@ def _run_convert(args: argparse.Namespace) -> int:
             from moeflow.convert.mixtral import gpt_to_hf
             from moeflow.train import build_from_checkpoint
 
-            _refuse_file(args.to_hf, "--to-hf")
+            check_output_dir("--to-hf", args.to_hf)
             model, tok, info = build_from_checkpoint(src)
             out = gpt_to_hf(model, args.to_hf, special_tokens=info["extra"].get("special_tokens"),
                             tokenizer=tok.to_dict() if tok is not None else None)
@@ -85,7 +86,7 @@ def _run_convert(args: argparse.Namespace) -> int:
                 return fail("usage: moeflow convert SRC --to-dcp DIR")
             from moeflow.convert.dcp import moeflow_to_dcp
 
-            _refuse_file(args.to_dcp, "--to-dcp")
+            check_output_dir("--to-dcp", args.to_dcp)
 
             print(f"wrote {moeflow_to_dcp(src, args.to_dcp)} (DCP, from {src})")
             return 0
@@ -94,20 +95,16 @@ def _run_convert(args: argparse.Namespace) -> int:
             return 0
         if len(paths) != 2 or args.world_size is None:
             return fail("give DST and --world-size (or --info, --to-hf, --to-dcp)")
-        _refuse_file(paths[1], "DST")
+        check_output_dir("DST", paths[1])
         out = reshard_checkpoint(src, paths[1], args.world_size)
     except (CheckpointError, ValueError, TypeError) as err:
         return fail(str(err))
+    except BrokenPipeError:  # `convert --info | head`: main ends quietly
+        raise
     except OSError as err:  # an unreadable source or an unwritable destination
         return fail(f"{err.filename or ''}: {err.strerror or err}".lstrip(": "))
     print(f"wrote {out} for {args.world_size} rank(s)")
     return 0
-
-
-def _refuse_file(path: Path, what: str) -> None:
-    """A destination must be a directory or not exist yet (an existing file is never replaced)."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{what}={str(path)!r} is an existing file; give a directory (it is created if missing)")
 
 
 def _convert_from_hf(hf_dir: Path, dst: Path) -> int:
