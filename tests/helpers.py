@@ -12,7 +12,9 @@ Fixtures live in ``conftest.py``; everything a test module imports by name lives
 - ``file_states``: every file and folder under a directory with its hash and mtime (did an
   operation touch nothing?);
 - torchrun jobs: ``torchrun_cmd`` (one node's agent; static or c10d rendezvous), ``TORCHRUN_ENV``,
-  ``rank_pids`` (the ranks' process ids, to kill one).
+  ``rank_pids`` (the ranks' process ids, to kill one), ``job_pids`` (every rank of a job),
+  ``agent_ranks`` (an agent's ranks, from a whole /proc scan), ``descendants``, ``kill_node`` (an
+  agent and its ranks: a lost node), ``kill_job`` (what a job left behind).
 """
 
 from __future__ import annotations
@@ -385,3 +387,87 @@ def rank_pids(pid: int) -> dict[int, int]:
         if p != pid and b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env:
             found[int(env[b"RANK"])] = p
     return found
+
+
+def job_pids(rdzv_id: str) -> list[int]:
+    """The process ids of every torchrun rank of the job ``rdzv_id`` on this machine (their
+    ``TORCHELASTIC_RUN_ID``; read from /proc), whichever agent started them."""
+    needle = b"TORCHELASTIC_RUN_ID=" + rdzv_id.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # not ours to read, or it exited meanwhile
+            continue
+    return found
+
+
+def _sigkill(pids: Sequence[int]) -> None:
+    """SIGKILL each process and its process group (when it leads one)."""
+    import signal
+
+    for pid in pids:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from each process's parent in /proc/*/stat (a whole scan: the
+    ``/proc/PID/task/TID/children`` files can miss a child, as seen here under load)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it exited meanwhile
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (comm) state"
+        children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """The process ids of every descendant of process ``pid``."""
+    children, found, todo = _children(), [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def agent_ranks(agent_pid: int) -> dict[int, int]:
+    """``{RANK: pid}`` of the ranks a torchrun agent started (its children with torchrun's
+    environment); unlike ``rank_pids`` it never misses one."""
+    found = {}
+    for pid in _children().get(agent_pid, []):
+        try:
+            env = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:  # it exited meanwhile
+            continue
+        if b"TORCHELASTIC_RUN_ID" in env and b"RANK" in env:
+            found[int(env[b"RANK"])] = pid
+    return found
+
+
+def kill_node(agent_pid: int) -> dict[int, int]:
+    """SIGKILL a simulated node: the torchrun agent ``agent_pid`` (and its process group: start
+    it with ``start_new_session=True``) and every process under it: its ranks, each of which
+    torchrun starts in a session of its own (killing the agent's group alone leaves them
+    training), and theirs. Call it only while the agent has not been waited for (its pid is
+    still its own). Returns the ``{RANK: pid}`` of the ranks it killed."""
+    ranks = agent_ranks(agent_pid)
+    _sigkill([agent_pid, *descendants(agent_pid), *ranks.values()])
+    return ranks
+
+
+def kill_job(rdzv_id: str) -> None:
+    """SIGKILL every rank of the torchrun job ``rdzv_id`` left on this machine (a test's cleanup)."""
+    _sigkill(job_pids(rdzv_id))

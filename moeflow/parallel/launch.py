@@ -151,11 +151,13 @@ def run_torchrun(
     """Run ``python -m module *args`` on ``nproc`` local ranks (torchrun, rendezvous on
     127.0.0.1) with ``threads`` OpenMP threads each; returns the finished process (output
     captured, or passed through to this process's stdout/stderr with ``stream=True``).
-    ``max_restarts``: torchrun restarts the ranks that often after a failure. Raises
+    ``max_restarts``: torchrun restarts the ranks that often after a failure. The job gets a
+    rendezvous id of its own (``--rdzv-id``, the ranks' ``TORCHELASTIC_RUN_ID``; torchrun's
+    default is ``"none"`` for every job), by which its restarts know what it started. Raises
     ``RuntimeError`` (with the tail of the captured output) if it fails."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", module, *args,
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--rdzv-id={uuid.uuid4().hex}", "-m", module, *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(cmd, env=env, capture_output=not stream, text=True)

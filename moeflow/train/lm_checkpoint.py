@@ -2,9 +2,14 @@
 
 One run per directory (``out_dir``)::
 
-    run.json               the run's identity: {"format": "moeflow-run/1", "run_id", "created"}
+    run.json               the run's identity: {"format": "moeflow-run/1", "run_id", "created"}, and
+                           under torchrun the job that claimed it last: "rdzv_id" (torchrun's
+                           ``--rdzv-id``, ``TORCHELASTIC_RUN_ID``), so that the job's restarts and
+                           nodes that join it later know the run is theirs (``claimed_by``)
     history.json           losses, validation, expert load, lr, ... (``train_lm``'s history):
-                           rewritten by rank 0 before every checkpoint and at the end
+                           rewritten by rank 0 before every checkpoint and at the end;
+                           "world_sizes": [[step, ranks], ...], where each start or restart
+                           began and on how many ranks (an elastic job changes it)
     checkpoints/step-*     the checkpoints (``moeflow.checkpoint``); their ``extra`` is
                            ``checkpoint_extra``: model family and config, dtype, tokenizer, the
                            training config and the run id (small: no history, flat in steps)
@@ -32,6 +37,7 @@ Rules, checked by ``inspect_run`` before any training work (read-only), on rank 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -57,8 +63,8 @@ from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position
 from moeflow.train.data import Tokenizer, tokenizer_from_dict
 from moeflow.train.lm_config import LMTrainConfig
 
-__all__ = ["MODEL_FAMILY", "RunState", "build_from_checkpoint", "checkpoint_extra", "claim_run", "inspect_run",
-           "new_history", "on_rank0", "open_run", "write_history"]
+__all__ = ["MODEL_FAMILY", "RunState", "build_from_checkpoint", "checkpoint_extra", "claim_run", "claimed_by",
+           "inspect_run", "new_history", "on_rank0", "open_run", "write_history"]
 
 MODEL_FAMILY = "moeflow.MoEGPT"
 RUN_FORMAT = "moeflow-run/1"
@@ -80,7 +86,8 @@ def checkpoint_extra(cfg: LMTrainConfig, model_cfg: GPTConfig, tok: Tokenizer, r
 
 def new_history(run_id: str) -> dict:
     """The history of a run before its first step (``train_lm`` appends to every list)."""
-    return {"run_id": run_id, "step": [], "train_loss": [], "lr": [], "val": [], "load": [], "rebalance": []}
+    return {"run_id": run_id, "step": [], "train_loss": [], "lr": [], "val": [], "load": [], "rebalance": [],
+            "world_sizes": []}
 
 
 def _history_until(history: dict, step: int) -> dict:
@@ -90,7 +97,7 @@ def _history_until(history: dict, step: int) -> dict:
     out = {"run_id": history.get("run_id")}
     for key in ("step", "train_loss", "lr"):
         out[key] = [history[key][i] for i in keep]
-    for key in ("val", "load", "rebalance"):
+    for key in ("val", "load", "rebalance", "world_sizes"):
         out[key] = [entry for entry in history.get(key, []) if entry[0] <= step]
     return out
 
@@ -241,9 +248,10 @@ def inspect_run(cfg: LMTrainConfig) -> RunState:
                     finished=finished)
 
 
-def claim_run(cfg: LMTrainConfig, state: RunState) -> None:
+def claim_run(cfg: LMTrainConfig, state: RunState, *, rdzv_id: str | None = None) -> None:
     """Make ``cfg.out_dir`` this run's (after ``inspect_run``, before any training; rank 0):
-    delete what ``overwrite`` replaces and write ``run.json`` if it is missing."""
+    delete what ``overwrite`` replaces and write ``run.json`` if it is missing. ``rdzv_id``: the
+    torchrun job claiming it (``claimed_by`` reads it back), recorded in ``run.json``."""
     for path in state.remove:
         if path.is_dir():
             shutil.rmtree(path)
@@ -253,9 +261,21 @@ def claim_run(cfg: LMTrainConfig, state: RunState) -> None:
     if state.remove and ckpts.is_dir() and not any(ckpts.iterdir()):
         ckpts.rmdir()
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    if not (cfg.out_dir / RUN_FILE).exists():
-        _write_json(cfg.out_dir / RUN_FILE, {"format": RUN_FORMAT, "run_id": state.run_id,
-                                             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    run = _read_json(cfg.out_dir / RUN_FILE) or {
+        "format": RUN_FORMAT, "run_id": state.run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if not (cfg.out_dir / RUN_FILE).exists() or (rdzv_id is not None and run.get("rdzv_id") != rdzv_id):
+        _write_json(cfg.out_dir / RUN_FILE, run if rdzv_id is None else {**run, "rdzv_id": rdzv_id})
+
+
+def claimed_by(out_dir: Path, rdzv_id: str) -> str | None:
+    """The id of the run in ``out_dir`` when the torchrun job ``rdzv_id`` claimed it (its
+    ``run.json`` records that job), else None. A restart of the job, or a node that joins it,
+    continues that run: the record lives with the run, so it holds whatever store torchrun gives
+    the workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a new one)."""
+    run = _read_json(Path(out_dir) / RUN_FILE)
+    if run is None or run.get("rdzv_id") != rdzv_id or not isinstance(run.get("run_id"), str):
+        return None
+    return run["run_id"]
 
 
 def on_rank0(fn: Callable[[], T], group: ProcessGroup | None) -> T:
@@ -280,13 +300,18 @@ def on_rank0(fn: Callable[[], T], group: ProcessGroup | None) -> T:
 
 def open_run(cfg: LMTrainConfig, group: ProcessGroup | None) -> RunState:
     """``inspect_run`` and, unless the run is finished, ``claim_run``, on rank 0; every rank of
-    ``group`` calls it and gets the same ``RunState``."""
+    ``group`` calls it and gets the same ``RunState``, whose history records in ``"world_sizes"``
+    the step this start begins at and the number of ranks of ``group``."""
+
+    _, world = process_position(group)
 
     def inspect_and_claim() -> RunState:
         state = inspect_run(cfg)
-        if not state.finished:
-            claim_run(cfg, state)
-        return state
+        if state.finished:
+            return state
+        claim_run(cfg, state)
+        sizes = [*state.history.get("world_sizes", []), [state.start, world]]
+        return dataclasses.replace(state, history={**state.history, "world_sizes": sizes})
 
     return on_rank0(inspect_and_claim, group)
 
