@@ -58,6 +58,7 @@ from moeflow.checkpoint import (
     partial_checkpoints,
     read_index,
 )
+from moeflow.checkpoint.format import checkpoint_dir
 from moeflow.models import GPTConfig, MoEGPT
 from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position
 from moeflow.train.data import Tokenizer, tokenizer_from_dict
@@ -97,7 +98,7 @@ def _history_until(history: dict, step: int) -> dict:
     out = {"run_id": history.get("run_id")}
     for key in ("step", "train_loss", "lr"):
         out[key] = [history[key][i] for i in keep]
-    for key in ("val", "load", "rebalance", "world_sizes"):
+    for key in ("val", "load", "rebalance", "world_sizes", "skipped"):
         out[key] = [entry for entry in history.get(key, []) if entry[0] <= step]
     return out
 
@@ -322,12 +323,12 @@ def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoE
     it). Returns ``(model, tokenizer, info)``; the tokenizer is ``None`` for a converted model,
     whose tokenizer lives with the Hugging Face files."""
     path = Path(path)
-    if not (path / "index.json").exists():
-        found = latest_checkpoint(path) or latest_checkpoint(path / "checkpoints")
-        if found is None:
+    if not (path / "index.json").exists() and latest_checkpoint(path) is None:
+        if latest_checkpoint(path / "checkpoints") is None:
             raise CheckpointError(f"{path}: no complete checkpoint here (nor under {path / 'checkpoints'})")
-        path = found
-    extra = read_index(path).get("extra", {})
+        path = path / "checkpoints"  # a run directory
+    path = checkpoint_dir(path)  # a step directory without index.json is refused, never replaced
+    extra = read_index(path)["extra"]
     if extra.get("family") != MODEL_FAMILY:
         raise CheckpointError(
             f"{path}: not a {MODEL_FAMILY} checkpoint (family {extra.get('family')!r}); "
