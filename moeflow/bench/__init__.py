@@ -1,8 +1,9 @@
 """Every benchmark of moeflow, each the candidate beside its baselines in one run: the layer
 (``layer``, ``moeflow bench``) and its memory (``memory``), expert parallelism (``parallel``,
 ``moeflow bench --nproc``), tiered storage (``storage``, ``moeflow infer --bench``), the Hugging
-Face blocks (``hf``), the GPU kernels and overlap (``gpu_kernels``, ``gpu_overlap``) and the
-all-to-all link model (``calibrate``). The ``bench/`` folder at the top of the repository holds
+Face blocks (``hf``), text generation against transformers' ``generate`` (``generate``), the
+GPU kernels and overlap (``gpu_kernels``, ``gpu_overlap``) and the all-to-all link model
+(``calibrate``). The ``bench/`` folder at the top of the repository holds
 their results and launchers for the documented commands."""
 
 from moeflow.bench.layer import BenchConfig, format_table, run_layer_bench

@@ -1,8 +1,17 @@
-"""``moeflow generate``: sample text from a ``moeflow train`` checkpoint."""
+"""``moeflow generate``: sample text from a ``moeflow train`` checkpoint.
+
+    moeflow generate runs/shakespeare --prompt "ROMEO." --max-new-tokens 200
+    moeflow generate runs/shakespeare --prompts-file prompts.txt --batch-size 8 --temperature 0 --eos '\\n'
+
+Prompts of any lengths run in batches (``moeflow.models.generation.generate``: KV-cached, left
+padding, per-row stop tokens). The completions go to stdout; the prefill and decode tokens/s
+go to stderr, so stdout is the text alone. A bad value is one line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -12,26 +21,136 @@ __all__ = ["add_generate", "sample"]
 def add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="sample text from a `moeflow train` checkpoint",
                        description="Rebuild the model and tokenizer of a `moeflow train` checkpoint (any world size "
-                       "that wrote it) and sample a continuation of --prompt.")
+                       "that wrote it) and continue --prompt, or each line of --prompts-file, in batches "
+                       "(KV-cached). Prints the completions, then prefill and decode tokens/s on stderr.")
     p.add_argument("checkpoint", type=Path, help="a checkpoint directory, a checkpoints root, or a train --out directory")
-    p.add_argument("--prompt", default="ROMEO.\n")
-    p.add_argument("--tokens", type=int, default=300)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--prompt", default="ROMEO.\n", help="one prompt ('\\n' is a newline); default 'ROMEO.\\n'")
+    p.add_argument("--prompts-file", type=Path, default=None, metavar="PATH",
+                   help="several prompts, one per line (blank lines skipped; '\\n' is a newline); replaces --prompt")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per prompt at most (default 300)")
+    p.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)  # the old name of --max-new-tokens
+    p.add_argument("--eos", action="append", default=None, metavar="TOKEN",
+                   help="stop a row after this token: a token id, or text the tokenizer encodes as one token "
+                   "(e.g. '\\n'); repeat for several")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--sample-top-k", type=int, default=None, metavar="K",
+                   help="sample among the k most likely tokens only; 0 = all (default 40). Not the router's "
+                   "top-k (`train --top-k`)")
+    p.add_argument("--top-k", type=int, default=None, dest="old_top_k", metavar="K",
+                   help="deprecated spelling of --sample-top-k (it read as the router's k of `train --top-k`)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with "
+                   "probability >= p (default 1: all)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run_generate)
+
+
+def _fail(message: str) -> int:
+    print(f"moeflow generate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _unescape(text: str) -> str:
+    return text.replace("\\n", "\n")
+
+
+def _settings(args: argparse.Namespace) -> tuple[int, int]:
+    """``(max_new_tokens, sample_top_k)`` from the flags and their old spellings (checked)."""
+    if args.tokens is not None and args.max_new_tokens is not None:
+        raise ValueError("--tokens is the old name of --max-new-tokens: give one of them")
+    if args.old_top_k is not None and args.sample_top_k is not None:
+        raise ValueError("--top-k is the old name of --sample-top-k: give one of them")
+    new_flag, new = ("--tokens", args.tokens) if args.tokens is not None else ("--max-new-tokens", args.max_new_tokens)
+    top_k_flag, top_k = ("--top-k", args.old_top_k) if args.old_top_k is not None else ("--sample-top-k", args.sample_top_k)
+    new = 300 if new is None else new
+    top_k = 40 if top_k is None else top_k
+    if new < 0:
+        raise ValueError(f"{new_flag} must be >= 0, got {new}")
+    if top_k < 0:
+        raise ValueError(f"{top_k_flag} must be >= 0 (0 = all tokens), got {top_k}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be finite and >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.old_top_k is not None:  # after the checks: a refused command prints one line
+        print("moeflow generate: warning: --top-k is deprecated, use --sample-top-k (the sampling cut; "
+              "`train --top-k` is the router's k)", file=sys.stderr)
+    return new, top_k
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file is None:
+        return [_unescape(args.prompt)]
+    try:
+        lines = args.prompts_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--prompts-file {args.prompts_file}: cannot read it ({err})") from None
+    prompts = [_unescape(line) for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt (only blank lines)")
+    return prompts
+
+
+def _eos_ids(values: list[str] | None, tok) -> list[int]:  # type: ignore[no-untyped-def]
+    ids = []
+    for value in values or []:
+        if value.lstrip("-").isdigit():
+            ids.append(int(value))
+            continue
+        enc = tok.encode(_unescape(value))
+        if len(enc) != 1:
+            raise ValueError(f"--eos {value!r} is {len(enc)} tokens under the checkpoint's tokenizer; give one token "
+                             "or a token id")
+        ids.append(enc[0])
+    return ids
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     from moeflow.checkpoint import CheckpointError
 
     try:
-        print(sample(str(args.checkpoint), args.prompt.replace("\\n", "\n"), args.tokens, args.temperature,
-                     args.top_k or None, args.seed))
+        new, top_k = _settings(args)
+        prompts = _prompts(args)
+    except ValueError as err:
+        return _fail(str(err))
+    try:
+        import torch
+
+        from moeflow.models.generation import generate
+        from moeflow.train import build_from_checkpoint
+
+        model, tok, _ = build_from_checkpoint(str(args.checkpoint))
+        if tok is None:
+            raise ValueError(f"{args.checkpoint}: the checkpoint has no tokenizer (converted from Hugging Face); "
+                             "sample with transformers' tokenizer instead")
+        eos = _eos_ids(args.eos, tok)
+        encoded = [tok.encode(p) or [0] for p in prompts]
+        gen = torch.Generator().manual_seed(args.seed)
+        prefill = [0, 0.0]
+        decode = [0, 0.0]
+        for start in range(0, len(encoded), args.batch_size):
+            batch = encoded[start:start + args.batch_size]
+            result = generate(model, batch, new, temperature=args.temperature, top_k=top_k, top_p=args.top_p,
+                              eos=eos, generator=gen)
+            prefill = [prefill[0] + result.prefill_tokens, prefill[1] + result.prefill_s]
+            decode = [decode[0] + result.decode_tokens, decode[1] + result.decode_s]
+            for i, (ids, out) in enumerate(zip(batch, result.tokens)):
+                if len(prompts) > 1:
+                    print(f"### prompt {start + i + 1}")
+                print(tok.decode(ids + out))
     except (CheckpointError, ValueError, TypeError) as err:
-        print(f"moeflow generate: error: {err}", file=sys.stderr)
-        return 2
+        return _fail(str(err))
+    print(f"prefill: {_rate(*prefill)}; decode: {_rate(*decode)}; batch size {args.batch_size}", file=sys.stderr)
     return 0
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    per_s = f"{tokens / seconds:,.0f} tokens/s" if seconds > 0 else "- tokens/s"
+    return f"{tokens} tokens in {seconds:.3f} s ({per_s})"
 
 
 def sample(checkpoint: str, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:

@@ -1,6 +1,10 @@
-"""Models built from moeflow layers: a decoder-only MoE GPT and a vision MoE (ViT with MoE MLPs)."""
+"""Models built from moeflow layers: a decoder-only MoE GPT (with KV-cached, batched generation)
+and a vision MoE (ViT with MoE MLPs)."""
 
+from moeflow.models.generation import Generation, SamplingConfig, generate
 from moeflow.models.gpt import GPT_PRESETS, GPTConfig, MoEGPT, gpt_config
-from moeflow.models.vision import ViTMoEConfig, VisionMoE
+from moeflow.models.kv_cache import KVCache
+from moeflow.models.vision import VisionMoE, ViTMoEConfig
 
-__all__ = ["GPTConfig", "MoEGPT", "GPT_PRESETS", "gpt_config", "ViTMoEConfig", "VisionMoE"]
+__all__ = ["GPTConfig", "MoEGPT", "GPT_PRESETS", "gpt_config", "generate", "Generation", "SamplingConfig", "KVCache",
+           "ViTMoEConfig", "VisionMoE"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig, _int
 from moeflow.experts import DenseFFN
 from moeflow.layer import MoE
+from moeflow.models.kv_cache import KVCache, StepInputs, step_inputs
 
 __all__ = ["GPTConfig", "MoEGPT", "RMSNorm", "GPT_PRESETS", "gpt_config"]
 
@@ -175,17 +177,21 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype):
     """``cos, sin [S, Hd]`` of rotary embeddings, computed in fp32 (fp64 stays fp64), halves
-    duplicated (the "rotate half" convention of GPT-NeoX/Llama)."""
+    duplicated (the "rotate half" convention of GPT-NeoX/Llama); the first half of ``sin``
+    is negated, which is the sign ``apply_rope`` needs (it then rotates with one ``roll``)."""
     cdt = torch.promote_types(dtype, torch.float32)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).to(cdt) / head_dim))
     angles_SH = torch.outer(torch.arange(seq_len, device=device, dtype=torch.int64).to(cdt), inv_freq)
+    sin_SH = angles_SH.sin()
     emb = torch.cat([angles_SH, angles_SH], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return emb.cos().to(dtype), torch.cat([-sin_SH, sin_SH], dim=-1).to(dtype)
 
 
 def apply_rope(x_BNSH: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_BNSH.chunk(2, dim=-1)
-    return x_BNSH * cos_SH + torch.cat([-x2, x1], dim=-1) * sin_SH
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, written as
+    ``roll(x, Hd/2) * sin`` with ``sin``'s first half negated (``rope_cos_sin``): the same
+    values bit for bit, two ops fewer per call (a decode step calls it twice per block)."""
+    return x_BNSH * cos_SH + x_BNSH.roll(x_BNSH.shape[-1] // 2, dims=-1) * sin_SH
 
 
 class Attention(nn.Module):
@@ -201,15 +207,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, self.n_kv * self.head_dim, bias=False, **kw)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False, **kw)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, step: StepInputs | None = None, layer: int = 0) -> torch.Tensor:
+        """Without ``step``: the whole sequence, causal, positions ``0 .. S-1``. With ``step``
+        (incremental decoding): the new columns' keys/values go into ``step.cache`` at block
+        ``layer`` and the queries attend over every cached column, at each row's positions."""
         B, S, _ = x_BSD.shape
         q = self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(S, self.head_dim, self.theta, x_BSD.device, q.dtype)
+        if step is None:
+            cos, sin = rope_cos_sin(S, self.head_dim, self.theta, x_BSD.device, q.dtype)
+            mask, causal = None, True
+        else:
+            cos, sin, mask, causal = step.cos, step.sin, step.mask, step.causal
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if step is not None:
+            k, v = step.cache.write(layer, step.start, k, v)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv != self.n_heads,
         )
         return self.o_proj(y.transpose(1, 2).reshape(B, S, -1))
@@ -231,11 +246,17 @@ class Block(nn.Module):
             self.ffn = DenseFFN(dim=config.dim, hidden=config.dense_hidden or config.expert_hidden,
                                 activation=config.experts.activation, bias=config.experts.bias,
                                 init_std=config.init_std, **kw)  # type: ignore[arg-type]
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()  # no op per call
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD)))
-        return x_BSD + self.drop(self.ffn(self.ffn_norm(x_BSD)))
+    def forward(self, x_BSD: torch.Tensor, step: StepInputs | None = None, layer: int = 0) -> torch.Tensor:
+        x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD), step, layer))
+        h_BSD = self.ffn_norm(x_BSD)
+        if step is None or step.real_T is None:
+            return x_BSD + self.drop(self.ffn(h_BSD))
+        # left padding: the FFN (the MoE's routing and capacity) sees the real tokens only
+        h_TD = h_BSD.reshape(-1, h_BSD.shape[-1])
+        y_TD = torch.zeros_like(h_TD).index_copy_(0, step.real_T, self.ffn(h_TD.index_select(0, step.real_T)))
+        return x_BSD + self.drop(y_TD.view_as(x_BSD))
 
 
 class MoEGPT(nn.Module):
@@ -256,7 +277,7 @@ class MoEGPT(nn.Module):
         self.layers = nn.ModuleList(Block(config, config.is_moe_layer(i), **kw) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, **kw)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, **kw)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()  # no op per call
         self._init_dense(config.init_std)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -305,30 +326,53 @@ class MoEGPT(nn.Module):
         logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
         return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
 
+    def new_cache(self, pad_B: torch.Tensor, capacity: int) -> KVCache:
+        """An empty ``KVCache`` for ``len(pad_B)`` rows (``pad_B[b]`` left-pad columns in row
+        ``b``) and ``capacity <= max_seq_len`` columns, on the model's device and dtype."""
+        _int("capacity", capacity, minimum=1)
+        if capacity > self.config.max_seq_len:
+            raise ValueError(f"capacity={capacity} exceeds max_seq_len={self.config.max_seq_len}")
+        ref = self.embed.weight
+        head_dim = self.config.dim // self.config.n_heads
+        cos, sin = rope_cos_sin(capacity, head_dim, self.config.rope_theta, ref.device, ref.dtype)
+        return KVCache(n_layers=self.config.n_layers, batch=pad_B.shape[0], kv_heads=self.config.kv_heads,
+                       head_dim=head_dim, capacity=capacity, pad_B=pad_B, cos_LH=cos, sin_LH=sin,
+                       device=ref.device, dtype=ref.dtype)
+
+    def forward_cached(self, idx_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits ``[B, V]`` of the last column after appending ``idx [B, S]`` to ``cache``: the
+        prompt into an empty cache (prefill; left-pad columns as ``cache.pad_B`` says), or one
+        token per row (decode). Equal to ``self(whole sequence)[:, -1]`` up to rounding. Each
+        block runs its usual layers (the MoE's dispatcher and experts included), on the new
+        columns only."""
+        self._check_idx(idx_BS)
+        if idx_BS.shape[0] != cache.batch:
+            raise ValueError(f"idx has {idx_BS.shape[0]} rows but the cache holds {cache.batch}")
+        step = step_inputs(cache, idx_BS.shape[1])
+        x_BSD = self.drop(self.embed(idx_BS))
+        for i, block in enumerate(self.layers):
+            x_BSD = block(x_BSD, step, i)
+        cache.length += idx_BS.shape[1]
+        return self.lm_head(self.norm(x_BSD[:, -1]))
+
     @torch.no_grad()
     def generate(self, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to each row of ``idx [B, S]`` (the context is
-        cropped to the last ``max_seq_len`` tokens); ``temperature=0`` is greedy."""
-        _int("max_new_tokens", max_new_tokens, minimum=0)
-        if idx_BS.dim() != 2 or idx_BS.shape[1] == 0:
-            raise ValueError(f"idx must be [batch, seq] with at least one token per row, got {tuple(idx_BS.shape)}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None:
-            _int("top_k", top_k, minimum=1)
-        for _ in range(max_new_tokens):
-            logits_BV = self(idx_BS[:, -self.config.max_seq_len:])[:, -1, :].float()
-            if temperature == 0:
-                nxt = logits_BV.argmax(-1, keepdim=True)
-            else:
-                logits_BV = logits_BV / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits_BV, min(top_k, logits_BV.shape[-1])).values[:, -1:]
-                    logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(logits_BV, -1), 1, generator=generator)
-            idx_BS = torch.cat([idx_BS, nxt], dim=1)
-        return idx_BS
+                 top_k: int | None = None, top_p: float = 1.0, eos: int | Sequence[int] | None = None,
+                 generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
+        """Append up to ``max_new_tokens`` tokens to each row of ``idx [B, S]``; ``temperature=0``
+        is greedy, else sampling from the softmax at ``temperature``, cut to the ``top_k`` most
+        likely tokens (None or 0: all) and to the smallest set of mass ``>= top_p``.
+
+        The context of each new token is the last ``max_seq_len`` tokens (longer rows are
+        cropped, as a model trained at that length sees them). A row stops after producing a
+        token of ``eos``; the result is ``[B, S + n]`` with ``n`` the steps taken, a stopped
+        row repeating its stop token to the end. ``use_cache=False`` re-runs the whole
+        context per token (the reference of the cached path; same tokens). Ragged prompts and
+        timings: ``moeflow.models.generation.generate``."""
+        from moeflow.models.generation import generate_tensor
+
+        return generate_tensor(self, idx_BS, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               eos=eos, generator=generator, use_cache=use_cache)
 
     def num_parameters(self) -> tuple[int, int]:
         """``(total, active per token)``: active counts k of the E experts of each MoE block."""

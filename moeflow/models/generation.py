@@ -1,0 +1,266 @@
+"""Text generation with ``MoEGPT``: a batch of prompts of any lengths, KV-cached decoding,
+greedy or sampled (temperature, top-k, top-p), per-row stop tokens (legend below).
+
+The prompts are left-padded to one length and run once (prefill, ``MoEGPT.forward_cached``
+into a ``KVCache``); then each step feeds one token per unfinished row. A row that produced a
+stop token leaves the batch (its cache rows are dropped), so the remaining rows do not pay for
+it. The context of each token is the last ``max_seq_len`` tokens of its row, as the model's
+docs state: once a row is longer, the window slides and every further token re-runs the window
+(the keys of a cropped context differ from the cached ones in every block past the first, so
+they cannot be reused); give the model a ``max_seq_len`` of at least prompt + new tokens to
+stay on the cached path. ``generate_uncached`` is the plain loop (the whole context per token),
+the reference the tests hold the cached path to.
+
+Every step goes through each block's own layers (the MoE's router, dispatcher and experts), so
+a model whose experts live elsewhere (``moeflow.storage``) generates through the same code.
+
+Legend: ``B`` rows still generating, ``S`` columns, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.checks import _int
+
+__all__ = ["SamplingConfig", "Generation", "generate", "generate_uncached", "generate_tensor", "sample_next"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How the next token is chosen from the logits; validated on construction.
+
+    ``temperature=0`` is greedy (argmax); else the logits are divided by ``temperature``, cut
+    to the ``top_k`` largest (0: no cut) and then to the smallest set of tokens whose
+    probability adds up to at least ``top_p`` (1: no cut), and one token is drawn."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise TypeError(f"temperature must be a number, got {type(t).__name__} {t!r}")
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
+        _int("top_k", self.top_k, minimum=0)
+        if isinstance(p, bool) or not isinstance(p, (int, float)):
+            raise TypeError(f"top_p must be a number, got {type(p).__name__} {p!r}")
+        if not (0 < p <= 1):  # also refuses nan
+            raise ValueError(f"top_p must be in (0, 1], got {p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """New tokens per prompt (a stop token ends its row and is included) and the time spent.
+
+    ``prefill_s`` runs the prompts and picks each row's first token; ``decode_s`` the rest
+    (``decode_tokens`` of them)."""
+
+    tokens: list[list[int]]
+    prefill_tokens: int
+    prefill_s: float
+    decode_tokens: int
+    decode_s: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def sample_next(logits_BV: torch.Tensor, sampling: SamplingConfig,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """The next token ``[B]`` (int64) of each row of ``logits_BV`` (computed in >= fp32)."""
+    if sampling.greedy:
+        return logits_BV.argmax(-1)
+    logits_BV = logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32)) / sampling.temperature
+    V = logits_BV.shape[-1]
+    if 0 < sampling.top_k < V:
+        kth_B1 = torch.topk(logits_BV, sampling.top_k).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_BV, order_BV = logits_BV.sort(-1, descending=True)
+        probs_BV = sorted_BV.softmax(-1)
+        # drop a token when the more likely ones already hold top_p of the mass (never the first)
+        drop_BV = (probs_BV.cumsum(-1) - probs_BV) >= sampling.top_p
+        drop_BV[:, 0] = False
+        logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
+    return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator).squeeze(1)
+
+
+def _check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dtype not in (torch.int64, torch.int32) or prompts.dim() != 2 or 0 in prompts.shape:
+            raise ValueError(f"prompts must be an int tensor [batch, seq] with at least one token per row, got "
+                             f"{prompts.dtype} {tuple(prompts.shape)}")
+        lo, hi = int(prompts.min()), int(prompts.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompts: token ids must be in [0, {vocab_size}), got {lo if lo < 0 else hi}")
+        return prompts.tolist()
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise TypeError(f"prompts must be a non-empty list of token-id lists or an int tensor [batch, seq], "
+                        f"got {type(prompts).__name__} {prompts!r:.80}")
+    rows = []
+    for i, row in enumerate(prompts):
+        if isinstance(row, torch.Tensor):
+            row = row.tolist()
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) == 0:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {row!r:.80}")
+        for t in row:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"prompts[{i}] holds {type(t).__name__} {t!r}; token ids are ints")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompts[{i}]: token ids must be in [0, {vocab_size}), got {t}")
+        rows.append(list(row))
+    return rows
+
+
+def _check_eos(eos: object, vocab_size: int) -> frozenset[int]:
+    if eos is None:
+        return frozenset()
+    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if not isinstance(ids, (list, tuple, set, frozenset)):
+        raise TypeError(f"eos must be a token id, a list of token ids or None, got {type(eos).__name__} {eos!r}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"eos must hold int token ids, got {type(t).__name__} {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"eos: token ids must be in [0, {vocab_size}), got {t}")
+    return frozenset(ids)
+
+
+def _check_args(model, max_new_tokens: object, generator: object) -> None:
+    from moeflow.models.gpt import MoEGPT
+
+    if not isinstance(model, MoEGPT):
+        raise TypeError(f"model must be a MoEGPT, got {type(model).__name__}")
+    _int("max_new_tokens", max_new_tokens, minimum=0)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def _prefill(model, seq_BS: torch.Tensor, pad_B: torch.Tensor, capacity: int):
+    """A new cache holding the last ``max_seq_len`` columns of ``seq_BS``, and the logits of the
+    last column ``[B, V]``."""
+    start = max(0, seq_BS.shape[1] - model.config.max_seq_len)
+    cache = model.new_cache((pad_B - start).clamp(min=0), capacity)
+    return cache, model.forward_cached(seq_BS[:, start:], cache)
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+             eos: int | Sequence[int] | None = None, generator: torch.Generator | None = None,
+             clock: Callable[[], float] = time.perf_counter) -> Generation:
+    """Up to ``max_new_tokens`` new tokens for each prompt (lists of token ids of any lengths,
+    or an int tensor ``[B, S]``), KV-cached; sampling as in ``SamplingConfig``; a row stops
+    after a token of ``eos``. Bad arguments raise ``ValueError``/``TypeError`` naming them.
+    ``clock`` times prefill and decode (wall time; ``time.process_time`` gives CPU time, steadier
+    on a shared machine)."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k or 0, top_p=top_p)
+    _check_args(model, max_new_tokens, generator)
+    V, device = model.config.vocab_size, model.embed.weight.device
+    rows = _check_prompts(prompts, V)
+    stop = _check_eos(eos, V)
+    out: list[list[int]] = [[] for _ in rows]
+    prompt_tokens = sum(len(r) for r in rows)
+    if max_new_tokens == 0:
+        return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=0.0, decode_tokens=0, decode_s=0.0)
+    P = max(len(r) for r in rows)
+    # the token history, left-padded (pad id 0, never attended to): the sliding window reads it
+    seq_BS = torch.zeros(len(rows), P + max_new_tokens, dtype=torch.long, device=device)
+    seq_BS[:, :P] = torch.tensor([[0] * (P - len(r)) + r for r in rows], dtype=torch.long)
+    pad_B = torch.tensor([P - len(r) for r in rows], dtype=torch.long, device=device)
+    # columns ever fed: the prompt and every new token but the last
+    capacity = min(model.config.max_seq_len, P + max_new_tokens - 1)
+    live = list(range(len(rows)))  # the prompt of each cache row
+    cols = P
+
+    t0 = clock()
+    cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
+    t1 = None
+    for step in range(max_new_tokens):
+        next_B = sample_next(logits_BV, sampling, generator)
+        ids = next_B.tolist()  # the one host sync of a step (stop tokens are checked here)
+        if t1 is None:
+            t1 = clock()
+        seq_BS[:, cols] = next_B
+        cols += 1
+        keep = []
+        for i, (r, t) in enumerate(zip(live, ids)):
+            out[r].append(t)
+            if t not in stop:
+                keep.append(i)
+        if not keep or step == max_new_tokens - 1:
+            break
+        if len(keep) < len(live):
+            keep_B = torch.tensor(keep, dtype=torch.long, device=device)
+            seq_BS, next_B, pad_B = seq_BS.index_select(0, keep_B), next_B.index_select(0, keep_B), pad_B[keep_B]
+            cache.keep_rows(keep_B)
+            live = [live[i] for i in keep]
+        if cache.length < cache.capacity:
+            logits_BV = model.forward_cached(next_B.unsqueeze(1), cache)
+        else:  # the context is longer than max_seq_len: the window slides
+            cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
+    t2 = clock()
+    generated = sum(len(o) for o in out)
+    return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=t1 - t0,  # type: ignore[operator]
+                      decode_tokens=generated - len(rows), decode_s=t2 - t1)  # type: ignore[operator]
+
+
+@torch.no_grad()
+def generate_uncached(model, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                      top_k: int | None = None, top_p: float = 1.0, eos: int | Sequence[int] | None = None,
+                      generator: torch.Generator | None = None) -> list[list[int]]:
+    """The reference: each step runs the model on the last ``max_seq_len`` tokens of every row
+    (``idx [B, S]``, no padding) and picks the next token from the last position. Returns the
+    new tokens per row, cut after a stop token, as ``generate`` does."""
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k or 0, top_p=top_p)
+    _check_args(model, max_new_tokens, generator)
+    _check_prompts(idx_BS if isinstance(idx_BS, torch.Tensor) else torch.as_tensor(idx_BS), model.config.vocab_size)
+    stop = _check_eos(eos, model.config.vocab_size)
+    out: list[list[int]] = [[] for _ in range(idx_BS.shape[0])]
+    done = [False] * idx_BS.shape[0]
+    for _ in range(max_new_tokens):
+        logits_BV = model(idx_BS[:, -model.config.max_seq_len:])[:, -1, :]
+        next_B = sample_next(logits_BV, sampling, generator)
+        idx_BS = torch.cat([idx_BS, next_B.unsqueeze(1)], dim=1)
+        for b, t in enumerate(next_B.tolist()):
+            if not done[b]:
+                out[b].append(t)
+                done[b] = t in stop
+        if all(done):
+            break
+    return out
+
+
+def generate_tensor(model, idx_BS: torch.Tensor, max_new_tokens: int, *, use_cache: bool = True,
+                    **kwargs: object) -> torch.Tensor:
+    """``MoEGPT.generate``: ``idx [B, S]`` followed by the new tokens ``[B, S + n]``; a row that
+    stopped early repeats its stop token up to the longest row's ``n``."""
+    if not isinstance(idx_BS, torch.Tensor) or idx_BS.dim() != 2 or idx_BS.shape[1] == 0:
+        raise ValueError(f"idx must be [batch, seq] with at least one token per row, got "
+                         f"{tuple(getattr(idx_BS, 'shape', ()))}")
+    if use_cache:
+        new = generate(model, idx_BS, max_new_tokens, **kwargs).tokens  # type: ignore[arg-type]
+    else:
+        new = generate_uncached(model, idx_BS, max_new_tokens, **kwargs)  # type: ignore[arg-type]
+    n = max((len(r) for r in new), default=0)
+    if n == 0:
+        return idx_BS.clone()
+    tail = torch.tensor([r + r[-1:] * (n - len(r)) for r in new], dtype=idx_BS.dtype, device=idx_BS.device)
+    return torch.cat([idx_BS, tail], dim=1)

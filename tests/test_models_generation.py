@@ -1,0 +1,236 @@
+"""Generation with ``MoEGPT`` (``moeflow.models.generation``): the KV-cached path against the
+plain loop (tokens and logits), ragged batches against each prompt alone, stop tokens, the
+sampling cuts (top-k, top-p), argument errors, and ``moeflow generate``'s flags."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import moeflow
+from moeflow.models.generation import SamplingConfig, generate, generate_uncached, sample_next
+
+from helpers import rand, small_gpt
+
+
+def _prompts(gen: torch.Generator, lengths: list[int], vocab: int = 61) -> list[list[int]]:
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cached_decode_logits_equal_the_full_forward(gen, dtype) -> None:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = small_gpt(max_seq_len=24).to(dtype).eval()
+    seq = torch.randint(0, 61, (3, 24), generator=gen)
+    with torch.no_grad():
+        full_BSV = model(seq)
+        cache = model.new_cache(torch.zeros(3, dtype=torch.long), 24)
+        steps = [model.forward_cached(seq[:, :6], cache)]  # prefill, then one token at a time
+        steps += [model.forward_cached(seq[:, j:j + 1], cache) for j in range(6, 24)]
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.stack(steps, 1), full_BSV[:, 5:], **tol)
+    assert cache.length == 24
+    with pytest.raises(ValueError, match="holds 24 columns"):
+        model.forward_cached(seq[:, :1], cache)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cached_greedy_tokens_equal_the_uncached_loop_past_max_seq_len(gen, dtype) -> None:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = small_gpt(max_seq_len=16, n_kv_heads=1).to(dtype).eval()
+    idx = torch.randint(0, 61, (2, 9), generator=gen)
+    cached = model.generate(idx, 20, temperature=0)  # slides past max_seq_len after 7 tokens
+    plain = model.generate(idx, 20, temperature=0, use_cache=False)
+    assert cached.shape == (2, 29) and torch.equal(cached, plain)
+    assert generate(model, idx, 20, temperature=0).tokens == generate_uncached(model, idx, 20, temperature=0)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ragged_batch_gives_each_prompt_what_it_gets_alone(gen, dtype) -> None:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = small_gpt(max_seq_len=20).to(dtype).eval()
+    prompts = _prompts(gen, [3, 11, 1, 23, 7])
+    batch = generate(model, prompts, 14, temperature=0)  # 23 > max_seq_len: cropped at once; 11 slides later
+    alone = [generate(model, [p], 14, temperature=0).tokens[0] for p in prompts]
+    plain = [generate_uncached(model, torch.tensor([p]), 14, temperature=0)[0] for p in prompts]
+    assert batch.tokens == alone == plain
+    assert batch.prefill_tokens == 45 and batch.decode_tokens == 5 * 13
+    assert batch.prefill_s > 0 and batch.decode_s > 0 and batch.decode_tokens_per_s > 0
+
+
+@pytest.mark.reference
+def test_stop_tokens_end_each_row_and_the_rest_go_on(gen) -> None:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = small_gpt(max_seq_len=32).double().eval()
+    prompts = _prompts(gen, [4, 9, 2])
+    free = generate(model, prompts, 12, temperature=0).tokens
+    eos = free[0][3]  # row 0 stops at its 4th token (or earlier, if that token came before)
+    cut = [row[: row.index(eos) + 1] if eos in row else row for row in free]
+    stopped = generate(model, prompts, 12, temperature=0, eos=[eos])
+    assert stopped.tokens == cut and len(cut[0]) <= 4
+    assert stopped.tokens == [generate(model, [p], 12, temperature=0, eos=eos).tokens[0] for p in prompts]
+    # the tensor form: a stopped row repeats its stop token
+    idx = torch.tensor([prompts[1][:2], prompts[2]])
+    out = model.generate(idx, 12, temperature=0, eos=eos)
+    new = generate(model, idx, 12, temperature=0, eos=eos).tokens
+    for b, row in enumerate(new):
+        assert out[b, 2:2 + len(row)].tolist() == row
+        assert (out[b, 2 + len(row):] == row[-1]).all()
+    assert out.shape[1] == 2 + max(len(r) for r in new)
+
+
+@pytest.mark.reference
+def test_sampling_is_reproducible_and_cut_to_top_k_and_top_p(gen) -> None:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = small_gpt(max_seq_len=32).eval()
+    prompts = _prompts(gen, [5, 2])
+    runs = [generate(model, prompts, 10, temperature=0.9, top_k=5, top_p=0.9,
+                     generator=torch.Generator().manual_seed(7)).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert generate(model, prompts, 10, temperature=1.5, top_k=1).tokens == generate(model, prompts, 10, temperature=0).tokens
+
+    logits_BV = torch.randn(4, 50, generator=gen) * 3
+    g = torch.Generator().manual_seed(3)
+    top6_B = [set(r) for r in torch.topk(logits_BV, 6).indices.tolist()]
+    draws = torch.stack([sample_next(logits_BV, SamplingConfig(temperature=2.0, top_k=6), g) for _ in range(300)], 1)
+    for b in range(4):
+        seen = set(draws[b].tolist())
+        assert seen <= top6_B[b] and len(seen) > 1
+    # top-p: only the smallest set of tokens whose probability reaches p
+    probs_BV = logits_BV.softmax(-1)
+    draws = torch.stack([sample_next(logits_BV, SamplingConfig(temperature=1.0, top_p=0.7), g) for _ in range(300)], 1)
+    for b in range(4):
+        p_sorted, order = probs_BV[b].sort(descending=True)
+        n = int((p_sorted.cumsum(0) < 0.7).sum()) + 1
+        assert set(draws[b].tolist()) <= set(order[:n].tolist())
+    tiny = torch.stack([sample_next(logits_BV, SamplingConfig(top_p=1e-6), g) for _ in range(20)], 1)
+    assert torch.equal(tiny, logits_BV.argmax(-1, keepdim=True).expand(4, 20))
+
+
+@pytest.mark.reference
+def test_every_step_runs_the_moe_layers_own_forward(gen) -> None:
+    """The decode loop goes through each MoE layer (router, dispatcher, experts), so experts
+    held in moeflow.storage generate through the same code."""
+    model = small_gpt(max_seq_len=32).eval()
+    calls: list[int] = []
+    for layer in moeflow.moe_layers(model):
+        layer.register_forward_hook(lambda mod, args, out: calls.append(args[0].reshape(-1, 32).shape[0]))
+    generate(model, [[1, 2, 3], [4]], 5, temperature=0)
+    n_moe = len(moeflow.moe_layers(model))
+    # prefill sees the 4 real tokens only (no padding), then 4 steps of 2 tokens
+    assert calls == [4] * n_moe + [2] * (4 * n_moe)
+
+
+@pytest.mark.unit
+def test_generation_arguments_are_checked_naming_the_value() -> None:
+    model = small_gpt()
+    ok = [[1, 2]]
+    for kwargs, err, needle in [
+        (dict(temperature=float("nan")), ValueError, "temperature"), (dict(temperature=math.inf), ValueError, "inf"),
+        (dict(temperature=-0.5), ValueError, "-0.5"), (dict(temperature="hot"), TypeError, "temperature"),
+        (dict(top_p=0.0), ValueError, "top_p"), (dict(top_p=1.5), ValueError, "1.5"),
+        (dict(top_p=float("nan")), ValueError, "top_p"), (dict(top_k=-1), ValueError, "top_k"),
+        (dict(top_k=2.5), TypeError, "top_k"), (dict(eos=61), ValueError, "eos"),
+        (dict(eos="x"), TypeError, "eos"), (dict(generator=3), TypeError, "generator"),
+    ]:
+        with pytest.raises(err, match=needle):
+            generate(model, ok, 2, **kwargs)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, ok, -1)
+    for prompts, err, needle in [([], TypeError, "prompts"), ([[1], []], ValueError, r"prompts\[1\]"),
+                                 ([[1, 61]], ValueError, "61"), ([[1, -2]], ValueError, "-2"),
+                                 ([[1.5]], TypeError, "float"), ("abc", TypeError, "prompts"),
+                                 (torch.zeros(2, 0, dtype=torch.long), ValueError, "at least one token"),
+                                 (torch.full((1, 2), 99), ValueError, "99")]:
+        with pytest.raises(err, match=needle):
+            generate(model, prompts, 2)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), 1, temperature=float("nan"))
+    assert generate(model, ok, 0).tokens == [[]]
+
+
+@pytest.mark.e2e
+def test_cli_generate_batches_prompts_and_rejects_bad_values(tmp_path, capsys) -> None:
+    from moeflow.cli.main import main
+
+    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                 "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "0", "--threads", "1"]) == 0
+    capsys.readouterr()
+    run = str(tmp_path / "run")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ROMEO.\n\nJULIET. O\nKING\n")
+    assert main(["generate", run, "--prompts-file", str(prompts), "--batch-size", "2", "--max-new-tokens", "6",
+                 "--temperature", "0", "--eos", "\\n"]) == 0
+    out, err = capsys.readouterr()
+    texts = out.split("### prompt ")[1:]
+    bodies = [t.split("\n", 1)[1] for t in texts]
+    assert [b.startswith(p) for b, p in zip(bodies, ["ROMEO.", "JULIET. O", "KING"])] == [True] * 3 == [True] * len(bodies)
+    assert "prefill: 19 tokens" in err and "decode:" in err and "tokens/s" in err
+    # greedy: a batch gives what each prompt gets alone
+    assert main(["generate", run, "--prompt", "JULIET. O", "--max-new-tokens", "6", "--temperature", "0",
+                 "--eos", "10"]) == 0
+    assert capsys.readouterr().out == bodies[1]
+    # the old spellings still work, with a note
+    assert main(["generate", run, "--tokens", "2", "--top-k", "3"]) == 0
+    assert "deprecated" in capsys.readouterr().err
+    for flags, needle in [(["--temperature", "-1"], "--temperature"), (["--top-k", "-1"], "--top-k"),
+                          (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "1.5"),
+                          (["--sample-top-k", "-2"], "--sample-top-k"), (["--max-new-tokens", "-1"], "-1"),
+                          (["--batch-size", "0"], "--batch-size"), (["--eos", "999"], "999"),
+                          (["--eos", "ab"], "2 tokens"), (["--prompts-file", str(tmp_path / "none")], "cannot read"),
+                          (["--tokens", "2", "--max-new-tokens", "2"], "one of them"), (["--seed", "-1"], "--seed")]:
+        assert main(["generate", run, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1 and "Traceback" not in err, (flags, err)
+
+
+# ----------------------------------------------------------------------------- decode-shaped MoE
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("weight_at", ["combine", "dispatch"])
+@pytest.mark.parametrize(("T", "K"), [(1, 2), (1, 1), (5, 3), (64, 2)])
+def test_no_grad_dropless_run_equals_dispatch_then_combine(gen, weight_at, T, K) -> None:
+    """The inference path of the local dispatcher (a decode step: a few tokens, no autograd)
+    gives what dispatch -> experts -> combine gives, for built-in and per-module experts."""
+    from moeflow.config import DispatchConfig
+    from moeflow.experts import ModuleExperts
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    for experts in (None, ModuleExperts([torch.nn.Linear(16, 16) for _ in range(6)])):
+        layer = moeflow.MoE(dim=16, hidden=24, num_experts=6, top_k=K, capacity_factor=0.0,
+                            dispatch=DispatchConfig(weight_at=weight_at), experts_module=experts).double()
+        x_TD = rand(gen, T, 16)
+        routing = layer.router(x_TD, top_k=K)
+        expert_in, plan = layer.dispatcher.dispatch(x_TD, routing, capacity_factor=0.0)
+        ref_TD = layer.dispatcher.combine(layer.experts(expert_in, plan.counts_E), plan)
+        with torch.no_grad():
+            fast_TD = layer.dispatcher.run_dropless_no_grad(x_TD, routing, layer.experts)
+            torch.testing.assert_close(fast_TD, ref_TD.detach(), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(layer(x_TD), ref_TD.detach() + (layer.shared(x_TD) if layer.shared else 0),
+                                       rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.integration
+def test_generate_benchmark_matches_transformers_tokens(tmp_path) -> None:
+    """The benchmark's own check at a tiny size: transformers' Mixtral, loaded from moeflow's
+    export, generates the same greedy tokens as moeflow (B=2, 6 new tokens)."""
+    pytest.importorskip("transformers")
+    import json
+
+    from moeflow.bench.generate import main as bench_main
+
+    out = tmp_path / "generate.json"
+    assert bench_main(["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--hidden", "48",
+                       "--vocab", "96", "--prompt-len", "5", "--batch-sizes", "2", "--new-tokens", "6",
+                       "--repeats", "1", "--threads", "1", "--hf-experts", "grouped_mm,eager", "--layer-tokens", "1,3",
+                       "--layer-calls", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {r["candidate"] for r in report["results"]} == {"moeflow", "hf:grouped_mm", "hf:eager"}
+    assert all(r["tokens_vs_moeflow"] == "identical" for r in report["results"])
+    assert all(r["max_abs_diff"] < 1e-5 for r in report["layer"]) and len(report["layer"]) == 8
