@@ -153,10 +153,11 @@ def run_torchrun(
     captured, or passed through to this process's stdout/stderr with ``stream=True``).
     ``max_restarts``: torchrun restarts the ranks that often after a failure. The job gets a
     rendezvous id of its own (``--rdzv-id``, the ranks' ``TORCHELASTIC_RUN_ID``; torchrun's
-    default is ``"none"`` for every job), by which its restarts know what it started. Raises
+    default is ``"none"`` for every job), by which its restarts know what it started. torchrun
+    runs through ``moeflow.parallel.agent`` (no traceback of its own when a rank fails). Raises
     ``RuntimeError`` (with the tail of the captured output) if it fails."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        sys.executable, "-m", "moeflow.parallel.agent", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--rdzv-id={uuid.uuid4().hex}", "-m", module, *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
