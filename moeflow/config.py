@@ -286,17 +286,23 @@ class ExpertsConfig:
     ``"triton"`` (``moeflow.kernels.triton``: the FFN with its activation fused; CUDA, or CPU
     under the Triton interpreter for tests), or ``"auto"`` (Triton for bf16/fp16 on CUDA,
     ``grouped_mm`` where it supports the device and dtype, else ``loop``).
+    ``recompute``: keep only the experts' input rows for backward and recompute the hidden
+    activation there (Megatron-Core's MoE recompute): the same gradients, less activation
+    memory, one more GEMM per expert in backward (``moeflow.experts.lean``).
     """
 
     activation: Activation = "swiglu"
     bias: bool = False
     backend: ExpertsBackend = "auto"
     init_std: float = 0.02
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         _choice("activation", self.activation, Activation)
         _choice("experts backend", self.backend, ExpertsBackend)
         _float("init_std", self.init_std, minimum=0.0)
+        if not isinstance(self.recompute, bool):
+            raise TypeError(f"recompute must be a bool, got {self.recompute!r}")
 
     @property
     def gated(self) -> bool:

@@ -14,14 +14,17 @@ The output has the input's layout with ``D`` features.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moeflow.config import ExpertsConfig
+from moeflow.experts.lean import LEAN_ACTIVATIONS, lean_ffn
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
 __all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero",
@@ -90,6 +93,8 @@ def mark_expert_parameters(module: nn.Module) -> None:
 class GroupedExperts(nn.Module):
     """``E`` FFN experts stored as 3-D weights.
 
+    ``recompute`` (keyword, default ``config.recompute``): see ``ExpertsConfig.recompute``.
+
     Parameters:
         w_in: ``[E, D, F]`` (``F = 2H`` for gated activations: gate columns first, then up).
         w_out: ``[E, H, D]``.
@@ -105,11 +110,14 @@ class GroupedExperts(nn.Module):
         dim: int,
         hidden: int,
         config: ExpertsConfig | None = None,
+        recompute: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.config = config if config is not None else ExpertsConfig()
+        if recompute is not None:
+            self.recompute = recompute
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         width = 2 * hidden if self.config.gated else hidden
         kw = {"device": device, "dtype": dtype}
@@ -170,6 +178,16 @@ class GroupedExperts(nn.Module):
         return out
 
     @property
+    def recompute(self) -> bool:
+        """Expert recompute (``ExpertsConfig.recompute``): backward recomputes the hidden
+        activation from the saved input rows instead of keeping it. Settable at any time."""
+        return self.config.recompute
+
+    @recompute.setter
+    def recompute(self, value: bool) -> None:
+        self.config = dataclasses.replace(self.config, recompute=value)
+
+    @property
     def halves(self) -> int:
         """Column blocks of ``w_in`` per hidden unit: 2 for gated activations (gate, up), else 1."""
         return self.w_in.shape[-1] // self.hidden
@@ -186,6 +204,16 @@ class GroupedExperts(nn.Module):
         raise ValueError(f"expert_in must be [E, C, D] or [R, D], got shape {tuple(expert_in.shape)}")
 
     def _forward_padded(self, x_ECD: torch.Tensor) -> torch.Tensor:
+        if self.b_in is None and self.b_out is None:
+            x_ECD, w_in, w_out = autocast_cast(x_ECD, x_ECD, self.w_in, self.w_out)
+            return lean_ffn(x_ECD, w_in, w_out, None, activation=self.config.activation, gemm="bmm",
+                            recompute=self.config.recompute)
+        if self.config.recompute:
+            return checkpoint(self._forward_padded_autograd, x_ECD, use_reentrant=False)
+        return self._forward_padded_autograd(x_ECD)
+
+    def _forward_padded_autograd(self, x_ECD: torch.Tensor) -> torch.Tensor:
+        """With biases: plain autograd (``recompute`` wraps it in ``torch.utils.checkpoint``)."""
         if self.b_in is None:
             h_ECF = torch.bmm(x_ECD, self.w_in)
         else:
@@ -198,7 +226,8 @@ class GroupedExperts(nn.Module):
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         x_RD, w_in, w_out, b_in, b_out = autocast_cast(x_RD, x_RD, self.w_in, self.w_out, self.b_in, self.b_out)
         return grouped_ffn(
-            x_RD, counts_E, w_in, w_out, b_in, b_out, activation=self.config.activation, backend=self.config.backend
+            x_RD, counts_E, w_in, w_out, b_in, b_out, activation=self.config.activation, backend=self.config.backend,
+            recompute=self.config.recompute,
         )
 
 
@@ -212,6 +241,7 @@ def grouped_ffn(
     *,
     activation: str | Callable[[torch.Tensor], torch.Tensor],
     backend: str = "auto",
+    recompute: bool = False,
 ) -> torch.Tensor:
     """``y_RD = act(x_RD W_in[e] + b_in[e]) W_out[e] + b_out[e]`` on rows grouped by expert.
 
@@ -223,14 +253,26 @@ def grouped_ffn(
     With ``"triton"``, a named activation and no biases, the whole FFN is
     ``moeflow.kernels.triton.grouped_ffn_triton`` (activation fused into the GEMM epilogues);
     otherwise the Triton grouped GEMM runs with the activation and biases in torch.
+    Without biases, a named activation and the ``"grouped_mm"`` or ``"loop"`` backend, the FFN
+    is ``moeflow.experts.lean.lean_ffn`` (saves the input rows and the pre-activation only).
+    ``recompute``: keep only the input rows for backward and recompute the hidden activation
+    there (``lean_ffn``, or ``torch.utils.checkpoint`` around the other paths); the same
+    gradients, less memory between forward and backward, one more GEMM in backward.
     """
     dims = (w_in_EDF.shape[-2], w_in_EDF.shape[-1], w_out_EHD.shape[-2])
     name = resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype, dims)
-    if name == "triton" and b_in_EF is None and b_out_ED is None and isinstance(activation, str):
+    if name == "triton" and b_in_EF is None and b_out_ED is None and isinstance(activation, str) and not recompute:
         # both GEMMs and the activation (and its backward) in fused Triton kernels
         from moeflow.kernels.triton.grouped_gemm import grouped_ffn_triton
 
         return grouped_ffn_triton(x_RD, counts_E, w_in_EDF, w_out_EHD, activation=activation)
+    if b_in_EF is None and b_out_ED is None and activation in LEAN_ACTIVATIONS and name in ("grouped_mm", "loop"):
+        offs_E = torch.cumsum(counts_E, 0)
+        return lean_ffn(x_RD, w_in_EDF, w_out_EHD, offs_E.to(torch.int32) if name == "grouped_mm" else offs_E,
+                        activation=activation, gemm=name, recompute=recompute)
+    if recompute:
+        return checkpoint(grouped_ffn, x_RD, counts_E, w_in_EDF, w_out_EHD, b_in_EF, b_out_ED,
+                          activation=activation, backend=name, use_reentrant=False)
     mm = GROUPED_MM_BACKENDS[name]
     offs_E = torch.cumsum(counts_E, 0)
     h_RF = mm(x_RD, w_in_EDF, offs_E)

@@ -37,7 +37,9 @@ class MoE(nn.Module):
 
     ``experts_module`` replaces the built-in FFN experts with any module following the experts
     protocol (see ``moeflow.experts``), e.g. ``ModuleExperts([...])``; ``dispatcher`` replaces the
-    local dispatcher (expert parallelism does this from outside).
+    local dispatcher (expert parallelism does this from outside). ``expert_recompute=True``
+    (shorthand for ``ExpertsConfig(recompute=True)``) makes the experts keep only their input
+    rows for backward and recompute the hidden activation there: same gradients, less memory.
 
     Per call, ``capacity_factor`` and ``top_k`` override the configured values (0 is a value:
     ``capacity_factor=0`` means dropless); ``overlap_degree`` and ``parallel`` override the
@@ -52,6 +54,7 @@ class MoE(nn.Module):
         config: MoEConfig | None = None,
         experts_module: nn.Module | None = None,
         dispatcher: Dispatcher | None = None,
+        expert_recompute: bool | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **fields: object,
@@ -70,6 +73,12 @@ class MoE(nn.Module):
             config = dataclasses.replace(config, **fields)  # type: ignore[arg-type]
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if expert_recompute is not None:
+            if not isinstance(expert_recompute, bool):
+                raise TypeError(f"expert_recompute must be a bool or None, got {expert_recompute!r}")
+            if experts_module is not None:
+                raise ValueError("expert_recompute applies to the built-in experts; set it on experts_module instead")
+            config = dataclasses.replace(config, experts=dataclasses.replace(config.experts, recompute=expert_recompute))
         self.config = config
         kw = {"device": device, "dtype": dtype}
         self.router = Router(dim=config.dim, num_experts=config.num_experts, config=config.router, **kw)
