@@ -26,6 +26,11 @@ def test_bench_report_has_every_implementation_and_pass():
             assert r["peak_mem_mb"] is None or r["peak_mem_mb"] >= 0
     floor = report["records"][3]["forward_backward"]
     assert floor["ratio_to_floor"] == pytest.approx(1.0)
+    # memory measured the same way for all four, the floor's ratio shown on every row
+    for rec in report["records"]:
+        r = rec["forward_backward"]
+        assert r["peak_mem_mb"] > 0 and r["mem_ratio_to_floor"] == pytest.approx(r["peak_mem_mb"] / floor["peak_mem_mb"])
+    assert floor["mem_ratio_to_floor"] == pytest.approx(1.0)
     # useful FLOPs: 2*T*K*D*(2H + H) for SwiGLU, forward
     assert report["flops"]["forward"] == 2.0 * 32 * 2 * 8 * (32 + 16)
     assert "moeflow" in format_table(report)
@@ -42,6 +47,30 @@ def test_bench_cli_writes_json(tmp_path, capsys):
     assert [r["name"] for r in report["records"]] == ["moeflow", "loop", "floor"]
     assert report["config"]["capacity_factor"] == 0
     assert "forward_backward" in capsys.readouterr().out
+
+
+@pytest.mark.unit
+def test_bench_progress_counts_warmup_and_repeats_apart():
+    seen: list[str] = []
+    cfg = BenchConfig(tokens=8, dim=8, hidden=8, experts=2, top_k=1, repeats=3, warmup=1, threads=1,
+                      impls=("floor",), memory=False)
+    run_layer_bench(cfg, progress=seen.append)
+    assert seen[:4] == ["forward: warm-up 1/1", "forward: repeat 1/3", "forward: repeat 2/3", "forward: repeat 3/3"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("where", ["directory", "under_a_file"])
+def test_bench_json_path_that_cannot_be_written_fails_first(tmp_path, capsys, monkeypatch, where):
+    import moeflow.bench
+
+    ran = []
+    monkeypatch.setattr(moeflow.bench, "run_layer_bench", lambda *a, **k: ran.append(1))
+    (tmp_path / "file").write_text("x")
+    path = tmp_path if where == "directory" else tmp_path / "file" / "r.json"
+    rc = main(["bench", "--tokens", "8", "--json", str(path)])
+    err = capsys.readouterr().err
+    assert rc != 0 and not ran
+    assert err.startswith("moeflow bench: error: --json ") and err.count("\n") == 1 and "Traceback" not in err
 
 
 @pytest.mark.reference

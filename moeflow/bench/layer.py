@@ -198,10 +198,12 @@ def run_layer_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = N
                 if rep >= cfg.warmup:
                     times[name].append(time.perf_counter() - t0)
             if progress:
-                progress(f"{pass_name}: repeat {rep + 1}/{cfg.warmup + cfg.repeats}")
+                what = f"warm-up {rep + 1}/{cfg.warmup}" if rep < cfg.warmup else f"repeat {rep - cfg.warmup + 1}/{cfg.repeats}"
+                progress(f"{pass_name}: {what}")
         for name, fn in impls.items():
             x, g = inputs[name]
             med = statistics.median(times[name])
+            layer.zero_grad(set_to_none=True)  # the gradients a pass allocates count as its memory
             peak = peak_memory_bytes(lambda: _one_pass(fn, x, g, backward, layer), device) if cfg.memory else None
             results[name][pass_name] = {
                 "median_ms": med * 1e3,
@@ -216,6 +218,9 @@ def run_layer_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = N
             for pass_name in ("forward", "forward_backward"):
                 rec = results[name][pass_name]
                 rec["ratio_to_floor"] = rec["median_ms"] / results["floor"][pass_name]["median_ms"]
+                floor_mem = results["floor"][pass_name]["peak_mem_mb"]
+                if rec["peak_mem_mb"] is not None and floor_mem:
+                    rec["mem_ratio_to_floor"] = rec["peak_mem_mb"] / floor_mem
     for name in results:
         for pass_name in ("forward", "forward_backward"):
             rec = results[name][pass_name]
@@ -245,7 +250,8 @@ def format_table(report: dict) -> str:
         + (f", {m['gpu']}" if "gpu" in m else "")
         + (", glibc heap kept (mallopt)" if m.get("heap_kept") else ""),
         "",
-        f"{'pass':<17}{'impl':<9}{'median ms':>11}{'tokens/s':>12}{'TFLOP/s':>9}{'peak MiB':>10}{'x floor':>9}{'x moeflow':>11}",
+        f"{'pass':<17}{'impl':<9}{'median ms':>11}{'tokens/s':>12}{'TFLOP/s':>9}{'peak MiB':>10}{'x floor':>9}{'x moeflow':>11}"
+        f"{'mem x floor':>13}",
     ]
     for pass_name in ("forward", "forward_backward"):
         for rec in report["records"]:
@@ -253,11 +259,14 @@ def format_table(report: dict) -> str:
             mem = "n/a" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f}"
             ratio = f"{r['ratio_to_floor']:.3f}" if "ratio_to_floor" in r else "n/a"
             speed = f"{r['speedup_of_moeflow']:.2f}" if "speedup_of_moeflow" in r else "n/a"
+            mem_ratio = f"{r['mem_ratio_to_floor']:.2f}" if "mem_ratio_to_floor" in r else "n/a"
             lines.append(
                 f"{pass_name:<17}{rec['name']:<9}{r['median_ms']:>11.1f}{r['tokens_per_s']:>12.0f}{r['tflops']:>9.3f}"
-                f"{mem:>10}{ratio:>9}{speed:>11}"
+                f"{mem:>10}{ratio:>9}{speed:>11}{mem_ratio:>13}"
             )
     lines.append("")
     lines.append("x floor: median time / floor median time (lower is better; 1.0 = nothing but the expert GEMMs).")
     lines.append("x moeflow: median time / moeflow median time (how many times slower than moeflow).")
+    lines.append("peak MiB: tensor memory a pass adds at its peak (activations, saved tensors, temporaries, parameter")
+    lines.append("gradients; moeflow.bench.memory), measured the same way for every implementation; mem x floor: / floor's.")
     return "\n".join(lines)

@@ -32,8 +32,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (default 2; 1 with --nproc)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per implementation (default 7)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up repeats (default 1)")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="timed repeats per implementation (default 7), after the --warmup untimed ones")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up repeats before the timed ones (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--impls", default="moeflow,einsum,loop,floor", help="comma-separated subset of moeflow,einsum,loop,floor"
@@ -58,7 +59,31 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_bench)
 
 
+def _check_json_path(path: Path | None) -> str | None:
+    """Why ``--json PATH`` cannot be written (checked before the benchmark runs), or None: its
+    folder is created as writing would, and a file is opened there for appending (then removed
+    again if it was not there before)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return f"--json {path}: is a directory, not a file path"
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        return f"--json {path}: cannot write there ({err.strerror or err})"
+    if not existed:
+        path.unlink()
+    return None
+
+
 def _run_bench(args: argparse.Namespace) -> int:
+    problem = _check_json_path(args.json)
+    if problem is not None:
+        print(f"moeflow bench: error: {problem}", file=sys.stderr)
+        return 2
     if args.nproc is not None:
         return _run_parallel_bench(args)
     if args.sweep or args.skew or args.expert_slots or args.hidden_shards != 1:
