@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from moeflow.cli.flags import config_from_flags
+from moeflow.cli.flags import check_device, config_from_flags, float_at_least
 
 __all__ = ["add_bench", "add_a2a_model"]
 
@@ -84,6 +84,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"moeflow bench: error: {problem}", file=sys.stderr)
         return 2
+    check_device("--device", args.device)  # before any work: a missing CUDA is one line, not torch's assertion
     if args.nproc is not None:
         return _run_parallel_bench(args)
     if args.sweep or args.skew or args.expert_slots or args.hidden_shards != 1:
@@ -133,7 +134,7 @@ def add_a2a_model(sub: argparse._SubParsersAction) -> None:
         description="Latency + bytes/bandwidth model of the flat and two-level all-to-all "
         "(moeflow.parallel.costmodel). Defaults: 8-GPU NVLink nodes on 400 Gb/s InfiniBand.",
     )
-    p.add_argument("--bytes-per-rank", type=float, default=2 * 4096 * 4096 * 2.0,
+    p.add_argument("--bytes-per-rank", type=float_at_least(0, strict=True), default=2 * 4096 * 4096 * 2.0,
                    help="bytes each rank exchanges (default: T=4096, K=2, D=4096, bf16 = 64 MiB)")
     p.add_argument("--node-size", type=int, default=8)
     p.add_argument("--calibrate", action="store_true",
