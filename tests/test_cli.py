@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moeflow
-from moeflow.checkpoint import CheckpointError, save_checkpoint
+from moeflow.checkpoint import CheckpointError, read_index, save_checkpoint
 from moeflow.cli.main import main
 from moeflow.train import build_from_checkpoint
 
@@ -166,3 +166,174 @@ def test_nonfinite_loss_stops_every_rank_under_nproc(tmp_path, capfd) -> None:
     assert err.count("moeflow train: error: training stopped at step 2") == 1, err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
     assert json.loads((out / "history.json").read_text())["skipped"][0][0] == 2
+
+
+def test_threads_follow_omp_num_threads(tmp_path, monkeypatch, capsys) -> None:
+    """--threads defaults to OMP_NUM_THREADS when it is set (else 2), and --help says which."""
+    from moeflow.cli.main import build_parser
+
+    before = torch.get_num_threads()
+    try:
+        for env, expected in (("1", 1), (None, 2), ("x", 2)):
+            if env is None:
+                monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("OMP_NUM_THREADS", env)
+            torch.set_num_threads(3)
+            assert main(["train", "--out", str(tmp_path / f"run{expected}{env}"), "--steps", "1", "--batch-size", "2",
+                         "--seq-len", "8", "--eval-batches", "1", "--no-plot", "--sample-tokens", "0"]) == 0
+            assert torch.get_num_threads() == expected
+            sub = build_parser()._subparsers._group_actions[0].choices["train"]
+            threads = next(a for a in sub._actions if a.dest == "threads")
+            assert (f"in effect now: {expected}" in threads.help
+                    and ("from OMP_NUM_THREADS" in threads.help) == (env == "1"))
+        torch.set_num_threads(3)
+        assert main(["train", "--out", str(tmp_path / "explicit"), "--threads", "2", "--steps", "1", "--batch-size",
+                     "2", "--seq-len", "8", "--eval-batches", "1", "--no-plot", "--sample-tokens", "0"]) == 0
+        assert torch.get_num_threads() == 2  # a flag beats the environment
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_progress_lines_and_metrics_jsonl(tmp_path, capsys) -> None:
+    """Not on a terminal: plain progress lines, the validation loss before training printed
+    before the first step's line; metrics.jsonl holds every step once, also after a resume."""
+    from moeflow.train.metrics import read_metrics
+
+    torch.set_num_threads(2)
+    out = tmp_path / "run"
+    flags = ["train", "--out", str(out), "--batch-size", "4", "--seq-len", "16", "--eval-batches", "1",
+             "--eval-every", "2", "--log-every", "2", "--no-plot", "--sample-tokens", "0", "--warmup", "1"]
+    assert main([*flags, "--steps", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "\r" not in text
+    lines = text.splitlines()
+    first_val = next(i for i, line in enumerate(lines) if line.startswith("before training: validation loss"))
+    step2 = next(i for i, line in enumerate(lines) if line.startswith("step 2/4: loss"))
+    assert first_val < step2 and "tokens/s, max_load" in lines[step2]
+    records = read_metrics(out / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all({"lr", "grad_norm", "aux_loss", "tokens_per_s", "time_s"} <= r.keys() for r in steps)
+    assert [r["step"] for r in steps if "max_load" in r] == [2, 4] and all(r["max_load"] >= 1 for r in steps[1::2])
+    history = json.loads((out / "history.json").read_text())
+    assert [r["loss"] for r in steps] == history["train_loss"] and [r["lr"] for r in steps] == history["lr"]
+    assert [[r["step"], r["val_loss"]] for r in records if "val_loss" in r] == history["val"]
+    # records past the checkpoint (a run that died after its last save) are cut back on resume
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 5, "loss": 9.0}) + "\n")
+    assert main([*flags, "--steps", "6", "--resume"]) == 0
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_tensorboard_logs_the_metrics_or_is_refused(tmp_path, capsys) -> None:
+    """--tensorboard: the scalars of metrics.jsonl in --out/tensorboard when the tensorboard
+    package is installed; else refused before any work, saying what to install."""
+    from moeflow.train.metrics import read_metrics, tensorboard_missing
+
+    torch.set_num_threads(2)
+    out = tmp_path / "run"
+    rc = main(["train", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "8", "--eval-batches",
+               "1", "--no-plot", "--sample-tokens", "0", "--warmup", "1", "--tensorboard"])
+    if tensorboard_missing() is not None:
+        assert rc == 2 and "pip install 'moeflow[tensorboard]'" in capsys.readouterr().err and not out.exists()
+        return
+    assert rc == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    expected = [(r["step"], r["loss"]) for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert [s for s, _ in logged] == [s for s, _ in expected] == [1, 2, 3]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
+    assert [e.step for e in events.Scalars("val/loss")] == [0, 3]
+
+
+def test_short_run_reaches_the_peak_lr_or_is_told(tmp_path, capsys) -> None:
+    """The default --warmup 30 in a 5-step run is cut to a tenth of the run, with a note; an
+    explicit --warmup above --steps is refused before any work."""
+    torch.set_num_threads(2)
+    out = tmp_path / "run"
+    flags = ["--batch-size", "2", "--seq-len", "8", "--eval-batches", "1", "--no-plot", "--sample-tokens", "0"]
+    assert main(["train", "--out", str(out), "--steps", "5", "--lr", "2e-3", *flags]) == 0
+    text = capsys.readouterr().out
+    assert "note: --steps 5 is not above the default --warmup 30: warming up over 0 step(s)" in text
+    assert max(json.loads((out / "history.json").read_text())["lr"]) == pytest.approx(2e-3)
+    assert main(["train", "--out", str(tmp_path / "r2"), "--steps", "5", "--warmup", "6", *flags]) == 2
+    out_, err = capsys.readouterr()
+    assert out_ == "" and "--warmup 6 is above --steps 5" in err and not (tmp_path / "r2").exists()
+    assert main(["train", "--out", str(tmp_path / "r3"), "--steps", "3", "--warmup", "3", *flags]) == 0
+    assert "note:" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "r3" / "history.json").read_text())["lr"][-1] == pytest.approx(3e-3)
+
+
+def test_help_states_every_default_and_version(capsys) -> None:
+    """Every option of train, train-vision and infer that has a default says it in --help;
+    train's help explains max_load; --version prints the package version."""
+    from moeflow.cli.main import _HelpFormatter, build_parser
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name in ("train", "train-vision", "infer"):
+        for action in commands[name]._actions:
+            if action.option_strings and action.dest not in ("help", "debug") and not isinstance(action.default, bool):
+                text = _HelpFormatter(name)._get_help_string(action)
+                assert action.help and "default" in text.lower(), (name, action.option_strings, text)
+    train_help = commands["train"].format_help()
+    assert "(default: 300)" in train_help and "over the even share 1/E" in train_help and "router's k" in train_help
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"moeflow {moeflow.__version__}"
+
+
+def test_config_file_flags_override_it_and_the_run_writes_it_back(tmp_path, capsys) -> None:
+    """--config run.toml sets the flags its keys name; the command line wins; the run writes its
+    effective flags to --out/config.toml, which --config reads back to the same settings."""
+    torch.set_num_threads(2)
+    config = tmp_path / "run.toml"
+    config.write_text('steps = 2\nbatch_size = 4\nseq_len = 16\neval_batches = 1\nplot = false\nsample_tokens = 0\n'
+                      'val_works = ["hamlet", "sonnets"]\nlr = 0.002\nwarmup_steps = 1\nnum_experts = 4\n')
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--out", str(out), "--lr", "0.001"]) == 0
+    capsys.readouterr()
+    run = json.loads((out / "history.json").read_text())
+    assert run["step"] == [1, 2] and run["lr"][0] == pytest.approx(0.001)  # the flag beat the file's 0.002
+    saved = read_index(run["checkpoint"])["extra"]
+    assert saved["model"]["num_experts"] == 4 and saved["train"]["val_works"] == ["hamlet", "sonnets"]
+    written = (out / "config.toml").read_text()
+    assert "lr = 0.001\n" in written and "num_experts = 4\n" in written and "resume" not in written
+    # read back (to another --out): the same effective settings
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(out / "config.toml"), "--out", str(again)]) == 0
+    capsys.readouterr()
+    rerun = read_index(json.loads((again / "history.json").read_text())["checkpoint"])["extra"]["train"]
+    assert {k: v for k, v in rerun.items() if k != "out_dir"} == {k: v for k, v in saved["train"].items()
+                                                                  if k != "out_dir"}
+
+
+def test_init_from_a_converted_model(tmp_path, capsys) -> None:
+    """train --init-from the output of convert --from-hf (a Mixtral directory): the model is the
+    converted one, trained on bytes; its validation loss before training is that model's."""
+    from moeflow.convert.mixtral import gpt_to_hf
+    from moeflow.models import MoEGPT, gpt_config
+    from moeflow.train import LMTrainConfig
+    from moeflow.train.data import ByteTokenizer, TokenStream, load_corpus
+    from moeflow.train.lm import evaluate
+
+    torch.set_num_threads(2)
+    torch.manual_seed(3)
+    model = MoEGPT(gpt_config("tiny", vocab_size=300, n_layers=1, dim=32, n_heads=2, expert_hidden=32,
+                              num_experts=4, max_seq_len=64))
+    hf = gpt_to_hf(model, tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(hf), str(tmp_path / "converted")]) == 0
+    out = tmp_path / "ft"
+    assert main(["train", "--init-from", str(tmp_path / "converted"), "--out", str(out), "--steps", "1",
+                 "--batch-size", "2", "--seq-len", "16", "--eval-batches", "2", "--no-plot", "--sample-tokens", "0"]) == 0
+    capsys.readouterr()
+    history = json.loads((out / "history.json").read_text())
+    cfg = LMTrainConfig(out_dir=out, batch_size=2, seq_len=16, eval_batches=2)
+    val = TokenStream.from_text(load_corpus(cfg.val_works).val_text, ByteTokenizer(), 16, cfg.seed + 1)
+    assert history["val"][0][1] == pytest.approx(evaluate(model, val, cfg, None, torch.device("cpu")), rel=1e-6)
+    saved = read_index(history["checkpoint"])["extra"]
+    assert saved["model"]["vocab_size"] == 300 and saved["tokenizer"]["kind"] == "byte"

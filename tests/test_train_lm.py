@@ -475,3 +475,81 @@ def test_out_dir_rules_hold_on_two_ranks(tmp_path) -> None:
     assert resumed["step"] == list(range(1, 6)) and resumed["world_size"] == 2
     torch.testing.assert_close(torch.tensor(resumed["train_loss"]), torch.tensor(single["train_loss"]), rtol=1e-10,
                                atol=0)
+
+
+@pytest.mark.e2e
+def test_init_from_starts_at_the_checkpoint_model(tmp_path) -> None:
+    """``init_from``: the run starts from that checkpoint's weights (its first training loss is
+    the checkpoint model's loss on the same batch, its validation loss before training that
+    model's on the same held-out batches), with the checkpoint's model config (set here through the
+    n_layers/dim/n_heads/expert_hidden overrides) and BPE tokenizer; a new run (its own id, a
+    fresh optimizer from step 0)."""
+    from moeflow.train.data import TokenStream, load_corpus
+    from moeflow.train.init_from import MODEL_FAMILY
+    from moeflow.train.lm_checkpoint import MODEL_FAMILY as WRITTEN
+
+    assert MODEL_FAMILY == WRITTEN
+    torch.set_num_threads(2)
+    kw = dict(batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False, plot=False,
+              dtype="float64")
+    first = train_lm(LMTrainConfig(out_dir=tmp_path / "a", steps=2, n_layers=2, dim=64, n_heads=2, expert_hidden=48,
+                                   tokenizer="bpe", bpe_vocab=300, **kw))
+    tuned = train_lm(LMTrainConfig(out_dir=tmp_path / "b", steps=2, init_from=tmp_path / "a", seed=5, **kw))
+    model, tok, _ = build_from_checkpoint(tmp_path / "a")
+    cfg = model.config
+    assert (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.expert_hidden, tok.vocab_size) == (2, 64, 2, 48, 300)
+    corpus = load_corpus(LMTrainConfig(out_dir=tmp_path).val_works)
+    x, y = TokenStream.from_text(corpus.train_text, tok, 32, 5).batch(0, 4)
+    model.train()
+    torch.manual_seed(5 * 1_000 + 1)  # train_lm's router-noise seed for rank 0
+    with torch.no_grad():
+        expected = float(model.loss(x, y))
+    assert tuned["train_loss"][0] == pytest.approx(expected, rel=1e-12, abs=0)
+    b_cfg = LMTrainConfig(out_dir=tmp_path / "b", steps=2, init_from=tmp_path / "a", seed=5, **kw)
+    val = TokenStream.from_text(corpus.val_text, tok, 32, 5 + 1)
+    assert tuned["val"][0][1] == pytest.approx(lm.evaluate(model, val, b_cfg, None, torch.device("cpu")), rel=1e-12)
+    assert tuned["run_id"] != first["run_id"] and tuned["step"] == [1, 2]
+    assert read_index(tuned["checkpoint"])["extra"]["model"] == cfg.to_dict()
+    # without init_from, the same seed starts elsewhere: the equality above is the loaded weights
+    fresh = train_lm(LMTrainConfig(out_dir=tmp_path / "c", steps=1, seed=5, n_layers=2, dim=64, n_heads=2,
+                                   expert_hidden=48, tokenizer="bpe", bpe_vocab=300, **kw))
+    assert fresh["train_loss"][0] != pytest.approx(expected, rel=1e-3)
+    # the model is the checkpoint's: a field that would change it is refused
+    with pytest.raises(ValueError, match="takes the model from the checkpoint: num_experts=4"):
+        LMTrainConfig(out_dir=tmp_path / "d", init_from=tmp_path / "a", num_experts=4)
+    with pytest.raises(ValueError, match="longer than the context of the init_from model"):
+        LMTrainConfig(out_dir=tmp_path / "d", init_from=tmp_path / "a", seq_len=64)
+
+
+@pytest.mark.unit
+def test_training_figure_panels() -> None:
+    """The report holds the loss, the lr schedule, the aux loss and tokens/s (from the metrics
+    records), one load map per MoE layer whose colour bar marks the even share 1/E, and integer
+    step ticks on every step axis."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    from moeflow.train.plots import training_figure
+
+    E = 4
+    history = {"step": [1, 2, 3], "train_loss": [3.0, 2.5, 2.0], "lr": [1e-3, 2e-3, 1e-3], "val": [[0, 3.1], [3, 2.1]],
+               "load": [[2, [[0.4, 0.2, 0.2, 0.2], [0.25] * 4]], [3, [[0.7, 0.1, 0.1, 0.1], [0.25] * 4]]]}
+    metrics = [{"step": 0, "val_loss": 3.1}, *({"step": s, "loss": 1.0, "aux_loss": 0.01 * s, "tokens_per_s": 100.0 * s}
+                                              for s in (1, 2, 3))]
+    fig = training_figure(history, metrics=metrics)
+    try:
+        by_title = {a.get_title(): a for a in fig.axes}
+        for title in ("learning rate", "routers' balance (aux) loss", "throughput"):
+            assert title in by_title and by_title[title].lines, title
+        assert list(by_title["throughput"].lines[0].get_ydata()) == [100.0, 200.0, 300.0]
+        assert list(by_title["learning rate"].lines[0].get_ydata()) == history["lr"]
+        maps = [a for t, a in by_title.items() if t.startswith("MoE layer")]
+        assert len(maps) == 2
+        bars = [a for a in fig.axes if not a.get_title() and a not in maps]
+        assert len(bars) == 2 and all(f"1/E={1 / E:.3g}" in [t.get_text() for t in b.get_yticklabels()] for b in bars)
+        for a in [*maps, *(by_title[t] for t in ("learning rate", "throughput", "moeflow MoE GPT: loss"))]:
+            locator = a.xaxis.get_major_locator()
+            assert isinstance(locator, MaxNLocator) and locator._integer, a.get_title()
+    finally:
+        plt.close(fig)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import re
@@ -23,7 +24,8 @@ from typing import Any, TypeVar
 from moeflow.cli.errors import UsageError
 
 __all__ = ["config_from_flags", "name_flags", "finite_float", "int_at_least", "float_at_least", "check_output_dir",
-           "check_output_file", "check_input_file", "check_device"]
+           "check_output_file", "check_input_file", "check_device", "env_threads", "threads_help",
+           "apply_config_file", "config_toml"]
 
 ConfigT = TypeVar("ConfigT")
 
@@ -178,3 +180,107 @@ def check_device(flag: str, value: str) -> str:
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise UsageError(f"{flag} {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return value
+
+
+# ---- threads: the environment's choice first
+
+def env_threads() -> int | None:
+    """``OMP_NUM_THREADS`` as a thread count, when it is set to a positive integer (None when it
+    is unset, empty or anything else, e.g. OpenMP's nested list ``4,2``: then the command's own
+    default applies). A user who set it (a busy machine, a job scheduler) meant it: a command's
+    default must not override it."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def threads_help(fallback: int, what: str = "torch threads per process") -> str:
+    """``--threads`` help text naming the default in effect now: ``$OMP_NUM_THREADS`` when set,
+    else ``fallback``."""
+    env, raw = env_threads(), os.environ.get("OMP_NUM_THREADS")
+    if env is not None:
+        now = f"in effect now: {env}, from OMP_NUM_THREADS"
+    elif raw:
+        now = f"in effect now: {fallback}; OMP_NUM_THREADS={raw!r} is not a positive integer and is ignored"
+    else:
+        now = f"in effect now: {fallback}, OMP_NUM_THREADS is not set"
+    return f"{what} (default: OMP_NUM_THREADS when set, else {fallback}; {now})"
+
+
+# ---- a config file: the flags' destinations as TOML keys, the command line wins
+
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations ``argv`` sets (parsed again with a namespace that already holds every
+    destination: argparse then leaves the ones not given as they are)."""
+    unset = object()
+    ns = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != "help"})
+    parser.parse_args(argv, namespace=ns)
+    return {k for k, v in vars(ns).items() if v is not unset}
+
+
+def _config_value(parser: argparse.ArgumentParser, flag: str, action: argparse.Action, value: Any) -> Any:
+    """A TOML value for ``action``, checked as the flag's own text would be (its type and choices)."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise UsageError(f"{flag}: must be true or false, got {value!r}")
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)  # a list of works for a comma-separated flag
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise UsageError(f"{flag}: must be a string or a number, got {value!r}")
+    text = str(value)
+    try:
+        convert = parser._registry_get("type", action.type, action.type)  # type=float: moeflow's finite float
+        parsed = convert(text) if convert is not None else text
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as err:
+        raise UsageError(f"{flag}: {err or f'invalid value {value!r}'}") from None
+    if action.choices is not None and parsed not in action.choices:
+        raise UsageError(f"{flag}: must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return parsed
+
+
+def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace, path: Path | str,
+                      argv: list[str], *, skip: tuple[str, ...] = ()) -> None:
+    """Set ``args`` from the TOML file ``path`` (keys: the flags' destinations, e.g. ``steps``,
+    ``num_experts``, ``warmup_steps``) where ``argv`` (the command's flags) did not set them;
+    every key and value is checked as its flag would be, before any work (``UsageError``
+    naming the file and the key). ``skip``: destinations a file may not set."""
+    import tomllib
+
+    path = check_input_file("--config", path)
+    try:
+        table = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"--config {path}: not a TOML file ({err})") from None
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "debug", *skip)}
+    given = _given(parser, argv)
+    for key, value in table.items():
+        if key not in actions:
+            flags = {s.lstrip("-"): d for d, a in actions.items() for s in a.option_strings}
+            hint = f" (for --{key.lstrip('-')} write {flags[key.lstrip('-')]})" if key.lstrip("-") in flags else ""
+            raise UsageError(f"--config {path}: unknown key {key!r}{hint}; the keys are the flags' destinations: "
+                             f"{', '.join(sorted(actions))}")
+        flag = next(s for s in actions[key].option_strings if s.startswith("--"))
+        parsed = _config_value(parser, f"--config {path}: {key} ({flag})", actions[key], value)
+        if key not in given:
+            setattr(args, key, parsed)
+
+
+def config_toml(args: argparse.Namespace, parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> str:
+    """The flags' values in ``args`` as a TOML file ``apply_config_file`` reads back (unset
+    flags, whose value is None, are left out: TOML has no null)."""
+    lines = []
+    for action in parser._actions:
+        dest = action.dest
+        if not action.option_strings or dest in ("help", "debug", *skip) or getattr(args, dest, None) is None:
+            continue
+        value = getattr(args, dest)
+        if isinstance(value, tuple):
+            value = ",".join(value)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+        lines.append(f"{dest} = {text}")
+    return "\n".join(lines) + "\n"

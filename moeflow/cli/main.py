@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 
+from moeflow import __version__
 from moeflow.cli.bench import add_a2a_model, add_bench
 from moeflow.cli.convert import add_convert
 from moeflow.cli.errors import UsageError, error_line
@@ -33,6 +34,18 @@ __all__ = ["main", "build_parser"]
 _DEBUG_HELP = "on an error, show the traceback instead of one line"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default (``(default: 300)``), except where the help
+    already states it, or the default says nothing (None: "not set"; switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower() or "%(default)" in text
+                or action.default is None or isinstance(action.default, bool) or action.default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class _Parser(argparse.ArgumentParser):
     """moeflow's parser (the subcommands' too): ``type=float`` means a finite float, and a bad
     flag is one line ``prog: error: message`` (status 2). On the ranks of a torchrun job other
@@ -40,6 +53,7 @@ class _Parser(argparse.ArgumentParser):
     reports it once."""
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
         self.register("type", float, finite_float)
 
@@ -52,6 +66,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moeflow", description="Mixture-of-Experts layers for PyTorch.")
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    parser.add_argument("--version", action="version", version=f"moeflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench(sub)
     add_a2a_model(sub)

@@ -13,15 +13,23 @@ from pathlib import Path
 
 from moeflow.cli.errors import UsageError, error_line
 from moeflow.cli.flags import (
+    apply_config_file,
     check_device,
     check_output_dir,
+    config_toml,
     config_from_flags,
+    env_threads,
     int_at_least,
     name_flags,
+    threads_help,
 )
 from moeflow.cli.generate import sample
 
 __all__ = ["add_train", "add_train_vision"]
+
+# run-directory actions and the file itself: not settings of the run, so not in config.toml
+_NOT_IN_CONFIG = ("config", "resume", "overwrite")
+DEFAULT_WARMUP = 30  # steps; cut to a tenth of --steps in a shorter run (``_resolve_warmup``)
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
@@ -38,28 +46,58 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         "that holds another is refused unless --resume or --overwrite. Under torchrun "
         "(`torchrun [--nnodes ...] --nproc-per-node P -m moeflow train ...`) every rank runs this command "
         "and the experts spread over all ranks of all nodes; --nproc N starts that on this machine.",
+        epilog="max_load (progress lines, metrics.jsonl): the busiest expert's share of its layer's token-to-expert "
+        "assignments over the even share 1/E, averaged over the MoE layers: 1.00x is perfectly balanced, 2.00x means "
+        "the busiest expert got twice its share (with --capacity-factor c > 0, tokens past c x the even share are "
+        "dropped). Logged every --log-every steps, over the steps since the previous log.",
     )
     p.add_argument("--out", type=Path, default=Path("runs/shakespeare"), help="output directory (default runs/shakespeare)")
     p.add_argument("--preset", default="tiny", choices=sorted(GPT_PRESETS), help="model size (default tiny)")
-    p.add_argument("--experts", dest="num_experts", type=int, default=None, help="override the preset's E")
-    p.add_argument("--top-k", type=int, default=None, help="override the preset's K")
+    p.add_argument("--experts", dest="num_experts", type=int, default=None,
+                   help="override the preset's E, experts per MoE layer (default: the preset's)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="override the preset's K: the router's k, experts per token (not generate's "
+                   "--sample-top-k; default: the preset's)")
     p.add_argument("--capacity-factor", type=float, default=None, help="override cf (0 dropless, the preset default)")
-    p.add_argument("--moe-every", type=int, default=None, help="MoE FFN on every n-th block (fairseq moe_freq)")
-    p.add_argument("--load-balance-coef", type=float, default=None, help="override the router's balance-loss coefficient")
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--moe-every", type=int, default=None,
+                   help="MoE FFN on every n-th block (fairseq moe_freq; default: the preset's)")
+    p.add_argument("--load-balance-coef", type=float, default=None,
+                   help="override the router's balance-loss coefficient (default: the preset's)")
+    p.add_argument("--layers", dest="n_layers", type=int, default=None,
+                   help="override the preset's number of blocks (default: the preset's)")
+    p.add_argument("--dim", type=int, default=None, help="override the preset's model width (default: the preset's)")
+    p.add_argument("--heads", dest="n_heads", type=int, default=None,
+                   help="override the preset's attention heads; must divide --dim (default: the preset's)")
+    p.add_argument("--experts-hidden", dest="expert_hidden", type=int, default=None,
+                   help="override the preset's expert FFN width (default: the preset's)")
+    p.add_argument("--init-from", dest="init_from", type=Path, default=None, metavar="CKPT",
+                   help="start from the weights of this checkpoint (or run directory): one `moeflow convert "
+                   "--from-hf` wrote, or an earlier run's; the model and tokenizer are the checkpoint's (the model "
+                   "flags above are refused, --preset and --tokenizer unused), the optimizer and step start fresh in "
+                   "a new --out (default: random initial weights)")
+    p.add_argument("--seq-len", type=int, default=128,
+                   help="model context: tokens per training sequence, and the longest prompt + output the model "
+                   "takes (infer's --seq-len is a prompt length)")
     p.add_argument("--tokenizer", default="byte", choices=["byte", "bpe"], help="bytes, or a BPE trained on the training works")
-    p.add_argument("--bpe-vocab", type=int, default=1024)
+    p.add_argument("--bpe-vocab", type=int, default=1024, help="with --tokenizer bpe: the vocabulary size")
     p.add_argument("--val-works", default=",".join(DEFAULT_VAL_WORKS), help="comma-separated works held out for validation")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (the total, also with --resume)")
     p.add_argument("--batch-size", type=int, default=16, help="global sequences per optimizer step")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--min-lr", type=float, default=3e-4)
-    p.add_argument("--warmup", dest="warmup_steps", type=int, default=30)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW), reached after --warmup")
+    p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end of the cosine decay")
+    p.add_argument("--warmup", dest="warmup_steps", type=int, default=None, metavar="N",
+                   help=f"linear warm-up steps to the peak --lr (default {DEFAULT_WARMUP}; when --steps is not above "
+                   "that, a tenth of --steps, with a note saying so; an explicit --warmup above --steps is refused): "
+                   "a run that never reaches its --lr is almost never meant, and a short trial run should not need "
+                   "--warmup spelled out to be right")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay (matrices and experts; none on norms and biases)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this")
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="validation loss every N steps (0: before and after only)")
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="batches of --batch-size held-out sequences per validation")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     p.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
                    help="a step whose loss or gradient is nan/inf stops the run (exit 1; the latest checkpoint is "
@@ -68,12 +106,12 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sync-checkpoints", dest="async_checkpoints", action="store_false",
                    help="write the --checkpoint-every saves before the next step (default: in the background, "
                    "the training waits only until the state is in host memory)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial weights, batch order, router noise")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "fp16", "off"],
                    help="autocast; auto = bf16 on CUDA, fp32 on CPU (no native bf16 on most CPUs)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
                    help="parameter dtype (float64: exact comparisons, e.g. ranks against one process)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint up to --steps (if it is already "
                    "there: say so, touch nothing and exit 0; --steps below it is refused)")
@@ -82,15 +120,25 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    "training.png, tuned.json (no other file)")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms: the run repeats bit for bit (same machine and ranks)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--no-plot", dest="plot", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="plain progress lines (step, loss, lr, tokens/s, max_load) every --log-every steps instead "
+                   "of a bar (the default when stderr is not a terminal: a log file, a pipe)")
+    p.add_argument("--log-every", type=int_at_least(0), default=0, metavar="N",
+                   help="gather the expert load and print a progress line every N steps (0: about 50 per run, "
+                   "at least every 10 steps)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also log every step's metrics (as in metrics.jsonl) to --out/tensorboard; needs the "
+                   "tensorboard package: pip install 'moeflow[tensorboard]'")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw training.png")
     p.add_argument("--nproc", type=int_at_least(1), default=None,
                    help="expert parallelism on this machine: runs `torchrun --nproc-per-node N -m moeflow train` "
-                   "with the other flags (gloo on CPU); for several machines start torchrun on each yourself")
+                   "with the other flags (gloo on CPU); for several machines start torchrun on each yourself (default: "
+                   "one process, no torchrun)")
     p.add_argument("--max-restarts", type=int_at_least(0), default=None,
                    help="with --nproc: torchrun restarts the ranks up to N times after a failure, each time "
-                   "continuing from the latest complete checkpoint")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads per process (default 2; 1 per rank)")
+                   "continuing from the latest complete checkpoint (default 0)")
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help=threads_help(2, "torch threads per process (with --nproc: per rank, where the fallback is 1)"))
     p.add_argument("--parallel", default="expert", choices=["expert", "data", "auto"],
                    help="with several ranks: the MoE layers' parallel mode (auto: tuned at run time)")
     p.add_argument("--overlap-degree", type=_overlap_degree, default=1,
@@ -99,7 +147,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="with several ranks: the all-to-all, flat or two-level (inside each node, then across "
                    "nodes); auto (default): two-level when the ranks span more than one node")
     p.add_argument("--tuned", type=Path, default=None,
-                   help="with --parallel/--overlap-degree auto: lock the choices of an earlier run's tuned.json")
+                   help="with --parallel/--overlap-degree auto: lock the choices of an earlier run's tuned.json "
+                   "(default: none, tune at run time)")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="with several ranks: split the embedding and tied output projection by vocabulary rows")
     p.add_argument("--rebalance-every", type=int, default=0,
@@ -112,8 +161,12 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float, default=300.0,
                    help="with several ranks: the longest one collective may wait, in seconds (default 300)")
     p.add_argument("--sample-tokens", type=int_at_least(0), default=300, help="tokens to sample from the final checkpoint (0: none)")
-    p.add_argument("--prompt", default="ROMEO.\n")
-    p.set_defaults(func=_run_train)
+    p.add_argument("--config", type=Path, default=None, metavar="TOML",
+                   help="read flags from this TOML file: keys are the flags' destinations as in the config.toml a "
+                   "run writes (steps = 300, num_experts = 8, warmup_steps = 30, progress = false); flags on the "
+                   "command line override it; an unknown key is refused (default: none)")
+    p.add_argument("--prompt", default="ROMEO.\n", help="prompt of the final sample (\\n: a new line)")
+    p.set_defaults(func=_run_train, parser=p)
 
 
 def _error(args: argparse.Namespace, message: object) -> None:
@@ -131,6 +184,29 @@ def _overlap_degree(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer or 'auto', got {text!r}") from None
 
 
+def _resolve_warmup(args: argparse.Namespace) -> str | None:
+    """Set ``args.warmup_steps`` when it was not given (``DEFAULT_WARMUP``, or a tenth of
+    ``--steps`` when that is not above it, so that the peak --lr is reached); returns the note
+    to print then (None: nothing to say). An explicit ``--warmup`` above ``--steps`` is refused
+    (``UsageError``): the user asked for a schedule the run cannot finish."""
+    steps, warmup = args.steps, args.warmup_steps
+    if not isinstance(steps, int) or steps < 1:
+        args.warmup_steps = DEFAULT_WARMUP if warmup is None else warmup  # --steps itself is refused later
+        return None
+    if warmup is None:
+        if steps > DEFAULT_WARMUP:
+            args.warmup_steps = DEFAULT_WARMUP
+            return None
+        args.warmup_steps = steps // 10
+        return (f"note: --steps {steps} is not above the default --warmup {DEFAULT_WARMUP}: warming up over "
+                f"{args.warmup_steps} step(s) instead (a tenth of the run), so the peak --lr {args.lr:g} is "
+                "reached; give --warmup to choose")
+    if warmup > steps:
+        raise UsageError(f"--warmup {warmup} is above --steps {steps}: the learning rate would never reach "
+                         f"--lr {args.lr:g}; lower --warmup (at most {steps}) or raise --steps")
+    return None
+
+
 def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[no-untyped-def]
     """Why these flags cannot run (None: they can): the checks every rank makes alike, before
     any work (the run directory's contents are checked after these, by rank 0 under torchrun):
@@ -142,6 +218,11 @@ def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[
     if job is not None and (args.nproc is not None or args.max_restarts is not None):
         return (f"--nproc and --max-restarts start torchrun, but this process already is rank {job.rank} of a "
                 f"torchrun job of {job.world} ranks (give torchrun its own --max-restarts)")
+    if cfg.tensorboard:
+        from moeflow.train.metrics import tensorboard_missing
+
+        if tensorboard_missing() is not None:
+            return f"--tensorboard: {tensorboard_missing()}"
     if args.max_restarts is not None and args.nproc is None:
         return f"--max-restarts applies with --nproc and must be >= 0, got {args.max_restarts}"
     try:
@@ -185,9 +266,22 @@ def _run_train(args: argparse.Namespace) -> int:
         _error(args, err)
         return 2
     lead = job is None or job.rank == 0  # under torchrun every rank checks alike; rank 0 says why
+    if args.config is not None:
+        try:
+            apply_config_file(args.parser, args, args.config, args.argv[1:], skip=_NOT_IN_CONFIG)
+        except UsageError as err:
+            if lead:
+                _error(args, err)
+            return 2
     # the config calls --out out_dir (and "out" is too common a word to stand for it)
     args.flag_names = {**{k: v for k, v in getattr(args, "flag_names", {}).items() if k != "out"}, "out_dir": "--out"}
     args.val_works = tuple(w.strip() for w in args.val_works.split(",") if w.strip())
+    try:
+        warmup_note = _resolve_warmup(args)
+    except UsageError as err:
+        if lead:
+            _error(args, err)
+        return 2
     with contextlib.redirect_stderr(sys.stderr if lead else io.StringIO()):
         cfg = config_from_flags(LMTrainConfig, args, out_dir=args.out, prog="moeflow train")
     problem = None if cfg is None else _refusal(args, cfg, job)
@@ -196,6 +290,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if cfg is None or problem is not None:
         return 2
     if job is not None:
+        if warmup_note and lead:
+            print(warmup_note, flush=True)
         return _train_rank(args, cfg, job)
     try:  # everything that can be refused is, before any rank starts
         run = inspect_run(cfg)
@@ -204,11 +300,13 @@ def _run_train(args: argparse.Namespace) -> int:
         return 2
     if args.nproc and not run.finished:
         return _start_ranks(args)
-    _announce(cfg, run)
+    if warmup_note and not run.finished:
+        print(warmup_note, flush=True)
+    _announce(cfg, run, args=args)
     if run.finished:
         return 0
     try:
-        torch.set_num_threads(args.threads or 2)
+        torch.set_num_threads(args.threads or env_threads() or 2)
         history = train_lm(cfg)
     except (CorpusError, CheckpointError, ValueError) as err:
         _error(args, err)
@@ -231,7 +329,7 @@ def _start_ranks(args: argparse.Namespace) -> int:
     launcher.add_argument("--nproc")
     launcher.add_argument("--max-restarts")
     _, flags = launcher.parse_known_args(args.argv[1:])
-    threads, restarts = args.threads or 1, args.max_restarts or 0
+    threads, restarts = args.threads or env_threads() or 1, args.max_restarts or 0
     print(f"training on {args.nproc} expert-parallel ranks (torchrun, {threads} thread(s) each"
           + (f", up to {restarts} restart(s)" if restarts else "") + ")", flush=True)
     try:
@@ -260,7 +358,8 @@ def _train_rank(args: argparse.Namespace, cfg, job) -> int:  # type: ignore[no-u
     if not lead:  # one progress bar, one plot
         cfg = dataclasses.replace(cfg, progress=False, plot=False)
     try:
-        history = run_rank(cfg, job, on_run=(lambda run, continuing: _announce(cfg, run, continuing)) if lead else None)
+        on_run = (lambda run, continuing: _announce(cfg, run, continuing, args)) if lead else None
+        history = run_rank(cfg, job, on_run=on_run)
     except (CorpusError, CheckpointError, ValueError) as err:
         if lead:  # every rank raised it (rank 0's verdict is shared); rank 0 reports it
             _error(args, err)
@@ -277,8 +376,15 @@ def _train_rank(args: argparse.Namespace, cfg, job) -> int:  # type: ignore[no-u
     return 0
 
 
-def _announce(cfg, run, continuing: bool = False) -> None:  # type: ignore[no-untyped-def]
-    """What the run in ``out_dir`` does (``run``: ``inspect_run``'s verdict)."""
+def _announce(cfg, run, continuing: bool = False,  # type: ignore[no-untyped-def]
+              args: argparse.Namespace | None = None) -> None:
+    """What the run in ``out_dir`` does (``run``: ``inspect_run``'s verdict); a run that
+    trains records its effective flags in ``out_dir/config.toml`` (``--config`` reads it back)."""
+    if args is not None and not run.finished:
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        (cfg.out_dir / "config.toml").write_text(
+            "# the effective flags of this run (moeflow train --config reads it; flags override it)\n"
+            + config_toml(args, args.parser, skip=_NOT_IN_CONFIG))
     if continuing:
         at = f"step {run.start} ({run.checkpoint})" if run.start else "step 0 (no checkpoint yet)"
         print(f"torchrun restarted the ranks: continuing the run in {cfg.out_dir} from {at}", flush=True)
@@ -311,16 +417,18 @@ def add_train_vision(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-vision", help="train the vision MoE on scikit-learn's digits and report test accuracy",
                        description="Train a ViT with MoE MLP blocks (V-MoE / SwinV2-MoE style) on the 1,797 8x8 "
                        "handwritten digits of scikit-learn, 25% held out for the test accuracy.")
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--experts", dest="num_experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--router", default="linear", choices=["linear", "cosine"])
-    p.add_argument("--drop-policy", default="position", choices=["position", "score", "bpr"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int_at_least(1), default=2)
+    p.add_argument("--epochs", type=int, default=15, help="passes over the training digits")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="learning rate (AdamW)")
+    p.add_argument("--experts", dest="num_experts", type=int, default=8, help="experts per MoE block (E)")
+    p.add_argument("--top-k", type=int, default=2, help="the router's k: experts per token")
+    p.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="slots per expert over the even share (tokens past it are dropped)")
+    p.add_argument("--router", default="linear", choices=["linear", "cosine"], help="router scoring")
+    p.add_argument("--drop-policy", default="position", choices=["position", "score", "bpr"],
+                   help="which tokens an over-full expert drops")
+    p.add_argument("--seed", type=int, default=0, help="initial weights, data split and order")
+    p.add_argument("--threads", type=int_at_least(1), default=None, help=threads_help(2))
     p.set_defaults(func=_run_train_vision)
 
 
@@ -333,7 +441,7 @@ def _run_train_vision(args: argparse.Namespace) -> int:
     cfg = config_from_flags(VisionTrainConfig, args, prog="moeflow train-vision")
     if cfg is None:
         return 2
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or env_threads() or 2)
     try:
         result = train_vision(cfg)
     except NonFiniteLossError as err:

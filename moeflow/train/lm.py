@@ -77,7 +77,9 @@ from moeflow.train.lm_checkpoint import (
     open_run,
     write_history,
 )
+from moeflow.train.init_from import init_checkpoint
 from moeflow.train.lm_config import LMTrainConfig
+from moeflow.train.metrics import METRICS_FILE, RunLog, read_metrics
 from moeflow.train.nonfinite import check_weights, nonfinite_step, step_is_finite
 
 __all__ = ["LMTrainConfig", "train_lm", "check_world_settings", "exchange_for", "MODEL_FAMILY",
@@ -110,6 +112,9 @@ def _optimizer(model: MoEGPT, cfg: LMTrainConfig) -> torch.optim.Optimizer:
 
 
 def _build_tokenizer(cfg: LMTrainConfig, train_text: str, group: ProcessGroup | None) -> Tokenizer:
+    if cfg.init_from is not None:  # the checkpoint's; bytes for a converted model (moeflow.train.init_from)
+        saved = cfg.init_extra().get("tokenizer")  # type: ignore[union-attr]
+        return ByteTokenizer() if saved is None else tokenizer_from_dict(saved)
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
     rank, _ = process_position(group)
@@ -237,6 +242,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model_cfg = cfg.model_config(vocab_size=tok.vocab_size)
     model = MoEGPT(model_cfg, device=device, dtype=getattr(torch, cfg.dtype))
+    if cfg.init_from is not None and run.checkpoint is None:  # the whole model on every rank, then spread
+        load_checkpoint(init_checkpoint(cfg.init_from)[0], model, restore_rng=False)
     if world > 1:
         hierarchy = make_groups(world, node_size=node_size).hierarchy if exchange == "two-level" else None
         expert_parallel(model, group, config=cfg.parallel_config(), hierarchy=hierarchy)
@@ -260,29 +267,34 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bias_update = model_cfg.router.bias_update_rate > 0
 
+    log_every = cfg.log_every or max(1, min(10, cfg.steps // 50 or 1))
+    bar = None  # rank 0's console and metrics files (moeflow.train.metrics)
+    if rank == 0:
+        bar = RunLog(cfg.out_dir, start=start, total=cfg.steps, every=log_every, progress=cfg.progress,
+                     tensorboard=cfg.tensorboard)
     if start == 0:
         history["val"].append([0, evaluate(model, val, cfg, group, device)])
-    bar = None
-    if rank == 0 and cfg.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", mininterval=1.0, dynamic_ncols=True)
+        if bar is not None:
+            bar.validation(0, history["val"][-1][1])
     counts_LE = torch.zeros(len(layers), E, dtype=torch.float64, device=device)
     window_LE = torch.zeros_like(counts_LE)  # load since the last rebalance (this rank's tokens)
     since_log, t_start, t_log = 0, time.perf_counter(), time.perf_counter()
     pending = None  # the latest background save (a stop waits for it: it holds the last good weights)
-    log_every = max(1, min(10, cfg.steps // 50 or 1))
     for step in range(start, cfg.steps):
+        t_step = time.perf_counter()
         for group_ in opt.param_groups:
             group_["lr"] = lr_at(step, cfg)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        aux_sum = torch.zeros((), dtype=torch.float64, device=device)
         for m in range(cfg.grad_accum):
             x, y = train.batch(step * cfg.grad_accum + m, micro, rank=rank, world=world)
             with _autocast(cfg, device):
                 loss = model.loss(x.to(device), y.to(device))
-                objective = (loss + moeflow.aux_loss(model)) / (world * cfg.grad_accum)
+                aux = moeflow.aux_loss(model)
+                objective = (loss + aux) / (world * cfg.grad_accum)
             objective.backward()
             loss_sum += loss.detach().double()
+            aux_sum += torch.as_tensor(aux).detach().double()
             for i, layer in enumerate(layers):
                 counts_LE[i] += layer.last_counts_E.to(counts_LE.dtype)
                 window_LE[i] += layer.last_counts_E.to(counts_LE.dtype)
@@ -316,24 +328,27 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
             history["step"].append(step + 1)
             history["train_loss"].append(step_loss)
             history["lr"].append(lr_at(step, cfg))
+        now = time.perf_counter()
+        record = {"step": step + 1, "loss": step_loss, "lr": lr_at(step, cfg), "grad_norm": grad_norm,
+                  "aux_loss": float(aux_sum) / cfg.grad_accum,  # this rank's (rank 0's) balance losses
+                  "tokens_per_s": tokens_per_step / max(now - t_step, 1e-9), "time_s": now - t_start}
         if (step + 1) % log_every == 0 or step + 1 == cfg.steps:
             all_reduce_sum(counts_LE, group)
             frac_LE = counts_LE / counts_LE.sum(-1, keepdim=True).clamp(min=1)
             history["load"].append([step + 1, frac_LE.tolist()])
             balance = float((frac_LE.max(-1).values * E).mean())  # max/mean load, 1.0 = balanced
-            now = time.perf_counter()
-            tok_s = tokens_per_step * since_log / (now - t_log)
+            record["max_load"] = balance
+            record["window_tokens_per_s"] = tokens_per_step * since_log / max(now - t_log, 1e-9)
             counts_LE.zero_()
             since_log, t_log = 0, now
-            if bar is not None:
-                bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{tok_s:,.0f}", max_load=f"{balance:.2f}x", refresh=False)
-        if bar is not None:
-            bar.update(1)
+        if bar is not None and finite:
+            bar.step(record)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 != cfg.steps:
+            t_eval = time.perf_counter()
             history["val"].append([step + 1, evaluate(model, val, cfg, group, device)])
+            t_log += time.perf_counter() - t_eval  # the window's tokens/s counts training time only
             if bar is not None:
-                v = history["val"][-1][1]
-                bar.write(f"step {step + 1}: validation loss {v:.4f}, perplexity {math.exp(v):.2f}")
+                bar.validation(step + 1, history["val"][-1][1])
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 != cfg.steps:
             if rank == 0:  # before the checkpoint, so that it never lags behind one (resume cuts it back)
                 write_history(cfg.out_dir, history)
@@ -343,11 +358,13 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
                                                 keep=cfg.keep_checkpoints)
             else:
                 save_checkpoint(ckpt_root, step + 1, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
-    if bar is not None:
-        bar.close()
     elapsed = time.perf_counter() - t_start
     if not history["val"] or history["val"][-1][0] != cfg.steps:
         history["val"].append([cfg.steps, evaluate(model, val, cfg, group, device)])
+        if bar is not None:
+            bar.validation(cfg.steps, history["val"][-1][1])
+    if bar is not None:
+        bar.close()
     history["tokens_per_s"] = tokens_per_step * (cfg.steps - start) / max(elapsed, 1e-9)
     history["world_size"] = world
     history["exchange"], history["node_size"] = exchange, node_size
@@ -366,5 +383,5 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         if cfg.plot:
             from moeflow.train.plots import plot_training
 
-            plot_training(history, cfg.out_dir / "training.png")
+            plot_training(history, cfg.out_dir / "training.png", metrics=read_metrics(cfg.out_dir / METRICS_FILE))
     return history

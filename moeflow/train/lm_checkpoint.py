@@ -71,7 +71,8 @@ MODEL_FAMILY = "moeflow.MoEGPT"
 RUN_FORMAT = "moeflow-run/1"
 RUN_FILE, HISTORY_FILE = "run.json", "history.json"
 # outputs a run writes that alone do not show a run lives there; ``overwrite`` deletes them too
-_OUTPUTS = ("training.png", "tuned.json", "train_config.json", f".{RUN_FILE}.tmp", f".{HISTORY_FILE}.tmp")
+_OUTPUTS = ("training.png", "tuned.json", "train_config.json", "metrics.jsonl", "config.toml", "tensorboard",
+            f".{RUN_FILE}.tmp", f".{HISTORY_FILE}.tmp")
 
 # these decide which data each step sees: a resumed run must keep them
 _DATA_SETTINGS = ("batch_size", "grad_accum", "seq_len", "seed", "tokenizer", "bpe_vocab", "val_works")

@@ -17,8 +17,9 @@ import torch
 
 from moeflow.checks import _float
 from moeflow.config import ParallelConfig, RouterConfig, _int
-from moeflow.models import GPT_PRESETS, gpt_config
+from moeflow.models import GPT_PRESETS, GPTConfig, gpt_config
 from moeflow.train.data import DEFAULT_VAL_WORKS
+from moeflow.train.init_from import MODEL_OVERRIDES, init_checkpoint
 
 __all__ = ["LMTrainConfig"]
 
@@ -59,11 +60,23 @@ class LMTrainConfig:
     ``moeflow.checkpoint.save_checkpoint_async``; the training waits only until the state is
     staged in host memory); the final save is synchronous.
 
+    Following the run (rank 0; ``moeflow.train.metrics``): ``progress`` shows a tqdm bar when
+    stderr is a terminal, else (or with ``progress=False``) a plain line every ``log_every``
+    steps (0: about 50 lines per run, at least every 10 steps), the load is gathered at those
+    steps; every step's metrics go to ``out_dir/metrics.jsonl`` and, with ``tensorboard``, to
+    ``out_dir/tensorboard`` (needs the tensorboard package).
+
     A step whose loss or global gradient norm is not finite stops the run with
     ``moeflow.train.nonfinite.NonFiniteLossError`` before the optimizer step (the weights and
     every checkpoint stay finite; the latest checkpoint is the last good one), unless
     ``skip_nonfinite`` > 0: then up to that many such steps are skipped (no update; recorded in
     the history's ``"skipped"``) and the next one stops the run. Every number must be finite.
+
+    ``n_layers``, ``dim``, ``n_heads`` and ``expert_hidden`` (like ``num_experts`` ... ``moe_every``)
+    override the preset's fields (None: the preset's), validated by building the ``GPTConfig``.
+    ``init_from`` (a checkpoint, or a run directory) starts the run from that model's weights
+    and takes its config and tokenizer (``moeflow.train.init_from`` says what and why); the
+    optimizer starts fresh.
 
     ``out_dir`` belongs to one run (``moeflow.train.lm_checkpoint`` has the rules): a new run
     into a directory that holds another is refused unless ``overwrite`` (which deletes that
@@ -78,6 +91,11 @@ class LMTrainConfig:
     capacity_factor: float | None = None
     moe_every: int | None = None
     load_balance_coef: float | None = None
+    n_layers: int | None = None
+    dim: int | None = None
+    n_heads: int | None = None
+    expert_hidden: int | None = None
+    init_from: Path | None = None
     parallel: str = "expert"
     overlap_degree: int | str = 1
     tuned: Path | None = None
@@ -113,6 +131,8 @@ class LMTrainConfig:
     stall_timeout_s: float = 30.0
     collective_timeout_s: float = 300.0
     progress: bool = True
+    log_every: int = 0
+    tensorboard: bool = False
     plot: bool = True
 
     def __post_init__(self) -> None:
@@ -123,6 +143,12 @@ class LMTrainConfig:
                 raise ValueError(f"tuned={str(self.tuned)!r} fixes the auto-tuner's choices: it needs parallel or "
                                  "overlap_degree 'auto'")
         object.__setattr__(self, "val_works", tuple(self.val_works))
+        if self.init_from is not None:
+            object.__setattr__(self, "init_from", Path(self.init_from))
+            given = [k for k in MODEL_OVERRIDES if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"init_from={str(self.init_from)!r} takes the model from the checkpoint: "
+                                 f"{', '.join(f'{k}={getattr(self, k)!r}' for k in given)} would change it")
         if self.preset not in GPT_PRESETS:
             raise ValueError(f"preset must be one of {sorted(GPT_PRESETS)}, got {self.preset!r}")
         if self.tokenizer not in ("byte", "bpe"):
@@ -134,7 +160,7 @@ class LMTrainConfig:
         for name in ("seq_len", "steps", "batch_size", "grad_accum", "eval_batches", "keep_checkpoints", "bpe_vocab"):
             _int(name, getattr(self, name), minimum=1)
         for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "rebalance_every", "expert_slots",
-                     "skip_nonfinite"):
+                     "skip_nonfinite", "log_every"):
             _int(name, getattr(self, name), minimum=0)
         if self.tokenizer == "bpe" and self.bpe_vocab < 257:
             raise ValueError(f"bpe_vocab must be >= 257 (the 256 bytes and a merge), got {self.bpe_vocab}")
@@ -167,12 +193,29 @@ class LMTrainConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.grad_clip <= 0:
             raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
-        self.model_config(vocab_size=256)  # validates the model overrides
+        model = self.model_config(vocab_size=256)  # validates the model overrides (reads init_from's index)
+        if self.init_from is not None and self.seq_len > model.max_seq_len:
+            raise ValueError(f"seq_len={self.seq_len} is longer than the context of the init_from model "
+                             f"({model.max_seq_len} tokens)")
+        if self.init_from is not None and self.init_extra().get("tokenizer") is None and model.vocab_size < 256:
+            raise ValueError(f"init_from={str(self.init_from)!r} has no tokenizer (a converted model: trained on "
+                             f"bytes) and a vocabulary of {model.vocab_size} ids, fewer than the 256 bytes")
         self.parallel_config()  # and the parallel settings
 
+    def init_extra(self) -> dict | None:
+        """The ``extra`` of the ``init_from`` checkpoint (model, tokenizer, dtype); None without it."""
+        return None if self.init_from is None else init_checkpoint(self.init_from)[1]
+
     def model_config(self, *, vocab_size: int):  # type: ignore[no-untyped-def]
-        overrides = {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor", "moe_every")
-                     if getattr(self, k) is not None}
+        """The model this run trains: the preset with the overrides (``max_seq_len`` =
+        ``seq_len``), or with ``init_from`` the checkpoint's own (``vocab_size`` then unused)."""
+        if self.init_from is not None:
+            try:
+                return GPTConfig.from_dict(self.init_extra()["model"])  # type: ignore[index]
+            except (KeyError, TypeError) as err:
+                raise ValueError(f"init_from={str(self.init_from)!r}: corrupt model description: {err}") from None
+        overrides = {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor", "moe_every", "n_layers",
+                                                   "dim", "n_heads", "expert_hidden") if getattr(self, k) is not None}
         if self.load_balance_coef is not None:
             router = GPT_PRESETS[self.preset].get("router", RouterConfig())
             overrides["router"] = dataclasses.replace(router, load_balance_coef=self.load_balance_coef)
@@ -186,6 +229,7 @@ class LMTrainConfig:
         d = dataclasses.asdict(self)
         d["out_dir"] = str(self.out_dir)
         d["tuned"] = None if self.tuned is None else str(self.tuned)
+        d["init_from"] = None if self.init_from is None else str(self.init_from)
         d["val_works"] = list(self.val_works)
         return d
 
