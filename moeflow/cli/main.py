@@ -27,9 +27,10 @@ from moeflow.cli.errors import UsageError, error_line
 from moeflow.cli.flags import finite_float
 from moeflow.cli.generate import add_generate
 from moeflow.cli.infer import add_infer
-from moeflow.cli.train import add_train, add_train_vision
+from moeflow.cli.train import add_train
+from moeflow.cli.train_vision import add_train_vision
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 _DEBUG_HELP = "on an error, show the traceback instead of one line"
 

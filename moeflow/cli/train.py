@@ -1,6 +1,6 @@
-"""``moeflow train`` (the MoE GPT on Shakespeare: one process, or one rank of a torchrun job, or
-``--nproc N``, which starts such a job on this machine) and ``moeflow train-vision`` (the vision
-MoE on scikit-learn's digits)."""
+"""``moeflow train``: the MoE GPT on Shakespeare: one process, or one rank of a torchrun job, or
+``--nproc N``, which starts such a job on this machine (``moeflow train-vision``:
+``moeflow.cli.train_vision``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from moeflow.cli.flags import (
     apply_config_file,
     check_device,
     check_output_dir,
-    config_toml,
     config_from_flags,
+    config_toml,
     env_threads,
     int_at_least,
     name_flags,
@@ -25,7 +25,7 @@ from moeflow.cli.flags import (
 )
 from moeflow.cli.generate import sample
 
-__all__ = ["add_train", "add_train_vision"]
+__all__ = ["add_train"]
 
 # run-directory actions and the file itself: not settings of the run, so not in config.toml
 _NOT_IN_CONFIG = ("config", "resume", "overwrite")
@@ -411,42 +411,3 @@ def _summarize(history: dict, cfg, args: argparse.Namespace) -> None:  # type: i
     if args.sample_tokens > 0:
         print(f"\nsample ({args.sample_tokens} tokens, temperature 0.8, top-k 40):")
         print(sample(history["checkpoint"], args.prompt.replace("\\n", "\n"), args.sample_tokens, 0.8, 40, args.seed))
-
-
-def add_train_vision(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-vision", help="train the vision MoE on scikit-learn's digits and report test accuracy",
-                       description="Train a ViT with MoE MLP blocks (V-MoE / SwinV2-MoE style) on the 1,797 8x8 "
-                       "handwritten digits of scikit-learn, 25% held out for the test accuracy.")
-    p.add_argument("--epochs", type=int, default=15, help="passes over the training digits")
-    p.add_argument("--batch-size", type=int, default=64, help="images per step")
-    p.add_argument("--lr", type=float, default=2e-3, help="learning rate (AdamW)")
-    p.add_argument("--experts", dest="num_experts", type=int, default=8, help="experts per MoE block (E)")
-    p.add_argument("--top-k", type=int, default=2, help="the router's k: experts per token")
-    p.add_argument("--capacity-factor", type=float, default=1.25,
-                   help="slots per expert over the even share (tokens past it are dropped)")
-    p.add_argument("--router", default="linear", choices=["linear", "cosine"], help="router scoring")
-    p.add_argument("--drop-policy", default="position", choices=["position", "score", "bpr"],
-                   help="which tokens an over-full expert drops")
-    p.add_argument("--seed", type=int, default=0, help="initial weights, data split and order")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help=threads_help(2))
-    p.set_defaults(func=_run_train_vision)
-
-
-def _run_train_vision(args: argparse.Namespace) -> int:
-    import torch
-
-    from moeflow.train.nonfinite import NonFiniteLossError
-    from moeflow.train.vision import VisionTrainConfig, train_vision
-
-    cfg = config_from_flags(VisionTrainConfig, args, prog="moeflow train-vision")
-    if cfg is None:
-        return 2
-    torch.set_num_threads(args.threads or env_threads() or 2)
-    try:
-        result = train_vision(cfg)
-    except NonFiniteLossError as err:
-        print(error_line("moeflow train-vision", err), file=sys.stderr)
-        return 1
-    print(f"test accuracy: {result['test_accuracy']:.4f} on {result['test_images']} held-out digits "
-          f"(before training {result['test_accuracy_before']:.4f}; {result['seconds']:.1f} s)")
-    return 0
