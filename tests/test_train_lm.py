@@ -84,6 +84,25 @@ def test_loss_falls_on_real_text_and_checkpoint_samples(tmp_path) -> None:
 
 
 @pytest.mark.e2e
+def test_expert_recompute_trains_the_same_run(tmp_path) -> None:
+    """``expert_recompute`` changes memory and time, not the run: the same losses bit for bit
+    (fp64), recorded in the saved model config, and a run resumes with it turned off."""
+    import shutil
+
+    torch.set_num_threads(2)
+    kw = dict(steps=4, batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False,
+              plot=False, dtype="float64")
+    plain = train_lm(LMTrainConfig(out_dir=tmp_path / "plain", **kw))
+    again = train_lm(LMTrainConfig(out_dir=tmp_path / "re", expert_recompute=True, checkpoint_every=2, **kw))
+    assert again["train_loss"] == plain["train_loss"]
+    index = json.loads((tmp_path / "re" / "checkpoints" / "step-00000004" / "index.json").read_text())
+    assert index["extra"]["model"]["experts"]["recompute"] is True
+    shutil.rmtree(tmp_path / "re" / "checkpoints" / "step-00000004")
+    resumed = train_lm(LMTrainConfig(out_dir=tmp_path / "re", resume=True, **kw))  # recompute off now
+    assert resumed["train_loss"] == plain["train_loss"]
+
+
+@pytest.mark.e2e
 def test_resume_continues_the_same_run(tmp_path) -> None:
     torch.set_num_threads(2)
     kw = dict(steps=6, batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False,

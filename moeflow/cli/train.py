@@ -70,6 +70,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="override the preset's attention heads; must divide --dim (default: the preset's)")
     p.add_argument("--experts-hidden", dest="expert_hidden", type=int, default=None,
                    help="override the preset's expert FFN width (default: the preset's)")
+    p.add_argument("--expert-recompute", dest="expert_recompute", action="store_true",
+                   help="experts keep only their input rows and recompute the hidden activation in backward: "
+                   "the same gradients with less activation memory, at more time")
     p.add_argument("--init-from", dest="init_from", type=Path, default=None, metavar="CKPT",
                    help="start from the weights of this checkpoint (or run directory): one `moeflow convert "
                    "--from-hf` wrote, or an earlier run's; the model and tokenizer are the checkpoint's (the model "

@@ -104,6 +104,16 @@ def _history_until(history: dict, step: int) -> dict:
     return out
 
 
+def _without_recompute(model: dict) -> dict:
+    """A model config dict without ``experts.recompute``: recomputing the expert activations
+    changes memory and time, not the model (a run may resume with it turned on or off, and
+    checkpoints from before the option existed do not record it)."""
+    experts = model.get("experts")
+    if not isinstance(experts, dict):
+        return model
+    return {**model, "experts": {k: v for k, v in experts.items() if k != "recompute"}}
+
+
 def _write_json(path: Path, obj: object) -> None:
     """Replace ``path`` atomically (a reader or a crash sees the old file or the new one)."""
     part = path.with_name(f".{path.name}.tmp")
@@ -184,7 +194,8 @@ def _check_resumable(cfg: LMTrainConfig, path: Path, index: dict) -> None:
     saved_model = extra.get("model")
     if not isinstance(saved_model, dict) or "vocab_size" not in saved_model:
         raise ValueError(f"{path}/index.json: no model config; it cannot be resumed")
-    now = cfg.model_config(vocab_size=saved_model["vocab_size"]).to_dict()
+    now = _without_recompute(cfg.model_config(vocab_size=saved_model["vocab_size"]).to_dict())
+    saved_model = _without_recompute(saved_model)
     changed = {k: (saved_model.get(k), v) for k, v in now.items() if saved_model.get(k) != v}
     if changed:
         raise ValueError(f"{path}: the checkpoint's model config differs from this run's (saved, now): {changed}; "

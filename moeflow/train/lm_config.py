@@ -76,7 +76,9 @@ class LMTrainConfig:
     override the preset's fields (None: the preset's), validated by building the ``GPTConfig``.
     ``init_from`` (a checkpoint, or a run directory) starts the run from that model's weights
     and takes its config and tokenizer (``moeflow.train.init_from`` says what and why); the
-    optimizer starts fresh.
+    optimizer starts fresh. ``expert_recompute``: the experts keep only their input rows and
+    recompute the hidden activation in backward (``ExpertsConfig.recompute``: same gradients,
+    less activation memory, more time); a run may resume with it on or off.
 
     ``out_dir`` belongs to one run (``moeflow.train.lm_checkpoint`` has the rules): a new run
     into a directory that holds another is refused unless ``overwrite`` (which deletes that
@@ -95,6 +97,7 @@ class LMTrainConfig:
     dim: int | None = None
     n_heads: int | None = None
     expert_hidden: int | None = None
+    expert_recompute: bool = False
     init_from: Path | None = None
     parallel: str = "expert"
     overlap_degree: int | str = 1
@@ -211,7 +214,7 @@ class LMTrainConfig:
         ``seq_len``), or with ``init_from`` the checkpoint's own (``vocab_size`` then unused)."""
         if self.init_from is not None:
             try:
-                return GPTConfig.from_dict(self.init_extra()["model"])  # type: ignore[index]
+                return self._with_recompute(GPTConfig.from_dict(self.init_extra()["model"]))  # type: ignore[index]
             except (KeyError, TypeError) as err:
                 raise ValueError(f"init_from={str(self.init_from)!r}: corrupt model description: {err}") from None
         overrides = {k: getattr(self, k) for k in ("num_experts", "top_k", "capacity_factor", "moe_every", "n_layers",
@@ -219,7 +222,14 @@ class LMTrainConfig:
         if self.load_balance_coef is not None:
             router = GPT_PRESETS[self.preset].get("router", RouterConfig())
             overrides["router"] = dataclasses.replace(router, load_balance_coef=self.load_balance_coef)
-        return gpt_config(self.preset, vocab_size=vocab_size, max_seq_len=self.seq_len, **overrides)
+        return self._with_recompute(gpt_config(self.preset, vocab_size=vocab_size, max_seq_len=self.seq_len, **overrides))
+
+    def _with_recompute(self, model: GPTConfig) -> GPTConfig:
+        """``model`` with its experts recomputing their hidden activation in backward when
+        ``expert_recompute`` (the same gradients, less memory, more time)."""
+        if not self.expert_recompute:
+            return model
+        return dataclasses.replace(model, experts=dataclasses.replace(model.experts, recompute=True))
 
     def parallel_config(self) -> ParallelConfig:
         """How the MoE layers run their calls under ``--nproc`` (``expert_parallel``'s config)."""
