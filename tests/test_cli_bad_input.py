@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from moeflow.cli.main import main
+from moeflow.train.metrics import tensorboard_missing
 
 pytestmark = pytest.mark.e2e
 
@@ -67,6 +68,30 @@ CASES: list[tuple[str, list[str], str]] = [
     ("train-moe-every-negative", _train("--moe-every", "-1"), "--moe-every"),
     ("train-load-balance-coef-nan", _train("--load-balance-coef", "nan"), "--load-balance-coef"),
     ("train-warmup-negative", _train("--warmup", "-1"), "--warmup"),
+    ("train-warmup-above-steps", _train("--warmup", "5"), "--warmup"),
+    *[(f"train-log-every-{v}", _train("--log-every", v), "--log-every") for v in ("-1", "x", "1.5")],
+    *[(f"train-{flag[2:]}-{v}", _train(flag, v), flag) for flag in ("--layers", "--dim", "--heads", "--experts-hidden")
+      for v in ("0", "-1", "x")],
+    ("train-heads-not-dividing-dim", _train("--heads", "5"), "--heads"),
+    ("train-init-from-missing", _train("--init-from", "{missing}"), "--init-from"),
+    ("train-init-from-file", _train("--init-from", "{file}"), "--init-from"),
+    ("train-init-from-empty-dir", _train("--init-from", "{dir}"), "--init-from"),
+    ("train-init-from-garbage", _train("--init-from", "{garbage_ckpt}"), "--init-from"),
+    ("train-init-from-and-experts", _train("--init-from", "{ckpt}", "--experts", "4"), "--init-from"),
+    ("train-init-from-and-layers", _train("--init-from", "{ckpt}", "--layers", "2"), "--init-from"),
+    ("train-init-from-seq-len-beyond-context", _train("--init-from", "{ckpt}", "--seq-len", "64"), "--seq-len"),
+    ("train-config-missing", _train("--config", "{missing}"), "--config"),
+    ("train-config-dir", _train("--config", "{dir}"), "--config"),
+    ("train-config-not-toml", _train("--config", "{file}"), "--config"),
+    ("train-config-unknown-key", _train("--config", "{config_unknown}"), "stepz"),
+    ("train-config-flag-spelling", _train("--config", "{config_flag_spelling}"), "top-k"),
+    ("train-config-bad-number", _train("--config", "{config_nan}"), "lr"),
+    ("train-config-bad-type", _train("--config", "{config_steps_text}"), "steps"),
+    ("train-config-bad-choice", _train("--config", "{config_bad_choice}"), "preset"),
+    ("train-config-bad-switch", _train("--config", "{config_bad_switch}"), "plot"),
+    ("train-config-below-range", _train("--config", "{config_eval_every_negative}"), "eval_every"),
+    # --tensorboard without the tensorboard package (where it is installed, the flag is fine)
+    *([("train-tensorboard-missing", _train("--tensorboard"), "--tensorboard")] if tensorboard_missing() else []),
     ("train-eval-every-negative", _train("--eval-every", "-1"), "--eval-every"),
     ("train-eval-batches-0", _train("--eval-batches", "0"), "--eval-batches"),
     ("train-checkpoint-every-negative", _train("--checkpoint-every", "-1"), "--checkpoint-every"),
@@ -130,6 +155,15 @@ CASES: list[tuple[str, list[str], str]] = [
       for v in ("nan", "inf", "-1")],
     ("generate-top-k-negative", ["generate", "{ckpt}", "--top-k", "-1"], "--top-k"),
     ("generate-seed-negative", ["generate", "{ckpt}", "--seed", "-1"], "--seed"),
+    *[(f"generate-fast-memory-{v}", ["generate", "{ckpt}", "--offload", "disk", "--fast-memory", v], "--fast-memory")
+      for v in ("12XB", "0", "nan", "-1", "lots")],
+    ("generate-fast-memory-no-offload", ["generate", "{ckpt}", "--fast-memory", "1MB"], "--offload"),
+    ("generate-mode-bad", ["generate", "{ckpt}", "--offload", "disk", "--mode", "x"], "--mode"),
+    ("generate-offload-bad", ["generate", "{ckpt}", "--offload", "gpu"], "--offload"),
+    ("generate-ring-slots-cache", ["generate", "{ckpt}", "--offload", "disk", "--ring-slots", "2"], "--ring-slots"),
+    ("generate-prefetch-negative", ["generate", "{ckpt}", "--offload", "host", "--prefetch", "-1"], "--prefetch"),
+    ("generate-dir-is-file", ["generate", "{ckpt}", "--offload", "disk", "--dir", "{file}"], "--dir"),
+    ("generate-dir-host", ["generate", "{ckpt}", "--offload", "host", "--dir", "{dir}"], "--dir"),
     # ---- infer
     *[(f"infer-fast-memory-{v}", ["infer", *_INFER, "--fast-memory", v], "--fast-memory")
       for v in ("abc", "-1", "0", "nan")],
@@ -249,9 +283,14 @@ def paths(tmp_path_factory) -> dict[str, str]:
              "tuned_record": b'[[{"parallel": "auto", "overlap_degree": "auto"}], [], [], []]'}
     for name, content in tuned.items():
         (base / f"{name}.json").write_bytes(content)
+    configs = {"config_unknown": "stepz = 3\n", "config_flag_spelling": "top-k = 1\n", "config_nan": "lr = nan\n",
+               "config_steps_text": 'steps = "many"\n', "config_bad_choice": 'preset = "huge"\n',
+               "config_bad_switch": 'plot = "no"\n', "config_eval_every_negative": "eval_every = -1\n"}
+    for name, content in configs.items():
+        (base / f"{name}.toml").write_text(content)
     found = {"file": base / "afile.txt", "dir": base / "empty", "missing": base / "does-not-exist",
              "garbage_ckpt": garbage, "ckpt": _tiny_checkpoint(base / "ckpt"),
-             **{name: base / f"{name}.json" for name in tuned}, **_hf_dirs(base, base.parent / "outside.bin")}
+             **{name: base / f"{name}.json" for name in tuned}, **{name: base / f"{name}.toml" for name in configs}, **_hf_dirs(base, base.parent / "outside.bin")}
     return {k: str(v) for k, v in found.items()}
 
 

@@ -2,6 +2,16 @@
 
     moeflow generate runs/shakespeare --prompt "ROMEO." --max-new-tokens 200
     moeflow generate runs/shakespeare --prompts-file prompts.txt --batch-size 8 --temperature 0 --eos '\\n'
+    moeflow generate runs/shakespeare --offload disk --fast-memory 512MB --mode cache --temperature 0
+
+With ``--offload host|disk`` the routed experts leave the model for an expert store
+(``moeflow.storage``, built as ``moeflow infer`` builds it: ``moeflow.cli.offload``) and only
+``--fast-memory`` bytes of them are resident: ``--mode cache`` (the default here) fetches the
+experts each layer's router selected and prefetches the next layer's likely ones while the
+current one computes; ``--mode ring`` streams whole layers through slots (prefill-shaped work).
+The same generation loop runs either way (the layers call their store-backed experts); the
+store's traffic (bytes read, hit rate, peak fast-tier bytes, never above the budget) follows
+the tokens/s on stderr.
 
 Prompts of any lengths run in batches (``moeflow.models.generation.generate``: KV-cached, left
 padding, per-row stop tokens). The completions go to stdout; the prefill and decode tokens/s
@@ -14,6 +24,15 @@ import argparse
 import math
 import sys
 from pathlib import Path
+
+from moeflow.cli.errors import UsageError
+from moeflow.cli.offload import (
+    add_storage_flags,
+    check_budget,
+    layout_line,
+    storage_config,
+    store_lines,
+)
 
 __all__ = ["add_generate", "sample"]
 
@@ -42,7 +61,24 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with "
                    "probability >= p (default 1: all)")
     p.add_argument("--seed", type=int, default=0)
+    add_storage_flags(p, offload_help="hold the routed experts in host memory or on disk and stream them through "
+                      "--fast-memory (default: none, the whole model in memory)", mode_default="cache")
     p.set_defaults(func=_run_generate)
+
+
+def _storage(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """The ``StorageConfig`` of the storage flags, or ``None`` without ``--offload``
+    (``UsageError`` for a bad value, or a storage flag given without ``--offload``)."""
+    if args.offload is None:
+        given = [flag for flag, value in (
+            ("--fast-memory", args.fast_memory), ("--mode", args.mode), ("--ring-slots", args.ring_slots),
+            ("--prefetch", args.prefetch), ("--dir", args.dir), ("--device", args.device),
+            ("--evict-page-cache", args.evict_page_cache or None)) if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} only applies with --offload host|disk (the experts held outside "
+                             "the model)")
+        return None
+    return storage_config(args, mode_default="cache")
 
 
 def _fail(message: str) -> int:
@@ -115,12 +151,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         new, top_k = _settings(args)
         prompts = _prompts(args)
+        storage = _storage(args)
+    except UsageError as err:
+        print(f"moeflow generate: error: {err}", file=sys.stderr)
+        return err.status
     except ValueError as err:
         return _fail(str(err))
     try:
-        import torch
-
-        from moeflow.models.generation import generate
         from moeflow.train import build_from_checkpoint
 
         model, tok, _ = build_from_checkpoint(str(args.checkpoint))
@@ -129,21 +166,46 @@ def _run_generate(args: argparse.Namespace) -> int:
                              "sample with transformers' tokenizer instead")
         eos = _eos_ids(args.eos, tok)
         encoded = [tok.encode(p) or [0] for p in prompts]
-        gen = torch.Generator().manual_seed(args.seed)
-        prefill = [0, 0.0]
-        decode = [0, 0.0]
-        for start in range(0, len(encoded), args.batch_size):
-            batch = encoded[start:start + args.batch_size]
-            result = generate(model, batch, new, temperature=args.temperature, top_k=top_k, top_p=args.top_p,
-                              eos=eos, generator=gen)
-            prefill = [prefill[0] + result.prefill_tokens, prefill[1] + result.prefill_s]
-            decode = [decode[0] + result.decode_tokens, decode[1] + result.decode_s]
-            for i, (ids, out) in enumerate(zip(batch, result.tokens)):
-                if len(prompts) > 1:
-                    print(f"### prompt {start + i + 1}")
-                print(tok.decode(ids + out))
+        if storage is None:
+            return _generate_all(args, model, tok, prompts, encoded, new, top_k, eos)
+        from moeflow.storage import offload_experts
+
+        model = model.to(storage.device)
+        store = offload_experts(model, storage)
     except (CheckpointError, ValueError, TypeError) as err:
         return _fail(str(err))
+    try:
+        with store:
+            status = _generate_all(args, model, tok, prompts, encoded, new, top_k, eos)
+            print(f"experts in {storage.offload}, fast tier {layout_line(store, storage)}, prefetch {storage.prefetch}",
+                  file=sys.stderr)
+            print("\n".join(store_lines(store, storage)), file=sys.stderr)
+            check_budget(store, storage)
+    except UsageError as err:
+        print(f"moeflow generate: error: {err}", file=sys.stderr)
+        return err.status
+    return status
+
+
+def _generate_all(args, model, tok, prompts, encoded, new, top_k, eos) -> int:  # type: ignore[no-untyped-def]
+    """Generate every prompt in batches of ``--batch-size``; the text to stdout, the rates to stderr."""
+    import torch
+
+    from moeflow.models.generation import generate
+
+    gen = torch.Generator().manual_seed(args.seed)
+    prefill = [0, 0.0]
+    decode = [0, 0.0]
+    for start in range(0, len(encoded), args.batch_size):
+        batch = encoded[start:start + args.batch_size]
+        result = generate(model, batch, new, temperature=args.temperature, top_k=top_k, top_p=args.top_p,
+                          eos=eos, generator=gen)
+        prefill = [prefill[0] + result.prefill_tokens, prefill[1] + result.prefill_s]
+        decode = [decode[0] + result.decode_tokens, decode[1] + result.decode_s]
+        for i, (ids, out) in enumerate(zip(batch, result.tokens)):
+            if len(prompts) > 1:
+                print(f"### prompt {start + i + 1}")
+            print(tok.decode(ids + out))
     print(f"prefill: {_rate(*prefill)}; decode: {_rate(*decode)}; batch size {args.batch_size}", file=sys.stderr)
     return 0
 

@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 
 from moeflow.cli.errors import UsageError, error_line
-from moeflow.cli.flags import check_device, check_output_dir, check_output_file, int_at_least
+from moeflow.cli.flags import check_output_file, env_threads, int_at_least, threads_help
+from moeflow.cli.offload import (
+    add_storage_flags,
+    check_budget,
+    expert_bytes,
+    layout_line,
+    storage_config,
+    store_lines,
+)
 
 __all__ = ["add_infer"]
 
@@ -47,29 +55,21 @@ def add_infer(sub: argparse._SubParsersAction) -> None:
                    help="a `moeflow train` checkpoint (or its --out directory); default: a random --preset")
     p.add_argument("--preset", default="tiny", choices=sorted(GPT_PRESETS), help="random model size (default tiny)")
     p.add_argument("--vocab-size", type=int_at_least(2), default=256, help="with --preset (default 256)")
-    p.add_argument("--layers", type=int_at_least(1), default=None, help="with --preset: override n_layers")
-    p.add_argument("--offload", default=None, choices=["host", "disk"], help="home tier of the experts (default disk)")
-    p.add_argument("--fast-memory", default=None, help="fast-tier byte budget, e.g. 512MB, 2GiB (default 512MB)")
-    p.add_argument("--mode", default=None, choices=["ring", "cache"], help="default ring")
-    p.add_argument("--ring-slots", type=int_at_least(1), default=None, help="default: as many as --fast-memory holds")
-    p.add_argument("--prefetch", type=int_at_least(0), default=None,
-                   help="layers loaded ahead (0: synchronous loading; default 1)")
-    p.add_argument("--dir", type=Path, default=None, help="where the disk tier writes (default: a temporary dir)")
-    p.add_argument("--evict-page-cache", action="store_true",
-                   help="drop each disk read from the page cache (only matters where O_DIRECT is unavailable)")
-    p.add_argument("--device", default=None, help="the fast tier's device: cpu or cuda[:N] (default cpu)")
-    p.add_argument("--batch-size", type=int_at_least(1), default=1)
+    p.add_argument("--layers", type=int_at_least(1), default=None, help="with --preset: override n_layers (default: the preset's)")
+    add_storage_flags(p, offload_help="home tier of the experts (default disk)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1, help="prompts decoded together (rows)")
     p.add_argument("--seq-len", type=int_at_least(1), default=None,
-                   help="prompt tokens per row (random tokens unless --prompt; default 32, at most the model's "
-                   "max_seq_len)")
-    p.add_argument("--prompt", default=None, help="with a checkpoint that has a tokenizer: the prompt text")
+                   help="prompt length: prompt tokens per row (random tokens unless --prompt; default 32, at most the "
+                   "model's context, max_seq_len; train's --seq-len is that context)")
+    p.add_argument("--prompt", default=None, help="with a checkpoint that has a tokenizer: the prompt text (default: random tokens)")
     p.add_argument("--new-tokens", type=int_at_least(0), default=16, help="greedy decoding steps after the prefill")
     p.add_argument("--compare", action="store_true", help="also run the in-memory model; report time and equality")
-    p.add_argument("--threads", type=int_at_least(1), default=None, help="torch threads (default 2; 1 with --bench)")
-    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--threads", type=int_at_least(1), default=None,
+                   help=threads_help(2, "torch threads (with --bench the fallback is 1)"))
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="random weights and prompt tokens")
     p.add_argument("--bench", action="store_true",
                    help="run the ring-inference benchmark (moeflow.bench.storage) with --layers/--threads instead")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON (default: none)")
     p.set_defaults(func=run_infer)
 
 
@@ -82,12 +82,8 @@ def _check_paths(args: argparse.Namespace) -> None:
     """``UsageError`` unless every path flag is usable (before any work)."""
     if args.checkpoint is not None and not args.checkpoint.exists():
         raise UsageError(f"checkpoint {args.checkpoint}: no such file or directory")
-    if args.dir is not None:
-        check_output_dir("--dir", args.dir)
     if args.json is not None:
         check_output_file("--json", args.json)
-    if args.device is not None:
-        check_device("--device", args.device)
     if args.seed >= 2**63:
         raise UsageError(f"--seed must be below 2**63, got {args.seed}")
 
@@ -141,30 +137,23 @@ def _infer(args: argparse.Namespace) -> int:
             return _fail(f"--bench runs a fixed benchmark (it takes --layers, --threads, --seed, --json); "
                          f"it does not take {', '.join(ignored)}")
         return _run_bench(args)
-    for name, default in (("offload", "disk"), ("fast_memory", "512MB"), ("mode", "ring"), ("prefetch", 1),
-                          ("device", "cpu")):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    args.threads = 2 if args.threads is None else args.threads
+    storage = storage_config(args)  # before any work: a bad value is one line and status 2
+    args.threads = args.threads or env_threads() or 2
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args)
+        return _run(args, storage)
     finally:
         torch.set_num_threads(threads)  # a caller's setting (in-process use, tests) is left as it was
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, storage) -> int:  # type: ignore[no-untyped-def]
     import torch
 
     from moeflow.checkpoint import CheckpointError
-    from moeflow.storage import StorageConfig, format_bytes, offload_experts
+    from moeflow.storage import format_bytes, offload_experts
 
     try:
-        storage = StorageConfig(
-            offload=args.offload, fast_memory=args.fast_memory, mode=args.mode, ring_slots=args.ring_slots,
-            prefetch=args.prefetch, directory=args.dir, evict_page_cache=args.evict_page_cache, device=args.device,
-        )
         model, tok, what = _build(args)
     except (CheckpointError, ValueError, TypeError) as err:
         return _fail(str(err))
@@ -187,7 +176,7 @@ def _run(args: argparse.Namespace) -> int:
     idx = idx.to(args.device)
     model = model.to(args.device)
     reference = copy.deepcopy(model) if args.compare else None
-    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    n_expert_bytes = expert_bytes(model)
     try:
         store = offload_experts(model, storage)
     except (ValueError, TypeError) as err:
@@ -206,11 +195,10 @@ def _run(args: argparse.Namespace) -> int:
         with store:
             logits, out, prefill_s, decode_s = run(model)
             stats = store.stats
-            layout = (f"ring of {store.num_slots} slot(s) x {format_bytes(store.slot_bytes)}" if args.mode == "ring"
-                      else f"LRU cache of {store.cache_slots} experts x {format_bytes(store.expert_slot_bytes)}")
+            layout = layout_line(store, storage)
             report = {
                 "model": what, "n_layers": cfg.n_layers, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                "expert_bytes": expert_bytes, "fast_memory": storage.fast_memory, "offload": args.offload,
+                "expert_bytes": n_expert_bytes, "fast_memory": storage.fast_memory, "offload": args.offload,
                 "mode": args.mode, "prefetch": args.prefetch, "layout": layout,
                 "direct_io": store.disk.direct_io if store.disk is not None else None,
                 "checksum": store.disk.checksum if store.disk is not None else None,
@@ -225,17 +213,16 @@ def _run(args: argparse.Namespace) -> int:
         raise
     lines = [
         f"moeflow infer: MoE GPT ({what}): {cfg.n_layers} layers, {cfg.num_experts} experts, top-{cfg.top_k}; "
-        f"expert weights {format_bytes(expert_bytes)} in {args.offload}"
+        f"expert weights {format_bytes(n_expert_bytes)} in {args.offload}"
         + (f" ({'O_DIRECT' if report['direct_io'] else 'buffered'} reads, {report['checksum']} checksums)"
            if args.offload == "disk" else ""),
         f"fast tier: {format_bytes(storage.fast_memory)} budget on {args.device}: {layout}, prefetch {args.prefetch} "
-        f"(experts = {expert_bytes / storage.fast_memory:.1f}x the budget)",
+        f"(experts = {n_expert_bytes / storage.fast_memory:.1f}x the budget)",
         f"prefill: {idx.shape[0]} x {idx.shape[1]} tokens in {prefill_s * 1e3:.1f} ms; "
         f"decode: {args.new_tokens} tokens in {decode_s * 1e3:.1f} ms",
-        stats.format(),
+        *store_lines(store, storage),
     ]
-    if args.mode == "cache":
-        lines.append(f"routing-aware prefetch: {store.prefetch_hits} of {stats.hits} hits were prefetched experts")
+    check_budget(store, storage)
     if reference is not None:
         ref_logits, ref_out, ref_prefill, ref_decode = run(reference)
         same = bool(torch.equal(ref_logits, logits) and torch.equal(ref_out, out))
@@ -258,7 +245,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     try:
         cfg = StorageBenchConfig(n_layers=8 if args.layers is None else args.layers,
-                                 threads=1 if args.threads is None else args.threads, seed=args.seed)
+                                 threads=args.threads or env_threads() or 1, seed=args.seed)
     except (ValueError, TypeError) as err:
         return _fail(str(err))
     run_and_report(cfg, args.json)
