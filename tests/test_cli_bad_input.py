@@ -145,6 +145,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("vision-router-bad", ["train-vision", "--router", "dot"], "--router"),
     ("vision-drop-policy-bad", ["train-vision", "--drop-policy", "x"], "--drop-policy"),
     ("vision-epochs-word", ["train-vision", "--epochs", "ten"], "--epochs"),
+    ("vision-out-is-file", ["train-vision", "--out", "{file}"], "--out"),
+    ("vision-out-unwritable", ["train-vision", "--out", "/proc/moeflow-no/run"], "--out"),
+    ("vision-overwrite-without-out", ["train-vision", "--overwrite"], "--overwrite"),
     # ---- generate
     ("generate-missing", ["generate", "{missing}"], "{missing}"),
     ("generate-file", ["generate", "{file}"], "{file}"),

@@ -56,3 +56,36 @@ def test_vision_moe_learns_digits(monkeypatch) -> None:
     monkeypatch.setattr(vision, "train_vision", recording)  # the command imports it when it runs
     assert main(["train-vision", "--epochs", "8"]) == 0
     assert len(results) == 1 and results[0]["test_accuracy"] > 0.6
+
+
+@pytest.mark.e2e
+def test_vision_run_writes_checkpoint_history_and_plot(tmp_path, capsys) -> None:
+    """``--out``: the final checkpoint loads into a fresh model with the test accuracy the run
+    reported; history.json has a point per step and per epoch (test loss and accuracy, the load
+    share of every MoE layer summing to 1); training.png is written; a second run into the same
+    directory is refused without --overwrite."""
+    import json
+
+    from moeflow.checkpoint import load_checkpoint
+    from moeflow.models import VisionMoE
+
+    torch.set_num_threads(2)
+    out = tmp_path / "vision"
+    argv = ["train-vision", "--epochs", "2", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    history = json.loads((out / "history.json").read_text())
+    steps = history["step"][-1]
+    assert history["step"] == list(range(1, steps + 1)) and len(history["lr"]) == steps
+    assert [s for s, _ in history["val"]] == [0, steps // 2, steps]
+    assert all(abs(sum(share) - 1) < 1e-6 for _, layers in history["load"] for share in layers)
+    assert (out / "training.png").stat().st_size > 10_000
+    cfg = VisionTrainConfig(epochs=2)
+    model = VisionMoE(cfg.model_config())
+    assert load_checkpoint(out / "checkpoints", model)["step"] == steps
+    x_tr, y_tr, x_te, y_te = vision.load_digits(cfg.seed)
+    assert vision.accuracy(model, x_te, y_te) == history["test_accuracy"][-1][1]
+    assert f"test accuracy: {history['test_accuracy'][-1][1]:.4f}" in printed
+    assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err
+    assert main([*argv, "--overwrite", "--epochs", "1", "--no-plot"]) == 0
+    assert not (out / "training.png").exists() and json.loads((out / "history.json").read_text())["step"][-1] == steps // 2

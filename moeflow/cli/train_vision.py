@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from moeflow.cli.errors import error_line
-from moeflow.cli.flags import config_from_flags, env_threads, int_at_least, threads_help
+from moeflow.cli.errors import UsageError, error_line
+from moeflow.cli.flags import check_output_dir, config_from_flags, env_threads, int_at_least, threads_help
 
 __all__ = ["add_train_vision"]
 
@@ -27,7 +28,36 @@ def add_train_vision(sub: argparse._SubParsersAction) -> None:
                    help="which tokens an over-full expert drops")
     p.add_argument("--seed", type=int, default=0, help="initial weights, data split and order")
     p.add_argument("--threads", type=int_at_least(1), default=None, help=threads_help(2))
+    p.add_argument("--out", dest="out_dir", type=Path, default=None,
+                   help="write the final checkpoint, history.json and training.png (loss, test loss, learning "
+                   "rate, expert load per epoch) here (default: nothing is written)")
+    p.add_argument("--overwrite", action="store_true", help="replace what an earlier train-vision run wrote in --out")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar (a line per epoch instead; also when not on a terminal)")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="with --out: do not write training.png")
     p.set_defaults(func=_run_train_vision)
+
+
+_WRITES = ("checkpoints", "history.json", "training.png")
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """``--out`` can be written and holds no earlier run unless ``--overwrite`` (then that run's
+    files are removed before training)."""
+    import shutil
+
+    if args.out_dir is None:
+        if args.overwrite:
+            raise UsageError("--overwrite goes with --out DIR")
+        return
+    check_output_dir("--out", args.out_dir)
+    found = [name for name in _WRITES if (args.out_dir / name).exists()]
+    if found and not args.overwrite:
+        raise UsageError(f"--out {args.out_dir}: holds an earlier run ({', '.join(found)}); pass --overwrite to "
+                         "replace it, or another --out")
+    for name in found:
+        path = args.out_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def _run_train_vision(args: argparse.Namespace) -> int:
@@ -39,6 +69,7 @@ def _run_train_vision(args: argparse.Namespace) -> int:
     cfg = config_from_flags(VisionTrainConfig, args, prog="moeflow train-vision")
     if cfg is None:
         return 2
+    _check_out(args)
     torch.set_num_threads(args.threads or env_threads() or 2)
     try:
         result = train_vision(cfg)
@@ -47,4 +78,7 @@ def _run_train_vision(args: argparse.Namespace) -> int:
         return 1
     print(f"test accuracy: {result['test_accuracy']:.4f} on {result['test_images']} held-out digits "
           f"(before training {result['test_accuracy_before']:.4f}; {result['seconds']:.1f} s)")
+    for what in ("checkpoint", "plot"):
+        if what in result:
+            print(f"wrote {result[what]}")
     return 0

@@ -9,9 +9,10 @@ from pathlib import Path
 __all__ = ["plot_training", "training_figure"]
 
 
-def plot_training(history: dict, path: str | Path, *, metrics: list[dict] | None = None) -> Path:
+def plot_training(history: dict, path: str | Path, *, metrics: list[dict] | None = None,
+                  title: str = "moeflow MoE GPT: loss", loss_label: str = "cross-entropy (nats/token)") -> Path:
     """``training_figure`` saved to ``path`` (a PNG)."""
-    fig = training_figure(history, metrics=metrics)  # first: it says what to install without matplotlib
+    fig = training_figure(history, metrics=metrics, title=title, loss_label=loss_label)  # says what to install
     import matplotlib.pyplot as plt
 
     path = Path(path)
@@ -21,7 +22,8 @@ def plot_training(history: dict, path: str | Path, *, metrics: list[dict] | None
     return path
 
 
-def training_figure(history: dict, *, metrics: list[dict] | None = None):  # type: ignore[no-untyped-def]
+def training_figure(history: dict, *, metrics: list[dict] | None = None,  # type: ignore[no-untyped-def]
+                    title: str = "moeflow MoE GPT: loss", loss_label: str = "cross-entropy (nats/token)"):
     """The report as a matplotlib figure. Top: training loss per step and validation loss.
     Middle: the learning rate per step (``history["lr"]``), and from ``metrics`` (``metrics.jsonl``'s records,
     ``moeflow.train.metrics``) the aux loss and tokens/s per step. Below: one heat map per MoE
@@ -55,23 +57,23 @@ def training_figure(history: dict, *, metrics: list[dict] | None = None):  # typ
     ax.plot(history["step"], history["train_loss"], lw=0.8, alpha=0.7, label="train")
     if history.get("val"):
         vs, vl = zip(*history["val"])
-        ax.plot(vs, vl, "o-", label="validation (held-out works)")
+        ax.plot(vs, vl, "o-", label=history.get("val_label", "validation (held-out works)"))
     integer_steps(ax)
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("moeflow MoE GPT: loss")
+    ax.set_ylabel(loss_label)
+    ax.set_title(title)
     ax.legend()
     panels = [("learning rate", history["step"], history.get("lr", []), "lr"),
               ("routers' balance (aux) loss", [r["step"] for r in steps_of], [r["aux_loss"] for r in steps_of],
                "aux loss"),
               ("throughput", [r["step"] for r in steps_of], [r["tokens_per_s"] for r in steps_of], "tokens/s")]
-    for j, (title, xs, ys, label) in enumerate(panels):
+    for j, (panel, xs, ys, label) in enumerate(panels):
         a = fig.add_subplot(grid[1, j])
         if len(xs) == len(ys) and xs:
             a.plot(xs, ys, lw=1.0)
         else:
             a.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=a.transAxes)
         integer_steps(a)
-        a.set_title(title)
+        a.set_title(panel)
         a.set_ylabel(label)
     if load:
         steps = [s for s, _ in load]

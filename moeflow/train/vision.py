@@ -1,13 +1,20 @@
 """Train the vision MoE on scikit-learn's handwritten digits (1,797 real 8x8 scans, 10 classes).
 
 A fixed stratified 75/25 split (by ``seed``) keeps the test images out of training; the report
-is the test accuracy. Legend: ``B`` images, ``Q`` classes.
+is the test accuracy. With ``out_dir`` the run also writes ``checkpoints/step-N`` (the model and
+optimizer, ``moeflow.checkpoint``'s format, after the last epoch), ``history.json`` (per step:
+loss, learning rate, aux loss and patch tokens/s; per epoch: test loss and accuracy and every
+MoE layer's expert load) and ``training.png`` (``moeflow.train.plots``). ``progress`` shows a bar over the steps on a
+terminal (per-epoch lines otherwise). Legend: ``B`` images, ``Q`` classes, ``L`` MoE layers.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +46,16 @@ class VisionTrainConfig:
     dim: int = 64
     depth: int = 4
     seed: int = 0
+    out_dir: Path | None = None
+    progress: bool = True
+    plot: bool = True
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size", "num_experts", "top_k", "dim", "depth"):
             _int(name, getattr(self, name), minimum=1)
         _int("seed", self.seed, minimum=0)
+        if self.out_dir is not None:
+            object.__setattr__(self, "out_dir", Path(self.out_dir))
         for name in ("lr", "weight_decay", "capacity_factor"):
             _float(name, getattr(self, name))  # nan passes no comparison
         if self.lr <= 0 or self.weight_decay < 0:
@@ -75,42 +87,115 @@ def load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 
 
 @torch.no_grad()
-def accuracy(model: VisionMoE, x: torch.Tensor, y: torch.Tensor) -> float:
+def evaluate(model: VisionMoE, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """``(accuracy, mean cross-entropy)`` of ``model`` on ``x [B,1,8,8]``, ``y [B]``."""
     model.eval()
-    pred = torch.cat([model(x[i : i + 256]).argmax(-1) for i in range(0, len(x), 256)])
+    logits_BQ = torch.cat([model(x[i : i + 256]) for i in range(0, len(x), 256)])
     model.train()
-    return float((pred == y).float().mean())
+    return float((logits_BQ.argmax(-1) == y).float().mean()), float(F.cross_entropy(logits_BQ, y))
+
+
+def accuracy(model: VisionMoE, x: torch.Tensor, y: torch.Tensor) -> float:
+    return evaluate(model, x, y)[0]
+
+
+def _bar(cfg: VisionTrainConfig, total: int):  # type: ignore[no-untyped-def]
+    """A tqdm bar over the steps on a terminal with ``progress``; None otherwise (or without tqdm)."""
+    if not cfg.progress or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="train-vision", unit="step", leave=False)
 
 
 def train_vision(cfg: VisionTrainConfig, *, log=print) -> dict:  # type: ignore[no-untyped-def]
-    """Train and return ``{"test_accuracy_before", "test_accuracy", "train_loss": [...], ...}``."""
+    """Train and return ``{"test_accuracy_before", "test_accuracy", "train_loss": [...], ...}``
+    (``"checkpoint"`` and ``"plot"``: the paths written with ``out_dir``)."""
     torch.manual_seed(cfg.seed)
     x_tr, y_tr, x_te, y_te = load_digits(cfg.seed)
     model = VisionMoE(cfg.model_config())
+    layers = moeflow.moe_layers(model)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps_per_epoch = (len(y_tr) + cfg.batch_size - 1) // cfg.batch_size
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=cfg.epochs * steps_per_epoch)
-    before = accuracy(model, x_te, y_te)
+    before, before_loss = evaluate(model, x_te, y_te)
+    history: dict = {"step": [], "train_loss": [], "lr": [], "val": [[0, before_loss]], "test_accuracy": [[0, before]],
+                     "load": [], "val_label": "test (held-out digits)"}
     losses = []
+    metrics: list[dict] = []  # per step, as moeflow.train.plots reads them
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.seed)
+    bar = _bar(cfg, cfg.epochs * steps_per_epoch)
+    step = 0
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(y_tr), generator=gen)
         total = 0.0
+        counts_LE = torch.zeros(len(layers), cfg.num_experts, dtype=torch.long)
         for i in range(0, len(order), cfg.batch_size):
             idx = order[i : i + cfg.batch_size]
+            t_step = time.perf_counter()
             loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
-            (loss + moeflow.aux_loss(model)).backward()
+            step_counts_LE = torch.stack([layer.last_counts_E.cpu() for layer in layers])
+            counts_LE += step_counts_LE
+            aux = moeflow.aux_loss(model)
+            (loss + aux).backward()
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([p.grad.double().norm() for p in model.parameters() if p.grad is not None]))
             if not step_is_finite(loss.item(), float(grad_norm)):
                 raise NonFiniteLossError(f"training stopped in epoch {epoch + 1}: the loss is {loss.item()} and the "
                                          f"gradient norm {float(grad_norm)}; the weights were not updated (lower --lr)")
+            history["lr"].append(opt.param_groups[0]["lr"])
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+            step += 1
             total += loss.item() * len(idx)
+            history["step"].append(step)
+            history["train_loss"].append(loss.item())
+            tokens = int(step_counts_LE[0].sum()) // cfg.top_k  # patch tokens the MoE layers routed
+            metrics.append({"step": step, "loss": loss.item(), "aux_loss": float(aux),
+                            "tokens_per_s": tokens / max(time.perf_counter() - t_step, 1e-9)})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
         losses.append(total / len(y_tr))
-        log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {losses[-1]:.4f}")
-    return {"test_accuracy_before": before, "test_accuracy": accuracy(model, x_te, y_te), "train_loss": losses,
-            "seconds": time.perf_counter() - t0, "train_images": len(y_tr), "test_images": len(y_te)}
+        acc, test_loss = evaluate(model, x_te, y_te)
+        history["val"].append([step, test_loss])
+        history["test_accuracy"].append([step, acc])
+        history["load"].append([step, (counts_LE / counts_LE.sum(1, keepdim=True).clamp(min=1)).tolist()])
+        line = f"epoch {epoch + 1}/{cfg.epochs}: train loss {losses[-1]:.4f}, test accuracy {acc:.4f}"
+        if bar is not None:
+            bar.write(line)
+        else:
+            log(line)
+    if bar is not None:
+        bar.close()
+    result = {"test_accuracy_before": before, "test_accuracy": history["test_accuracy"][-1][1], "train_loss": losses,
+              "seconds": time.perf_counter() - t0, "train_images": len(y_tr), "test_images": len(y_te)}
+    if cfg.out_dir is not None:
+        result.update(_write_run(cfg, model, opt, step, history, metrics))
+    return result
+
+
+def _write_run(cfg: VisionTrainConfig, model: VisionMoE, opt: torch.optim.Optimizer, step: int,
+               history: dict, metrics: list[dict]) -> dict:
+    """The checkpoint, ``history.json`` and (with ``plot``) ``training.png`` under ``cfg.out_dir``."""
+    from moeflow.checkpoint import save_checkpoint
+
+    out = cfg.out_dir
+    assert out is not None
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    ckpt = save_checkpoint(out / "checkpoints", step, model, opt,
+                           extra={"family": "moeflow-vision-moe", "train": settings})
+    (out / "history.json").write_text(json.dumps({**history, "metrics": metrics}))
+    written = {"checkpoint": str(ckpt)}
+    if cfg.plot:
+        from moeflow.train.plots import plot_training
+
+        written["plot"] = str(plot_training(history, out / "training.png", metrics=metrics,
+                                            title="moeflow vision MoE: loss",
+                                            loss_label="cross-entropy"))
+    return written
