@@ -189,8 +189,10 @@ def test_damaged_tier_under_a_live_model(variant, tmp_path):
             assert got.get("error") == "DiskTierError" and got["oserror"], (kind, step, got)
             message = got["message"]
             assert record["path"] in message and "block layers." in message, message
-            expected = "checksum mismatch" if kind in ("bit-flip", "rewrite", "truncate-regrow") else "truncated"
-            assert expected in message or "short read" in message, message
+            expected = {"checksum mismatch"} if kind in ("bit-flip", "rewrite") else {"truncated"}
+            if kind == "truncate-regrow":  # a read (the cache's prefetch) may land between the two
+                expected = {"checksum mismatch", "truncated"}
+            assert any(e in message for e in expected) or "short read" in message, message
         if kind == "replace":
             assert record["path_kept"]  # close removed its own (unlinked) file, not the new one
 
