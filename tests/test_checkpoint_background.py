@@ -146,3 +146,39 @@ CASES = {"expert_parallel": _case_expert_parallel}
 @pytest.mark.distributed
 def test_async_save_under_expert_parallelism_on_2_ranks(tmp_path):
     spawn_ranks(2, __name__, "expert_parallel", str(tmp_path))
+
+
+@pytest.mark.unit
+def test_a_save_that_lost_its_process_group_is_never_published(tmp_path):
+    """Seen in an elastic run: a peer died, rank 0's main thread failed and shut the process
+    group down while its background save still ran; the save's gather then answered for rank 0
+    alone and rank 0 published a checkpoint holding only its own experts, which every restart
+    then refused. The write must hear from every rank of the world it snapshotted."""
+    import dataclasses
+
+    model, opt = _model()
+    _step(model, opt, 1)
+    save_checkpoint(tmp_path, 1, model, opt)
+    snapshot = ckpt_io._snapshot(tmp_path, 2, model, opt, extra=None, group=None, keep=3, stage=True)
+    as_rank0_of_2 = dataclasses.replace(snapshot, world=2)  # no process group now: the gather answers alone
+    with pytest.raises(CheckpointError, match=r"heard from 1 of its 2 ranks .* not published"):
+        ckpt_io._write(as_rank0_of_2, None)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000001"
+    assert not (tmp_path / "step-00000002").exists()
+
+
+@pytest.mark.unit
+def test_an_index_without_every_expert_is_refused_on_every_rank(tmp_path):
+    """A published index that lacks some experts (such as the one above would have written) is
+    refused when read, naming the experts, whichever experts the reading rank holds."""
+    import json
+
+    model, opt = _model()
+    path = save_checkpoint(tmp_path, 1, model, opt)
+    index = json.loads((path / "index.json").read_text())
+    name = next(iter(index["experts"]))
+    for entry in index["files"]:
+        entry["tensors"] = {k: v for k, v in entry["tensors"].items() if k not in (f"param/{name}@1", f"param/{name}@3")}
+    (path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"expert\(s\) \[1, 3\] of {name} \(E=\d+\) are in none of its files"):
+        ckpt_io.read_index(path)

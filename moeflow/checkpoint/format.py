@@ -201,6 +201,24 @@ def _check_files(where: str, files: object, experts: dict[str, int], world_size:
                 raise _type_error(where, f"{field}.shape", shape, "a list of non-negative ints")
             if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise _type_error(where, f"{field}.dtype", dtype, "a torch dtype name such as 'float32'")
+    _check_every_expert(where, seen_keys, experts)
+
+
+def _check_every_expert(where: str, keys: dict[str, str], experts: dict[str, int]) -> None:
+    """Every expert ``0..E-1`` of every expert parameter is in some file: a checkpoint that
+    lacks one (a save published without some rank's file) is refused as a whole, on every rank,
+    instead of on the ranks that happen to hold the missing experts now."""
+    found: dict[str, set[int]] = {name: set() for name in experts}
+    for key in keys:
+        if key.startswith("param/") and "@" in key:
+            name, g = key[len("param/"):].rsplit("@", 1)
+            if name in found:
+                found[name].add(int(g))
+    for name, E in experts.items():
+        missing = sorted(set(range(E)) - found[name])
+        if missing:
+            raise CheckpointError(f"{where}: expert(s) {missing[:8]} of {name} (E={E}) are in none of its files: an "
+                                  "incomplete checkpoint, never loaded")
 
 
 def _check_optimizer(where: str, meta: object) -> None:

@@ -262,6 +262,10 @@ def _write(snapshot: _Snapshot, group: ProcessGroup | None, staged: Callable[[],
     except Exception as err:  # noqa: BLE001 - every rank must reach the gather below
         info = {"error": f"rank {snapshot.rank}: {type(err).__name__}: {err}"}
     infos = gather_objects(info, group)
+    if len(infos) != snapshot.world:  # the process group is gone (the job is failing): never publish a part
+        raise CheckpointError(f"the save of {snapshot.final} heard from {len(infos)} of its {snapshot.world} ranks (the "
+                              "process group was shut down while it ran); not published, the previous checkpoint "
+                              "stays the latest")
     failed = [i["error"] for i in infos if "error" in i]
     if failed:
         raise CheckpointError(f"the save of {snapshot.final} failed (the previous checkpoint stays the latest): "
