@@ -6,6 +6,7 @@ process on the same global batches, keeps the same run-directory rules and stops
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -572,3 +573,82 @@ def test_training_figure_panels() -> None:
             assert isinstance(locator, MaxNLocator) and locator._integer, a.get_title()
     finally:
         plt.close(fig)
+
+
+_PLACED_RESUMED = dict(load_balance_coef=0.0, dtype="float64", rebalance_every=2, checkpoint_every=1, keep_checkpoints=10)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _case_train_placed_resumed(rank: int, world: int, out: str, stop: str) -> None:
+    """Steps 1..6 with a move every 2 steps (replicas: one slot more than E / world), in one go
+    (``stop`` 0) or interrupted right after the checkpoint of step ``stop`` and resumed."""
+    cfg = _cfg(out, steps=6, **_PLACED_RESUMED, expert_slots=8 // world + 1)
+    if int(stop):
+        save = lm.save_checkpoint_async
+
+        def save_then_stop(root, step, *args, **kw):  # type: ignore[no-untyped-def]
+            pending = save(root, step, *args, **kw)
+            if step == int(stop):
+                pending.wait()
+                raise _Stopped
+            return pending
+
+        lm.save_checkpoint_async = save_then_stop
+        try:
+            with pytest.raises(_Stopped):
+                train_lm(cfg)
+        finally:
+            lm.save_checkpoint_async = save
+    train_lm(dataclasses.replace(cfg, resume=bool(int(stop))))
+
+
+CASES["train_placed_resumed"] = _case_train_placed_resumed
+
+
+@pytest.mark.distributed
+def test_a_resumed_rebalancing_run_continues_the_placement_and_load_window(tmp_path) -> None:
+    """A run that moves its experts every 2 steps, stopped after step 3 (one step of load in the
+    window, experts placed with replicas by the move at step 2) and resumed, equals the
+    uninterrupted run bit for bit: the same moves (planned from the same window) and the same
+    parameters. The checkpoint records the placement and the window (``extra["rebalance"]``)."""
+    spawn_ranks(2, __name__, "train_placed_resumed", str(tmp_path / "whole"), "0")
+    spawn_ranks(2, __name__, "train_placed_resumed", str(tmp_path / "resumed"), "3")
+    whole, resumed = (json.loads((tmp_path / n / "history.json").read_text()) for n in ("whole", "resumed"))
+    assert [s for s, _ in whole["rebalance"]] == [2, 4]
+    assert resumed["rebalance"] == whole["rebalance"] and resumed["train_loss"] == whole["train_loss"]
+    from moeflow.checkpoint import latest_checkpoint, read_index
+    from moeflow.train import build_from_checkpoint
+
+    record = read_index(tmp_path / "resumed" / "checkpoints" / "step-00000003")["extra"]["rebalance"]
+    assert record["world"] == 2 and sum(map(sum, record["window"])) > 0  # step 3's rows, not yet moved on
+    assert [p["slots"] for p in record["placements"]] == whole["rebalance"][0][1]["slots"]
+    ma, _, _ = build_from_checkpoint(latest_checkpoint(tmp_path / "whole" / "checkpoints"))
+    mb, _, _ = build_from_checkpoint(latest_checkpoint(tmp_path / "resumed" / "checkpoints"))
+    for (n, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.unit
+def test_a_rebalance_record_from_another_world_size_carries_only_the_window() -> None:
+    """On another number of ranks the saved placements cannot apply (the experts start
+    contiguous) but the window, a per-expert total, carries over into rank 0's counts; a record
+    that does not fit the model is refused naming what it holds."""
+    from moeflow.models import MoEGPT, gpt_config
+    from moeflow.train.placement_state import restore_rebalance
+
+    model = MoEGPT(gpt_config("tiny", vocab_size=32, dim=16, n_heads=2, n_layers=2, expert_hidden=8, max_seq_len=8))
+    window = torch.rand(2, 8, dtype=torch.float64).mul(100).round()
+    record = {"world": 2, "placements": [{"slots": [[0, 1, 2, 3], [4, 5, 6, 7]], "shares": None}] * 2,
+              "window": window.tolist()}
+    for rank in (0, 1):
+        got = torch.full((2, 8), 7.0, dtype=torch.float64)
+        assert restore_rebalance(model, record, world=4, rank=rank, window_LE=got) is False
+        assert torch.equal(got, window if rank == 0 else torch.zeros_like(window))
+    assert restore_rebalance(model, None, world=2, rank=0, window_LE=got) is False
+    with pytest.raises(ValueError, match=r"rebalance record is for 1 MoE layers with a \(2, 8\) window"):
+        restore_rebalance(model, {**record, "placements": record["placements"][:1]}, world=2, rank=0, window_LE=got)
+    with pytest.raises(ValueError, match="rebalance record is malformed"):
+        restore_rebalance(model, {"world": 2}, world=2, rank=0, window_LE=got)

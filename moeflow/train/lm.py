@@ -38,7 +38,7 @@ import time
 import torch
 
 import moeflow
-from moeflow.checkpoint import load_checkpoint, save_checkpoint, save_checkpoint_async
+from moeflow.checkpoint import load_checkpoint, read_index, save_checkpoint, save_checkpoint_async
 from moeflow.models import MoEGPT
 from moeflow.parallel import (
     all_reduce_gradients,
@@ -81,6 +81,7 @@ from moeflow.train.init_from import init_checkpoint
 from moeflow.train.lm_config import LMTrainConfig
 from moeflow.train.metrics import METRICS_FILE, RunLog, read_metrics
 from moeflow.train.nonfinite import check_weights, nonfinite_step, step_is_finite
+from moeflow.train.placement_state import rebalance_record, restore_rebalance
 
 __all__ = ["LMTrainConfig", "train_lm", "check_world_settings", "exchange_for", "MODEL_FAMILY",
            "build_from_checkpoint"]
@@ -252,6 +253,13 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         if recorded is not None:
             fix_tuned_settings(model, recorded)
     slots = cfg.expert_slots or model_cfg.num_experts // world
+    layers = moeflow.moe_layers(model)
+    E = model_cfg.num_experts
+    counts_LE = torch.zeros(len(layers), E, dtype=torch.float64, device=device)
+    window_LE = torch.zeros_like(counts_LE)  # load since the last rebalance (this rank's tokens)
+    if cfg.rebalance_every and run.checkpoint is not None:  # the saved placement and window (before the optimizer)
+        restore_rebalance(model, read_index(run.checkpoint)["extra"].get("rebalance"), world=world, rank=rank,
+                          window_LE=window_LE)
     torch.manual_seed(cfg.seed * 1_000 + 1 + rank)  # router noise and dropout: per rank, reproducible
     opt = _optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"
@@ -261,8 +269,6 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     if run.checkpoint is not None:  # weights, optimizer and router state, this rank's RNG
         load_checkpoint(run.checkpoint, model, opt, group=group)
 
-    layers = moeflow.moe_layers(model)
-    E = model_cfg.num_experts
     micro = cfg.batch_size // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bias_update = model_cfg.router.bias_update_rate > 0
@@ -276,8 +282,6 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         history["val"].append([0, evaluate(model, val, cfg, group, device)])
         if bar is not None:
             bar.validation(0, history["val"][-1][1])
-    counts_LE = torch.zeros(len(layers), E, dtype=torch.float64, device=device)
-    window_LE = torch.zeros_like(counts_LE)  # load since the last rebalance (this rank's tokens)
     since_log, t_start, t_log = 0, time.perf_counter(), time.perf_counter()
     pending = None  # the latest background save (a stop waits for it: it holds the last good weights)
     for step in range(start, cfg.steps):
@@ -353,6 +357,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
             if rank == 0:  # before the checkpoint, so that it never lags behind one (resume cuts it back)
                 write_history(cfg.out_dir, history)
             check_weights(model, step + 1, group, pending)
+            if cfg.rebalance_every:
+                extra = {**extra, "rebalance": rebalance_record(model, window_LE, group, world)}
             if cfg.async_checkpoints:
                 pending = save_checkpoint_async(ckpt_root, step + 1, model, opt, extra=extra, group=group,
                                                 keep=cfg.keep_checkpoints)
@@ -374,6 +380,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     if rank == 0:
         write_history(cfg.out_dir, history)
     check_weights(model, cfg.steps, group, pending)
+    if cfg.rebalance_every:
+        extra = {**extra, "rebalance": rebalance_record(model, window_LE, group, world)}
     path = save_checkpoint(ckpt_root, cfg.steps, model, opt, extra=extra, group=group, keep=cfg.keep_checkpoints)
     history["checkpoint"] = str(path)
     if rank == 0:
