@@ -93,6 +93,12 @@ def test_config_validation():
         StorageConfig(mode="cache", trainable=True)
     with pytest.raises(ValueError, match="evict_page_cache"):
         StorageConfig(offload="host", evict_page_cache=True)
+    with pytest.raises(ValueError, match="disk_reads='cached' only applies to offload='disk'"):
+        StorageConfig(offload="host", disk_reads="cached")
+    with pytest.raises(ValueError, match="disk_reads='cached' reads through the page cache .* choose one"):
+        StorageConfig(offload="disk", disk_reads="cached", evict_page_cache=True)
+    with pytest.raises(ValueError, match="disk_reads"):
+        StorageConfig(offload="disk", disk_reads="mmap")
     with pytest.raises(ValueError, match="device"):
         StorageConfig(device="tpu")
     with pytest.raises(ValueError, match="fast_memory"):
@@ -154,6 +160,8 @@ COMBOS = [
     dict(offload="host", mode="cache", prefetch=0),
     dict(offload="disk", mode="cache", prefetch=1),
     dict(offload="disk", mode="cache", prefetch=1, evict_page_cache=True),
+    dict(offload="disk", mode="cache", prefetch=1, disk_reads="cached"),
+    dict(offload="disk", mode="ring", prefetch=1, disk_reads="cached"),
 ]
 
 
@@ -182,6 +190,8 @@ def test_inference_equals_in_memory(combo, capacity_factor, gen):
         assert s.bytes_loaded > 0 and s.hits + s.misses > 0
         if store.disk is not None:
             assert s.bytes_from_disk == s.bytes_loaded
+            if combo.get("disk_reads") == "cached":
+                assert not store.disk.direct_io  # every read buffered (through the page cache)
         if ring and combo["prefetch"]:
             assert s.prefetch_loads > 0 and s.hits > s.misses
     finally:

@@ -27,7 +27,7 @@ STORAGE_DEFAULTS = (("--offload", "offload", "disk"), ("--fast-memory", "fast_me
 
 
 def add_storage_flags(p: argparse.ArgumentParser, *, offload_help: str, mode_default: str = "ring") -> None:
-    """``--offload --fast-memory --mode --ring-slots --prefetch --dir --evict-page-cache --device``."""
+    """``--offload --fast-memory --mode --ring-slots --prefetch --dir --disk-reads --evict-page-cache --device``."""
     p.add_argument("--offload", default=None, choices=["host", "disk"], help=offload_help)
     p.add_argument("--fast-memory", default=None,
                    help="fast-tier byte budget for expert weights, e.g. 512MB, 2GiB (default 512MB)")
@@ -39,6 +39,10 @@ def add_storage_flags(p: argparse.ArgumentParser, *, offload_help: str, mode_def
     p.add_argument("--prefetch", type=int_at_least(0), default=None,
                    help="layers loaded ahead (0: synchronous loading; default 1)")
     p.add_argument("--dir", type=Path, default=None, help="where the disk tier writes (default: a temporary dir)")
+    p.add_argument("--disk-reads", default="direct", choices=["direct", "cached"],
+                   help="direct: O_DIRECT reads, every load from the device (a model far larger than RAM); cached: "
+                   "through the page cache, so a file that fits in free RAM is read from memory after the first "
+                   "pass, as a memory-mapped offload is (default direct)")
     p.add_argument("--evict-page-cache", action="store_true",
                    help="drop each disk read from the page cache (only matters where O_DIRECT is unavailable)")
     p.add_argument("--device", default=None, help="the fast tier's device: cpu or cuda[:N] (default cpu)")
@@ -60,7 +64,7 @@ def storage_config(args: argparse.Namespace, *, mode_default: str = "ring"):  # 
     try:
         return StorageConfig(offload=args.offload, fast_memory=args.fast_memory, mode=args.mode,
                              ring_slots=args.ring_slots, prefetch=args.prefetch, directory=args.dir,
-                             evict_page_cache=args.evict_page_cache, device=args.device)
+                             evict_page_cache=args.evict_page_cache, disk_reads=args.disk_reads, device=args.device)
     except (ValueError, TypeError) as err:
         raise UsageError(_flag_names(str(err))) from None
 
@@ -68,7 +72,8 @@ def storage_config(args: argparse.Namespace, *, mode_default: str = "ring"):  # 
 def _flag_names(message: str) -> str:
     """A ``StorageConfig`` message with its fields spelled as the flags that set them."""
     for field, flag in (("fast_memory", "--fast-memory"), ("ring_slots", "--ring-slots"), ("prefetch", "--prefetch"),
-                        ("evict_page_cache", "--evict-page-cache"), ("directory", "--dir"), ("offload", "--offload"),
+                        ("evict_page_cache", "--evict-page-cache"), ("disk_reads", "--disk-reads"),
+                        ("directory", "--dir"), ("offload", "--offload"),
                         ("mode", "--mode"), ("device", "--device")):
         message = re.sub(rf"(?<![\w-]){field}(=| must| has| only)",
                          lambda m, flag=flag: flag + (" " if m.group(1) == "=" else m.group(1)), message)

@@ -107,7 +107,8 @@ class ExpertStore(ABC):
             if config.offload == "disk":
                 flat = {disk_key(i, n): t for i, d in enumerate(named) for n, t in d.items()}
                 # a file of its own: stores sharing ``directory`` must not overwrite each other's map
-                self.disk = DiskFile.create(self._disk_directory(), "experts-", flat, verify=config.verify_checksums)
+                self.disk = DiskFile.create(self._disk_directory(), "experts-", flat, verify=config.verify_checksums,
+                                            direct=config.disk_reads == "direct")
             self.layers = home_layers(experts, named, self.disk, self.device)
             self.num_layers = len(self.layers)
             self.engine = CopyEngine(self.device)

@@ -15,10 +15,11 @@ from typing import Literal
 
 from moeflow.config import _choice, _int
 
-__all__ = ["StorageConfig", "parse_bytes", "format_bytes", "HomeTier", "StoreMode"]
+__all__ = ["StorageConfig", "parse_bytes", "format_bytes", "HomeTier", "StoreMode", "DiskReads"]
 
 HomeTier = Literal["host", "disk"]
 StoreMode = Literal["ring", "cache"]
+DiskReads = Literal["direct", "cached"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -100,6 +101,14 @@ class StorageConfig:
             Page-aligned reads use ``O_DIRECT`` where the file system supports it and bypass
             the page cache anyway; this matters for the buffered rest (unaligned tails, file
             systems without ``O_DIRECT``) and for the optimizer state's reads.
+        disk_reads: how the disk tier reads (disk tier only). ``"direct"``: page-aligned reads
+            with ``O_DIRECT`` where the file system has it, straight from the device into the
+            slot, every load a real read: what a model far larger than RAM gets, and the least
+            CPU per byte. ``"cached"``: buffered reads through the operating system's page
+            cache: a file that fits in free RAM stays there after the first pass, so a load is
+            a memory copy; that is what a memory-mapped offload (accelerate's ``offload_folder``)
+            gets. The page cache is the kernel's memory, given back under pressure; the
+            process's own memory stays within the budget either way.
         verify_checksums: check every block read from the disk tier (one expert's slice of a
             tensor) against the checksum computed when it was written (``moeflow.storage.
             checksum``): a file changed under the running store raises ``DiskTierError`` (an
@@ -117,12 +126,14 @@ class StorageConfig:
     trainable: bool = False
     directory: str | Path | None = None
     evict_page_cache: bool = False
+    disk_reads: DiskReads = "direct"
     verify_checksums: bool = True
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         _choice("offload", self.offload, HomeTier)
         _choice("mode", self.mode, StoreMode)
+        _choice("disk_reads", self.disk_reads, DiskReads)
         object.__setattr__(self, "fast_memory", parse_bytes(self.fast_memory, "fast_memory"))
         if self.ring_slots is not None:
             _int("ring_slots", self.ring_slots, minimum=1)
@@ -139,6 +150,11 @@ class StorageConfig:
             raise ValueError(f"trainable=True needs mode='ring' (the expert cache is for inference), got mode={self.mode!r}")
         if self.evict_page_cache and self.offload != "disk":
             raise ValueError(f"evict_page_cache=True only applies to offload='disk', got offload={self.offload!r}")
+        if self.disk_reads != "direct" and self.offload != "disk":
+            raise ValueError(f"disk_reads={self.disk_reads!r} only applies to offload='disk', got offload={self.offload!r}")
+        if self.disk_reads == "cached" and self.evict_page_cache:
+            raise ValueError("disk_reads='cached' reads through the page cache and evict_page_cache=True empties it "
+                             "after every read: choose one")
         if not self.verify_checksums and self.offload != "disk":
             raise ValueError(f"verify_checksums=False only applies to offload='disk' (host memory has no checksums), "
                              f"got offload={self.offload!r}")

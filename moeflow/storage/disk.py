@@ -91,9 +91,10 @@ class DiskFile:
     ``verified_bytes`` and ``verify_s`` count the bytes checked and the seconds the checks took.
     """
 
-    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], *, verify: bool = True) -> None:
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify must be a bool, got {verify!r}")
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor], *, verify: bool = True, direct: bool = True) -> None:
+        for name, flag in (("verify", verify), ("direct", direct)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.path = Path(path)
         self.verify = verify
         self._entries: dict[str, _Entry] = {}
@@ -106,8 +107,8 @@ class DiskFile:
         self._fd = os.open(self.path, os.O_RDWR)
         st = os.fstat(self._fd)
         self._inode = (st.st_dev, st.st_ino)
-        try:
-            self._direct_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT"))
+        try:  # direct=False: every read buffered, through the page cache
+            self._direct_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT")) if direct else None
         except (OSError, AttributeError):  # no O_DIRECT here (tmpfs, macOS): buffered reads
             self._direct_fd = None
 
@@ -323,12 +324,13 @@ class DiskFile:
             self.path.unlink(missing_ok=True)
 
     @staticmethod
-    def create(directory: Path, prefix: str, tensors: dict[str, torch.Tensor], *, verify: bool = True) -> "DiskFile":
+    def create(directory: Path, prefix: str, tensors: dict[str, torch.Tensor], *, verify: bool = True,
+               direct: bool = True) -> "DiskFile":
         """A ``DiskFile`` of ``tensors`` in a new file of its own in ``directory`` (see
         ``new_file``); the file is removed again if writing it fails."""
         path = new_file(Path(directory), prefix)
         try:
-            return DiskFile(path, tensors, verify=verify)
+            return DiskFile(path, tensors, verify=verify, direct=direct)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
