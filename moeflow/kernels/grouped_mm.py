@@ -122,7 +122,7 @@ def native_grouped_mm_supported(device: torch.device, dtype: torch.dtype, dims: 
     """Capability probe: does ``F.grouped_mm`` run (and give the right answer) here, for
     matrices whose inner dimensions are ``dims``? It needs every row stride to be a multiple
     of 16 bytes, i.e. each of ``dims`` a multiple of ``16 / itemsize``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize  # no allocation: this runs on every grouped expert call
     if any((d * itemsize) % 16 for d in dims):
         return False
     return _probe(torch.device(device).type, dtype)

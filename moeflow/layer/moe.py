@@ -45,7 +45,9 @@ class MoE(nn.Module):
     ``capacity_factor=0`` means dropless); ``overlap_degree`` and ``parallel`` override the
     expert-parallel dispatcher's ``ParallelConfig`` (a single process has nothing to choose). After each call, ``layer.aux_losses`` holds the
     balance losses of that call (each already multiplied by its coefficient) and
-    ``layer.last_counts_E`` the assignments per expert before drops.
+    ``layer.last_counts_E`` the assignments per expert before drops. ``losses=False`` skips the
+    balance losses of a call whose losses nobody reads (generation's decode steps):
+    ``layer.aux_losses`` is then empty and ``aux_loss()`` reads 0.
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class MoE(nn.Module):
         top_k: int | None = None,
         overlap_degree: int | str | None = None,
         parallel: str | None = None,
+        losses: bool = True,
     ) -> torch.Tensor:
         self._check_input(x)
         cfg = self.config
@@ -160,17 +163,19 @@ class MoE(nn.Module):
             check_overlap_degree(overlap_degree)
         if parallel is not None:
             check_parallel_mode(parallel)
+        if not isinstance(losses, bool):
+            raise TypeError(f"losses must be a bool, got {type(losses).__name__} {losses!r}")
 
         x_TD = x.reshape(-1, cfg.dim)
         if x_TD.shape[0] == 0 and not self.dispatcher.collective:
             # empty output and zero losses, connected to the parameters so backward() works
             zero = graph_zero(self, x)
-            self.aux_losses = {name: zero for name, coef in self.router._loss_coefs() if coef > 0}
+            self.aux_losses = {name: zero for name, coef in self.router._loss_coefs() if coef > 0 and losses}
             self.last_counts_E = torch.zeros(cfg.num_experts, dtype=torch.long, device=x.device)
             return torch.zeros_like(x) + zero
 
         tape = self._routing_tape
-        routing = self.router(x_TD, top_k=k, forced_ids_TK=None if tape is None else tape.forced_ids())
+        routing = self.router(x_TD, top_k=k, forced_ids_TK=None if tape is None else tape.forced_ids(), losses=losses)
         if tape is not None:
             tape.chosen(routing.ids_TK)
         y_TD = self.forward_routed(x_TD, routing, capacity_factor=cf, overlap_degree=overlap_degree, parallel=parallel)

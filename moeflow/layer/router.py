@@ -95,10 +95,18 @@ class Router(nn.Module):
         scale = torch.clamp(self.log_scale.to(dt), max=math.log(1.0 / self.config.cosine_min_temperature)).exp()
         return (z_TP @ m_EP.t()) * scale
 
-    def forward(self, x_TD: torch.Tensor, *, top_k: int, forced_ids_TK: torch.Tensor | None = None) -> RoutingResult:
+    def forward(self, x_TD: torch.Tensor, *, top_k: int, forced_ids_TK: torch.Tensor | None = None,
+                losses: bool = True) -> RoutingResult:
         """Route ``x_TD``; ``forced_ids_TK [T, top_k]`` (router replay) replaces the choice of
         experts: the weights of those experts come from the current logits, and assignment
-        counts (losses' count terms, load counters) count the replayed choice."""
+        counts (losses' count terms, load counters) count the replayed choice.
+
+        ``losses=False`` leaves ``aux_losses`` empty: the balance losses are not computed (a
+        decode step of generation routes a handful of tokens, and nobody reads its losses;
+        their ops were ~2% of a step). A per-call choice, never inferred from
+        ``torch.is_grad_enabled()``: an evaluation under ``no_grad`` still gets its losses."""
+        if not isinstance(losses, bool):
+            raise TypeError(f"losses must be a bool, got {type(losses).__name__} {losses!r}")
         cfg = self.config
         if forced_ids_TK is not None:
             self._check_forced(forced_ids_TK, x_TD.shape[0], top_k)
@@ -123,15 +131,17 @@ class Router(nn.Module):
             selection_bias_E=self.expert_bias if use_bias else None,
             forced_ids_TK=None if forced_ids_TK is None else forced_ids_TK.to(x_TD.device),
         )
-        losses: dict[str, torch.Tensor] = {}
-        routing = RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=losses)
+        aux: dict[str, torch.Tensor] = {}
+        routing = RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=logits_TE, scores_TE=scores_TE, aux_losses=aux)
         if use_bias and self.training:
             with torch.no_grad():
                 self.load_counts += routing.counts_E
+        if not losses:
+            return routing
 
         if x_TD.shape[0] == 0:  # an empty batch (possible on one rank of a group): zero losses
             zero = logits_TE.sum()
-            losses.update({name: zero for name, coef in self._loss_coefs() if coef > 0})
+            aux.update({name: zero for name, coef in self._loss_coefs() if coef > 0})
             return routing
         if cfg.load_balance_coef > 0:
             if cfg.scoring == "sigmoid":
@@ -140,17 +150,17 @@ class Router(nn.Module):
                 probs_TE = scores_TE  # already softmax(logits)
             else:
                 probs_TE = torch.softmax(logits_TE, dim=-1)
-            losses["load_balance"] = cfg.load_balance_coef * load_balance_loss(probs_TE, ids_TK, routing.counts_E)
+            aux["load_balance"] = cfg.load_balance_coef * load_balance_loss(probs_TE, ids_TK, routing.counts_E)
         if cfg.importance_coef > 0:
-            losses["importance"] = cfg.importance_coef * importance_loss(weights_TK, ids_TK, self.num_experts)
+            aux["importance"] = cfg.importance_coef * importance_loss(weights_TK, ids_TK, self.num_experts)
         if cfg.load_coef > 0:
             if noisy:
                 load_E = smooth_load_E(clean_TE, logits_TE, cfg.noise_std, top_k)
             else:
                 load_E = routing.counts_E.to(logits_TE.dtype)
-            losses["load"] = cfg.load_coef * load_loss(load_E)
+            aux["load"] = cfg.load_coef * load_loss(load_E)
         if cfg.z_loss_coef > 0:
-            losses["z_loss"] = cfg.z_loss_coef * router_z_loss(logits_TE)
+            aux["z_loss"] = cfg.z_loss_coef * router_z_loss(logits_TE)
         return routing
 
     def _check_forced(self, ids_TK: torch.Tensor, T: int, top_k: int) -> None:
