@@ -154,6 +154,19 @@ def test_generation_arguments_are_checked_naming_the_value() -> None:
     assert generate(model, ok, 0).tokens == [[]]
 
 
+@pytest.mark.unit
+def test_sampling_config_checks_stop_tokens_on_construction() -> None:
+    assert SamplingConfig(eos=3).eos == frozenset({3}) and SamplingConfig(eos=None).eos == frozenset()
+    assert SamplingConfig(eos=[5, 2, 5]).eos == frozenset({2, 5}) == SamplingConfig(eos=(2, 5)).eos
+    for eos, err, needle in [(True, TypeError, "eos must be a token id"), ("x", TypeError, "str 'x'"),
+                             ([1, 2.0], TypeError, "eos holds float 2.0"), ([4, -1], ValueError, "eos.*-1")]:
+        with pytest.raises(err, match=needle):
+            SamplingConfig(eos=eos)
+    SamplingConfig(eos=[60]).check_vocab(61)
+    with pytest.raises(ValueError, match=r"eos: token ids must be in \[0, 61\), got 61"):
+        SamplingConfig(eos=[3, 61]).check_vocab(61)
+
+
 @pytest.mark.e2e
 def test_cli_generate_batches_prompts_and_rejects_bad_values(tmp_path, capsys) -> None:
     from moeflow.cli.main import main

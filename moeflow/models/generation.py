@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +37,14 @@ class SamplingConfig:
 
     ``temperature=0`` is greedy (argmax); else the logits are divided by ``temperature``, cut
     to the ``top_k`` largest (0: no cut) and then to the smallest set of tokens whose
-    probability adds up to at least ``top_p`` (1: no cut), and one token is drawn."""
+    probability adds up to at least ``top_p`` (1: no cut), and one token is drawn. ``eos``:
+    the stop tokens (a token id, a collection of them, or None), a ``frozenset`` once built;
+    a row stops after producing one. ``check_vocab`` checks them against a vocabulary."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    eos: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -54,6 +57,18 @@ class SamplingConfig:
             raise TypeError(f"top_p must be a number, got {type(p).__name__} {p!r}")
         if not (0 < p <= 1):  # also refuses nan
             raise ValueError(f"top_p must be in (0, 1], got {p}")
+        eos: object = self.eos
+        if eos is None:
+            eos = ()
+        elif isinstance(eos, int) and not isinstance(eos, bool):
+            eos = (eos,)
+        elif not isinstance(eos, (list, tuple, set, frozenset)):
+            raise TypeError(f"eos must be a token id, a list of token ids or None, got {type(eos).__name__} {eos!r}")
+        object.__setattr__(self, "eos", frozenset(_check_token_ids("eos", eos)))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` (naming ``eos`` and the id) if a stop token is not below ``vocab_size``."""
+        _check_token_ids("eos", sorted(self.eos), vocab_size)
 
     @property
     def greedy(self) -> bool:
@@ -102,6 +117,19 @@ def sample_next(logits_BV: torch.Tensor, sampling: SamplingConfig,
     return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator).squeeze(1)
 
 
+def _check_token_ids(name: str, ids: Iterable[object], vocab_size: int | None = None) -> list[int]:
+    """``ids`` as a list, each an int (not a bool) in ``[0, vocab_size)`` (``>= 0`` without a
+    vocabulary); errors name ``name`` and the value."""
+    out = []
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"{name} holds {type(t).__name__} {t!r}; token ids are ints")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"{name}: token ids must be in [0, {vocab_size or 'vocab_size'}), got {t}")
+        out.append(t)
+    return out
+
+
 def _check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor):
         if prompts.dtype not in (torch.int64, torch.int32) or prompts.dim() != 2 or 0 in prompts.shape:
@@ -120,30 +148,13 @@ def _check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
             row = row.tolist()
         if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) == 0:
             raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {row!r:.80}")
-        for t in row:
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise TypeError(f"prompts[{i}] holds {type(t).__name__} {t!r}; token ids are ints")
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"prompts[{i}]: token ids must be in [0, {vocab_size}), got {t}")
-        rows.append(list(row))
+        rows.append(_check_token_ids(f"prompts[{i}]", row, vocab_size))
     return rows
 
 
-def _check_eos(eos: object, vocab_size: int) -> frozenset[int]:
-    if eos is None:
-        return frozenset()
-    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
-    if not isinstance(ids, (list, tuple, set, frozenset)):
-        raise TypeError(f"eos must be a token id, a list of token ids or None, got {type(eos).__name__} {eos!r}")
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int):
-            raise TypeError(f"eos must hold int token ids, got {type(t).__name__} {t!r}")
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"eos: token ids must be in [0, {vocab_size}), got {t}")
-    return frozenset(ids)
-
-
-def _check_args(model, max_new_tokens: object, generator: object) -> None:
+def _check_args(model, max_new_tokens: object, generator: object, **sampling: object) -> SamplingConfig:
+    """The checked ``SamplingConfig`` of a call (``sampling``: its fields; ``top_k=None`` is 0),
+    after checking the call's other arguments; errors name the argument and value."""
     from moeflow.models.gpt import MoEGPT
 
     if not isinstance(model, MoEGPT):
@@ -151,6 +162,9 @@ def _check_args(model, max_new_tokens: object, generator: object) -> None:
     _int("max_new_tokens", max_new_tokens, minimum=0)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    config = SamplingConfig(**{**sampling, "top_k": sampling.get("top_k") or 0})  # type: ignore[arg-type]
+    config.check_vocab(model.config.vocab_size)
+    return config
 
 
 def _prefill(model, seq_BS: torch.Tensor, pad_B: torch.Tensor, capacity: int):
@@ -171,11 +185,10 @@ def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tok
     after a token of ``eos``. Bad arguments raise ``ValueError``/``TypeError`` naming them.
     ``clock`` times prefill and decode (wall time; ``time.process_time`` gives CPU time, steadier
     on a shared machine)."""
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k or 0, top_p=top_p)
-    _check_args(model, max_new_tokens, generator)
+    sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p, eos=eos)
     V, device = model.config.vocab_size, model.embed.weight.device
     rows = _check_prompts(prompts, V)
-    stop = _check_eos(eos, V)
+    stop = sampling.eos
     out: list[list[int]] = [[] for _ in rows]
     prompt_tokens = sum(len(r) for r in rows)
     if max_new_tokens == 0:
@@ -229,10 +242,9 @@ def generate_uncached(model, idx_BS: torch.Tensor, max_new_tokens: int, *, tempe
     """The reference: each step runs the model on the last ``max_seq_len`` tokens of every row
     (``idx [B, S]``, no padding) and picks the next token from the last position. Returns the
     new tokens per row, cut after a stop token, as ``generate`` does."""
-    sampling = SamplingConfig(temperature=temperature, top_k=top_k or 0, top_p=top_p)
-    _check_args(model, max_new_tokens, generator)
+    sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p, eos=eos)
     _check_prompts(idx_BS if isinstance(idx_BS, torch.Tensor) else torch.as_tensor(idx_BS), model.config.vocab_size)
-    stop = _check_eos(eos, model.config.vocab_size)
+    stop = sampling.eos
     out: list[list[int]] = [[] for _ in range(idx_BS.shape[0])]
     done = [False] * idx_BS.shape[0]
     for _ in range(max_new_tokens):
