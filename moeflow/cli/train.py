@@ -7,28 +7,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import math
 import sys
 from pathlib import Path
 
-from moeflow.cli.errors import UsageError, error_line
+from moeflow.cli.errors import UsageError
 from moeflow.cli.flags import (
     apply_config_file,
     check_device,
     check_output_dir,
     config_from_flags,
-    config_toml,
     env_threads,
     int_at_least,
-    name_flags,
     threads_help,
 )
-from moeflow.cli.generate import sample
+from moeflow.cli.train_run import (
+    NOT_IN_CONFIG,
+    announce,
+    error,
+    start_ranks,
+    summarize,
+    train_rank,
+)
 
 __all__ = ["add_train"]
 
-# run-directory actions and the file itself: not settings of the run, so not in config.toml
-_NOT_IN_CONFIG = ("config", "resume", "overwrite")
 DEFAULT_WARMUP = 30  # steps; cut to a tenth of --steps in a shorter run (``_resolve_warmup``)
 
 
@@ -172,11 +174,6 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_train, parser=p)
 
 
-def _error(args: argparse.Namespace, message: object) -> None:
-    """One line on stderr, naming the flags (``--out``) where the library named fields (``out_dir``)."""
-    print(error_line("moeflow train", name_flags(str(message), getattr(args, "flag_names", {}))), file=sys.stderr)
-
-
 def _overlap_degree(text: str) -> int | str:
     """``--overlap-degree``: ``auto`` or an integer (its range is ``ParallelConfig``'s)."""
     if text == "auto":
@@ -266,15 +263,15 @@ def _run_train(args: argparse.Namespace) -> int:
     try:
         job = torchrun_job()
     except ValueError as err:
-        _error(args, err)
+        error(args, err)
         return 2
     lead = job is None or job.rank == 0  # under torchrun every rank checks alike; rank 0 says why
     if args.config is not None:
         try:
-            apply_config_file(args.parser, args, args.config, args.argv[1:], skip=_NOT_IN_CONFIG)
+            apply_config_file(args.parser, args, args.config, args.argv[1:], skip=NOT_IN_CONFIG)
         except UsageError as err:
             if lead:
-                _error(args, err)
+                error(args, err)
             return 2
     # the config calls --out out_dir (and "out" is too common a word to stand for it)
     args.flag_names = {**{k: v for k, v in getattr(args, "flag_names", {}).items() if k != "out"}, "out_dir": "--out"}
@@ -283,134 +280,42 @@ def _run_train(args: argparse.Namespace) -> int:
         warmup_note = _resolve_warmup(args)
     except UsageError as err:
         if lead:
-            _error(args, err)
+            error(args, err)
         return 2
     with contextlib.redirect_stderr(sys.stderr if lead else io.StringIO()):
         cfg = config_from_flags(LMTrainConfig, args, out_dir=args.out, prog="moeflow train")
     problem = None if cfg is None else _refusal(args, cfg, job)
     if problem is not None and lead:
-        _error(args, problem)
+        error(args, problem)
     if cfg is None or problem is not None:
         return 2
     if job is not None:
         if warmup_note and lead:
             print(warmup_note, flush=True)
-        return _train_rank(args, cfg, job)
+        return train_rank(args, cfg, job)
     try:  # everything that can be refused is, before any rank starts
         run = inspect_run(cfg)
     except (CheckpointError, ValueError) as err:
-        _error(args, err)
+        error(args, err)
         return 2
     if args.nproc and not run.finished:
-        return _start_ranks(args)
+        return start_ranks(args)
     if warmup_note and not run.finished:
         print(warmup_note, flush=True)
-    _announce(cfg, run, args=args)
+    announce(cfg, run, args=args)
     if run.finished:
         return 0
     try:
         torch.set_num_threads(args.threads or env_threads() or 2)
         history = train_lm(cfg)
     except (CorpusError, CheckpointError, ValueError) as err:
-        _error(args, err)
+        error(args, err)
         return 2
     except NonFiniteLossError as err:
-        _error(args, err)
+        error(args, err)
         return 1
     except RuntimeError as err:
-        _error(args, err)
+        error(args, err)
         return 1
-    _summarize(history, cfg, args)
+    summarize(history, cfg, args)
     return 0
-
-
-def _start_ranks(args: argparse.Namespace) -> int:
-    """``--nproc N``: ``torchrun --nproc-per-node N -m moeflow train`` with the other flags."""
-    from moeflow.parallel.launch import run_torchrun
-
-    launcher = argparse.ArgumentParser(add_help=False)  # the flags of this process, not of the ranks
-    launcher.add_argument("--nproc")
-    launcher.add_argument("--max-restarts")
-    _, flags = launcher.parse_known_args(args.argv[1:])
-    threads, restarts = args.threads or env_threads() or 1, args.max_restarts or 0
-    print(f"training on {args.nproc} expert-parallel ranks (torchrun, {threads} thread(s) each"
-          + (f", up to {restarts} restart(s)" if restarts else "") + ")", flush=True)
-    try:
-        run_torchrun("moeflow", ["train", *flags], nproc=args.nproc, threads=threads, stream=True,
-                     max_restarts=restarts)
-    except RuntimeError as err:
-        _error(args, err)
-        return 1
-    return 0
-
-
-def _train_rank(args: argparse.Namespace, cfg, job) -> int:  # type: ignore[no-untyped-def]
-    """This process is one rank of a torchrun job: train with the others (``moeflow.train.worker``)."""
-    import dataclasses
-
-    import torch
-
-    from moeflow.checkpoint import CheckpointError
-    from moeflow.train.data import CorpusError
-    from moeflow.train.nonfinite import NonFiniteLossError
-    from moeflow.train.worker import run_rank
-
-    lead = job.rank == 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not lead:  # one progress bar, one plot
-        cfg = dataclasses.replace(cfg, progress=False, plot=False)
-    try:
-        on_run = (lambda run, continuing: _announce(cfg, run, continuing, args)) if lead else None
-        history = run_rank(cfg, job, on_run=on_run)
-    except (CorpusError, CheckpointError, ValueError) as err:
-        if lead:  # every rank raised it (rank 0's verdict is shared); rank 0 reports it
-            _error(args, err)
-        return 2
-    except NonFiniteLossError as err:
-        if lead:  # every rank stopped at the same step (the loss and gradient norm are reduced)
-            _error(args, err)
-        return 1
-    except RuntimeError as err:
-        print(f"moeflow train: error on rank {job.rank}: {err}", file=sys.stderr)
-        return 1
-    if lead and history is not None:
-        _summarize(history, cfg, args)
-    return 0
-
-
-def _announce(cfg, run, continuing: bool = False,  # type: ignore[no-untyped-def]
-              args: argparse.Namespace | None = None) -> None:
-    """What the run in ``out_dir`` does (``run``: ``inspect_run``'s verdict); a run that
-    trains records its effective flags in ``out_dir/config.toml`` (``--config`` reads it back)."""
-    if args is not None and not run.finished:
-        cfg.out_dir.mkdir(parents=True, exist_ok=True)
-        (cfg.out_dir / "config.toml").write_text(
-            "# the effective flags of this run (moeflow train --config reads it; flags override it)\n"
-            + config_toml(args, args.parser, skip=_NOT_IN_CONFIG))
-    if continuing:
-        at = f"step {run.start} ({run.checkpoint})" if run.start else "step 0 (no checkpoint yet)"
-        print(f"torchrun restarted the ranks: continuing the run in {cfg.out_dir} from {at}", flush=True)
-    if run.finished:
-        print(f"moeflow train: the run in {cfg.out_dir} already finished step {run.start} of --steps {cfg.steps} "
-              f"({run.checkpoint}); nothing to do (raise --steps to continue it)")
-    elif run.start and not continuing:
-        print(f"resuming the run in {cfg.out_dir} at step {run.start} ({run.checkpoint}), up to step {cfg.steps}")
-    elif run.remove:
-        print(f"--overwrite: deleting the run files in {cfg.out_dir}: "
-              f"{', '.join(str(p.relative_to(cfg.out_dir)) for p in run.remove)}")
-
-
-def _summarize(history: dict, cfg, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
-    (_, before), (s1, after) = history["val"][0], history["val"][-1]
-    print(f"validation loss (held-out works) before training: {before:.4f} nats/token (perplexity {math.exp(before):.2f})")
-    print(f"validation loss after {s1} steps:                  {after:.4f} nats/token (perplexity {math.exp(after):.2f})")
-    ranks = history["world_size"]
-    how = f" ({history['exchange']} exchange)" if history.get("exchange") else ""
-    print(f"throughput: {history['tokens_per_s']:,.0f} tokens/s on {ranks} rank(s){how}")
-    print(f"checkpoint: {history['checkpoint']}")
-    if cfg.plot:
-        print(f"plot: {cfg.out_dir / 'training.png'}")
-    if args.sample_tokens > 0:
-        print(f"\nsample ({args.sample_tokens} tokens, temperature 0.8, top-k 40):")
-        print(sample(history["checkpoint"], args.prompt.replace("\\n", "\n"), args.sample_tokens, 0.8, 40, args.seed))
