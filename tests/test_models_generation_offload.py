@@ -130,6 +130,7 @@ def test_offload_benchmark_runs_and_skips_accelerate_when_missing(tmp_path, monk
                                   "--threads", "1", "--no-rss", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["accelerate_skipped"] and "accelerate is not installed" in capsys.readouterr().err
-    assert [r["candidate"] for r in report["results"]] == ["moeflow:memory", "moeflow:disk"]
+    assert [r["candidate"] for r in report["results"]] == ["moeflow:memory", "moeflow:disk-direct", "moeflow:disk-cached"]
     assert all(r["tokens_vs_in_memory"] == "identical" for r in report["results"])
-    assert report["experts_over_budget"] >= 4 and report["moeflow_store"]["peak_fast_bytes"] <= report["budget"]
+    assert report["experts_over_budget"] >= 4
+    assert all(s["peak_fast_bytes"] <= report["budget"] for s in report["moeflow_store"].values())

@@ -6,9 +6,12 @@ A random Mixtral-shaped ``MoEGPT`` is exported with ``moeflow.convert.mixtral.gp
 the experts' bytes / ``--budget-ratio``, 4); the candidates generate greedily from the same
 prompt (``--batch`` rows of ``--prompt-len`` random tokens, ``--new-tokens`` new ones):
 
-    moeflow:disk     MoEGPT with ``offload_experts(StorageConfig(offload="disk", mode="cache",
+    moeflow:disk-direct  MoEGPT with ``offload_experts(StorageConfig(offload="disk", mode="cache",
                      fast_memory=budget))``: an LRU cache of the routed experts with
-                     routing-aware prefetch; the dense part in memory
+                     routing-aware prefetch; the dense part in memory; reads with ``O_DIRECT``
+                     (every load a device read)
+    moeflow:disk-cached  the same with ``disk_reads="cached"``: reads through the page cache,
+                     which is what accelerate's memory-mapped offload files get
     accelerate:disk  ``MixtralForCausalLM.from_pretrained(dir, device_map="auto", max_memory=
                      {"cpu": dense + budget}, offload_folder=...)``: accelerate's disk offload
                      (whole decoder layers that do not fit are memory-mapped from the offload
@@ -45,19 +48,15 @@ from pathlib import Path
 
 import torch
 
+from moeflow.bench.generate import _first_difference, add_model_flags, build_model, load_hf
+from moeflow.bench.generate import _run_hf as run_hf_clocked
+
 __all__ = ["main", "run_offload_bench"]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moeflow.bench.generate_offload", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2, help="the router's k")
-    p.add_argument("--hidden", type=int, default=512, help="expert hidden size")
-    p.add_argument("--vocab", type=int, default=4096)
+    add_model_flags(p)  # the model of bench/generate.py
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=1)
@@ -65,29 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", default=None, help="the expert budget in bytes or '12MiB' (overrides --budget-ratio)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--init-std", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-rss", action="store_true", help="skip the peak-memory probes (fresh processes)")
     p.add_argument("--rss-probe", default=None, help=argparse.SUPPRESS)  # internal: "candidate,dir,budget,out"
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     return p
 
 
-def _config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from moeflow.config import RouterConfig
-    from moeflow.models import GPTConfig
-
-    return GPTConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                     n_kv_heads=args.kv_heads, max_seq_len=args.prompt_len + args.new_tokens, moe_every=1,
-                     num_experts=args.experts, top_k=args.top_k, expert_hidden=args.hidden,
-                     router=RouterConfig(scoring="topk_softmax"), init_std=args.init_std)
-
-
 def _model(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from moeflow.models import MoEGPT
-
-    torch.manual_seed(args.seed)
-    return MoEGPT(_config(args)).eval()
+    return build_model(args, args.prompt_len + args.new_tokens)
 
 
 def _sizes(model) -> tuple[int, int]:  # type: ignore[no-untyped-def]
@@ -113,20 +97,17 @@ def accelerate_missing() -> str | None:
 
 
 def _load_accelerate(hf_dir: Path, offload_dir: Path, max_cpu: int):  # type: ignore[no-untyped-def]
-    import transformers
-
-    hf = transformers.MixtralForCausalLM.from_pretrained(
-        hf_dir, device_map="auto", max_memory={"cpu": max_cpu}, offload_folder=str(offload_dir),
-        attn_implementation="sdpa").eval()
-    hf.generation_config.eos_token_id = None  # no stop token: every row generates n tokens
-    return hf
+    return load_hf(hf_dir, device_map="auto", max_memory={"cpu": max_cpu}, offload_folder=str(offload_dir))
 
 
-def _offload_moeflow(model, budget: int, directory: Path):  # type: ignore[no-untyped-def]
+_DISK = {"moeflow:disk-direct": "direct", "moeflow:disk-cached": "cached"}  # candidate -> StorageConfig.disk_reads
+
+
+def _offload_moeflow(model, budget: int, directory: Path, reads: str):  # type: ignore[no-untyped-def]
     from moeflow.storage import StorageConfig, offload_experts
 
     return offload_experts(model, StorageConfig(offload="disk", mode="cache", fast_memory=budget, prefetch=1,
-                                                directory=directory))
+                                                directory=directory, disk_reads=reads))
 
 
 def _run_moeflow(model, idx_BS: torch.Tensor, n: int):  # type: ignore[no-untyped-def]
@@ -137,15 +118,7 @@ def _run_moeflow(model, idx_BS: torch.Tensor, n: int):  # type: ignore[no-untype
 
 
 def _run_hf(hf, idx_BS: torch.Tensor, n: int):  # type: ignore[no-untyped-def]
-    from moeflow.bench.generate import _run_hf as run
-
-    return run(hf, idx_BS, n, time.perf_counter)
-
-
-def _first_difference(a: list[list[int]], b: list[list[int]]) -> str:
-    from moeflow.bench.generate import _first_difference as diff
-
-    return diff(a, b)
+    return run_hf_clocked(hf, idx_BS, n, time.perf_counter)
 
 
 def run_offload_bench(args: argparse.Namespace) -> dict:
@@ -163,20 +136,22 @@ def run_offload_bench(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="moeflow-bench-offload-") as tmp:
         tmp_path = Path(tmp)
         gpt_to_hf(model, tmp_path / "hf")
-        offloaded = copy.deepcopy(model)
-        store = _offload_moeflow(offloaded, budget, tmp_path)
-        cands = {"moeflow:memory": lambda: _run_moeflow(model, idx, n),
-                 "moeflow:disk": lambda: _run_moeflow(offloaded, idx, n)}
+        offloaded = {name: copy.deepcopy(model) for name in _DISK}
+        stores = {name: _offload_moeflow(offloaded[name], budget, tmp_path, reads) for name, reads in _DISK.items()}
+        cands = {"moeflow:memory": lambda: _run_moeflow(model, idx, n)}
+        for name in _DISK:
+            cands[name] = lambda name=name: _run_moeflow(offloaded[name], idx, n)
         hf = None
         if skipped is None:
             hf = _load_accelerate(tmp_path / "hf", tmp_path / "offload", dense_bytes + budget)
             cands["accelerate:disk"] = lambda: _run_hf(hf, idx, n)
         else:
             print(skipped, file=sys.stderr)
-        with store, torch.no_grad():
+        with stores["moeflow:disk-direct"], stores["moeflow:disk-cached"], torch.no_grad():
             for name, run in cands.items():  # warm-up (and the cache's first fill)
                 run()
-            store.reset_stats()
+            for store in stores.values():
+                store.reset_stats()
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in cands}
             tokens: dict[str, list[list[int]]] = {}
             names = list(cands)
@@ -185,9 +160,8 @@ def run_offload_bench(args: argparse.Namespace) -> dict:
                     toks, pre, dec = cands[name]()
                     times[name].append((pre, dec))
                     tokens[name] = toks
-            stats = store.stats.as_dict()
-            stats["prefetch_hits"] = store.prefetch_hits
-            cache_slots = store.cache_slots
+            stats = {name: {**store.stats.as_dict(), "prefetch_hits": store.prefetch_hits} for name, store in stores.items()}
+            cache_slots = stores["moeflow:disk-cached"].cache_slots
         hf_map = None
         if hf is not None:
             hf_map = {}
@@ -203,11 +177,13 @@ def run_offload_bench(args: argparse.Namespace) -> dict:
                      "total_tok_s": B * n / (pre + dec),
                      "tokens_vs_in_memory": _first_difference(tokens["moeflow:memory"], tokens[name])})
     by = {r["candidate"]: r for r in rows}
-    ratios = {"disk_vs_memory_total": by["moeflow:disk"]["total_tok_s"] / by["moeflow:memory"]["total_tok_s"]}
-    if "accelerate:disk" in by:
-        ratios["moeflow_vs_accelerate_total"] = by["moeflow:disk"]["total_tok_s"] / by["accelerate:disk"]["total_tok_s"]
-        ratios["moeflow_vs_accelerate_decode"] = (by["moeflow:disk"]["decode_tok_s"]
-                                                  / by["accelerate:disk"]["decode_tok_s"])
+    ratios = {}
+    for name in _DISK:
+        reads = _DISK[name]
+        ratios[f"{reads}_vs_memory_total"] = by[name]["total_tok_s"] / by["moeflow:memory"]["total_tok_s"]
+        if "accelerate:disk" in by:
+            ratios[f"{reads}_vs_accelerate_total"] = by[name]["total_tok_s"] / by["accelerate:disk"]["total_tok_s"]
+            ratios[f"{reads}_vs_accelerate_decode"] = by[name]["decode_tok_s"] / by["accelerate:disk"]["decode_tok_s"]
     report = {
         "bench": "generate_offload", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
         "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "dtype": "float32",
@@ -220,7 +196,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict:
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     if not args.no_rss:
-        report["rss"] = {name: _rss(args, name, budget) for name in ("moeflow:disk", "accelerate:disk")
+        report["rss"] = {name: _rss(args, name, budget) for name in (*_DISK, "accelerate:disk")
                          if name != "accelerate:disk" or skipped is None}
         for probe in report["rss"].values():
             probe["margin_over_dense_plus_budget"] = probe["peak_generate"] - dense_bytes - budget
@@ -276,8 +252,8 @@ def _probe(args: argparse.Namespace) -> None:
     _, dense_bytes = _sizes(model)
     idx = _prompt(args)
     store = None
-    if name == "moeflow:disk":
-        store = _offload_moeflow(model, budget, Path(tmp))
+    if name in _DISK:
+        store = _offload_moeflow(model, budget, Path(tmp), _DISK[name])
         run = lambda: _run_moeflow(model, idx, args.new_tokens)
     else:
         gpt_to_hf(model, Path(tmp) / "hf")
@@ -320,9 +296,9 @@ def _print(report: dict) -> None:
         print(f"  {r['candidate']:16s} prefill {r['prefill_tok_s']:9.1f} tok/s  decode {r['decode_tok_s']:8.1f} tok/s  "
               f"total {r['total_tok_s']:8.1f} tok/s  tokens: {r['tokens_vs_in_memory']}")
     print("  ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["ratios"].items()))
-    s = report["moeflow_store"]
-    print(f"  moeflow store: read from disk {_mib(s['bytes_from_disk'])}, hit rate {s['hit_rate']:.1%} "
-          f"({s['prefetch_hits']} prefetched), peak fast-tier {_mib(s['peak_fast_bytes'])}")
+    for name, s in report["moeflow_store"].items():
+        print(f"  {name} store: read from disk {_mib(s['bytes_from_disk'])}, hit rate {s['hit_rate']:.1%} "
+              f"({s['prefetch_hits']} prefetched), peak fast-tier {_mib(s['peak_fast_bytes'])}")
     if report["accelerate_skipped"]:
         print(f"  {report['accelerate_skipped']}")
     for name, p in report.get("rss", {}).items():
