@@ -1,4 +1,4 @@
-"""The expert FFN as two autograd Functions that save only what their backward needs
+"""The expert FFN as autograd Functions that save only what their backward needs
 (legend: moeflow.types; F = width of ``w_in``: 2H for gated activations, else H; N rows).
 
 ``y = act(x W_in[e]) W_out[e]`` over rows grouped by expert, in either layout of the experts
@@ -11,8 +11,9 @@ whole pre-activation ``h [N, F]`` (twice referenced), ``silu(gate) [N, H]`` and 
 concatenation and the weight gradients while all of those are alive. Here:
 
 - forward saves ``x`` and ``h`` only (``recompute=True``: ``x`` only, and ``h`` is recomputed
-  in backward: Megatron-Core's MoE recompute, ScatterMoE's choice of not saving the hidden
-  activation); ``a`` is never saved, it is a cheap elementwise recompute from ``h``;
+  in backward, chunk by chunk, see below: Megatron-Core's MoE recompute, ScatterMoE's choice of
+  not saving the hidden activation); ``a`` is never saved, it is a cheap elementwise recompute
+  from ``h``;
 - backward rebuilds ``a = act(h)``, takes ``dW_out = a^T dy`` (``a`` freed), ``da = dy W_out^T``,
   turns ``h`` into ``dh`` **in place** (``h`` is dead after that; the activation's backward runs
   in two row steps with the kernels autograd uses, so the gradients equal plain autograd's to
@@ -21,8 +22,26 @@ concatenation and the weight gradients while all of those are alive. Here:
   (``_FirstGEMM``, ``_ActSecondGEMM``), so that autograd frees ``dy`` between them (one node
   for both held it until ``dW_in`` was allocated: +32 MiB at the peak of T=4096, D=1024).
 
-With ``recompute`` the memory saved is what lies between forward and backward (per layer, it
-adds up over a model's layers); the backward itself holds the same tensors as without it.
+With ``recompute`` (``_RecomputeFFN``, one node) forward and backward run over a few chunks
+of whole experts (``_expert_chunks``: ``h_c`` about 1/8 of ``h`` and at most 16 MiB, at least
+1 MiB; not one chunk per expert: every ATen call is a parallel region, and on a busy CPU each
+waits for a descheduled thread). Forward computes ``y`` chunk by chunk (``h`` is never whole)
+and saves a private copy of ``x``. Backward allocates ``dW_in`` and ``dW_out`` once, then per
+chunk recomputes ``h_c``, writes ``dW_out[c]``, turns ``h_c`` into ``dh_c`` in place, writes
+``dW_in[c]`` and last ``dx_c`` **over the chunk's rows of that copy**, which then is ``dx``: no
+``[rows, D]`` gradient is allocated. So the backward holds the weight gradients, the copy, ``dy``
+and one chunk's ``h_c``, ``act(gate_c)`` and ``a_c`` or ``da_c``. Bit-identical to the default
+path in fp64 (same kernels per element; cuBLAS/MKL may pick other fp32 GEMM kernels for a
+smaller batch, so fp32 can differ in the last bits). Costs: one row copy in forward and ~15
+ATen calls per chunk (on an idle or lightly loaded machine the same time as unchunked; with
+another busy process on the 2 cores, up to 1.5x: see docs/benchmarks.md).
+
+Why the default path is not chunked the same way: each weight gradient is one ``[E, ...]``
+tensor (a 3-D parameter), allocated before the first chunk writes into it, while every chunk's
+saved ``h`` is still alive (``h_c`` can be freed only once ``dW_in[c]`` and ``dx_c`` are
+written). So the default backward's peak is at least gradients + ``h`` + ``x`` + ``dx``, which
+is what the two-node backward already reaches; per-expert ``nn.Linear`` (DeepSpeed) avoid it
+by allocating each expert's gradient while the other experts' activations are freed.
 
 Overwriting the saved ``h`` means a second backward through the same graph
 (``retain_graph=True``) fails loudly in PyTorch's saved-tensor version check instead of giving
@@ -40,7 +59,7 @@ from torch.autograd.function import once_differentiable
 
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 
-__all__ = ["lean_ffn", "ffn_reference", "LEAN_ACTIVATIONS", "LEAN_GEMMS"]
+__all__ = ["LEAN_ACTIVATIONS", "LEAN_GEMMS", "ffn_reference", "lean_ffn"]
 
 LEAN_ACTIVATIONS = ("swiglu", "geglu", "relu", "gelu", "silu")
 LEAN_GEMMS = ("bmm", "grouped_mm", "loop")  # padded layout; grouped native; grouped reference
@@ -49,6 +68,9 @@ LEAN_GEMMS = ("bmm", "grouped_mm", "loop")  # padded layout; grouped native; gro
 # slower than in one piece), so the elementwise backward takes few, large steps.
 _ROW_CHUNKS = 2  # elementwise backward: h in this many row steps (temporaries: two [N/2, H])
 _MIN_ROW_STEP = 1 << 20  # ... of at least this many elements
+_CHUNK_BYTES = 16 << 20  # recompute (forward and backward): h_c [rows_c, F] at most this ...
+_CHUNKS = 8  # ... and at most 1/_CHUNKS of h ...
+_MIN_CHUNK_BYTES = 1 << 20  # ... but not below this (small problems: one chunk)
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -140,29 +162,155 @@ class _FirstGEMM(torch.autograd.Function):
 
 
 class _ActSecondGEMM(torch.autograd.Function):
-    """``y = act(h) W_out[e]``; saves ``h`` (or, with recompute, nothing but what recomputes it:
-    ``x`` and ``W_in``, already saved by ``_FirstGEMM``). Its own node, so that autograd frees
-    ``dy`` before the first GEMM's backward allocates ``dx`` and ``dW_in``."""
+    """``y = act(h) W_out[e]``; saves ``h``. Its own node, so that autograd frees ``dy`` before
+    the first GEMM's backward allocates ``dx`` and ``dW_in``."""
 
     @staticmethod
-    def forward(ctx, h, x, w_in, w_out, offs, activation, gemm, recompute):  # type: ignore[override]
-        ctx.activation, ctx.gemm, ctx.recompute = activation, gemm, recompute
-        ctx.save_for_backward(*((x, w_in) if recompute else (h,)), w_out, offs)
+    def forward(ctx, h, w_out, offs, activation, gemm):  # type: ignore[override]
+        ctx.activation, ctx.gemm = activation, gemm
+        ctx.save_for_backward(h, w_out, offs)
         with torch.autocast(h.device.type, enabled=False):
             return _mm(gemm, _activate(h, activation), w_out, offs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):  # type: ignore[override]
-        *saved, w_out, offs = ctx.saved_tensors
+        h, w_out, offs = ctx.saved_tensors
         act, gemm = ctx.activation, ctx.gemm
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.contiguous()
-            h = _mm(gemm, saved[0], saved[1], offs) if ctx.recompute else saved[0]
-            dw_out = _mm_weight_grad(gemm, _activate(h, act), dy, offs, w_out) if ctx.needs_input_grad[3] else None
+            dw_out = _mm_weight_grad(gemm, _activate(h, act), dy, offs, w_out) if ctx.needs_input_grad[1] else None
             da = _mm(gemm, dy, w_out.transpose(-2, -1), offs)
             dh = _act_backward_(h.view(-1, h.shape[-1]), da.view(-1, da.shape[-1]), act).view(h.shape)
-        return dh, None, None, dw_out, None, None, None, None
+        return dh, dw_out, None, None, None
+
+
+def _expert_chunks(x: torch.Tensor, offs: torch.Tensor, E: int, F_: int, gemm: str,
+                   chunks: int | None) -> list[tuple[int, int, int, int]]:
+    """``(e0, e1, r0, r1)`` per chunk: experts ``e0:e1`` own rows ``r0:r1`` (``bmm``: the first
+    dim of ``x``). Boundaries between whole experts, at about equal rows; ``chunks`` None picks
+    the count from the size of ``h`` (module constants), else at most ``chunks``. Grouped
+    layouts read ``offs`` on the host (one sync)."""
+    if gemm == "bmm":
+        ends = [(e + 1) * x.shape[1] for e in range(E)]
+    else:
+        ends = [int(v) for v in offs.tolist()]
+    N = ends[-1] if ends else 0
+    if chunks is None:
+        h_bytes = N * F_ * x.element_size()
+        target = max(_MIN_CHUNK_BYTES, min(_CHUNK_BYTES, h_bytes // _CHUNKS))
+        chunks = math.ceil(h_bytes / target)
+    chunks = max(1, min(chunks, E))
+    bounds, e0, r0 = [], 0, 0
+    for k in range(1, chunks + 1):
+        goal = N * k / chunks  # end this chunk at the first expert whose end reaches it
+        e1 = e0 + 1
+        while e1 < E and ends[e1 - 1] < goal:
+            e1 += 1
+        if k == chunks:
+            e1 = E
+        bounds.append((e0, e1, r0, ends[e1 - 1]))
+        e0, r0 = e1, ends[e1 - 1]
+        if e0 == E:
+            break
+    return bounds
+
+
+def _mm_into(gemm: str, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = _mm(gemm, x, w, offs)``, written in place (``grouped_mm`` has no ``out=``: a
+    chunk-size temporary)."""
+    if gemm == "bmm":
+        torch.bmm(x, w, out=out)
+    elif gemm == "loop":
+        ends = offs.tolist()
+        for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
+            if t > s:
+                torch.mm(x[s:t], w[e], out=out[s:t])
+    else:
+        out.copy_(F.grouped_mm(x, w, offs=offs))
+
+
+def _weight_grad_into(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor | None,
+                      out: torch.Tensor) -> None:
+    """``out[e] = x_e^T g_e`` in place (``out``: a slice ``[e0:e1]`` of the whole gradient)."""
+    if gemm == "bmm" and out.is_contiguous():
+        torch.bmm(x.transpose(1, 2), g, out=out)
+    elif gemm == "loop":
+        ends = offs.tolist()
+        for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
+            if t > s:
+                torch.mm(x[s:t].t(), g[s:t], out=out[e])
+            else:
+                out[e].zero_()
+    else:
+        out.copy_(_mm_weight_grad(gemm, x, g, offs, out))
+
+
+class _RecomputeFFN(torch.autograd.Function):
+    """The whole FFN with expert recompute: saves a private copy of ``x`` (overwritten with
+    ``dx`` in backward) and the weights; forward and backward over expert chunks (module
+    docstring), so neither ever holds the whole ``h``."""
+
+    @staticmethod
+    def forward(ctx, x, w_in, w_out, offs, activation, gemm, chunks):  # type: ignore[override]
+        ctx.activation, ctx.gemm = activation, gemm
+        ctx.bounds = _expert_chunks(x, offs, w_in.shape[0], w_in.shape[-1], gemm, chunks)
+        # our own copy of the rows: backward writes dx over it (x itself may be anyone's)
+        rows = x.detach().clone(memory_format=torch.contiguous_format) if ctx.needs_input_grad[0] else x
+        ctx.save_for_backward(rows, w_in, w_out, offs)
+        y = x.new_empty(*x.shape[:-1], w_out.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            for e0, e1, r0, r1 in ctx.bounds:  # chunks here too: h is never whole
+                s = slice(e0, e1) if gemm == "bmm" else slice(r0, r1)
+                offs_c = offs if gemm == "bmm" else offs[e0:e1] - r0
+                a_c = _activate(_mm(gemm, x[s], w_in[e0:e1], offs_c), activation)
+                _mm_into(gemm, a_c, w_out[e0:e1], offs_c, out=y[s])
+                del a_c
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        x, w_in, w_out, offs = ctx.saved_tensors
+        act, gemm = ctx.activation, ctx.gemm
+        gated = act in ("swiglu", "geglu")
+        kind = {"swiglu": "silu", "geglu": "gelu"}.get(act, act)
+        need_x, need_w_in, need_w_out = ctx.needs_input_grad[:3]
+        dw_in = torch.empty_like(w_in) if need_w_in else None
+        dw_out = torch.empty_like(w_out) if need_w_out else None
+        with torch.autocast(dy.device.type, enabled=False):
+            dy = dy.contiguous()
+            for e0, e1, r0, r1 in ctx.bounds:
+                s = slice(e0, e1) if gemm == "bmm" else slice(r0, r1)
+                x_c, dy_c = x[s], dy[s]
+                w_in_c, w_out_c = w_in[e0:e1], w_out[e0:e1]
+                offs_c = offs if gemm == "bmm" else offs[e0:e1] - r0
+                h_c = _mm(gemm, x_c, w_in_c, offs_c)
+                if gated:  # a = f(gate) * up, keeping f(gate) for the backward below
+                    gate, up = h_c.chunk(2, dim=-1)
+                    f = F.silu(gate) if kind == "silu" else F.gelu(gate)
+                    a = f * up
+                else:
+                    a = _activate(h_c, act)
+                if need_w_out:
+                    _weight_grad_into(gemm, a, dy_c, offs_c, dw_out[e0:e1])
+                del a
+                da = _mm(gemm, dy_c, w_out_c.transpose(-2, -1), offs_c)
+                if gated:  # d/dup = f(gate) * da; d/dgate = f'(gate) * up * da (autograd's kernels)
+                    f.mul_(da)
+                    da.mul_(up)
+                    _slope_times(da, gate, kind, out=gate)
+                    up.copy_(f)
+                    del f
+                else:
+                    _slope_times(da, h_c, kind, out=h_c)
+                del da  # h_c is dh_c now
+                if need_w_in:
+                    _weight_grad_into(gemm, x_c, h_c, offs_c, dw_in[e0:e1])
+                if need_x:  # x_c is dead: dx_c goes over it
+                    _mm_into(gemm, h_c, w_in_c.transpose(-2, -1), offs_c, out=x_c)
+                del h_c
+        return (x if need_x else None), dw_in, dw_out, None, None, None, None
 
 
 def lean_ffn(
@@ -174,6 +322,7 @@ def lean_ffn(
     activation: str,
     gemm: str,
     recompute: bool = False,
+    chunks: int | None = None,
 ) -> torch.Tensor:
     """``act(x W_in[e]) W_out[e]`` per expert with the lean backward (module docstring).
 
@@ -183,7 +332,10 @@ def lean_ffn(
         offs_E: inclusive cumulative row counts (grouped layouts; int32 for ``"grouped_mm"``),
             None for ``"bmm"``.
         activation: one of ``LEAN_ACTIVATIONS``; gemm: one of ``LEAN_GEMMS``.
-        recompute: save only ``x`` and recompute ``h = x W_in`` in backward.
+        recompute: save only (a copy of) ``x`` and recompute ``h = x W_in`` in backward, over
+            expert chunks.
+        chunks: with ``recompute``, at most this many expert chunks in backward (None: from the
+            size of ``h``, see the module docstring); the gradients do not depend on it.
     """
     if activation not in LEAN_ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(LEAN_ACTIVATIONS)}, got {activation!r}")
@@ -191,10 +343,14 @@ def lean_ffn(
         raise ValueError(f"gemm must be one of {list(LEAN_GEMMS)}, got {gemm!r}")
     if not isinstance(recompute, bool):
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"chunks must be a positive int or None, got {chunks!r}")
     if offs_E is None:
         offs_E = x.new_empty(0, dtype=torch.int32)  # save_for_backward needs a tensor
+    if recompute:
+        return _RecomputeFFN.apply(x, w_in, w_out, offs_E, activation, gemm, chunks)
     h = _FirstGEMM.apply(x, w_in, offs_E, gemm)
-    return _ActSecondGEMM.apply(h, x, w_in, w_out, offs_E, activation, gemm, recompute)
+    return _ActSecondGEMM.apply(h, w_out, offs_E, activation, gemm)
 
 
 def ffn_reference(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, offs_E: torch.Tensor | None, *,

@@ -1,0 +1,180 @@
+"""Expert recompute over expert chunks (``moeflow.experts.lean._RecomputeFFN``): the gradients do
+not depend on the chunking (bit for bit in fp64, against the default path), the chunks partition
+the experts and rows, the peak memory falls with the chunk size, and the private copy of the
+input rows that backward overwrites with ``dx`` keeps a second backward loud."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moeflow.bench.memory import peak_memory_bytes
+from moeflow.experts.lean import (
+    LEAN_ACTIVATIONS,
+    _expert_chunks,
+    ffn_reference,
+    lean_ffn,
+)
+
+pytestmark = pytest.mark.reference
+
+
+def _operands(gen, gemm, activation, dtype, *, E=6, C=9, D=8, H=16):
+    F = 2 * H if activation in ("swiglu", "geglu") else H
+    w_in = torch.randn(E, D, F, generator=gen, dtype=dtype).requires_grad_()
+    w_out = torch.randn(E, H, D, generator=gen, dtype=dtype).requires_grad_()
+    if gemm == "bmm":
+        return torch.randn(E, C, D, generator=gen, dtype=dtype).requires_grad_(), w_in, w_out, None
+    counts = torch.randint(1, 2 * C, (E,), generator=gen)
+    counts[2] = 0  # an empty group inside a chunk
+    offs = counts.cumsum(0)
+    if gemm == "grouped_mm":
+        offs = offs.to(torch.int32)
+    return torch.randn(int(offs[-1]), D, generator=gen, dtype=dtype).requires_grad_(), w_in, w_out, offs
+
+
+@pytest.mark.parametrize("activation", LEAN_ACTIVATIONS)
+@pytest.mark.parametrize("gemm", ["bmm", "loop"])
+def test_chunked_recompute_equals_the_default_path_bit_for_bit_fp64(activation, gemm):
+    gen = torch.Generator().manual_seed(hash((activation, gemm)) % 2**31)
+    x, w_in, w_out, offs = _operands(gen, gemm, activation, torch.float64)
+    x_before = x.detach().clone()
+    grad = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    y0 = lean_ffn(x, w_in, w_out, offs, activation=activation, gemm=gemm)
+    want = torch.autograd.grad(y0, [x, w_in, w_out], grad)
+    for chunks in (1, 2, 4, 6, 50):
+        y = lean_ffn(x, w_in, w_out, offs, activation=activation, gemm=gemm, recompute=True, chunks=chunks)
+        got = torch.autograd.grad(y, [x, w_in, w_out], grad)
+        assert torch.equal(y, y0), chunks
+        for name, g, w in zip(("x", "w_in", "w_out"), got, want):
+            assert torch.equal(g, w), (chunks, name)
+    assert torch.equal(x.detach(), x_before)  # the caller's rows are never overwritten
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_chunked_recompute_grouped_mm_matches_reference(activation):
+    gen = torch.Generator().manual_seed(11)
+    x, w_in, w_out, offs = _operands(gen, "grouped_mm", activation, torch.float32)
+    x_before = x.detach().clone()
+    grad = torch.randn(x.shape, generator=gen)
+    y_ref = ffn_reference(x, w_in, w_out, offs.long(), activation=activation)
+    want = torch.autograd.grad(y_ref, [x, w_in, w_out], grad)
+    y = lean_ffn(x, w_in, w_out, offs, activation=activation, gemm="grouped_mm", recompute=True, chunks=3)
+    got = torch.autograd.grad(y, [x, w_in, w_out], grad)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert torch.equal(x.detach(), x_before)
+
+
+def test_only_the_weights_or_only_the_input_get_gradients():
+    gen = torch.Generator().manual_seed(5)
+    x, w_in, w_out, _ = _operands(gen, "bmm", "swiglu", torch.float64)
+    grad = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    y0 = lean_ffn(x, w_in, w_out, None, activation="swiglu", gemm="bmm")
+    gx, gw_out = torch.autograd.grad(y0, [x, w_out], grad)
+    y = lean_ffn(x.detach(), w_in.detach(), w_out, None, activation="swiglu", gemm="bmm", recompute=True, chunks=3)
+    (got_w_out,) = torch.autograd.grad(y, [w_out], grad)
+    assert torch.equal(got_w_out, gw_out)
+    y = lean_ffn(x, w_in.detach(), w_out.detach(), None, activation="swiglu", gemm="bmm", recompute=True, chunks=3)
+    (got_x,) = torch.autograd.grad(y, [x], grad)
+    assert torch.equal(got_x, gx)
+
+
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=12), chunks=st.integers(1, 15))
+def test_expert_chunks_partition_experts_and_rows(counts, chunks):
+    offs = torch.tensor(counts).cumsum(0)
+    x = torch.empty(int(offs[-1]), 4)
+    bounds = _expert_chunks(x, offs, len(counts), 8, "loop", chunks)
+    assert 1 <= len(bounds) <= min(chunks, len(counts))
+    ends = [0] + offs.tolist()
+    assert bounds[0][:3:2] == (0, 0) and bounds[-1][1] == len(counts)
+    for (e0, e1, r0, r1), nxt in zip(bounds, bounds[1:] + [None]):
+        assert e0 < e1 and (r0, r1) == (ends[e0], ends[e1])
+        if nxt is not None:
+            assert nxt[0] == e1
+    E = len(counts)
+    padded = _expert_chunks(torch.empty(E, 5, 4), None, E, 8, "bmm", chunks)
+    assert len(padded) == min(chunks, E)  # equal rows per expert: every chunk gets experts
+    assert [(r0, r1) for _, _, r0, r1 in padded] == [(5 * e0, 5 * e1) for e0, e1, _, _ in padded]
+    assert padded[0][0] == 0 and padded[-1][1] == E and all(a[1] == b[0] for a, b in itertools.pairwise(padded))
+    sizes = [e1 - e0 for e0, e1, _, _ in padded]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_chunk_count_follows_the_size_of_h():
+    E, D, F = 16, 4, 4096  # h: rows * 4096 fp32 = 16 KiB per row
+    assert len(_expert_chunks(torch.empty(E, 2, D), None, E, F, "bmm", None)) == 1  # 512 KiB
+    assert len(_expert_chunks(torch.empty(E, 16, D), None, E, F, "bmm", None)) == 4  # 4 MiB: 1 MiB each
+    assert len(_expert_chunks(torch.empty(E, 512, D), None, E, F, "bmm", None)) == 8  # 128 MiB: 16 MiB each
+    assert len(_expert_chunks(torch.empty(E, 2048, D), None, E, F, "bmm", None)) == 16  # 512 MiB: one expert each
+
+
+def test_recompute_peak_falls_with_the_chunk_size():
+    """fp32, E=8: the default path's peak holds the whole h (4 MiB); recompute in one chunk
+    holds it in backward too; in 8 chunks only one expert's h and temporaries at a time, and dx
+    is written over the saved copy of the rows (no [rows, D] gradient allocated)."""
+    torch.manual_seed(0)
+    E, C, D, H = 8, 256, 64, 256
+    w_in = torch.randn(E, D, 2 * H).requires_grad_()
+    w_out = torch.randn(E, H, D).requires_grad_()
+    x, grad = torch.randn(E, C, D), torch.randn(E, C, D)
+
+    def peak(**kw):
+        def once():
+            lean_ffn(x.detach().requires_grad_(), w_in, w_out, None, activation="swiglu", gemm="bmm", **kw).backward(grad)
+        w_in.grad = w_out.grad = None
+        return peak_memory_bytes(once, torch.device("cpu"))
+
+    row = 4 * E * C  # bytes of one fp32 column over all rows
+    grads, h, x_bytes = 4 * 3 * E * D * H, row * 2 * H, row * D
+    default, one, eight = peak(), peak(recompute=True, chunks=1), peak(recompute=True, chunks=8)
+    assert eight < one <= default
+    # gradients + the rows' copy (then dx) + the output + one expert's h, act(gate), a or da
+    assert eight <= grads + 2 * x_bytes + (h + 2 * row * H) // E
+    assert default >= grads + h + 2 * x_bytes
+
+
+def test_second_backward_through_chunked_recompute_fails_loudly():
+    w_in = torch.randn(4, 8, 16, requires_grad=True)
+    w_out = torch.randn(4, 8, 8, requires_grad=True)
+    x = torch.randn(4, 3, 8, requires_grad=True)
+    y = lean_ffn(x, w_in, w_out, None, activation="swiglu", gemm="bmm", recompute=True, chunks=2).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5, True])
+def test_chunks_validate(chunks):
+    with pytest.raises(ValueError, match="chunks"):
+        lean_ffn(torch.randn(2, 3, 4), torch.randn(2, 4, 8), torch.randn(2, 4, 4), None, activation="swiglu",
+                 gemm="bmm", recompute=True, chunks=chunks)
+
+
+@pytest.mark.parametrize("gemm", ["loop", "grouped_mm"])
+def test_chunked_recompute_with_transposed_weight_views(gemm):
+    """Hugging Face layouts: ``w_in``/``w_out`` are transposes of ``[E, F, D]``/``[E, D, H]``
+    parameters; the chunked gradients land in those strides and match the reference."""
+    gen = torch.Generator().manual_seed(21)
+    dtype = torch.float64 if gemm == "loop" else torch.float32
+    E, D, H = 5, 8, 12
+    w_in_base = torch.randn(E, 2 * H, D, generator=gen, dtype=dtype).requires_grad_()
+    w_out_base = torch.randn(E, D, H, generator=gen, dtype=dtype).requires_grad_()
+    counts = torch.tensor([3, 0, 7, 4, 6])
+    offs = counts.cumsum(0)
+    x = torch.randn(int(offs[-1]), D, generator=gen, dtype=dtype).requires_grad_()
+    grad = torch.randn(x.shape, generator=gen, dtype=dtype)
+    leaves = [x, w_in_base, w_out_base]
+    w_in, w_out = w_in_base.transpose(1, 2), w_out_base.transpose(1, 2)
+    want = torch.autograd.grad(ffn_reference(x, w_in, w_out, offs, activation="swiglu"), leaves, grad)
+    lean_offs = offs.to(torch.int32) if gemm == "grouped_mm" else offs
+    y = lean_ffn(x, w_in, w_out, lean_offs, activation="swiglu", gemm=gemm, recompute=True, chunks=2)
+    got = torch.autograd.grad(y, leaves, grad)
+    tol = 1e-11 if dtype == torch.float64 else 1e-4
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
