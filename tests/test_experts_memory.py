@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.bench.activation import measure, saved_bytes
+from moeflow.bench.activation import measure, measure_stack, saved_bytes
 from moeflow.bench.memory import LiveTensorBytes, peak_memory_bytes
 
 
@@ -50,3 +50,17 @@ def test_layer_saves_less_with_lean_experts_and_least_with_recompute():
     # plain autograd saves x, h (gate+up), silu(gate) and a; lean saves x and h; recompute x only
     assert saved["recompute"] < 0.5 * saved["moeflow"] < 0.5 * saved["autograd"]
     assert peak["recompute"] <= peak["moeflow"] < peak["autograd"]
+
+
+@pytest.mark.reference
+def test_stack_of_layers_with_recompute_saves_per_layer():
+    """Three layers: recompute saves about x per layer instead of x and h (h = 4x here: H = 2D,
+    gated), and the fwd+bwd peak of the stack is lower with it."""
+    one = measure_stack(256, 32, 64, 4, 2, layers=1, repeats=1)
+    three = measure_stack(256, 32, 64, 4, 2, layers=3, repeats=1)
+    for name in ("moeflow", "recompute"):
+        assert three[name]["saved_mb"] > 2.5 * one[name]["saved_mb"]  # adds up over layers
+    assert three["recompute"]["saved_mb"] < 0.5 * three["moeflow"]["saved_mb"]
+    assert three["recompute"]["peak_mb"] < three["moeflow"]["peak_mb"]
+    with pytest.raises(ValueError, match="layers"):
+        measure_stack(64, 8, 8, 2, 1, layers=0)

@@ -18,11 +18,17 @@ layer did before ``moeflow.experts.lean``), ``floor`` (the experts alone on bala
 ``[E, ceil(T*K/E), D]`` input) and, with ``--deepspeed``, DeepSpeed's ``MoE`` layer (top-k gating
 with capacity, one-hot einsum dispatch, one ``nn.Module`` per expert) with the same router and
 expert weights, on a single-rank gloo group.
+
+``--layers L`` (default 4; 0: off) also measures a stack of ``L`` such layers (each its own
+weights, ``y = layer(y)``), fwd+bwd with and without expert recompute: what recompute saves is
+per layer and adds up over a model's layers, while the parameter gradients it cannot save add
+up too. Reported: peak and saved MiB, median ms, and the ratios recompute / default.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -37,7 +43,7 @@ from moeflow.config import MoEConfig
 from moeflow.experts.lean import ffn_reference
 from moeflow.layer.moe import MoE
 
-__all__ = ["saved_bytes", "measure", "main"]
+__all__ = ["main", "measure", "measure_stack", "saved_bytes"]
 
 
 def saved_bytes(fn: Callable[[], object], exclude: list[torch.Tensor]) -> int:
@@ -75,7 +81,7 @@ def _deepspeed_layer(layer: MoE, D: int, H: int, E: int, K: int) -> nn.Module:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(name, value)
-    import deepspeed  # noqa: PLC0415 (optional baseline)
+    import deepspeed  # optional baseline, imported only when asked for
     from deepspeed.moe.layer import MoE as DeepSpeedMoE
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -151,13 +157,53 @@ def measure(T: int, D: int, H: int, E: int, K: int, *, deepspeed: bool = False, 
     for name, run in impls.items():
         run(True)  # warm-up
         zero()
-        out[name] = {"saved_mb": saved_bytes(lambda: run(False), exclude) / 2**20}
+        out[name] = {"saved_mb": saved_bytes(functools.partial(run, False), exclude) / 2**20}
         zero()
-        out[name]["peak_mb"] = peak_memory_bytes(lambda: run(True), torch.device("cpu")) / 2**20
+        out[name]["peak_mb"] = peak_memory_bytes(functools.partial(run, True), torch.device("cpu")) / 2**20
         out[name]["times"] = []
     for _ in range(repeats):
         for name, run in impls.items():
             zero()
+            t0 = time.perf_counter()
+            run(True)
+            out[name]["times"].append(time.perf_counter() - t0)
+    for rec in out.values():
+        rec["ms"] = statistics.median(rec.pop("times")) * 1e3
+    return out
+
+
+def measure_stack(T: int, D: int, H: int, E: int, K: int, *, layers: int = 4, repeats: int = 3) -> dict:
+    """``{"moeflow" | "recompute": {"saved_mb", "peak_mb", "ms"}}`` for ``layers`` MoE layers of
+    one configuration in a row (module docstring); the two variants interleaved for ``ms``."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=D, hidden=H, num_experts=E, top_k=K, capacity_factor=1.0)
+    stack = nn.Sequential(*[MoE(config=cfg) for _ in range(layers)]).train()
+    x, grad = torch.randn(T, D), torch.randn(T, D)
+
+    def variant(recompute: bool) -> Callable[[bool], None]:
+        def run(backward: bool) -> None:
+            for layer in stack:
+                layer.experts.recompute = recompute
+            y = stack(x.detach().requires_grad_(True))
+            if backward:
+                y.backward(grad)
+        return run
+
+    impls = {"moeflow": variant(False), "recompute": variant(True)}
+    exclude = list(stack.parameters()) + [x]
+    out: dict[str, dict] = {}
+    for name, run in impls.items():
+        run(True)  # warm-up
+        stack.zero_grad(set_to_none=True)
+        out[name] = {"saved_mb": saved_bytes(functools.partial(run, False), exclude) / 2**20}
+        stack.zero_grad(set_to_none=True)
+        out[name]["peak_mb"] = peak_memory_bytes(functools.partial(run, True), torch.device("cpu")) / 2**20
+        out[name]["times"] = []
+    for _ in range(repeats):
+        for name, run in impls.items():
+            stack.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             run(True)
             out[name]["times"].append(time.perf_counter() - t0)
@@ -173,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed", action="store_true", help="also DeepSpeed's MoE layer (must be importable)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4, help="also a stack of this many layers (0: no)")
     args = p.parse_args(argv)
+    if args.layers < 0:
+        p.error(f"--layers must be >= 0, got {args.layers}")
     torch.set_num_threads(args.threads)
     keep_freed_heap()
     res = measure(args.T, args.D, args.H, args.E, args.K, deepspeed=args.deepspeed, repeats=args.repeats)
@@ -182,6 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'impl':<11}{'saved MiB':>10}{'peak MiB':>10}{'x floor':>9}{'ms':>9}")
     for name, r in res.items():
         print(f"{name:<11}{r['saved_mb']:>10.1f}{r['peak_mb']:>10.1f}{r['peak_mb'] / floor:>9.2f}{r['ms']:>9.1f}")
+    if args.layers:
+        st = measure_stack(args.T, args.D, args.H, args.E, args.K, layers=args.layers, repeats=args.repeats)
+        base, rec = st["moeflow"], st["recompute"]
+        print(f"stack of {args.layers} layers")
+        print(f"{'impl':<11}{'saved MiB':>10}{'peak MiB':>10}{'ms':>9}")
+        for name, r in st.items():
+            print(f"{name:<11}{r['saved_mb']:>10.1f}{r['peak_mb']:>10.1f}{r['ms']:>9.1f}")
+        print(f"recompute / default: peak {rec['peak_mb'] / base['peak_mb']:.2f}, "
+              f"saved {rec['saved_mb'] / base['saved_mb']:.2f}, time {rec['ms'] / base['ms']:.2f}")
     return 0
 
 
