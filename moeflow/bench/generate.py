@@ -40,15 +40,17 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-__all__ = ["main", "run_generate_bench"]
+__all__ = ["add_model_flags", "build_model", "load_hf", "main", "run_generate_bench", "take_turns", "write_report"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moeflow.bench.generate", description=__doc__.split("\n\n")[0])
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The random Mixtral-shaped model's flags (read by ``build_model``), shared with
+    ``moeflow.bench.generate_offload`` so that both benches build the same model."""
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -57,6 +59,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=2, help="the router's k")
     p.add_argument("--hidden", type=int, default=512, help="expert hidden size")
     p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--init-std", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_model(args: argparse.Namespace, max_seq_len: int):  # type: ignore[no-untyped-def]
+    """The ``MoEGPT`` of ``add_model_flags``' flags (seeded with ``--seed``, eval, fp32),
+    holding ``max_seq_len`` positions (the prompt and the new tokens)."""
+    from moeflow.config import RouterConfig
+    from moeflow.models import GPTConfig, MoEGPT
+
+    cfg = GPTConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                    n_kv_heads=args.kv_heads, max_seq_len=max_seq_len, moe_every=1,
+                    num_experts=args.experts, top_k=args.top_k, expert_hidden=args.hidden,
+                    router=RouterConfig(scoring="topk_softmax"), init_std=args.init_std)
+    torch.manual_seed(args.seed)
+    return MoEGPT(cfg).eval()
+
+
+def load_hf(hf_dir: Path, **from_pretrained):  # type: ignore[no-untyped-def]
+    """transformers' ``MixtralForCausalLM`` from ``gpt_to_hf``'s export in ``hf_dir`` (sdpa
+    attention, eval; ``from_pretrained``: more keywords, e.g. accelerate's ``device_map``),
+    without a stop token, so that every row generates the tokens asked for."""
+    import transformers
+
+    hf = transformers.MixtralForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa",
+                                                         **from_pretrained).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moeflow.bench.generate", description=__doc__.split("\n\n")[0])
+    add_model_flags(p)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--new-tokens", default="64,512")
@@ -64,10 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="transformers' experts implementations to time (comma-separated)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--init-std", type=float, default=0.05)
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall time, or this process's CPU time (steadier on a shared machine; use with --threads 1)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layer-tokens", default="1,8,64",
                    help="also time block 0's MoE layer alone at these token counts (empty: skip)")
     p.add_argument("--layer-calls", type=int, default=200, help="calls per timed repeat of the layer")
@@ -115,6 +148,24 @@ def _run_hf(hf, idx_BS: torch.Tensor, n: int, clock) -> tuple[list[list[int]], f
     return out[:, idx_BS.shape[1]:].tolist(), t1 - t0, t2 - t1
 
 
+def take_turns(cands: dict[str, Callable[[], tuple[list[list[int]], float, float]]],
+               repeats: int) -> tuple[dict[str, tuple[float, float]], dict[str, list[list[int]]]]:
+    """Each candidate (a call giving its tokens, prefill and decode seconds) once a round for
+    ``repeats`` rounds, in turn, the order reversed every other round (fair under a fluctuating
+    load): each one's median (prefill_s, decode_s), in ``cands``' order, and its last tokens."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in cands}
+    tokens: dict[str, list[list[int]]] = {}
+    names = list(cands)
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            toks, pre, dec = cands[name]()
+            times[name].append((pre, dec))
+            tokens[name] = toks
+    medians = {name: (statistics.median(t[0] for t in times[name]), statistics.median(t[1] for t in times[name]))
+               for name in names}
+    return medians, tokens
+
+
 def _first_difference(a: list[list[int]], b: list[list[int]]) -> str:
     if a == b:
         return "identical"
@@ -124,23 +175,11 @@ def _first_difference(a: list[list[int]], b: list[list[int]]) -> str:
 
 def build_models(args: argparse.Namespace, hf_dir: Path):
     """The moeflow model and transformers' model loaded from its export (both eval, fp32)."""
-    import transformers
-
-    from moeflow.config import RouterConfig
     from moeflow.convert.mixtral import gpt_to_hf
-    from moeflow.models import GPTConfig, MoEGPT
 
-    max_new = max(int(n) for n in args.new_tokens.split(","))
-    cfg = GPTConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                    n_kv_heads=args.kv_heads, max_seq_len=args.prompt_len + max_new, moe_every=1,
-                    num_experts=args.experts, top_k=args.top_k, expert_hidden=args.hidden,
-                    router=RouterConfig(scoring="topk_softmax"), init_std=args.init_std)
-    torch.manual_seed(args.seed)
-    model = MoEGPT(cfg).eval()
+    model = build_model(args, args.prompt_len + max(int(n) for n in args.new_tokens.split(",")))
     gpt_to_hf(model, hf_dir)
-    hf = transformers.MixtralForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").eval()
-    hf.generation_config.eos_token_id = None  # no stop token: every row generates n tokens
-    return model, hf
+    return model, load_hf(hf_dir)
 
 
 def run_generate_bench(args: argparse.Namespace) -> dict:
@@ -163,23 +202,14 @@ def run_generate_bench(args: argparse.Namespace) -> dict:
                 for name in cands:  # warm-up: a short run of each
                     (_run_moeflow(model, idx, 4, clock) if name == "moeflow" else
                      (hf.set_experts_implementation(name[3:]), _run_hf(hf, idx, 4, clock)))
-                times: dict[str, list[tuple[float, float]]] = {name: [] for name in cands}
-                tokens: dict[str, list[list[int]]] = {}
-                names = list(cands)
-                for r in range(args.repeats):
-                    for name in (names if r % 2 == 0 else names[::-1]):
-                        toks, pre, dec = cands[name]()
-                        times[name].append((pre, dec))
-                        tokens[name] = toks
-                for name in names:
-                    pre = statistics.median(t[0] for t in times[name])
-                    dec = statistics.median(t[1] for t in times[name])
+                medians, tokens = take_turns(cands, args.repeats)
+                for name, (pre, dec) in medians.items():
                     rows.append({
                         "batch": B, "new_tokens": n, "candidate": name, "prefill_s": pre, "decode_s": dec,
                         "prefill_tok_s": B * args.prompt_len / pre, "decode_tok_s": B * (n - 1) / dec if dec else None,
                         "tokens_vs_moeflow": _first_difference(tokens["moeflow"], tokens[name]),
                     })
-                _print_case(rows[-len(names):])
+                _print_case(rows[-len(medians):])
     return {
         "bench": "generate", "date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "clock": args.clock, "torch": torch.__version__, "dtype": "float32",
@@ -245,15 +275,19 @@ def _print_case(rows: list[dict]) -> None:
               f"({best_pre['candidate']})", flush=True)
 
 
+def write_report(report: dict, path: Path | None) -> None:
+    """Write a bench's ``report`` as JSON to ``path`` and say so (``None``: write nothing)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None, default_json: Path | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.json is None:
         args.json = default_json
-    report = run_generate_bench(args)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    write_report(run_generate_bench(args), args.json)
     return 0
 
 

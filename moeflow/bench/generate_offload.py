@@ -39,7 +39,6 @@ import copy
 import datetime
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from moeflow.bench.generate import _first_difference, add_model_flags, build_model, load_hf
+from moeflow.bench.generate import _first_difference, add_model_flags, build_model, load_hf, take_turns, write_report
 from moeflow.bench.generate import _run_hf as run_hf_clocked
 
 __all__ = ["main", "run_offload_bench"]
@@ -152,14 +151,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict:
                 run()
             for store in stores.values():
                 store.reset_stats()
-            times: dict[str, list[tuple[float, float]]] = {name: [] for name in cands}
-            tokens: dict[str, list[list[int]]] = {}
-            names = list(cands)
-            for r in range(args.repeats):
-                for name in (names if r % 2 == 0 else names[::-1]):
-                    toks, pre, dec = cands[name]()
-                    times[name].append((pre, dec))
-                    tokens[name] = toks
+            medians, tokens = take_turns(cands, args.repeats)
             stats = {name: {**store.stats.as_dict(), "prefetch_hits": store.prefetch_hits} for name, store in stores.items()}
             cache_slots = stores["moeflow:disk-cached"].cache_slots
         hf_map = None
@@ -169,9 +161,7 @@ def run_offload_bench(args: argparse.Namespace) -> dict:
                 hf_map[str(where)] = hf_map.get(str(where), 0) + 1
             del hf
     B = args.batch
-    for name in names:
-        pre = statistics.median(t[0] for t in times[name])
-        dec = statistics.median(t[1] for t in times[name])
+    for name, (pre, dec) in medians.items():
         rows.append({"candidate": name, "prefill_s": pre, "decode_s": dec, "prefill_tok_s": B * args.prompt_len / pre,
                      "decode_tok_s": B * (n - 1) / dec if dec else None,
                      "total_tok_s": B * n / (pre + dec),
@@ -313,11 +303,7 @@ def main(argv: list[str] | None = None, default_json: Path | None = None) -> int
         return 0
     if args.json is None:
         args.json = default_json
-    report = run_offload_bench(args)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    write_report(run_offload_bench(args), args.json)
     return 0
 
 
