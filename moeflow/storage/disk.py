@@ -250,12 +250,7 @@ class DiskFile:
         (so ``evict`` can drop them again). When ``dst`` and ``start`` are 4096-byte aligned the
         whole pages are read with ``O_DIRECT`` in chunks, the tail (under a page) buffered.
         """
-        if dst.device.type != "cpu" or not dst.is_contiguous() or tensor_bytes(dst) != end - start:
-            raise ValueError(f"dst must be a contiguous host tensor of {end - start} bytes, got "
-                             f"{tensor_bytes(dst)} bytes on {dst.device}")
-        if self._fd is None:
-            raise RuntimeError(f"the disk tier file {self.path} is closed")
-        view = _raw(dst)
+        view = self._open_view(dst, "dst", start, end)
         done = 0
         if self._direct_fd is not None and start % PAGE == 0 and dst.data_ptr() % PAGE == 0:
             aligned = len(view) // PAGE * PAGE
@@ -275,18 +270,24 @@ class DiskFile:
     def write_from(self, src: torch.Tensor, start: int, end: int) -> None:
         """Write the contiguous host tensor ``src`` to file bytes ``[start, end)`` (``pwritev``;
         unchecked: ``write`` records checksums; ``flush`` makes it durable and evictable)."""
-        if src.device.type != "cpu" or not src.is_contiguous() or tensor_bytes(src) != end - start:
-            raise ValueError(f"src must be a contiguous host tensor of {end - start} bytes, got "
-                             f"{tensor_bytes(src)} bytes on {src.device}")
-        if self._fd is None:
-            raise RuntimeError(f"the disk tier file {self.path} is closed")
-        view = _raw(src)
+        view = self._open_view(src, "src", start, end)
         done = 0
         while done < len(view):
             n = os.pwritev(self._fd, [view[done:]], start + done)
             if n <= 0:
                 raise OSError(f"{self.path}: short write at byte {start + done} (disk full?)")
             done += n
+
+    def _open_view(self, t: torch.Tensor, name: str, start: int, end: int) -> memoryview:
+        """The bytes of ``t`` (argument ``name``) for a system call on file bytes ``[start, end)``,
+        once ``t`` is checked to be a contiguous host tensor of exactly that many bytes (the
+        call reads or writes raw memory) and the file is checked to be open."""
+        if t.device.type != "cpu" or not t.is_contiguous() or tensor_bytes(t) != end - start:
+            raise ValueError(f"{name} must be a contiguous host tensor of {end - start} bytes, got "
+                             f"{tensor_bytes(t)} bytes on {t.device}")
+        if self._fd is None:
+            raise RuntimeError(f"the disk tier file {self.path} is closed")
+        return _raw(t)
 
     def evict(self, start: int, end: int) -> None:
         """Drop ``[start, end)`` of the file from the page cache (clean pages only: ``flush``
