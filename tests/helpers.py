@@ -9,8 +9,9 @@ Fixtures live in ``conftest.py``; everything a test module imports by name lives
   ``check_equivalence`` (an expert-parallel layer against the single process, on gloo ranks);
 - running on ranks: ``spawn_ranks`` (gloo on 127.0.0.1; a rank's failure or a hang fails the test);
 - ``needs_cuda``: skip without CUDA (with ``@pytest.mark.gpu``);
+- ``assert_offloaded_grads_equal``: an offloaded copy's loss and gradients against the model's;
 - ``file_states``: every file and folder under a directory with its hash and mtime (did an
-  operation touch nothing?);
+  operation touch nothing?); ``train_tiny_run``: a one-step ``moeflow train`` run to read back;
 - torchrun jobs: ``torchrun_cmd`` (one node's agent; static or c10d rendezvous), ``TORCHRUN_ENV``,
   ``rank_pids`` (the ranks' process ids, to kill one), ``job_pids`` (every rank of a job),
   ``agent_ranks`` (an agent's ranks, from a whole /proc scan), ``descendants``, ``kill_node`` (an
@@ -272,6 +273,25 @@ def check_equivalence(
     return ref, ep
 
 
+def assert_offloaded_grads_equal(model: MoEGPT, offloaded: MoEGPT, store, idx: torch.Tensor,  # type: ignore[no-untyped-def]
+                                 tgt: torch.Tensor) -> None:
+    """One backward of the loss (with the aux loss) on ``model`` and on its copy ``offloaded``,
+    whose experts ``store`` holds (``trainable``): the loss, every dense gradient and every
+    expert gradient (the store's ``grads``) equal the in-memory ones bit for bit."""
+    loss_ref = model.loss(idx, tgt) + moeflow.aux_loss(model)
+    loss = offloaded.loss(idx, tgt) + moeflow.aux_loss(offloaded)
+    assert torch.equal(loss, loss_ref)
+    loss_ref.backward()
+    loss.backward()
+    store.wait_grads()
+    dense_ref = {n: p for n, p in model.named_parameters() if ".experts." not in n}
+    for name, p in offloaded.named_parameters():
+        assert torch.equal(p.grad, dense_ref[name].grad), name
+    for i, layer in enumerate(moeflow.moe_layers(model)):
+        for name, p in layer.experts.named_parameters():
+            assert torch.equal(store.grads[i][name], p.grad), (i, name)
+
+
 # ----------------------------------------------------------------------------- gloo ranks
 
 TIMEOUT_S = 240
@@ -353,6 +373,16 @@ def file_states(root: Path) -> dict[str, tuple[str, int]]:
         states[str(path.relative_to(root))] = (kind, path.stat().st_mtime_ns)
     states["."] = ("dir", Path(root).stat().st_mtime_ns)
     return states
+
+
+def train_tiny_run(out: Path) -> str:
+    """``moeflow train`` for one step into ``out`` (batch 2, 16-token sequences, one thread; no
+    progress bar, plot or sample): the run directory, as ``moeflow generate`` takes it."""
+    from moeflow.cli.main import main
+
+    assert main(["train", "--out", str(out), "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                 "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "0", "--threads", "1"]) == 0
+    return str(out)
 
 
 # ----------------------------------------------------------------------------- torchrun jobs

@@ -12,7 +12,7 @@ import torch
 import moeflow
 from moeflow.models.generation import SamplingConfig, generate, generate_uncached, sample_next
 
-from helpers import rand, small_gpt
+from helpers import rand, small_gpt, train_tiny_run
 
 
 def _prompts(gen: torch.Generator, lengths: list[int], vocab: int = 61) -> list[list[int]]:
@@ -171,10 +171,8 @@ def test_sampling_config_checks_stop_tokens_on_construction() -> None:
 def test_cli_generate_batches_prompts_and_rejects_bad_values(tmp_path, capsys) -> None:
     from moeflow.cli.main import main
 
-    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1", "--batch-size", "2", "--seq-len", "16",
-                 "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "0", "--threads", "1"]) == 0
+    run = train_tiny_run(tmp_path / "run")
     capsys.readouterr()
-    run = str(tmp_path / "run")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ROMEO.\n\nJULIET. O\nKING\n")
     assert main(["generate", run, "--prompts-file", str(prompts), "--batch-size", "2", "--max-new-tokens", "6",

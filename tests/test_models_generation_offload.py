@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import small_gpt
+from helpers import small_gpt, train_tiny_run
 
 import moeflow
 from moeflow.models.generation import generate
@@ -82,10 +82,8 @@ def test_cli_generate_offloaded_equals_in_memory(tmp_path, capsys) -> None:
     from moeflow.cli.main import main
     from moeflow.train import build_from_checkpoint
 
-    assert main(["train", "--out", str(tmp_path / "run"), "--steps", "1", "--batch-size", "2", "--seq-len", "16",
-                 "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "0", "--threads", "1"]) == 0
+    run = train_tiny_run(tmp_path / "run")
     capsys.readouterr()
-    run = str(tmp_path / "run")
     model, _, _ = build_from_checkpoint(run)
     layers = moeflow.moe_layers(model)
     per_expert = slot_bytes(layers[0].experts, single=True)

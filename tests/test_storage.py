@@ -30,7 +30,7 @@ from moeflow.storage import (
 )
 from moeflow.storage.disk import DiskFile
 
-from helpers import needs_cuda
+from helpers import assert_offloaded_grads_equal, needs_cuda
 
 pytestmark = pytest.mark.reference
 
@@ -322,19 +322,7 @@ def test_gradients_equal_in_memory(offload, evict, gen):
     store = offload_experts(offloaded, StorageConfig(offload=offload, fast_memory=budget, prefetch=1, trainable=True,
                                                      evict_page_cache=evict))
     with store:
-        idx, tgt = tokens(gen), tokens(gen)
-        loss_ref = model.loss(idx, tgt) + moeflow.aux_loss(model)
-        loss = offloaded.loss(idx, tgt) + moeflow.aux_loss(offloaded)
-        assert torch.equal(loss, loss_ref)
-        loss_ref.backward()
-        loss.backward()
-        store.wait_grads()
-        dense_ref = {n: p for n, p in model.named_parameters() if ".experts." not in n}
-        for name, p in offloaded.named_parameters():
-            assert torch.equal(p.grad, dense_ref[name].grad), name
-        for i, layer in enumerate(moeflow.moe_layers(model)):
-            for name, p in layer.experts.named_parameters():
-                assert torch.equal(store.grads[i][name], p.grad), (i, name)
+        assert_offloaded_grads_equal(model, offloaded, store, tokens(gen), tokens(gen))
         assert store.stats.peak_fast_bytes <= budget
         assert store.num_slots == 2
 

@@ -37,6 +37,8 @@ from moeflow.storage import OffloadedAdamW, StorageConfig, offload_experts, slot
 from moeflow.storage import checksum
 from moeflow.storage.disk import DiskFile, DiskTierError
 
+from helpers import assert_offloaded_grads_equal
+
 VOCAB = 61
 DAMAGE = ("truncate", "truncate-regrow", "bit-flip", "rewrite")  # must raise DiskTierError
 HARMLESS = ("replace", "delete")  # the store reads the inode it wrote: right answers
@@ -263,18 +265,7 @@ def test_checksummed_fast_path_equals_in_memory(mode, monkeypatch, gen):
     with store:
         idx, tgt = (torch.randint(0, VOCAB, (2, 8), generator=gen) for _ in range(2))
         if mode == "ring":
-            loss_ref = model.loss(idx, tgt) + moeflow.aux_loss(model)
-            loss = offloaded.loss(idx, tgt) + moeflow.aux_loss(offloaded)
-            assert torch.equal(loss, loss_ref)
-            loss_ref.backward()
-            loss.backward()
-            store.wait_grads()
-            for i, layer in enumerate(moeflow.moe_layers(model)):
-                for name, p in layer.experts.named_parameters():
-                    assert torch.equal(store.grads[i][name], p.grad), (i, name)
-            dense = dict(model.named_parameters())
-            for name, p in offloaded.named_parameters():
-                assert torch.equal(p.grad, dense[name].grad), name
+            assert_offloaded_grads_equal(model, offloaded, store, idx, tgt)
         else:
             with torch.no_grad():
                 assert torch.equal(offloaded(idx), model.eval()(idx))
