@@ -235,7 +235,10 @@ def _layer_bench(args: argparse.Namespace, model, hf, impls: list[str], clock, g
             return (out[0] if isinstance(out, tuple) else out)[0]
         return call
 
-    cands = {"moeflow": layer, "loop": loop, **{f"hf:{i}": hf_block(i) for i in impls}}
+    def moeflow(x_TD: torch.Tensor) -> torch.Tensor:  # as a decode step calls it: no balance losses
+        return layer(x_TD, losses=False)
+
+    cands = {"moeflow": moeflow, "loop": loop, **{f"hf:{i}": hf_block(i) for i in impls}}
     rows = []
     with torch.no_grad():
         for T in (int(t) for t in args.layer_tokens.split(",")):
