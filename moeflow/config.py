@@ -289,6 +289,10 @@ class ExpertsConfig:
     ``recompute``: keep only the experts' input rows for backward and recompute the hidden
     activation there (Megatron-Core's MoE recompute): the same gradients, less activation
     memory, one more GEMM per expert in backward (``moeflow.experts.lean``).
+    ``recompute_chunks``: with ``recompute``, at most this many expert chunks that forward and
+    backward run over (None: about 8, sized from the hidden activation). Fewer chunks are fewer,
+    larger kernel calls (faster on a CPU shared with other work) at a higher backward peak; the
+    gradients do not depend on it.
     """
 
     activation: Activation = "swiglu"
@@ -296,6 +300,7 @@ class ExpertsConfig:
     backend: ExpertsBackend = "auto"
     init_std: float = 0.02
     recompute: bool = False
+    recompute_chunks: int | None = None
 
     def __post_init__(self) -> None:
         _choice("activation", self.activation, Activation)
@@ -303,6 +308,13 @@ class ExpertsConfig:
         _float("init_std", self.init_std, minimum=0.0)
         if not isinstance(self.recompute, bool):
             raise TypeError(f"recompute must be a bool, got {self.recompute!r}")
+        if self.recompute_chunks is not None:
+            if isinstance(self.recompute_chunks, bool) or not isinstance(self.recompute_chunks, int):
+                raise TypeError(f"recompute_chunks must be an int or None, got {self.recompute_chunks!r}")
+            if self.recompute_chunks < 1:
+                raise ValueError(f"recompute_chunks must be >= 1, got {self.recompute_chunks}")
+            if not self.recompute:
+                raise ValueError(f"recompute_chunks={self.recompute_chunks} applies with recompute=True")
 
     @property
     def gated(self) -> bool:

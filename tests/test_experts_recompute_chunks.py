@@ -178,3 +178,47 @@ def test_chunked_recompute_with_transposed_weight_views(gemm):
     tol = 1e-11 if dtype == torch.float64 else 1e-4
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+def test_recompute_chunks_is_a_config_setting_that_does_not_change_the_gradients(monkeypatch) -> None:
+    """``ExpertsConfig(recompute_chunks=n)`` reaches the lean FFN in both layouts: one chunk and
+    the automatic count give the same output and gradients (fp64, bit for bit); a count without
+    recompute, or below 1, is refused naming the field."""
+    import dataclasses
+
+    from moeflow.config import ExpertsConfig
+    from moeflow.experts import GroupedExperts
+
+    with pytest.raises(ValueError, match="recompute_chunks=2 applies with recompute=True"):
+        ExpertsConfig(recompute_chunks=2)
+    with pytest.raises(ValueError, match="recompute_chunks must be >= 1, got 0"):
+        ExpertsConfig(recompute=True, recompute_chunks=0)
+    with pytest.raises(TypeError, match="recompute_chunks must be an int or None, got True"):
+        ExpertsConfig(recompute=True, recompute_chunks=True)
+    gen = torch.Generator().manual_seed(5)
+    auto = GroupedExperts(num_experts=6, dim=8, hidden=12, config=ExpertsConfig(recompute=True, backend="loop"),
+                          dtype=torch.float64)
+    one = GroupedExperts(num_experts=6, dim=8, hidden=12, dtype=torch.float64,
+                         config=dataclasses.replace(auto.config, recompute_chunks=1))
+    one.load_state_dict(auto.state_dict())
+    counts = torch.tensor([3, 0, 5, 2, 7, 1])
+    import moeflow.experts.ffn as ffn
+
+    seen: list = []
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw.get("chunks"))
+        return lean_ffn(*args, **kw)
+
+    monkeypatch.setattr(ffn, "lean_ffn", spy)
+    for x in (torch.randn(6, 4, 8, generator=gen, dtype=torch.float64), torch.randn(18, 8, generator=gen, dtype=torch.float64)):
+        grads = []
+        for module in (auto, one):
+            xi = x.clone().requires_grad_()
+            y = module(xi, counts if x.dim() == 2 else torch.full((6,), 4))
+            y.backward(torch.ones_like(y))
+            grads.append((y.detach(), xi.grad, *(p.grad.clone() for p in module.parameters())))
+            module.zero_grad(set_to_none=True)
+        for a, b in zip(*grads, strict=True):
+            assert torch.equal(a, b)
+    assert seen == [None, 1, None, 1]  # both layouts pass the setting on

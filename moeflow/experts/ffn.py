@@ -207,7 +207,7 @@ class GroupedExperts(nn.Module):
         if self.b_in is None and self.b_out is None:
             x_ECD, w_in, w_out = autocast_cast(x_ECD, x_ECD, self.w_in, self.w_out)
             return lean_ffn(x_ECD, w_in, w_out, None, activation=self.config.activation, gemm="bmm",
-                            recompute=self.config.recompute)
+                            recompute=self.config.recompute, chunks=self.config.recompute_chunks)
         if self.config.recompute:
             return checkpoint(self._forward_padded_autograd, x_ECD, use_reentrant=False)
         return self._forward_padded_autograd(x_ECD)
@@ -227,7 +227,7 @@ class GroupedExperts(nn.Module):
         x_RD, w_in, w_out, b_in, b_out = autocast_cast(x_RD, x_RD, self.w_in, self.w_out, self.b_in, self.b_out)
         return grouped_ffn(
             x_RD, counts_E, w_in, w_out, b_in, b_out, activation=self.config.activation, backend=self.config.backend,
-            recompute=self.config.recompute,
+            recompute=self.config.recompute, recompute_chunks=self.config.recompute_chunks,
         )
 
 
@@ -242,6 +242,7 @@ def grouped_ffn(
     activation: str | Callable[[torch.Tensor], torch.Tensor],
     backend: str = "auto",
     recompute: bool = False,
+    recompute_chunks: int | None = None,
 ) -> torch.Tensor:
     """``y_RD = act(x_RD W_in[e] + b_in[e]) W_out[e] + b_out[e]`` on rows grouped by expert.
 
@@ -257,7 +258,8 @@ def grouped_ffn(
     is ``moeflow.experts.lean.lean_ffn`` (saves the input rows and the pre-activation only).
     ``recompute``: keep only the input rows for backward and recompute the hidden activation
     there (``lean_ffn``, or ``torch.utils.checkpoint`` around the other paths); the same
-    gradients, less memory between forward and backward, one more GEMM in backward.
+    gradients, less memory between forward and backward, one more GEMM in backward;
+    ``recompute_chunks``: ``ExpertsConfig.recompute_chunks`` (``lean_ffn``'s ``chunks``).
     """
     dims = (w_in_EDF.shape[-2], w_in_EDF.shape[-1], w_out_EHD.shape[-2])
     name = resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype, dims)
@@ -269,7 +271,8 @@ def grouped_ffn(
     if b_in_EF is None and b_out_ED is None and activation in LEAN_ACTIVATIONS and name in ("grouped_mm", "loop"):
         offs_E = torch.cumsum(counts_E, 0)
         return lean_ffn(x_RD, w_in_EDF, w_out_EHD, offs_E.to(torch.int32) if name == "grouped_mm" else offs_E,
-                        activation=activation, gemm=name, recompute=recompute)
+                        activation=activation, gemm=name, recompute=recompute,
+                        chunks=recompute_chunks if recompute else None)
     if recompute:
         return checkpoint(grouped_ffn, x_RD, counts_E, w_in_EDF, w_out_EHD, b_in_EF, b_out_ED,
                           activation=activation, backend=name, use_reentrant=False)

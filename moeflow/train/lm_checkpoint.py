@@ -105,13 +105,13 @@ def _history_until(history: dict, step: int) -> dict:
 
 
 def _without_recompute(model: dict) -> dict:
-    """A model config dict without ``experts.recompute``: recomputing the expert activations
-    changes memory and time, not the model (a run may resume with it turned on or off, and
-    checkpoints from before the option existed do not record it)."""
+    """A model config dict without ``experts.recompute`` (and ``recompute_chunks``): recomputing
+    the expert activations changes memory and time, not the model (a run may resume with it
+    turned on or off, and checkpoints from before the option existed do not record it)."""
     experts = model.get("experts")
     if not isinstance(experts, dict):
         return model
-    return {**model, "experts": {k: v for k, v in experts.items() if k != "recompute"}}
+    return {**model, "experts": {k: v for k, v in experts.items() if k not in ("recompute", "recompute_chunks")}}
 
 
 def _write_json(path: Path, obj: object) -> None:
