@@ -174,6 +174,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ("generate-prefetch-negative", ["generate", "{ckpt}", "--offload", "host", "--prefetch", "-1"], "--prefetch"),
     ("generate-dir-is-file", ["generate", "{ckpt}", "--offload", "disk", "--dir", "{file}"], "--dir"),
     ("generate-dir-host", ["generate", "{ckpt}", "--offload", "host", "--dir", "{dir}"], "--dir"),
+    ("generate-disk-reads-no-offload", ["generate", "{ckpt}", "--disk-reads", "cached"], "--disk-reads"),
+    ("generate-disk-reads-host", ["generate", "{ckpt}", "--offload", "host", "--disk-reads", "cached"], "--disk-reads"),
+    ("generate-disk-reads-evict", ["generate", "{ckpt}", "--offload", "disk", "--disk-reads", "cached",
+                                   "--evict-page-cache"], "--disk-reads"),
+    ("generate-disk-reads-bad", ["generate", "{ckpt}", "--offload", "disk", "--disk-reads", "mmap"], "--disk-reads"),
     # ---- infer
     *[(f"infer-fast-memory-{v}", ["infer", *_INFER, "--fast-memory", v], "--fast-memory")
       for v in ("abc", "-1", "0", "nan")],

@@ -73,7 +73,7 @@ def _storage(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         given = [flag for flag, value in (
             ("--fast-memory", args.fast_memory), ("--mode", args.mode), ("--ring-slots", args.ring_slots),
             ("--prefetch", args.prefetch), ("--dir", args.dir), ("--device", args.device),
-            ("--evict-page-cache", args.evict_page_cache or None)) if value is not None]
+            ("--disk-reads", args.disk_reads), ("--evict-page-cache", args.evict_page_cache or None)) if value is not None]
         if given:
             raise UsageError(f"{', '.join(given)} only applies with --offload host|disk (the experts held outside "
                              "the model)")

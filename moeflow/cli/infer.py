@@ -130,7 +130,8 @@ def _infer(args: argparse.Namespace) -> int:
             ("checkpoint", args.checkpoint), ("--offload", args.offload), ("--fast-memory", args.fast_memory),
             ("--mode", args.mode), ("--ring-slots", args.ring_slots), ("--prefetch", args.prefetch),
             ("--dir", args.dir), ("--device", args.device), ("--prompt", args.prompt),
-            ("--evict-page-cache", args.evict_page_cache or None), ("--compare", args.compare or None),
+            ("--disk-reads", args.disk_reads), ("--evict-page-cache", args.evict_page_cache or None),
+            ("--compare", args.compare or None),
             ("--seq-len", args.seq_len), ("--batch-size", args.batch_size if args.batch_size != 1 else None),
         ) if value is not None]
         if ignored:

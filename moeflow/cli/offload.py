@@ -23,7 +23,8 @@ __all__ = ["add_storage_flags", "check_budget", "expert_bytes", "layout_line", "
 
 # (flag, attribute, value when not given) of the storage flags, in the order they are documented
 STORAGE_DEFAULTS = (("--offload", "offload", "disk"), ("--fast-memory", "fast_memory", "512MB"),
-                    ("--mode", "mode", "ring"), ("--prefetch", "prefetch", 1), ("--device", "device", "cpu"))
+                    ("--mode", "mode", "ring"), ("--prefetch", "prefetch", 1), ("--device", "device", "cpu"),
+                    ("--disk-reads", "disk_reads", "direct"))
 
 
 def add_storage_flags(p: argparse.ArgumentParser, *, offload_help: str, mode_default: str = "ring") -> None:
@@ -39,7 +40,7 @@ def add_storage_flags(p: argparse.ArgumentParser, *, offload_help: str, mode_def
     p.add_argument("--prefetch", type=int_at_least(0), default=None,
                    help="layers loaded ahead (0: synchronous loading; default 1)")
     p.add_argument("--dir", type=Path, default=None, help="where the disk tier writes (default: a temporary dir)")
-    p.add_argument("--disk-reads", default="direct", choices=["direct", "cached"],
+    p.add_argument("--disk-reads", default=None, choices=["direct", "cached"],
                    help="direct: O_DIRECT reads, every load from the device (a model far larger than RAM); cached: "
                    "through the page cache, so a file that fits in free RAM is read from memory after the first "
                    "pass, as a memory-mapped offload is (default direct)")

@@ -97,6 +97,7 @@ class DiskFile:
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.path = Path(path)
         self.verify = verify
+        self.direct_requested = direct  # (``direct_io``: whether O_DIRECT is in use, where the file system has it)
         self._entries: dict[str, _Entry] = {}
         self._sums: dict[str, list[int]] = {}  # key -> per block, the checksum it was written with
         self._fd: int | None = None

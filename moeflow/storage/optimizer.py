@@ -73,7 +73,7 @@ class OffloadedAdamW:
             # a file of its own beside the weights: optimizers of stores sharing a directory
             # never overwrite each other's state
             self.state_file = DiskFile.create(Path(store.disk.path).parent, "adamw-state-", moments,
-                                              verify=store.disk.verify)
+                                              verify=store.disk.verify, direct=store.disk.direct_requested)
             self._moments = {k: self.state_file.spec(k) for k in moments}  # shapes only: data is read
         else:
             self._moments = moments
