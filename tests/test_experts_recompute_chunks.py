@@ -222,3 +222,61 @@ def test_recompute_chunks_is_a_config_setting_that_does_not_change_the_gradients
         for a, b in zip(*grads, strict=True):
             assert torch.equal(a, b)
     assert seen == [None, 1, None, 1]  # both layouts pass the setting on
+
+
+@pytest.mark.parametrize("gemm", ["grouped_mm", "loop"])
+def test_chunks_of_experts_without_rows_compute_nothing_and_get_zero_gradients(gemm, monkeypatch) -> None:
+    """All rows on expert 0 and 8 chunks: the later chunks own no rows; they run no GEMM (a
+    0-row grouped GEMM is avoidable work and not every backend takes one) and their experts'
+    weight gradients are zeros, as in the reference (fp64; fp32 for grouped_mm)."""
+    gen = torch.Generator().manual_seed(11)
+    dt, tol = (torch.float32, 1e-5) if gemm == "grouped_mm" else (torch.float64, 1e-12)  # grouped_mm: no fp64
+    E, D, H = 8, 8, 8
+    counts = torch.zeros(E, dtype=torch.long)
+    counts[0] = 10
+    offs = counts.cumsum(0)
+    offs = offs.to(torch.int32) if gemm == "grouped_mm" else offs
+    x = torch.randn(10, D, generator=gen, dtype=dt, requires_grad=True)
+    w_in = torch.randn(E, D, 2 * H, generator=gen, dtype=dt, requires_grad=True)
+    w_out = torch.randn(E, H, D, generator=gen, dtype=dt, requires_grad=True)
+    from moeflow.experts.lean import _expert_chunks
+
+    assert any(r0 == r1 for _, _, r0, r1 in _expert_chunks(x, offs, E, 2 * H, gemm, 8))
+    import moeflow.experts.lean as lean
+
+    def no_empty(gemm_, a, *rest):  # type: ignore[no-untyped-def]
+        assert a.shape[0] > 0, "a GEMM over 0 rows"
+        return mm(gemm_, a, *rest)
+
+    mm = lean._mm
+    monkeypatch.setattr(lean, "_mm", no_empty)
+    y = lean_ffn(x, w_in, w_out, offs, activation="swiglu", gemm=gemm, recompute=True, chunks=8)
+    dy = torch.randn(y.shape, generator=gen, dtype=dt)
+    got = torch.autograd.grad(y, (x, w_in, w_out), dy)
+    ref_y = ffn_reference(x, w_in, w_out, offs.long(), activation="swiglu")
+    want = torch.autograd.grad(ref_y, (x, w_in, w_out), dy)
+    torch.testing.assert_close(y, ref_y, rtol=tol, atol=tol)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    assert torch.equal(got[1][1:], torch.zeros_like(got[1][1:])) and torch.equal(got[2][1:], torch.zeros_like(got[2][1:]))
+
+
+def test_turning_recompute_off_drops_the_chunk_count() -> None:
+    """``recompute_chunks`` applies with recompute only: switching recompute off on a module
+    (the ``recompute`` setter) or a layer (``MoE(expert_recompute=False)``) drops it instead of
+    raising; switching it back on keeps a count that was set."""
+    import dataclasses
+
+    from moeflow import MoE, MoEConfig
+    from moeflow.config import ExpertsConfig
+    from moeflow.experts import GroupedExperts
+
+    experts = GroupedExperts(num_experts=4, dim=8, hidden=8, config=ExpertsConfig(recompute=True, recompute_chunks=2))
+    experts.recompute = True
+    assert experts.config.recompute_chunks == 2
+    experts.recompute = False
+    assert (experts.config.recompute, experts.config.recompute_chunks) == (False, None)
+    cfg = MoEConfig(dim=8, hidden=8, num_experts=4, top_k=2)
+    cfg = dataclasses.replace(cfg, experts=ExpertsConfig(recompute=True, recompute_chunks=3))
+    assert MoE(config=cfg, expert_recompute=False).config.experts.recompute_chunks is None
+    assert MoE(config=cfg, expert_recompute=True).config.experts.recompute_chunks == 3

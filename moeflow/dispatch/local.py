@@ -150,9 +150,12 @@ class LocalDispatcher:
 def plain_grouped_experts(experts: object, x_RD: torch.Tensor) -> bool:
     """Whether ``experts(x_RD, counts_E)`` is exactly ``grouped_ffn_no_grad``'s two grouped GEMMs:
     a ``GroupedExperts`` itself (not a subclass, which may override ``forward``), no biases, a
-    named activation, the native grouped GEMM as its backend here, no autocast, and no forward
-    hooks (calling the GEMMs directly skips ``__call__``)."""
+    named activation, the native grouped GEMM as its backend here, no autocast, no expert
+    recompute (its forward runs over expert chunks: smaller GEMMs, whose fp32 results may differ
+    in the last bits), and no forward hooks (calling the GEMMs directly skips ``__call__``)."""
     if type(experts) is not GroupedExperts or experts.b_in is not None or experts.b_out is not None:
+        return False
+    if experts.config.recompute:
         return False
     if experts._forward_hooks or experts._forward_pre_hooks or _module._global_forward_hooks or \
             _module._global_forward_pre_hooks:

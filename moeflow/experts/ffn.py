@@ -180,12 +180,14 @@ class GroupedExperts(nn.Module):
     @property
     def recompute(self) -> bool:
         """Expert recompute (``ExpertsConfig.recompute``): backward recomputes the hidden
-        activation from the saved input rows instead of keeping it. Settable at any time."""
+        activation from the saved input rows instead of keeping it. Settable at any time
+        (turning it off drops ``recompute_chunks``, which applies with it only)."""
         return self.config.recompute
 
     @recompute.setter
     def recompute(self, value: bool) -> None:
-        self.config = dataclasses.replace(self.config, recompute=value)
+        chunks = self.config.recompute_chunks if value is True else None
+        self.config = dataclasses.replace(self.config, recompute=value, recompute_chunks=chunks)
 
     @property
     def halves(self) -> int:

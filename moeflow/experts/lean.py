@@ -24,7 +24,7 @@ concatenation and the weight gradients while all of those are alive. Here:
 
 With ``recompute`` (``_RecomputeFFN``, one node) forward and backward run over a few chunks
 of whole experts (``_expert_chunks``: ``h_c`` about 1/8 of ``h`` and at most 16 MiB, at least
-1 MiB; not one chunk per expert: every ATen call is a parallel region, and on a busy CPU each
+1 MiB, and at most one chunk per expert; not one chunk per expert by default: every ATen call is a parallel region, and on a busy CPU each
 waits for a descheduled thread). Forward computes ``y`` chunk by chunk (``h`` is never whole)
 and saves a private copy of ``x``. Backward allocates ``dW_in`` and ``dW_out`` once, then per
 chunk recomputes ``h_c``, writes ``dW_out[c]``, turns ``h_c`` into ``dh_c`` in place, writes
@@ -261,6 +261,8 @@ class _RecomputeFFN(torch.autograd.Function):
         y = x.new_empty(*x.shape[:-1], w_out.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             for e0, e1, r0, r1 in ctx.bounds:  # chunks here too: h is never whole
+                if gemm != "bmm" and r1 == r0:  # experts without rows: nothing to compute (no 0-row GEMM)
+                    continue
                 s = slice(e0, e1) if gemm == "bmm" else slice(r0, r1)
                 offs_c = offs if gemm == "bmm" else offs[e0:e1] - r0
                 a_c = _activate(_mm(gemm, x[s], w_in[e0:e1], offs_c), activation)
@@ -281,6 +283,11 @@ class _RecomputeFFN(torch.autograd.Function):
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.contiguous()
             for e0, e1, r0, r1 in ctx.bounds:
+                if gemm != "bmm" and r1 == r0:  # experts without rows: zero weight gradients, no 0-row GEMM
+                    for dw in (dw_in, dw_out):
+                        if dw is not None:
+                            dw[e0:e1].zero_()
+                    continue
                 s = slice(e0, e1) if gemm == "bmm" else slice(r0, r1)
                 x_c, dy_c = x[s], dy[s]
                 w_in_c, w_out_c = w_in[e0:e1], w_out[e0:e1]

@@ -80,7 +80,9 @@ class MoE(nn.Module):
                 raise TypeError(f"expert_recompute must be a bool or None, got {expert_recompute!r}")
             if experts_module is not None:
                 raise ValueError("expert_recompute applies to the built-in experts; set it on experts_module instead")
-            config = dataclasses.replace(config, experts=dataclasses.replace(config.experts, recompute=expert_recompute))
+            chunks = config.experts.recompute_chunks if expert_recompute else None  # (applies with recompute only)
+            config = dataclasses.replace(config, experts=dataclasses.replace(config.experts, recompute=expert_recompute,
+                                                                             recompute_chunks=chunks))
         self.config = config
         kw = {"device": device, "dtype": dtype}
         self.router = Router(dim=config.dim, num_experts=config.num_experts, config=config.router, **kw)
