@@ -652,3 +652,8 @@ def test_a_rebalance_record_from_another_world_size_carries_only_the_window() ->
         restore_rebalance(model, {**record, "placements": record["placements"][:1]}, world=2, rank=0, window_LE=got)
     with pytest.raises(ValueError, match="rebalance record is malformed"):
         restore_rebalance(model, {"world": 2}, world=2, rank=0, window_LE=got)
+    with pytest.raises(ValueError, match=r"rebalance record is malformed: placements\[1\]"):
+        restore_rebalance(model, {**record, "placements": [record["placements"][0], [0, 1]]}, world=2, rank=0,
+                          window_LE=got)
+    # another --expert-slots on the same world size: the saved placement (4 slots) is not applied
+    assert restore_rebalance(model, record, world=2, rank=0, window_LE=got, slots=5) is False

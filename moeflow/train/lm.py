@@ -259,7 +259,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     window_LE = torch.zeros_like(counts_LE)  # load since the last rebalance (this rank's tokens)
     if cfg.rebalance_every and run.checkpoint is not None:  # the saved placement and window (before the optimizer)
         restore_rebalance(model, read_index(run.checkpoint)["extra"].get("rebalance"), world=world, rank=rank,
-                          window_LE=window_LE)
+                          window_LE=window_LE, slots=slots)
     torch.manual_seed(cfg.seed * 1_000 + 1 + rank)  # router noise and dropout: per rank, reproducible
     opt = _optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"

@@ -42,13 +42,16 @@ def rebalance_record(model: nn.Module, window_LE: torch.Tensor, group: ProcessGr
     }
 
 
-def restore_rebalance(model: nn.Module, record: object, *, world: int, rank: int, window_LE: torch.Tensor) -> bool:
+def restore_rebalance(model: nn.Module, record: object, *, world: int, rank: int, window_LE: torch.Tensor,
+                      slots: int | None = None) -> bool:
     """Continue a rebalancing run from a checkpoint's ``record`` (``rebalance_record``; None for
     checkpoints without one): on ``world`` ranks as saved, move the experts to the saved
     placements (call before the weights are loaded and before the optimizer is built); put the
     saved window into rank 0's ``window_LE`` (the others start at zero: a move sums the ranks).
-    Returns whether the placements were applied. Raises ``ValueError`` for a record that does
-    not fit the model."""
+    ``slots``: the slots per rank this run moves experts into (``--expert-slots``): a saved
+    placement of another slot count is not applied (the run starts contiguous and its next move
+    uses its own count). Returns whether the placements were applied. Raises ``ValueError`` for
+    a record that does not fit the model."""
     if record is None:
         return False
     if not isinstance(record, dict) or not {"world", "placements", "window"} <= set(record):
@@ -61,8 +64,14 @@ def restore_rebalance(model: nn.Module, record: object, *, world: int, rank: int
     window_LE.zero_()
     if rank == 0:
         window_LE.copy_(window)
-    if record["world"] != world or any(p is None for p in record["placements"]):
+    placements = record["placements"]
+    for i, p in enumerate(placements):
+        if p is not None and not (isinstance(p, dict) and isinstance(p.get("slots"), list) and "shares" in p):
+            raise ValueError(f"the checkpoint's rebalance record is malformed: placements[{i}] = {str(p)[:200]}")
+    if record["world"] != world or any(p is None for p in placements):
+        return False
+    if slots is not None and any(len(p["slots"][0]) != slots for p in placements):
         return False
     E = int(window_LE.shape[1])
-    apply_placement(model, [Placement(E, p["slots"], p["shares"]) for p in record["placements"]])
+    apply_placement(model, [Placement(E, p["slots"], p["shares"]) for p in placements])
     return True
