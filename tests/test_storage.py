@@ -934,3 +934,19 @@ def test_cache_prefetch_backs_off_when_its_guesses_miss(gen) -> None:
             store.release_workspace(ws)
         assert store.prefetch_hits == 0
         assert store.stats.prefetch_loads < 16 + 2 * (60 // 8 + 1)  # not 2 a call: the warm-up, then the probes
+
+
+@pytest.mark.parametrize("reads", ["direct", "cached"])
+def test_the_optimizer_state_file_reads_like_the_store(tmp_path, reads) -> None:
+    """``disk_reads`` is how the disk tier reads, the AdamW state's file included."""
+    model = tiny_gpt(n_layers=2)
+    store = offload_experts(model, StorageConfig(offload="disk", fast_memory=3 * layer_bytes(model), trainable=True,
+                                                 directory=tmp_path, disk_reads=reads))
+    opt = OffloadedAdamW(store)
+    try:
+        assert opt.state_file.direct_requested is store.disk.direct_requested is (reads == "direct")
+        if reads == "cached":
+            assert not opt.state_file.direct_io and not store.disk.direct_io
+    finally:
+        opt.close()
+        store.close()
