@@ -10,6 +10,7 @@ Fixtures live in ``conftest.py``; everything a test module imports by name lives
 - running on ranks: ``spawn_ranks`` (gloo on 127.0.0.1; a rank's failure or a hang fails the test);
 - ``needs_cuda``: skip without CUDA (with ``@pytest.mark.gpu``);
 - ``assert_offloaded_grads_equal``: an offloaded copy's loss and gradients against the model's;
+- ``ffn_operands``: random rows and expert weights for ``moeflow.experts.lean`` (either layout);
 - ``file_states``: every file and folder under a directory with its hash and mtime (did an
   operation touch nothing?); ``train_tiny_run``: a one-step ``moeflow train`` run to read back;
 - torchrun jobs: ``torchrun_cmd`` (one node's agent; static or c10d rendezvous), ``TORCHRUN_ENV``,
@@ -501,3 +502,20 @@ def kill_node(agent_pid: int) -> dict[int, int]:
 def kill_job(rdzv_id: str) -> None:
     """SIGKILL every rank of the torchrun job ``rdzv_id`` left on this machine (a test's cleanup)."""
     _sigkill(job_pids(rdzv_id))
+
+
+def ffn_operands(gen: torch.Generator, gemm: str, activation: str, dtype: torch.dtype, *, E: int, C: int,
+                 D: int = 8, H: int = 16, min_rows: int = 0, empty: int = 1):
+    """``(x, w_in, w_out, offs)`` for ``lean_ffn``, all requiring grad but ``offs``: ``x`` is
+    ``[E, C, D]`` for ``gemm="bmm"`` (``offs`` None), else ``[R, D]`` grouped by expert with
+    ``min_rows..2C-1`` rows per expert, expert ``empty`` given none, and ``offs`` the int64
+    inclusive cumulative counts (int32 for ``lean_ffn``'s ``grouped_mm``)."""
+    F = 2 * H if activation in ("swiglu", "geglu") else H
+    w_in = torch.randn(E, D, F, generator=gen, dtype=dtype).requires_grad_()
+    w_out = torch.randn(E, H, D, generator=gen, dtype=dtype).requires_grad_()
+    if gemm == "bmm":
+        return torch.randn(E, C, D, generator=gen, dtype=dtype).requires_grad_(), w_in, w_out, None
+    counts = torch.randint(min_rows, 2 * C, (E,), generator=gen)
+    counts[empty] = 0
+    offs = counts.cumsum(0)
+    return torch.randn(int(offs[-1]), D, generator=gen, dtype=dtype).requires_grad_(), w_in, w_out, offs

@@ -14,21 +14,13 @@ from moeflow.config import ExpertsConfig
 from moeflow.experts import GroupedExperts
 from moeflow.experts.lean import LEAN_ACTIVATIONS, ffn_reference, lean_ffn
 
+from helpers import ffn_operands
+
 pytestmark = pytest.mark.reference
 
 
-def _operands(gen, gemm, activation, dtype, *, E=5, C=7, D=8, H=16):
-    F = 2 * H if activation in ("swiglu", "geglu") else H
-    w_in = torch.randn(E, D, F, generator=gen, dtype=dtype).requires_grad_()
-    w_out = torch.randn(E, H, D, generator=gen, dtype=dtype).requires_grad_()
-    if gemm == "bmm":
-        x, offs = torch.randn(E, C, D, generator=gen, dtype=dtype), None
-    else:
-        counts = torch.randint(0, 2 * C, (E,), generator=gen)
-        counts[1] = 0  # an empty group
-        offs = counts.cumsum(0)
-        x = torch.randn(int(offs[-1]), D, generator=gen, dtype=dtype)
-    return x.requires_grad_(), w_in, w_out, offs
+def _operands(gen, gemm, activation, dtype):
+    return ffn_operands(gen, gemm, activation, dtype, E=5, C=7)
 
 
 @pytest.mark.parametrize("activation", LEAN_ACTIVATIONS)

@@ -20,21 +20,16 @@ from moeflow.experts.lean import (
     lean_ffn,
 )
 
+from helpers import ffn_operands
+
 pytestmark = pytest.mark.reference
 
 
-def _operands(gen, gemm, activation, dtype, *, E=6, C=9, D=8, H=16):
-    F = 2 * H if activation in ("swiglu", "geglu") else H
-    w_in = torch.randn(E, D, F, generator=gen, dtype=dtype).requires_grad_()
-    w_out = torch.randn(E, H, D, generator=gen, dtype=dtype).requires_grad_()
-    if gemm == "bmm":
-        return torch.randn(E, C, D, generator=gen, dtype=dtype).requires_grad_(), w_in, w_out, None
-    counts = torch.randint(1, 2 * C, (E,), generator=gen)
-    counts[2] = 0  # an empty group inside a chunk
-    offs = counts.cumsum(0)
-    if gemm == "grouped_mm":
-        offs = offs.to(torch.int32)
-    return torch.randn(int(offs[-1]), D, generator=gen, dtype=dtype).requires_grad_(), w_in, w_out, offs
+def _operands(gen, gemm, activation, dtype):
+    """Every expert 1+ rows but expert 2 (an empty group inside a chunk); int32 offsets for
+    ``grouped_mm``."""
+    x, w_in, w_out, offs = ffn_operands(gen, gemm, activation, dtype, E=6, C=9, min_rows=1, empty=2)
+    return x, w_in, w_out, offs.to(torch.int32) if gemm == "grouped_mm" else offs
 
 
 @pytest.mark.parametrize("activation", LEAN_ACTIVATIONS)

@@ -106,6 +106,31 @@ def _deepspeed_layer(layer: MoE, D: int, H: int, E: int, K: int) -> nn.Module:
     return ds
 
 
+def _measure_runs(impls: dict[str, Callable[[bool], None]], exclude: list[torch.Tensor], zero: Callable[[], None],
+                  repeats: int) -> dict:
+    """``{name: {"saved_mb", "peak_mb", "ms"}}`` of each ``run(backward)`` in ``impls``: one
+    warm-up, the saved bytes of a forward (``exclude``: parameters and inputs), the fwd+bwd peak,
+    then ``repeats`` fwd+bwd timings with the runs interleaved (median). ``zero()`` drops the
+    gradients before each measured run, so each starts from the same state."""
+    out: dict[str, dict] = {}
+    for name, run in impls.items():
+        run(True)  # warm-up
+        zero()
+        out[name] = {"saved_mb": saved_bytes(functools.partial(run, False), exclude) / 2**20}
+        zero()
+        out[name]["peak_mb"] = peak_memory_bytes(functools.partial(run, True), torch.device("cpu")) / 2**20
+        out[name]["times"] = []
+    for _ in range(repeats):
+        for name, run in impls.items():
+            zero()
+            t0 = time.perf_counter()
+            run(True)
+            out[name]["times"].append(time.perf_counter() - t0)
+    for rec in out.values():
+        rec["ms"] = statistics.median(rec.pop("times")) * 1e3
+    return out
+
+
 def measure(T: int, D: int, H: int, E: int, K: int, *, deepspeed: bool = False, repeats: int = 5) -> dict:
     """``{impl: {"saved_mb", "peak_mb", "ms"}}`` for one configuration (module docstring)."""
     torch.manual_seed(0)
@@ -153,23 +178,7 @@ def measure(T: int, D: int, H: int, E: int, K: int, *, deepspeed: bool = False, 
             m.zero_grad(set_to_none=True)
 
     exclude = [p for m in modules for p in m.parameters()] + [x, x_floor]
-    out: dict[str, dict] = {}
-    for name, run in impls.items():
-        run(True)  # warm-up
-        zero()
-        out[name] = {"saved_mb": saved_bytes(functools.partial(run, False), exclude) / 2**20}
-        zero()
-        out[name]["peak_mb"] = peak_memory_bytes(functools.partial(run, True), torch.device("cpu")) / 2**20
-        out[name]["times"] = []
-    for _ in range(repeats):
-        for name, run in impls.items():
-            zero()
-            t0 = time.perf_counter()
-            run(True)
-            out[name]["times"].append(time.perf_counter() - t0)
-    for rec in out.values():
-        rec["ms"] = statistics.median(rec.pop("times")) * 1e3
-    return out
+    return _measure_runs(impls, exclude, zero, repeats)
 
 
 def measure_stack(T: int, D: int, H: int, E: int, K: int, *, layers: int = 4, repeats: int = 3) -> dict:
@@ -193,23 +202,7 @@ def measure_stack(T: int, D: int, H: int, E: int, K: int, *, layers: int = 4, re
 
     impls = {"moeflow": variant(False), "recompute": variant(True)}
     exclude = list(stack.parameters()) + [x]
-    out: dict[str, dict] = {}
-    for name, run in impls.items():
-        run(True)  # warm-up
-        stack.zero_grad(set_to_none=True)
-        out[name] = {"saved_mb": saved_bytes(functools.partial(run, False), exclude) / 2**20}
-        stack.zero_grad(set_to_none=True)
-        out[name]["peak_mb"] = peak_memory_bytes(functools.partial(run, True), torch.device("cpu")) / 2**20
-        out[name]["times"] = []
-    for _ in range(repeats):
-        for name, run in impls.items():
-            stack.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            run(True)
-            out[name]["times"].append(time.perf_counter() - t0)
-    for rec in out.values():
-        rec["ms"] = statistics.median(rec.pop("times")) * 1e3
-    return out
+    return _measure_runs(impls, exclude, lambda: stack.zero_grad(set_to_none=True), repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
