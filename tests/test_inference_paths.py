@@ -1,9 +1,9 @@
 """The inference shortcuts of a decode step, each against the path it replaces on fresh random
 inputs: the router's and the layer's per-call ``losses=False`` (same routing, no losses; a
-per-call switch, not grad mode), and the local dispatcher's direct grouped GEMMs for built-in
-experts (``grouped_ffn_no_grad``: bit-equal to the experts module, equal to the loop reference,
-and not taken where it would skip something: biases, other backends, hooks, subclasses,
-autocast), and the decode step's attention with the query heads of a KV head folded into its
+per-call switch, not grad mode), and the built-in experts' direct grouped GEMMs where autograd
+records nothing (``lean_ffn_no_grad``, taken inside ``grouped_ffn``: bit-equal to the lean path,
+equal to the loop reference, and not taken where it would skip something: biases, other
+backends, a graph to record, recompute, autocast; hooks still run), and the decode step's attention with the query heads of a KV head folded into its
 query rows (left-padded rows against each row alone)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import torch
 
 import moeflow
 from moeflow import RouterConfig
-from moeflow.dispatch.local import grouped_ffn_no_grad, plain_grouped_experts
-from moeflow.experts import GroupedExperts
+import moeflow.experts.ffn as ffn
 from moeflow.testing import loop_moe
 
 from helpers import make_layer, rand, small_gpt
@@ -84,20 +83,37 @@ def _experts_layer(gen, activation: str, dtype=torch.float32, **experts_kw) -> m
                       experts_cfg=moeflow.ExpertsConfig(activation=activation, **experts_kw))
 
 
+def _direct(monkeypatch, experts, x_RD, counts_E=None, *, grad: bool = False) -> bool:
+    """Whether calling ``experts`` on ``x_RD`` (under ``no_grad`` unless ``grad``) takes
+    ``lean_ffn_no_grad`` (a spy counts its calls)."""
+    calls: list[int] = []
+    real = ffn.lean_ffn_no_grad
+    monkeypatch.setattr(ffn, "lean_ffn_no_grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    counts_E = torch.full((experts.num_experts,), 0) if counts_E is None else counts_E
+    if counts_E.sum() != x_RD.shape[0]:
+        counts_E[0] = x_RD.shape[0]
+    with torch.set_grad_enabled(grad):
+        experts(x_RD, counts_E)
+    monkeypatch.setattr(ffn, "lean_ffn_no_grad", real)
+    return bool(calls)
+
+
 @pytest.mark.reference
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "relu", "gelu", "silu"])
 @pytest.mark.parametrize("T", [1, 3, 8, 64])
-def test_no_grad_grouped_ffn_equals_the_experts_module_and_the_loop(gen, activation, T) -> None:
+def test_no_grad_grouped_ffn_equals_the_experts_module_and_the_loop(gen, activation, T, monkeypatch) -> None:
     layer = _experts_layer(gen, activation)
     x_TD = rand(gen, T, 16, dtype=torch.float32)
     with torch.no_grad():
         routing = layer.router(x_TD, top_k=2)
         ids_A = routing.ids_TK.flatten()
         rows_AD = x_TD[ids_A.sort(stable=True).indices // 2]  # rows grouped by expert, some experts empty
-        assert plain_grouped_experts(layer.experts, rows_AD)
-        # the same two grouped products as the module's lean path: equal to the bit
-        assert torch.equal(grouped_ffn_no_grad(layer.experts, rows_AD, routing.counts_E),
-                           layer.experts(rows_AD, routing.counts_E))
+    assert _direct(monkeypatch, layer.experts, rows_AD, routing.counts_E)
+    # the same two grouped products as the module's lean path (autograd on): equal to the bit
+    with torch.no_grad():
+        direct = layer.experts(rows_AD, routing.counts_E)
+    assert torch.equal(direct, layer.experts(rows_AD, routing.counts_E).detach())
+    with torch.no_grad():
         # and the whole layer (which takes this path without autograd) against the loop reference
         y_TD = layer(x_TD)
         ref_TD = loop_moe(layer, x_TD, routing=(routing.weights_TK, routing.ids_TK))
@@ -106,35 +122,27 @@ def test_no_grad_grouped_ffn_equals_the_experts_module_and_the_loop(gen, activat
         torch.testing.assert_close(layer(x_TD).detach(), y_TD, rtol=1e-5, atol=1e-5)
 
 
-class _Subclass(GroupedExperts):
-    pass
-
-
 @pytest.mark.reference
-def test_no_grad_grouped_ffn_is_not_taken_where_it_would_skip_something(gen) -> None:
+def test_no_grad_grouped_ffn_is_not_taken_where_it_would_skip_something(gen, monkeypatch) -> None:
     x_RD = rand(gen, 6, 16, dtype=torch.float32)
-    assert plain_grouped_experts(_experts_layer(gen, "swiglu").experts, x_RD)
-    assert not plain_grouped_experts(_experts_layer(gen, "swiglu", bias=True).experts, x_RD)
-    assert not plain_grouped_experts(_experts_layer(gen, "swiglu", backend="loop").experts, x_RD)
-    assert not plain_grouped_experts(_experts_layer(gen, "swiglu", dtype=torch.float64).experts, x_RD.double())
-    assert not plain_grouped_experts(_experts_layer(gen, "swiglu").experts, x_RD[:0])
-    assert not plain_grouped_experts(_experts_layer(gen, "swiglu").experts, x_RD.double())
-    sub = _Subclass(num_experts=8, dim=16, hidden=12)
-    assert not plain_grouped_experts(sub, x_RD)
+    assert _direct(monkeypatch, _experts_layer(gen, "swiglu").experts, x_RD)
+    assert not _direct(monkeypatch, _experts_layer(gen, "swiglu", bias=True).experts, x_RD)
+    assert not _direct(monkeypatch, _experts_layer(gen, "swiglu", backend="loop").experts, x_RD)
+    assert not _direct(monkeypatch, _experts_layer(gen, "swiglu", dtype=torch.float64).experts, x_RD.double())
+    assert not _direct(monkeypatch, _experts_layer(gen, "swiglu", recompute=True).experts, x_RD)
+    assert not _direct(monkeypatch, _experts_layer(gen, "swiglu").experts, x_RD, grad=True)  # a graph to record
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not plain_grouped_experts(_experts_layer(gen, "swiglu").experts, x_RD)
-    assert not plain_grouped_experts(torch.nn.Linear(16, 16), x_RD)
+        assert not _direct(monkeypatch, _experts_layer(gen, "swiglu").experts, x_RD)
 
-    # a forward hook on the experts still runs in a no-grad decode-shaped call
+    # a forward hook on the experts still runs in a no-grad decode-shaped call (the module is called)
     layer = _experts_layer(gen, "swiglu")
     seen: list[int] = []
     handle = layer.experts.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
-    assert not plain_grouped_experts(layer.experts, x_RD)
+    assert _direct(monkeypatch, layer.experts, x_RD)
     with torch.no_grad():
         layer(rand(gen, 3, 16, dtype=torch.float32))
-    assert seen == [6]
+    assert seen == [6, 6]
     handle.remove()
-    assert plain_grouped_experts(layer.experts, x_RD)
 
 
 @pytest.mark.reference

@@ -9,19 +9,16 @@ their own experts between them (the Hugging Face drop-in).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.nn.modules import module as _module
 
 from moeflow.config import DispatchConfig
 from moeflow.dispatch.capacity import resolve_capacity
 from moeflow.dispatch.combine import combine_rows, combine_weights, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
-from moeflow.experts.ffn import Experts, GroupedExperts, activate
+from moeflow.experts.ffn import Experts
 from moeflow.kernels.gather import gather_rows
-from moeflow.kernels.grouped_mm import resolve_grouped_mm_backend
 from moeflow.types import DispatchPlan, ExpertLayout, RoutingResult
 
-__all__ = ["LocalDispatcher", "grouped_ffn_no_grad", "plain_grouped_experts"]
+__all__ = ["LocalDispatcher"]
 
 
 class LocalDispatcher:
@@ -61,17 +58,15 @@ class LocalDispatcher:
         ``index_select``/``index_copy_`` and no ``DispatchPlan`` is built (no slot positions,
         no inverse maps, no autograd functions): about half the ops, which is what a small-T
         call costs. ``dispatch`` then ``combine`` is its reference (tests compare the two).
-        Built-in experts on the native grouped GEMM run as ``grouped_ffn_no_grad``."""
+        (Without autograd the built-in experts skip their autograd Functions too:
+        ``moeflow.experts.ffn.grouped_ffn``.)"""
         T, K = routing.ids_TK.shape
         order_A = torch.sort(routing.ids_TK.reshape(-1), stable=True).indices  # assignment of each row
         x_AD = x_TD.index_select(0, torch.div(order_A, K, rounding_mode="floor"))
         weights_TK = routing.weights_TK.to(x_TD.dtype)
         if self.config.weight_at == "dispatch":
             x_AD = x_AD * weights_TK.reshape(-1).index_select(0, order_A).unsqueeze(1)
-        if plain_grouped_experts(experts, x_AD):
-            y_AD = grouped_ffn_no_grad(experts, x_AD, routing.counts_E)
-        else:
-            y_AD = experts(x_AD, routing.counts_E)
+        y_AD = experts(x_AD, routing.counts_E)
         # back to assignment order t*K + k, then the weighted sum over each token's K rows
         y_TKD = torch.empty_like(y_AD).index_copy_(0, order_A, y_AD).view(T, K, -1)
         return sum_token_rows(y_TKD, weights_TK, self.config.weight_at)
@@ -145,35 +140,3 @@ class LocalDispatcher:
     def combine(self, expert_out: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """``y_TD`` from the expert output (the layout of ``expert_in``)."""
         return combine_rows(expert_out.reshape(-1, expert_out.shape[-1]), plan)
-
-
-def plain_grouped_experts(experts: object, x_RD: torch.Tensor) -> bool:
-    """Whether ``experts(x_RD, counts_E)`` is exactly ``grouped_ffn_no_grad``'s two grouped GEMMs:
-    a ``GroupedExperts`` itself (not a subclass, which may override ``forward``), no biases, a
-    named activation, the native grouped GEMM as its backend here, no autocast, no expert
-    recompute (its forward runs over expert chunks: smaller GEMMs, whose fp32 results may differ
-    in the last bits), and no forward hooks (calling the GEMMs directly skips ``__call__``)."""
-    if type(experts) is not GroupedExperts or experts.b_in is not None or experts.b_out is not None:
-        return False
-    if experts.config.recompute:
-        return False
-    if experts._forward_hooks or experts._forward_pre_hooks or _module._global_forward_hooks or \
-            _module._global_forward_pre_hooks:
-        return False
-    w_in, w_out = experts.w_in, experts.w_out
-    if x_RD.dtype != w_in.dtype or x_RD.shape[0] == 0 or torch.is_autocast_enabled(x_RD.device.type):
-        return False
-    dims = (w_in.shape[-2], w_in.shape[-1], w_out.shape[-2])
-    return resolve_grouped_mm_backend(experts.config.backend, x_RD.device, x_RD.dtype, dims) == "grouped_mm"
-
-
-def grouped_ffn_no_grad(experts: GroupedExperts, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """``act(x W_in[e]) W_out[e]`` on rows grouped by expert, as two ``F.grouped_mm`` calls with
-    the int32 offsets built once (one ``cumsum``). Why: ``GroupedExperts`` goes through the
-    autograd Functions of ``moeflow.experts.lean`` (saving tensors for a backward), which in a
-    decode step of 8 tokens cost ~7% of the step; the products are the same calls, so the
-    result equals ``experts(x_RD, counts_E)`` bit for bit (tests compare them). Only where
-    ``plain_grouped_experts`` says so, and without autograd."""
-    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-    h_RF = F.grouped_mm(x_RD, experts.w_in, offs=offs_E)
-    return F.grouped_mm(activate(h_RF, experts.config.activation), experts.w_out, offs=offs_E)

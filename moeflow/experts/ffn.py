@@ -7,9 +7,7 @@ two input layouts chosen by the dispatcher:
   rows are real, the rest are zero padding whose output is ignored. Computed as batched matmul
   for every backend (equal-size groups are what ``bmm`` is for).
 - ``[R, D]`` grouped (dropless): rows grouped contiguously by expert, ``counts_E[e]`` rows each,
-  ``R == counts_E.sum()``. Computed as a grouped GEMM.
-
-The output has the input's layout with ``D`` features.
+  ``R == counts_E.sum()``. Computed as a grouped GEMM. The output has the input's layout.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moeflow.config import ExpertsConfig
-from moeflow.experts.lean import LEAN_ACTIVATIONS, lean_ffn
+from moeflow.experts.lean import LEAN_ACTIVATIONS, lean_ffn, lean_ffn_no_grad
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
 __all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero",
@@ -257,7 +255,8 @@ def grouped_ffn(
     ``moeflow.kernels.triton.grouped_ffn_triton`` (activation fused into the GEMM epilogues);
     otherwise the Triton grouped GEMM runs with the activation and biases in torch.
     Without biases, a named activation and the ``"grouped_mm"`` or ``"loop"`` backend, the FFN
-    is ``moeflow.experts.lean.lean_ffn`` (saves the input rows and the pre-activation only).
+    is ``moeflow.experts.lean.lean_ffn`` (saves the input rows and the pre-activation only; its
+    two products are called directly when autograd has nothing to record, e.g. ``no_grad``).
     ``recompute``: keep only the input rows for backward and recompute the hidden activation
     there (``lean_ffn``, or ``torch.utils.checkpoint`` around the other paths); the same
     gradients, less memory between forward and backward, one more GEMM in backward;
@@ -270,6 +269,10 @@ def grouped_ffn(
         from moeflow.kernels.triton.grouped_gemm import grouped_ffn_triton
 
         return grouped_ffn_triton(x_RD, counts_E, w_in_EDF, w_out_EHD, activation=activation)
+    if (name == "grouped_mm" and b_in_EF is None and b_out_ED is None and activation in LEAN_ACTIVATIONS
+            and not recompute and not torch.is_autocast_enabled(x_RD.device.type)  # (lean turns it off inside)
+            and not (torch.is_grad_enabled() and (x_RD.requires_grad or w_in_EDF.requires_grad or w_out_EHD.requires_grad))):
+        return lean_ffn_no_grad(x_RD, w_in_EDF, w_out_EHD, counts_E, activation=activation)  # nothing to record
     if b_in_EF is None and b_out_ED is None and activation in LEAN_ACTIVATIONS and name in ("grouped_mm", "loop"):
         offs_E = torch.cumsum(counts_E, 0)
         return lean_ffn(x_RD, w_in_EDF, w_out_EHD, offs_E.to(torch.int32) if name == "grouped_mm" else offs_E,

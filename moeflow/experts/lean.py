@@ -59,7 +59,7 @@ from torch.autograd.function import once_differentiable
 
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 
-__all__ = ["LEAN_ACTIVATIONS", "LEAN_GEMMS", "ffn_reference", "lean_ffn"]
+__all__ = ["LEAN_ACTIVATIONS", "LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
 
 LEAN_ACTIVATIONS = ("swiglu", "geglu", "relu", "gelu", "silu")
 LEAN_GEMMS = ("bmm", "grouped_mm", "loop")  # padded layout; grouped native; grouped reference
@@ -358,6 +358,15 @@ def lean_ffn(
         return _RecomputeFFN.apply(x, w_in, w_out, offs_E, activation, gemm, chunks)
     h = _FirstGEMM.apply(x, w_in, offs_E, gemm)
     return _ActSecondGEMM.apply(h, w_out, offs_E, activation, gemm)
+
+
+def lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, counts_E: torch.Tensor, *,
+                     activation: str) -> torch.Tensor:
+    """``lean_ffn``'s forward with ``gemm="grouped_mm"`` for calls autograd records nothing for
+    (inference, a decode step): the same two products, without the autograd Functions and
+    offset casts (~7% of a B=8 decode step); bit-equal to ``lean_ffn`` (tests compare)."""
+    offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+    return F.grouped_mm(_activate(F.grouped_mm(x_RD, w_in, offs=offs_E), activation), w_out, offs=offs_E)
 
 
 def ffn_reference(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, offs_E: torch.Tensor | None, *,
