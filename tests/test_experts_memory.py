@@ -64,3 +64,26 @@ def test_stack_of_layers_with_recompute_saves_per_layer():
     assert three["recompute"]["peak_mb"] < three["moeflow"]["peak_mb"]
     with pytest.raises(ValueError, match="layers"):
         measure_stack(64, 8, 8, 2, 1, layers=0)
+
+
+@pytest.mark.unit
+def test_live_tensor_bytes_counts_no_memory_for_a_zero_tensor():
+    with LiveTensorBytes() as mode:
+        z = torch._efficientzerotensor((256, 256))
+        torch.ones(16).add_(torch.zeros(()).expand(16))
+        del z
+    assert mode.peak == 16 * 4 + 4  # the ones and the 0-dim zero, nothing for the zero tensor
+
+
+@pytest.mark.reference
+def test_a_later_micro_batch_adds_into_grad_and_peaks_lower():
+    """``accumulate=True``: every ``.grad`` exists; the layer adds its expert weight gradients
+    into it, so its peak is below the same layer with autograd's accumulation (``no-fusion``) by
+    more than the smaller weight gradient (the weights here are larger than the activations)."""
+    res = measure(64, 64, 128, 8, 1, repeats=1, accumulate=True)
+    peak = {name: r["peak_mb"] for name, r in res.items()}
+    w_out_mb = 8 * 128 * 64 * 4 / 2**20
+    assert peak["no-fusion"] - peak["moeflow"] > w_out_mb
+    assert peak["recompute"] < peak["moeflow"]
+    fresh = measure(64, 64, 128, 8, 1, repeats=1)
+    assert "no-fusion" not in fresh and fresh["moeflow"]["peak_mb"] > peak["moeflow"] + w_out_mb

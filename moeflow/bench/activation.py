@@ -19,6 +19,12 @@ layer did before ``moeflow.experts.lean``), ``floor`` (the experts alone on bala
 with capacity, one-hot einsum dispatch, one ``nn.Module`` per expert) with the same router and
 expert weights, on a single-rank gloo group.
 
+``--accumulate`` measures a later micro-batch of gradient accumulation instead: every
+parameter already has its ``.grad`` (zeroed, kept), so ``peak`` is what the fwd+bwd adds to it.
+moeflow then adds its expert weight gradients into ``.grad`` (``moeflow.experts.weight_grads``);
+``no-fusion`` is the same layer with an identity hook on its expert weights, which keeps
+autograd's own accumulation (a new gradient, then ``+=``).
+
 ``--layers L`` (default 4; 0: off) also measures a stack of ``L`` such layers (each its own
 weights, ``y = layer(y)``), fwd+bwd with and without expert recompute: what recompute saves is
 per layer and adds up over a model's layers, while the parameter gradients it cannot save add
@@ -131,7 +137,8 @@ def _measure_runs(impls: dict[str, Callable[[bool], None]], exclude: list[torch.
     return out
 
 
-def measure(T: int, D: int, H: int, E: int, K: int, *, deepspeed: bool = False, repeats: int = 5) -> dict:
+def measure(T: int, D: int, H: int, E: int, K: int, *, deepspeed: bool = False, repeats: int = 5,
+            accumulate: bool = False) -> dict:
     """``{impl: {"saved_mb", "peak_mb", "ms"}}`` for one configuration (module docstring)."""
     torch.manual_seed(0)
     layer = MoE(config=MoEConfig(dim=D, hidden=H, num_experts=E, top_k=K, capacity_factor=1.0)).train()
@@ -142,13 +149,16 @@ def measure(T: int, D: int, H: int, E: int, K: int, *, deepspeed: bool = False, 
     x_floor, grad_floor, counts = torch.randn(E, C, D), torch.randn(E, C, D), torch.full((E,), C)
     modules: list[nn.Module] = [layer]
 
-    def layer_pass(module: nn.Module, recompute: bool) -> Callable[[bool], None]:
+    def layer_pass(module: nn.Module, recompute: bool, hooks: bool = False) -> Callable[[bool], None]:
         def run(backward: bool) -> None:
             layer.experts.recompute = recompute
+            handles = [w.register_hook(lambda g: g) for w in (layer.experts.w_in, layer.experts.w_out)] if hooks else []
             xx = x.detach().requires_grad_(True)
             y = module(xx)
             if backward:
                 y.backward(grad)
+            for h in handles:
+                h.remove()
         return run
 
     def floor(backward: bool) -> None:
@@ -162,6 +172,8 @@ def measure(T: int, D: int, H: int, E: int, K: int, *, deepspeed: bool = False, 
         "moeflow": layer_pass(layer, False), "recompute": layer_pass(layer, True),
         "autograd": layer_pass(autograd_layer, False), "floor": floor,
     }
+    if accumulate:
+        impls["no-fusion"] = layer_pass(layer, False, hooks=True)
     if deepspeed:
         ds = _deepspeed_layer(layer, D, H, E, K)
         modules.append(ds)
@@ -175,13 +187,14 @@ def measure(T: int, D: int, H: int, E: int, K: int, *, deepspeed: bool = False, 
 
     def zero() -> None:
         for m in modules:
-            m.zero_grad(set_to_none=True)
+            m.zero_grad(set_to_none=not accumulate)
 
     exclude = [p for m in modules for p in m.parameters()] + [x, x_floor]
     return _measure_runs(impls, exclude, zero, repeats)
 
 
-def measure_stack(T: int, D: int, H: int, E: int, K: int, *, layers: int = 4, repeats: int = 3) -> dict:
+def measure_stack(T: int, D: int, H: int, E: int, K: int, *, layers: int = 4, repeats: int = 3,
+                  accumulate: bool = False) -> dict:
     """``{"moeflow" | "recompute": {"saved_mb", "peak_mb", "ms"}}`` for ``layers`` MoE layers of
     one configuration in a row (module docstring); the two variants interleaved for ``ms``."""
     if layers < 1:
@@ -202,7 +215,7 @@ def measure_stack(T: int, D: int, H: int, E: int, K: int, *, layers: int = 4, re
 
     impls = {"moeflow": variant(False), "recompute": variant(True)}
     exclude = list(stack.parameters()) + [x]
-    return _measure_runs(impls, exclude, lambda: stack.zero_grad(set_to_none=True), repeats)
+    return _measure_runs(impls, exclude, lambda: stack.zero_grad(set_to_none=not accumulate), repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,19 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=4, help="also a stack of this many layers (0: no)")
+    p.add_argument("--accumulate", action="store_true",
+                   help="a later micro-batch of gradient accumulation: every .grad exists already")
     args = p.parse_args(argv)
     if args.layers < 0:
         p.error(f"--layers must be >= 0, got {args.layers}")
     torch.set_num_threads(args.threads)
     keep_freed_heap()
-    res = measure(args.T, args.D, args.H, args.E, args.K, deepspeed=args.deepspeed, repeats=args.repeats)
+    res = measure(args.T, args.D, args.H, args.E, args.K, deepspeed=args.deepspeed, repeats=args.repeats,
+                  accumulate=args.accumulate)
     floor = res["floor"]["peak_mb"]
-    print(f"T={args.T} D={args.D} H={args.H} E={args.E} K={args.K} fp32 swiglu cf=1, {args.threads} threads")
+    regime = "later micro-batch (.grad exists)" if args.accumulate else "fresh gradients"
+    print(f"T={args.T} D={args.D} H={args.H} E={args.E} K={args.K} fp32 swiglu cf=1, {args.threads} threads, {regime}")
     print(f"{'impl':<11}{'saved MiB':>10}{'peak MiB':>10}{'x floor':>9}{'ms':>9}")
     for name, r in res.items():
         print(f"{name:<11}{r['saved_mb']:>10.1f}{r['peak_mb']:>10.1f}{r['peak_mb'] / floor:>9.2f}{r['ms']:>9.1f}")
     if args.layers:
-        st = measure_stack(args.T, args.D, args.H, args.E, args.K, layers=args.layers, repeats=args.repeats)
+        st = measure_stack(args.T, args.D, args.H, args.E, args.K, layers=args.layers, repeats=args.repeats,
+                           accumulate=args.accumulate)
         base, rec = st["moeflow"], st["recompute"]
         print(f"stack of {args.layers} layers")
         print(f"{'impl':<11}{'saved MiB':>10}{'peak MiB':>10}{'ms':>9}")

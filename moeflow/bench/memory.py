@@ -98,8 +98,8 @@ class LiveTensorBytes(TorchDispatchMode):
             self.current -= self._live.pop(key)[1]
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t._is_zerotensor():
+                continue  # (a zero tensor has no memory: its storage has no data)
             storage = t.untyped_storage()
             key = storage._cdata
             if key in inputs or key in self._live:

@@ -41,7 +41,9 @@ tensor (a 3-D parameter), allocated before the first chunk writes into it, while
 saved ``h`` is still alive (``h_c`` can be freed only once ``dW_in[c]`` and ``dx_c`` are
 written). So the default backward's peak is at least gradients + ``h`` + ``x`` + ``dx``, which
 is what the two-node backward already reaches; per-expert ``nn.Linear`` (DeepSpeed) avoid it
-by allocating each expert's gradient while the other experts' activations are freed.
+by allocating each expert's gradient while the other experts' activations are freed. Where
+``.grad`` already exists (later micro-batches of gradient accumulation) both paths add the weight
+gradients into it and allocate none (``moeflow.experts.weight_grads``).
 
 Overwriting the saved ``h`` means a second backward through the same graph
 (``retain_graph=True``) fails loudly in PyTorch's saved-tensor version check instead of giving
@@ -57,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from moeflow.experts.weight_grads import add_weight_grad_, grad_buffer, mm_weight_grad, no_grad_to_add, weight_grad_into
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 
 __all__ = ["LEAN_ACTIVATIONS", "LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
@@ -123,22 +126,18 @@ def _mm(gemm: str, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None) 
     return grouped_mm_loop(x, w, offs)
 
 
-def _mm_weight_grad(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor | None,
-                    like: torch.Tensor) -> torch.Tensor:
-    """``dW[e] = x_e^T g_e`` shaped like ``like`` (``[E, D, F]``)."""
-    if gemm == "bmm":
-        return torch.bmm(x.transpose(1, 2), g)
-    if gemm == "grouped_mm":
-        if like.stride(-2) == 1 and not like.is_contiguous():
-            # like is the transposed view of an [E, F, D] tensor: produce dW in that layout
-            return F.grouped_mm(g.t(), x, offs=offs).transpose(-2, -1)
-        return F.grouped_mm(x.t(), g, offs=offs)
-    dw = like.new_zeros(like.shape)
-    ends = offs.tolist()
-    for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
-        if t > s:
-            torch.mm(x[s:t].t(), g[s:t], out=dw[e])
-    return dw
+def _weight_grad(ctx, edge: int, gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
+                 w: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a two-node backward returns for weight ``w`` (``edge``: its argument index):
+    None if not needed; added into ``w.grad`` and a zero tensor returned where
+    ``weight_grads.grad_buffer`` allows; else a new tensor."""
+    if not ctx.needs_input_grad[edge]:
+        return None
+    acc = grad_buffer(ctx, edge, w)
+    if acc is None:
+        return mm_weight_grad(gemm, x, g, offs, w)
+    add_weight_grad_(gemm, x, g, offs, acc)
+    return no_grad_to_add(w)
 
 
 class _FirstGEMM(torch.autograd.Function):
@@ -157,7 +156,7 @@ class _FirstGEMM(torch.autograd.Function):
         x, w_in, offs = ctx.saved_tensors
         with torch.autocast(dh.device.type, enabled=False):
             dx = _mm(ctx.gemm, dh, w_in.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
-            dw_in = _mm_weight_grad(ctx.gemm, x, dh, offs, w_in) if ctx.needs_input_grad[1] else None
+            dw_in = _weight_grad(ctx, 1, ctx.gemm, x, dh, offs, w_in)
         return dx, dw_in, None, None
 
 
@@ -179,7 +178,7 @@ class _ActSecondGEMM(torch.autograd.Function):
         act, gemm = ctx.activation, ctx.gemm
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.contiguous()
-            dw_out = _mm_weight_grad(gemm, _activate(h, act), dy, offs, w_out) if ctx.needs_input_grad[1] else None
+            dw_out = _weight_grad(ctx, 1, gemm, _activate(h, act), dy, offs, w_out) if ctx.needs_input_grad[1] else None
             da = _mm(gemm, dy, w_out.transpose(-2, -1), offs)
             dh = _act_backward_(h.view(-1, h.shape[-1]), da.view(-1, da.shape[-1]), act).view(h.shape)
         return dh, dw_out, None, None, None
@@ -230,22 +229,6 @@ def _mm_into(gemm: str, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | N
         out.copy_(F.grouped_mm(x, w, offs=offs))
 
 
-def _weight_grad_into(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor | None,
-                      out: torch.Tensor) -> None:
-    """``out[e] = x_e^T g_e`` in place (``out``: a slice ``[e0:e1]`` of the whole gradient)."""
-    if gemm == "bmm" and out.is_contiguous():
-        torch.bmm(x.transpose(1, 2), g, out=out)
-    elif gemm == "loop":
-        ends = offs.tolist()
-        for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
-            if t > s:
-                torch.mm(x[s:t].t(), g[s:t], out=out[e])
-            else:
-                out[e].zero_()
-    else:
-        out.copy_(_mm_weight_grad(gemm, x, g, offs, out))
-
-
 class _RecomputeFFN(torch.autograd.Function):
     """The whole FFN with expert recompute: saves a private copy of ``x`` (overwritten with
     ``dx`` in backward) and the weights; forward and backward over expert chunks (module
@@ -278,14 +261,18 @@ class _RecomputeFFN(torch.autograd.Function):
         gated = act in ("swiglu", "geglu")
         kind = {"swiglu": "silu", "geglu": "gelu"}.get(act, act)
         need_x, need_w_in, need_w_out = ctx.needs_input_grad[:3]
-        dw_in = torch.empty_like(w_in) if need_w_in else None
-        dw_out = torch.empty_like(w_out) if need_w_out else None
+        # the weights' existing .grad when the gradients can be added into it (weight_grads), else new
+        acc_in, acc_out = grad_buffer(ctx, 1, w_in), grad_buffer(ctx, 2, w_out)
+        dw_in = (acc_in if acc_in is not None else torch.empty_like(w_in)) if need_w_in else None
+        dw_out = (acc_out if acc_out is not None else torch.empty_like(w_out)) if need_w_out else None
+        into_in = add_weight_grad_ if acc_in is not None else weight_grad_into
+        into_out = add_weight_grad_ if acc_out is not None else weight_grad_into
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.contiguous()
             for e0, e1, r0, r1 in ctx.bounds:
                 if gemm != "bmm" and r1 == r0:  # experts without rows: zero weight gradients, no 0-row GEMM
-                    for dw in (dw_in, dw_out):
-                        if dw is not None:
+                    for dw, acc in ((dw_in, acc_in), (dw_out, acc_out)):
+                        if dw is not None and acc is None:
                             dw[e0:e1].zero_()
                     continue
                 s = slice(e0, e1) if gemm == "bmm" else slice(r0, r1)
@@ -300,7 +287,7 @@ class _RecomputeFFN(torch.autograd.Function):
                 else:
                     a = _activate(h_c, act)
                 if need_w_out:
-                    _weight_grad_into(gemm, a, dy_c, offs_c, dw_out[e0:e1])
+                    into_out(gemm, a, dy_c, offs_c, dw_out[e0:e1])
                 del a
                 da = _mm(gemm, dy_c, w_out_c.transpose(-2, -1), offs_c)
                 if gated:  # d/dup = f(gate) * da; d/dgate = f'(gate) * up * da (autograd's kernels)
@@ -313,10 +300,14 @@ class _RecomputeFFN(torch.autograd.Function):
                     _slope_times(da, h_c, kind, out=h_c)
                 del da  # h_c is dh_c now
                 if need_w_in:
-                    _weight_grad_into(gemm, x_c, h_c, offs_c, dw_in[e0:e1])
+                    into_in(gemm, x_c, h_c, offs_c, dw_in[e0:e1])
                 if need_x:  # x_c is dead: dx_c goes over it
                     _mm_into(gemm, h_c, w_in_c.transpose(-2, -1), offs_c, out=x_c)
                 del h_c
+        if acc_in is not None:
+            dw_in = no_grad_to_add(w_in)
+        if acc_out is not None:
+            dw_out = no_grad_to_add(w_out)
         return (x if need_x else None), dw_in, dw_out, None, None, None, None
 
 

@@ -1,0 +1,124 @@
+"""Expert weight gradients ``dW[e] = x_e^T g_e`` for the lean FFN (``moeflow.experts.lean``):
+returned as a new tensor, written into a slice, or **added into the weight's existing
+``.grad``** (legend: moeflow.types; ``like``/``out``: ``[E, D, F]``).
+
+Why the last one (gradient accumulation fusion, as Megatron-Core's
+``gradient_accumulation_fusion``): from the second micro-batch of gradient accumulation on,
+every expert weight already has a ``.grad``. Autograd's way is to allocate the micro-batch's
+gradient, one ``[E, ...]`` tensor per weight, and add it into ``.grad`` (``AccumulateGrad``'s
+in-place ``+=``): for one MoE layer that transient is as large as the layer's expert
+parameters (384 MiB at T=4096, D=1024, H=2048, E=16), more than its activations. Added in place
+(``baddbmm_`` / ``addmm_`` per expert, or a grouped GEMM over about 1/8 of the experts at a
+time), the backward allocates none of it.
+
+``grad_buffer`` decides, in backward (``.grad`` may change between forward and backward), and
+takes the fused way only when it gives exactly what autograd would:
+
+- the weight is a leaf (the parameter itself, not a cast or a slice of it) whose ``.grad`` is a
+  dense tensor of its shape, dtype and device, and autograd will accumulate into it in this
+  backward (``backward()``, not ``autograd.grad()`` nor ``backward(inputs=...)`` without it);
+- no tensor hook is registered on the weight (a hook sees and may change the micro-batch's
+  gradient, which the fused way never makes);
+- no graph of the backward is being recorded (``create_graph``).
+
+Otherwise the gradient is computed as a new tensor and autograd adds it. When fused, the
+Function returns a zero tensor (``torch._efficientzerotensor``: no memory) for the weight:
+``AccumulateGrad`` still runs and adds nothing, so post-accumulate-grad hooks see the summed
+gradient. The tests compare fused and autograd accumulation (fp64, every layout and
+activation, with and without recompute) and check each condition.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["add_weight_grad_", "grad_buffer", "mm_weight_grad", "no_grad_to_add", "weight_grad_into"]
+
+_GROUPS = 8  # grouped_mm adds: about 1/_GROUPS of the experts per temporary
+
+
+def grad_buffer(ctx, edge: int, w: torch.Tensor) -> torch.Tensor | None:
+    """``w.grad`` if this backward may add ``w``'s gradient into it in place (module docstring),
+    else None. ``edge``: ``w``'s position among the Function's tensor arguments (its index in
+    ``ctx.next_functions``), which is also its index in ``ctx.needs_input_grad`` when the tensor
+    arguments come first."""
+    if not ctx.needs_input_grad[edge] or torch.is_grad_enabled() or not w.is_leaf or w._backward_hooks:
+        return None
+    g = w.grad
+    if (g is None or g.layout != torch.strided or g.shape != w.shape or g.dtype != w.dtype
+            or g.device != w.device or g.requires_grad or g._is_zerotensor()):
+        return None
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_execute is None:
+        return None
+    try:
+        return g if will_execute(ctx.next_functions[edge][0]) else None
+    except RuntimeError:  # autograd.grad(): the caller takes the gradient, .grad is not touched
+        return None
+
+
+def no_grad_to_add(w: torch.Tensor) -> torch.Tensor:
+    """What a Function returns for a weight whose gradient it already added into ``.grad``:
+    a zero tensor that allocates nothing, for ``AccumulateGrad`` to add."""
+    return torch._efficientzerotensor(w.shape, dtype=w.dtype, device=w.device)
+
+
+def mm_weight_grad(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor | None,
+                   like: torch.Tensor) -> torch.Tensor:
+    """``dW[e] = x_e^T g_e``, a new tensor shaped like ``like`` (``[E, D, F]``)."""
+    if gemm == "bmm":
+        return torch.bmm(x.transpose(1, 2), g)
+    if gemm == "grouped_mm":
+        if like.stride(-2) == 1 and not like.is_contiguous():
+            # like is the transposed view of an [E, F, D] tensor: produce dW in that layout
+            return F.grouped_mm(g.t(), x, offs=offs).transpose(-2, -1)
+        return F.grouped_mm(x.t(), g, offs=offs)
+    dw = like.new_zeros(like.shape)
+    for e, (s, t) in enumerate(_row_ranges(offs)):
+        if t > s:
+            torch.mm(x[s:t].t(), g[s:t], out=dw[e])
+    return dw
+
+
+def weight_grad_into(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor | None,
+                     out: torch.Tensor) -> None:
+    """``out[e] = x_e^T g_e`` in place (``out``: e.g. a slice ``[e0:e1]`` of the whole gradient)."""
+    if gemm == "bmm" and out.is_contiguous():
+        torch.bmm(x.transpose(1, 2), g, out=out)
+    elif gemm == "loop":
+        for e, (s, t) in enumerate(_row_ranges(offs)):
+            if t > s:
+                torch.mm(x[s:t].t(), g[s:t], out=out[e])
+            else:
+                out[e].zero_()
+    else:
+        out.copy_(mm_weight_grad(gemm, x, g, offs, out))
+
+
+def add_weight_grad_(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor | None,
+                     out: torch.Tensor) -> None:
+    """``out[e] += x_e^T g_e`` in place, allocating at most about 1/8 of ``out``."""
+    if gemm == "bmm":
+        out.baddbmm_(x.transpose(1, 2), g)
+        return
+    ranges = _row_ranges(offs)
+    if gemm == "loop":
+        for e, (s, t) in enumerate(ranges):
+            if t > s:
+                out[e].addmm_(x[s:t].t(), g[s:t])
+        return
+    E = len(ranges)
+    step = max(1, -(-E // _GROUPS))
+    for e0 in range(0, E, step):
+        e1 = min(E, e0 + step)
+        r0, r1 = ranges[e0][0], ranges[e1 - 1][1]
+        if r1 > r0:  # experts without rows add nothing (and a 0-row grouped GEMM is not run)
+            offs_c = offs[e0:e1] - r0
+            out[e0:e1].add_(F.grouped_mm(x[r0:r1].t(), g[r0:r1], offs=offs_c))
+
+
+def _row_ranges(offs: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` rows of each expert from inclusive cumulative counts (one host sync)."""
+    ends = [int(v) for v in offs.tolist()]
+    return list(zip([0] + ends[:-1], ends))

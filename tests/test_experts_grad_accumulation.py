@@ -1,0 +1,173 @@
+"""Expert weight gradients added into existing ``.grad`` (``moeflow.experts.weight_grads``):
+the same sums as autograd's own accumulation, no ``[E, ...]`` temporary, and autograd's
+semantics kept wherever the fused way would change them (hooks, ``autograd.grad``, ``inputs=``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ffn_operands
+
+from moeflow import MoE, MoEConfig
+from moeflow.bench.memory import LiveTensorBytes
+from moeflow.experts.lean import ffn_reference, lean_ffn
+
+pytestmark = pytest.mark.reference
+
+LAYOUTS = [("bmm", torch.float64), ("loop", torch.float64), ("grouped_mm", torch.float32)]
+ACTS = ["swiglu", "relu", "gelu"]
+
+
+def _operands(gemm: str, dtype: torch.dtype, seed: int, *, E: int = 5, C: int = 6, D: int = 16, H: int = 16,
+              activation: str = "swiglu"):
+    gen = torch.Generator().manual_seed(seed)
+    x, w_in, w_out, offs = ffn_operands(gen, gemm, activation, dtype, E=E, C=C, D=D, H=H)
+    return x, w_in, w_out, offs, gen
+
+
+def _micro_batches(x: torch.Tensor, gen: torch.Generator, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(x.shape, generator=gen, dtype=x.dtype), torch.randn(x.shape[:-1] + (16,), generator=gen,
+                                                                              dtype=x.dtype)) for _ in range(n)]
+
+
+def _accumulate(fn, w_in, w_out, batches, *, hooks: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Run ``fn`` fwd+bwd over ``batches`` into fresh copies of the weights; ``hooks``: an
+    identity tensor hook on each weight, which keeps autograd's own accumulation."""
+    a, b = w_in.detach().clone().requires_grad_(), w_out.detach().clone().requires_grad_()
+    if hooks:
+        a.register_hook(lambda g: g)
+        b.register_hook(lambda g: g)
+    dxs = []
+    for x, dy in batches:
+        x = x.clone().requires_grad_()
+        fn(x, a, b).backward(dy)
+        dxs.append(x.grad)
+    return a.grad, b.grad, dxs
+
+
+def _lean(gemm: str, offs, activation: str, recompute: bool):
+    offs32 = None if offs is None else offs.to(torch.int32)
+    return lambda x, a, b: lean_ffn(x, a, b, offs32, activation=activation, gemm=gemm, recompute=recompute)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("gemm,dtype", LAYOUTS, ids=[g for g, _ in LAYOUTS])
+def test_added_gradients_equal_autograd_accumulation(gemm, dtype, activation, recompute):
+    x, w_in, w_out, offs, gen = _operands(gemm, dtype, 0, activation=activation)
+    batches = _micro_batches(x, gen, 3)
+    fused = _accumulate(_lean(gemm, offs, activation, recompute), w_in, w_out, batches, hooks=False)
+    plain = _accumulate(_lean(gemm, offs, activation, recompute), w_in, w_out, batches, hooks=True)
+    ref_offs = None if offs is None else offs
+    ref = _accumulate(lambda x, a, b: ffn_reference(x.to(torch.float64), a.to(torch.float64), b.to(torch.float64),
+                                                    ref_offs, activation=activation).to(dtype),
+                      w_in, w_out, batches, hooks=True)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
+    for got, want in ((fused[0], plain[0]), (fused[1], plain[1]), (fused[0], ref[0]), (fused[1], ref[1])):
+        torch.testing.assert_close(got, want, **tol)
+    for got, want in zip(fused[2], ref[2]):
+        torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+@pytest.mark.parametrize("gemm,dtype", LAYOUTS, ids=[g for g, _ in LAYOUTS])
+def test_a_second_micro_batch_allocates_no_weight_gradient(gemm, dtype, recompute):
+    """With ``.grad`` present the backward allocates less than one weight's bytes; with autograd's
+    accumulation (a hook on the weights) it allocates at least the larger weight's gradient. (Weights
+    much larger than the activations, as at the benchmark's configurations.)"""
+    x, w_in, w_out, offs, gen = _operands(gemm, dtype, 1, E=8, C=3, D=64, H=64)
+    fn = _lean(gemm, offs, "swiglu", recompute)
+    for hooks in (False, True):
+        a, b = w_in.detach().clone().requires_grad_(), w_out.detach().clone().requires_grad_()
+        if hooks:
+            a.register_hook(lambda g: g)
+            b.register_hook(lambda g: g)
+        fn(x.detach().requires_grad_(), a, b).sum().backward()  # the first micro-batch makes .grad
+        with LiveTensorBytes() as mem:
+            fn(x.detach().requires_grad_(), a, b).sum().backward()
+        if hooks:
+            assert mem.peak >= a.numel() * a.element_size()
+        else:
+            assert mem.peak < b.numel() * b.element_size(), mem.peak
+
+
+def test_autograd_grad_returns_the_gradient_and_leaves_dot_grad_alone():
+    x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 2)
+    fn = _lean("bmm", offs, "swiglu", False)
+    fn(x, w_in, w_out).sum().backward()
+    before = (w_in.grad.clone(), w_out.grad.clone())
+    got = torch.autograd.grad(fn(x, w_in, w_out).sum(), [w_in, w_out])
+    want = torch.autograd.grad(ffn_reference(x, w_in, w_out, None, activation="swiglu").sum(), [w_in, w_out])
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+        assert not g._is_zerotensor()
+    assert torch.equal(w_in.grad, before[0]) and torch.equal(w_out.grad, before[1])
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+def test_backward_with_inputs_leaves_the_weights_grad_alone(recompute):
+    x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 3)
+    fn = _lean("bmm", offs, "swiglu", recompute)
+    fn(x, w_in, w_out).sum().backward()
+    before = (w_in.grad.clone(), w_out.grad.clone())
+    fn(x, w_in, w_out).sum().backward(inputs=[x])
+    assert torch.equal(w_in.grad, before[0]) and torch.equal(w_out.grad, before[1])
+    fn(x, w_in, w_out).sum().backward(inputs=[w_in])  # w_in only: w_out untouched, w_in added
+    assert torch.equal(w_out.grad, before[1])
+    torch.testing.assert_close(w_in.grad, 2 * before[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_tensor_hook_sees_the_micro_batch_gradient_and_may_change_it():
+    x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 4)
+    fn = _lean("bmm", offs, "swiglu", False)
+    want = torch.autograd.grad(ffn_reference(x, w_in, w_out, None, activation="swiglu").sum(), w_in)[0]
+    seen = []
+    w_in.register_hook(lambda g: (seen.append(g), 2 * g)[1])
+    fn(x, w_in, w_out).sum().backward()
+    fn(x, w_in, w_out).sum().backward()
+    assert len(seen) == 2 and not any(g._is_zerotensor() for g in seen)
+    torch.testing.assert_close(seen[1], want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w_in.grad, 4 * want, rtol=1e-12, atol=1e-12)
+
+
+def test_post_accumulate_grad_hooks_see_the_summed_gradient():
+    x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 5)
+    fn = _lean("bmm", offs, "swiglu", True)
+    sums = []
+    w_out.register_post_accumulate_grad_hook(lambda p: sums.append(p.grad.clone()))
+    for _ in range(3):
+        fn(x, w_in, w_out).sum().backward()
+    want = torch.autograd.grad(ffn_reference(x, w_in, w_out, None, activation="swiglu").sum(), w_out)[0]
+    assert len(sums) == 3
+    for n, got in enumerate(sums, start=1):
+        torch.testing.assert_close(got, n * want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_create_graph_keeps_autograds_accumulation():
+    x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 6)
+    fn = _lean("bmm", offs, "swiglu", False)
+    fn(x, w_in, w_out).sum().backward()
+    first = w_in.grad.clone()
+    fn(x, w_in, w_out).sum().backward(create_graph=True)
+    torch.testing.assert_close(w_in.grad, 2 * first, rtol=1e-12, atol=1e-12)
+    assert not w_in.grad._is_zerotensor()
+
+
+@pytest.mark.parametrize("layout", ["bmm", "grouped"])
+def test_the_layer_accumulates_micro_batches_like_one_batch(layout):
+    """Two half micro-batches through the layer (fused accumulation on the second) equal the
+    same two halves with autograd's accumulation, and their summed losses' gradients."""
+    torch.manual_seed(7)
+    cfg = MoEConfig(dim=16, hidden=16, num_experts=4, top_k=2, capacity_factor=2.0 if layout == "bmm" else 0.0)
+    fused, plain = MoE(config=cfg).double(), MoE(config=cfg).double()
+    plain.load_state_dict(fused.state_dict())
+    for p in (plain.experts.w_in, plain.experts.w_out):
+        p.register_hook(lambda g: g)
+    halves = torch.randn(2, 24, 16, dtype=torch.float64).unbind(0)
+    for layer in (fused, plain):
+        for xb in halves:
+            layer(xb).square().sum().backward()
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+
