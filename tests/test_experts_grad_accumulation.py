@@ -26,8 +26,9 @@ def _operands(gemm: str, dtype: torch.dtype, seed: int, *, E: int = 5, C: int = 
 
 
 def _micro_batches(x: torch.Tensor, gen: torch.Generator, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.randn(x.shape, generator=gen, dtype=x.dtype), torch.randn(x.shape[:-1] + (16,), generator=gen,
-                                                                              dtype=x.dtype)) for _ in range(n)]
+    """``n`` pairs of rows like ``x`` and an output gradient (the FFN maps D to D)."""
+    return [(torch.randn(x.shape, generator=gen, dtype=x.dtype), torch.randn(x.shape, generator=gen, dtype=x.dtype))
+            for _ in range(n)]
 
 
 def _accumulate(fn, w_in, w_out, batches, *, hooks: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -171,3 +172,38 @@ def test_the_layer_accumulates_micro_batches_like_one_batch(layout):
     for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
 
+
+
+def test_weights_used_twice_and_by_plain_autograd_in_one_graph():
+    """Two lean calls and one plain-autograd call share the weights in one backward: the fused
+    adds, the zero tensors and autograd's own gradient sum to the reference."""
+    x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 8)
+    x = x.detach()
+
+    def loss(lean: bool) -> torch.Tensor:
+        ffn = (lambda xx: lean_ffn(xx, w_in, w_out, None, activation="swiglu", gemm="bmm")) if lean else \
+            (lambda xx: ffn_reference(xx, w_in, w_out, None, activation="swiglu"))
+        return ffn(x).sum() + ffn_reference(x, w_in, w_out, None, activation="swiglu").square().sum() + ffn(2 * x).sum()
+
+    want = torch.autograd.grad(loss(False), [w_in, w_out])
+    loss(True).backward()
+    loss(True).backward()  # .grad exists: the lean calls add into it
+    for got, ref in zip((w_in.grad, w_out.grad), want):
+        torch.testing.assert_close(got, 2 * ref, rtol=1e-10, atol=1e-10)
+
+
+def test_without_the_engine_query_autograd_accumulates(monkeypatch):
+    """The fused way rests on a private engine query; a torch without it gets autograd's own
+    accumulation (a new gradient, the same sums), never a guess."""
+    x, w_in, w_out, offs, gen = _operands("bmm", torch.float64, 9, E=8, C=3, D=64, H=64)
+    batches = _micro_batches(x, gen, 2)
+    want = _accumulate(_lean("bmm", offs, "swiglu", False), w_in, w_out, batches, hooks=True)
+    monkeypatch.delattr(torch._C, "_will_engine_execute_node")
+    a, b = w_in.detach().clone().requires_grad_(), w_out.detach().clone().requires_grad_()
+    fn = _lean("bmm", offs, "swiglu", False)
+    fn(batches[0][0], a, b).backward(batches[0][1])
+    with LiveTensorBytes() as mem:
+        fn(batches[1][0], a, b).backward(batches[1][1])
+    assert mem.peak >= a.numel() * a.element_size()
+    torch.testing.assert_close(a.grad, want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(b.grad, want[1], rtol=1e-12, atol=1e-12)
