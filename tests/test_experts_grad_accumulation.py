@@ -149,10 +149,11 @@ def test_create_graph_keeps_autograds_accumulation():
     x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 6)
     fn = _lean("bmm", offs, "swiglu", False)
     fn(x, w_in, w_out).sum().backward()
-    first = w_in.grad.clone()
+    old, first = w_in.grad, w_in.grad.clone()
     fn(x, w_in, w_out).sum().backward(create_graph=True)
     torch.testing.assert_close(w_in.grad, 2 * first, rtol=1e-12, atol=1e-12)
     assert not w_in.grad._is_zerotensor()
+    assert torch.equal(old, first)  # autograd makes a new .grad here: the old tensor is left as it was
 
 
 @pytest.mark.parametrize("layout", ["bmm", "grouped"])
@@ -166,11 +167,13 @@ def test_the_layer_accumulates_micro_batches_like_one_batch(layout):
     for p in (plain.experts.w_in, plain.experts.w_out):
         p.register_hook(lambda g: g)
     halves = torch.randn(2, 24, 16, dtype=torch.float64).unbind(0)
+    summed = torch.autograd.grad(sum(plain(xb).square().sum() for xb in halves), list(plain.parameters()))
     for layer in (fused, plain):
         for xb in halves:
             layer(xb).square().sum().backward()
-    for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+    for (name, a), b, ref in zip(fused.named_parameters(), plain.parameters(), summed):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(a.grad, ref, rtol=1e-10, atol=1e-12, msg=name)
 
 
 
@@ -207,3 +210,31 @@ def test_without_the_engine_query_autograd_accumulates(monkeypatch):
     assert mem.peak >= a.numel() * a.element_size()
     torch.testing.assert_close(a.grad, want[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(b.grad, want[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "save_on_cpu"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+def test_the_parameter_is_found_when_the_saved_weight_is_a_copy(wrap, recompute, monkeypatch):
+    """Non-reentrant checkpoint and saved-tensor hooks hand backward a detached copy of the
+    weight; the parameter's .grad is still added into (found through its AccumulateGrad node)."""
+    from torch.utils.checkpoint import checkpoint
+
+    import moeflow.experts.lean as lean_mod
+
+    adds = []
+    real_add = lean_mod.add_weight_grad_
+    monkeypatch.setattr(lean_mod, "add_weight_grad_", lambda *a: (adds.append(1), real_add(*a))[1])
+    x, w_in, w_out, offs, gen = _operands("bmm", torch.float64, 10)
+    batches = _micro_batches(x, gen, 2)
+    fn = _lean("bmm", offs, "swiglu", recompute)
+    if wrap == "checkpoint":
+        wrapped = lambda xx, a, b: checkpoint(fn, xx, a, b, use_reentrant=False)  # noqa: E731
+    else:
+        def wrapped(xx, a, b):
+            with torch.autograd.graph.save_on_cpu():
+                return fn(xx, a, b)
+    got = _accumulate(wrapped, w_in, w_out, batches, hooks=False)
+    want = _accumulate(fn, w_in, w_out, batches, hooks=True)
+    assert len(adds) == 2  # both weights, on the second micro-batch
+    for g, r in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)

@@ -59,7 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moeflow.experts.weight_grads import add_weight_grad_, grad_buffer, mm_weight_grad, no_grad_to_add, weight_grad_into
+from moeflow.experts.weight_grads import (add_weight_grad_, grad_buffer, mm_weight_grad, no_grad_to_add,
+                                          records_grad_mode, weight_grad_into)
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 
 __all__ = ["LEAN_ACTIVATIONS", "LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
@@ -151,6 +152,7 @@ class _FirstGEMM(torch.autograd.Function):
             return _mm(gemm, x, w_in, offs)
 
     @staticmethod
+    @records_grad_mode
     @once_differentiable
     def backward(ctx, dh):  # type: ignore[override]
         x, w_in, offs = ctx.saved_tensors
@@ -172,6 +174,7 @@ class _ActSecondGEMM(torch.autograd.Function):
             return _mm(gemm, _activate(h, activation), w_out, offs)
 
     @staticmethod
+    @records_grad_mode
     @once_differentiable
     def backward(ctx, dy):  # type: ignore[override]
         h, w_out, offs = ctx.saved_tensors
@@ -254,6 +257,7 @@ class _RecomputeFFN(torch.autograd.Function):
         return y
 
     @staticmethod
+    @records_grad_mode
     @once_differentiable
     def backward(ctx, dy):  # type: ignore[override]
         x, w_in, w_out, offs = ctx.saved_tensors

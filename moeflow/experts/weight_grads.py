@@ -12,20 +12,30 @@ parameters (384 MiB at T=4096, D=1024, H=2048, E=16), more than its activations.
 time), the backward allocates none of it.
 
 ``grad_buffer`` decides, in backward (``.grad`` may change between forward and backward), and
-takes the fused way only when it gives exactly what autograd would:
+takes the fused way only when it gives what autograd would (to rounding: ``baddbmm_`` adds
+inside the GEMM):
 
-- the weight is a leaf (the parameter itself, not a cast or a slice of it) whose ``.grad`` is a
-  dense tensor of its shape, dtype and device, and autograd will accumulate into it in this
-  backward (``backward()``, not ``autograd.grad()`` nor ``backward(inputs=...)`` without it);
+- the weight's gradient edge goes to its ``AccumulateGrad`` node (the parameter itself, not a
+  cast or a slice of it; read from the node, so the parameter is found also when the saved
+  weight is a detached copy: non-reentrant ``torch.utils.checkpoint``, saved-tensor hooks) and
+  its ``.grad`` is a dense tensor of its shape, dtype and device that autograd will accumulate
+  into in this backward (``backward()``, not ``autograd.grad()`` nor ``backward(inputs=...)``
+  without it);
 - no tensor hook is registered on the weight (a hook sees and may change the micro-batch's
   gradient, which the fused way never makes);
-- no graph of the backward is being recorded (``create_graph``).
+- the backward records no graph (``create_graph=True``: autograd then makes a new ``.grad``,
+  leaving the old tensor as it was; ``records_grad_mode`` notes the mode before
+  ``once_differentiable`` turns it off).
 
 Otherwise the gradient is computed as a new tensor and autograd adds it. When fused, the
 Function returns a zero tensor (``torch._efficientzerotensor``: no memory) for the weight:
 ``AccumulateGrad`` still runs and adds nothing, so post-accumulate-grad hooks see the summed
-gradient. The tests compare fused and autograd accumulation (fp64, every layout and
-activation, with and without recompute) and check each condition.
+gradient. Two differences stay, neither visible to a training loop: hooks registered on
+autograd *nodes* (a pre-hook on the weight's ``AccumulateGrad`` node, or a hook on the lean
+node; torch offers no way to see them) get the zero tensor, and if the backward fails after a
+lean node ran, ``.grad`` already holds that node's part (as it holds every parameter's whose
+``AccumulateGrad`` ran before the failure). The tests compare fused and autograd accumulation
+(fp64, every layout and activation, with and without recompute) and check each condition.
 """
 
 from __future__ import annotations
@@ -33,19 +43,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_weight_grad_", "grad_buffer", "mm_weight_grad", "no_grad_to_add", "weight_grad_into"]
+__all__ = ["add_weight_grad_", "grad_buffer", "mm_weight_grad", "no_grad_to_add", "records_grad_mode", "weight_grad_into"]
 
 _GROUPS = 8  # grouped_mm adds: about 1/_GROUPS of the experts per temporary
 
 
+def records_grad_mode(backward):
+    """Decorates a Function's ``backward`` (outside ``once_differentiable``) to note in
+    ``ctx.graph_recorded`` whether the backward records a graph (``create_graph``)."""
+
+    def wrapped(ctx, *grads):
+        ctx.graph_recorded = torch.is_grad_enabled()
+        return backward(ctx, *grads)
+
+    return wrapped
+
+
 def grad_buffer(ctx, edge: int, w: torch.Tensor) -> torch.Tensor | None:
-    """``w.grad`` if this backward may add ``w``'s gradient into it in place (module docstring),
-    else None. ``edge``: ``w``'s position among the Function's tensor arguments (its index in
-    ``ctx.next_functions``), which is also its index in ``ctx.needs_input_grad`` when the tensor
-    arguments come first."""
-    if not ctx.needs_input_grad[edge] or torch.is_grad_enabled() or not w.is_leaf or w._backward_hooks:
+    """The ``.grad`` of the parameter behind ``w`` if this backward may add ``w``'s gradient into
+    it in place (module docstring), else None. ``edge``: ``w``'s position among the Function's
+    tensor arguments (its index in ``ctx.next_functions``), which is also its index in
+    ``ctx.needs_input_grad`` when the tensor arguments come first. The backward must be
+    decorated with ``records_grad_mode``."""
+    if not ctx.needs_input_grad[edge] or getattr(ctx, "graph_recorded", True):
         return None
-    g = w.grad
+    node = ctx.next_functions[edge][0]
+    param = getattr(node, "variable", None)  # only an AccumulateGrad node has one
+    if param is None or param._backward_hooks:
+        return None
+    g = param.grad
     if (g is None or g.layout != torch.strided or g.shape != w.shape or g.dtype != w.dtype
             or g.device != w.device or g.requires_grad or g._is_zerotensor()):
         return None
@@ -53,7 +79,7 @@ def grad_buffer(ctx, edge: int, w: torch.Tensor) -> torch.Tensor | None:
     if will_execute is None:
         return None
     try:
-        return g if will_execute(ctx.next_functions[edge][0]) else None
+        return g if will_execute(node) else None
     except RuntimeError:  # autograd.grad(): the caller takes the gradient, .grad is not touched
         return None
 
