@@ -130,7 +130,7 @@ def _mm(gemm: str, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None) 
 def _weight_grad(ctx, edge: int, gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
                  w: torch.Tensor) -> torch.Tensor | None:
     """The gradient a two-node backward returns for weight ``w`` (``edge``: its argument index):
-    None if not needed; added into ``w.grad`` and a zero tensor returned where
+    None if not needed; added into the parameter's ``.grad`` and a zero tensor returned where
     ``weight_grads.grad_buffer`` allows; else a new tensor."""
     if not ctx.needs_input_grad[edge]:
         return None
@@ -181,6 +181,7 @@ class _ActSecondGEMM(torch.autograd.Function):
         act, gemm = ctx.activation, ctx.gemm
         with torch.autocast(dy.device.type, enabled=False):
             dy = dy.contiguous()
+            # (the guard spares act(h) when w_out needs no gradient)
             dw_out = _weight_grad(ctx, 1, gemm, _activate(h, act), dy, offs, w_out) if ctx.needs_input_grad[1] else None
             da = _mm(gemm, dy, w_out.transpose(-2, -1), offs)
             dh = _act_backward_(h.view(-1, h.shape[-1]), da.view(-1, da.shape[-1]), act).view(h.shape)
