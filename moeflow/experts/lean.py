@@ -59,8 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moeflow.experts.weight_grads import (add_weight_grad_, grad_buffer, mm_weight_grad, no_grad_to_add,
-                                          records_grad_mode, weight_grad_into)
+from moeflow.experts.weight_grads import (add_weight_grad_, expert_row_ranges, grad_buffer, mm_weight_grad,
+                                          no_grad_to_add, records_grad_mode, weight_grad_into)
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 
 __all__ = ["LEAN_ACTIVATIONS", "LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
@@ -225,8 +225,7 @@ def _mm_into(gemm: str, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | N
     if gemm == "bmm":
         torch.bmm(x, w, out=out)
     elif gemm == "loop":
-        ends = offs.tolist()
-        for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
+        for e, (s, t) in enumerate(expert_row_ranges(offs)):
             if t > s:
                 torch.mm(x[s:t], w[e], out=out[s:t])
     else:

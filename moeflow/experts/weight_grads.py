@@ -43,7 +43,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_weight_grad_", "grad_buffer", "mm_weight_grad", "no_grad_to_add", "records_grad_mode", "weight_grad_into"]
+__all__ = ["add_weight_grad_", "expert_row_ranges", "grad_buffer", "mm_weight_grad", "no_grad_to_add",
+           "records_grad_mode", "weight_grad_into"]
 
 _GROUPS = 8  # grouped_mm adds: about 1/_GROUPS of the experts per temporary
 
@@ -100,10 +101,8 @@ def mm_weight_grad(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tens
             # like is the transposed view of an [E, F, D] tensor: produce dW in that layout
             return F.grouped_mm(g.t(), x, offs=offs).transpose(-2, -1)
         return F.grouped_mm(x.t(), g, offs=offs)
-    dw = like.new_zeros(like.shape)
-    for e, (s, t) in enumerate(_row_ranges(offs)):
-        if t > s:
-            torch.mm(x[s:t].t(), g[s:t], out=dw[e])
+    dw = like.new_empty(like.shape)
+    weight_grad_into("loop", x, g, offs, dw)
     return dw
 
 
@@ -113,7 +112,7 @@ def weight_grad_into(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Te
     if gemm == "bmm" and out.is_contiguous():
         torch.bmm(x.transpose(1, 2), g, out=out)
     elif gemm == "loop":
-        for e, (s, t) in enumerate(_row_ranges(offs)):
+        for e, (s, t) in enumerate(expert_row_ranges(offs)):
             if t > s:
                 torch.mm(x[s:t].t(), g[s:t], out=out[e])
             else:
@@ -128,7 +127,7 @@ def add_weight_grad_(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Te
     if gemm == "bmm":
         out.baddbmm_(x.transpose(1, 2), g)
         return
-    ranges = _row_ranges(offs)
+    ranges = expert_row_ranges(offs)
     if gemm == "loop":
         for e, (s, t) in enumerate(ranges):
             if t > s:
@@ -144,7 +143,7 @@ def add_weight_grad_(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Te
             out[e0:e1].add_(F.grouped_mm(x[r0:r1].t(), g[r0:r1], offs=offs_c))
 
 
-def _row_ranges(offs: torch.Tensor) -> list[tuple[int, int]]:
+def expert_row_ranges(offs: torch.Tensor) -> list[tuple[int, int]]:
     """``(start, end)`` rows of each expert from inclusive cumulative counts (one host sync)."""
     ends = [int(v) for v in offs.tolist()]
     return list(zip([0] + ends[:-1], ends))
