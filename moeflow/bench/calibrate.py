@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moeflow.parallel.comm import all_to_all_equal, backend_name, barrier, process_position
+from moeflow.parallel.comm import all_to_all_equal, backend_name, barrier, group_device, process_position
 from moeflow.parallel.costmodel import fit_latency_bandwidth
 from moeflow.parallel.groups import init_distributed, shutdown_distributed
 
@@ -35,7 +35,7 @@ def measure(repeats: int = 15) -> dict:
     from torchrun's environment if it is not yet); every rank returns the same fit."""
     init_distributed()
     rank, W = process_position()
-    device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    device = group_device()  # the device the backend's collectives take
     rows = []
     for size in SIZES:
         n = size // 4

@@ -165,10 +165,11 @@ def gpt_config(preset: str, **overrides: object) -> GPTConfig:
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in fp32 (as Llama/Mixtral do) and cast back."""
 
-    def __init__(self, dim: int, eps: float, **kw: object) -> None:
+    def __init__(self, dim: int, eps: float, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, **kw))  # type: ignore[arg-type]
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

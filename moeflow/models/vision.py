@@ -95,8 +95,9 @@ class VisionMoE(nn.Module):
         self.config = config
         c = config
         self.patch_embed = nn.Linear(c.in_channels * c.patch_size**2, c.dim)
-        self.cls_token = nn.Parameter(torch.randn(1, 1, c.dim) * 0.02)
-        self.pos_embed = nn.Parameter(torch.randn(1, c.num_patches + 1, c.dim) * 0.02)
+        device = self.patch_embed.weight.device  # torch's default device, as for the layers
+        self.cls_token = nn.Parameter(torch.randn(1, 1, c.dim, device=device) * 0.02)
+        self.pos_embed = nn.Parameter(torch.randn(1, c.num_patches + 1, c.dim, device=device) * 0.02)
         self.blocks = nn.ModuleList(_Block(c, c.moe_every > 0 and (i + 1) % c.moe_every == 0) for i in range(c.depth))
         self.norm = nn.LayerNorm(c.dim)
         self.head = nn.Linear(c.dim, c.num_classes)

@@ -67,28 +67,19 @@ def expert_parallel(
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"model contains no moeflow.MoE layer: {type(model).__name__}")
-    # one collective that every rank reaches before anything can fail
+    # one collective that every rank reaches before anything can fail (host-side control data:
+    # gather_objects carries it over any backend, NCCL included)
     # per layer: experts configured, experts held, whether a collective dispatcher is already in place
-    mine = torch.tensor(
-        [len(layers)]
-        + [
-            v
-            for layer in layers
-            for v in (layer.config.num_experts, int(layer.experts.num_experts), int(layer.dispatcher.collective))
-        ],
-        dtype=torch.long,
-    )
-    width = torch.tensor([mine.numel()], dtype=torch.long)
-    widths = [torch.empty_like(width) for _ in range(W)]
-    dist.all_gather(widths, width, group=group)
-    padded = torch.full((int(max(widths)),), -1, dtype=torch.long)
-    padded[: mine.numel()] = mine
-    every = [torch.empty_like(padded) for _ in range(W)]
-    dist.all_gather(every, padded, group=group)
-    if any(not torch.equal(other, padded) for other in every):
+    mine = [len(layers)] + [
+        v
+        for layer in layers
+        for v in (layer.config.num_experts, int(layer.experts.num_experts), int(layer.dispatcher.collective))
+    ]
+    every: list[list[int]] = gather_objects(mine, group)  # type: ignore[assignment]
+    if any(other != mine for other in every):
         raise ValueError(
             "MoE layers differ between ranks of the expert-parallel group (layer count and experts per layer): "
-            + "; ".join(f"rank {i}: {t[t >= 0].tolist()}" for i, t in enumerate(every))
+            + "; ".join(f"rank {i}: {t}" for i, t in enumerate(every))
         )
     for i, layer in enumerate(layers):
         E = layer.config.num_experts

@@ -1,7 +1,19 @@
-"""Differentiable collectives over a process group (legend: moeflow.types).
+"""Collectives over a process group, on the devices its backend takes (legend: moeflow.types).
 
-The only module of moeflow besides the rest of ``moeflow.parallel`` that touches
-``torch.distributed``.
+Every ``torch.distributed`` collective of moeflow is called in this module (a test walks the
+package's source to keep it so), which makes one rule hold everywhere: **a collective gets its
+tensors on a device the group's backend takes**. NCCL takes only CUDA tensors (a CPU tensor
+raises ``No backend type associated with device type cpu``), gloo works on CPU tensors (its
+CUDA support is partial and slow, so moeflow never hands it CUDA tensors). A tensor on another
+device is copied to the group's device (``group_device``: the current CUDA device under NCCL,
+set from ``LOCAL_RANK`` by ``init_distributed``) for the collective and the result copied back,
+so small host-side control data (counts, shapes, timings) can be built on the CPU by a caller
+and still travel under NCCL; the data path (rows, weights, gradients) already lives on the
+group's device and is never copied. Results come back on the device of the caller's tensor.
+
+Backends' native collectives are used where they exist: ``reduce_scatter`` and
+``all_gather`` into one tensor (NCCL implements them natively; gloo emulates the first with an
+all-reduce, which only costs gloo's CPU runs).
 """
 
 from __future__ import annotations
@@ -22,12 +34,15 @@ __all__ = [
     "all_gather_rows_with_header",
     "group_rank",
     "group_size",
+    "group_device",
     "barrier",
     "CommTimer",
     "process_position",
     "sync",
     "gather_objects",
+    "broadcast_object",
     "all_reduce_sum",
+    "all_reduce_max",
     "start_all_to_all_rows",
     "all_gather_shards",
     "wait_all_to_all_rows",
@@ -35,6 +50,47 @@ __all__ = [
     "backend_name",
     "side_group",
 ]
+
+# torch 2.13 renames the one-tensor variants (the old names warn); older torch has only the old
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _accepted_device_types(backend_config: str) -> frozenset[str]:
+    """Device types a group takes, from ``dist.get_backend_config`` (``"cuda:nccl"``,
+    ``"cpu:gloo,cuda:gloo"``, ``"cpu:gloo,cuda:nccl"``): every listed device except CUDA under
+    gloo (partial and slow there; moeflow gives gloo CPU tensors)."""
+    accepted = set()
+    for entry in backend_config.split(","):
+        device, _, backend = entry.strip().partition(":")
+        if device and not (device == "cuda" and backend == "gloo"):
+            accepted.add(device)
+    return frozenset(accepted)
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors ``group``'s collectives take: CPU when the backend takes CPU
+    tensors (gloo, or a mixed ``cpu:gloo,cuda:nccl`` group), else the current CUDA device
+    (NCCL; ``init_distributed`` sets it from ``LOCAL_RANK``)."""
+    accepted = _accepted_device_types(dist.get_backend_config(group))
+    if "cpu" in accepted:
+        return torch.device("cpu")
+    if "cuda" in accepted:
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ValueError(f"moeflow's collectives run on cpu or cuda; this group's backend is "
+                     f"{dist.get_backend_config(group)!r}")
+
+
+def _device_for(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.device:
+    """``x``'s device when ``group``'s backend takes it, else ``group_device(group)``."""
+    if x.device.type in _accepted_device_types(dist.get_backend_config(group)):
+        return x.device
+    return group_device(group)
+
+
+def _on_group(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x`` itself when ``group``'s backend takes its device, else a copy on ``group_device``."""
+    return x.to(_device_for(x, group))
 
 
 class CommTimer:
@@ -65,6 +121,15 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     dist.barrier(group=group)
 
 
+def _require_on_group(x: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+    """For the collectives that write into the caller's buffers or keep them in flight
+    (asynchronous exchanges): a copy to another device would break that, so refuse instead."""
+    accepted = _accepted_device_types(dist.get_backend_config(group))
+    if x.device.type not in accepted:
+        raise ValueError(f"{what}: a {x.device.type} tensor cannot travel over this group (backend "
+                         f"{dist.get_backend_config(group)!r} takes {sorted(accepted)}); put it on {group_device(group)}")
+
+
 def process_position(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """``(rank, world size)`` in ``group``, or ``(0, 1)`` when torch.distributed is not in use."""
     if not dist.is_available() or not dist.is_initialized():
@@ -79,7 +144,9 @@ def sync(group: dist.ProcessGroup | None = None) -> None:
 
 
 def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
-    """Every rank's JSON-able ``obj`` (a one-element list without torch.distributed)."""
+    """Every rank's JSON-able ``obj`` (a one-element list without torch.distributed). Under
+    NCCL the pickled bytes travel through the current CUDA device (torch's object collectives
+    do that themselves), so ``init_distributed`` must have set it."""
     if not dist.is_available() or not dist.is_initialized():
         return [obj]
     out: list[object] = [None] * dist.get_world_size(group)
@@ -87,12 +154,34 @@ def gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list[
     return out
 
 
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """Rank ``src``'s picklable ``obj`` on every rank of ``group`` (``src`` is a global rank,
+    as in ``torch.distributed``); ``obj`` itself without torch.distributed."""
+    if not dist.is_available() or not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        y = _on_group(x, group)
+        dist.all_reduce(y, op=op, group=group)
+        if y is not x:
+            x.copy_(y)
+    return x
+
+
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``x`` over ``group`` in place and return it; ``x`` unchanged without torch.distributed
-    (so single-process code needs no branch)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(x, group=group)
-    return x
+    (so single-process code needs no branch). ``x`` may live on any device (module docstring)."""
+    return _all_reduce(x, group, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Elementwise maximum of ``x`` over ``group``, in place, like ``all_reduce_sum``."""
+    return _all_reduce(x, group, dist.ReduceOp.MAX)
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -119,14 +208,15 @@ class _AllToAllRows(torch.autograd.Function):
 
 
 def _exchange(x_ND, send_splits, recv_splits, group, timer):  # type: ignore[no-untyped-def]
-    out = x_ND.new_empty((sum(recv_splits), *x_ND.shape[1:]))
-    src = x_ND.contiguous()
+    src = _on_group(x_ND, group).contiguous()
+    out = src.new_empty((sum(recv_splits), *x_ND.shape[1:]))
 
     def run():  # type: ignore[no-untyped-def]
         dist.all_to_all_single(out, src, recv_splits, send_splits, group=group)
         return out
 
-    return run() if timer is None else timer.run(run, x_ND.device)
+    out = run() if timer is None else timer.run(run, src.device)
+    return out.to(x_ND.device)
 
 
 def all_to_all_rows(
@@ -157,10 +247,11 @@ def all_gather_rows_with_header(
     not match), naming each rank's shape."""
     W = dist.get_world_size(group)
     width = math.prod(x_ND.shape[1:])
-    mine = torch.tensor([x_ND.shape[0], x_ND.dim(), width, *header], dtype=torch.long, device=x_ND.device)
-    every = [torch.empty_like(mine) for _ in range(W)]
-    dist.all_gather(every, mine, group=group)
-    rows = [[int(v) for v in t] for t in every]
+    here = _device_for(x_ND, group)
+    mine = torch.tensor([x_ND.shape[0], x_ND.dim(), width, *header], dtype=torch.long, device=here)
+    every = torch.empty((W, mine.numel()), dtype=torch.long, device=here)
+    _all_gather_single(every, mine.unsqueeze(0), group=group)
+    rows = every.tolist()  # host sync: the row counts size the second collective
     if check is not None:
         check([r[3:] for r in rows])
     shapes = [(r[1], r[2]) for r in rows]
@@ -168,11 +259,14 @@ def all_gather_rows_with_header(
         raise ValueError("ranks gathered rows of different shapes (ndim, row width): "
                          + ", ".join(f"rank {i}: {s}" for i, s in enumerate(shapes)))
     counts = [r[0] for r in rows]
-    padded = x_ND.new_zeros((max(counts), *x_ND.shape[1:]))
+    P = max(counts)
+    if P == 0:  # every rank sees the same counts, so every rank skips the second collective
+        return [x_ND.new_empty((0, *x_ND.shape[1:])) for _ in range(W)]
+    padded = x_ND.new_zeros((P, *x_ND.shape[1:]), device=here)
     padded[: x_ND.shape[0]] = x_ND
-    parts = [torch.empty_like(padded) for _ in range(W)]
-    dist.all_gather(parts, padded.contiguous(), group=group)
-    return [p[:c] for p, c in zip(parts, counts)]
+    parts = padded.new_empty((W, *padded.shape))
+    _all_gather_single(parts.view(W * P, *padded.shape[1:]), padded, group=group)
+    return [p[:c].to(x_ND.device) for p, c in zip(parts, counts)]
 
 
 class _Pending:
@@ -193,6 +287,7 @@ class _StartAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, send_splits, recv_splits, group, pending):  # type: ignore[override]
+        _require_on_group(x_ND, group, "start_all_to_all_rows")
         out = x_ND.new_empty((sum(recv_splits), *x_ND.shape[1:]))
         pending.work = dist.all_to_all_single(out, x_ND.contiguous(), recv_splits, send_splits, group=group, async_op=True)
         ctx.pending = pending
@@ -255,21 +350,25 @@ def wait_all_to_all_rows(
 class _AllGatherShards(torch.autograd.Function):
     """Forward: every rank's ``[e, ...]`` shard, concatenated in rank order (``[W*e, ...]``).
     Backward: the gradients of the full tensor summed over the ranks (each rank used it on its
-    own tokens), then this rank's slice."""
+    own tokens), of which this rank gets its slice: one reduce-scatter (NCCL's native one moves
+    half the bytes of an all-reduce followed by a slice)."""
 
     @staticmethod
     def forward(ctx, x_eX, group):  # type: ignore[override]
         W = dist.get_world_size(group)
-        ctx.group, ctx.rank, ctx.e = group, dist.get_rank(group), x_eX.shape[0]
-        out = x_eX.new_empty((W * x_eX.shape[0], *x_eX.shape[1:]))
-        dist.all_gather_into_tensor(out, x_eX.contiguous(), group=group)
-        return out
+        ctx.group = group
+        src = _on_group(x_eX, group).contiguous()
+        out = src.new_empty((W * x_eX.shape[0], *x_eX.shape[1:]))
+        _all_gather_single(out, src, group=group)
+        return out.to(x_eX.device)
 
     @staticmethod
     def backward(ctx, grad_EX):  # type: ignore[override]
-        grad_EX = grad_EX.contiguous()
-        dist.all_reduce(grad_EX, group=ctx.group)  # gloo has no reduce_scatter: reduce, then slice
-        return grad_EX[ctx.rank * ctx.e : (ctx.rank + 1) * ctx.e], None
+        W = dist.get_world_size(ctx.group)
+        src = _on_group(grad_EX, ctx.group).contiguous()
+        out = src.new_empty((src.shape[0] // W, *src.shape[1:]))
+        _reduce_scatter_single(out, src, group=ctx.group)
+        return out.to(grad_EX.device), None
 
 
 def all_gather_shards(x_eX: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -281,7 +380,10 @@ def all_to_all_equal(out_N: torch.Tensor, x_N: torch.Tensor, group: dist.Process
     """Equal-split all-to-all into a preallocated buffer: block ``d`` of ``x_N``'s ``W`` equal
     blocks (along dim 0) goes to rank ``d``, and ``out_N`` (shaped like ``x_N``) receives block
     ``r`` of every rank ``r``. Not differentiable and allocates nothing, so a measurement of
-    the exchange (``moeflow.bench.calibrate``) times the collective alone."""
+    the exchange (``moeflow.bench.calibrate``) times the collective alone; so both tensors must
+    already be on a device the group takes (``group_device``), or ``ValueError``."""
+    _require_on_group(out_N, group, "all_to_all_equal")
+    _require_on_group(x_N, group, "all_to_all_equal")
     dist.all_to_all_single(out_N, x_N, group=group)
 
 

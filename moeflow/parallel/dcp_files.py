@@ -67,7 +67,8 @@ def read_dcp_dir(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: no .metadata (not a torch.distributed.checkpoint directory)")
     metadata = FileSystemReader(path).read_metadata()
     flat: dict[str, object] = {
-        key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        # one process converts the directory in host memory
+        key: torch.empty(md.size, dtype=md.properties.dtype, device="cpu") if isinstance(md, TensorStorageMetadata) else None
         for key, md in metadata.state_dict_metadata.items()
     }
     with _one_process():

@@ -88,7 +88,8 @@ def _slice_boxes(name: str, whole: tuple[int, ...], n: int, part: int, halves: i
             profiles.append(list(range(w)))
             continue
         along = [w if i == d else 1 for i in range(len(whole))]
-        coords = cut_hidden_slice(name, torch.arange(w).view(along).expand(probe), n, part, halves)
+        # host-side layout arithmetic: which coordinates a slice keeps
+        coords = cut_hidden_slice(name, torch.arange(w, device="cpu").view(along).expand(probe), n, part, halves)
         first = coords[tuple(slice(None) if i == d else 0 for i in range(len(whole)))]
         if not torch.equal(coords, first.view([-1 if i == d else 1 for i in range(len(whole))]).expand_as(coords)):
             raise ValueError(f"a hidden slice of {name} does not map dim {d} independently of the others")

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.layer.moe import moe_layers
+from moeflow.parallel.comm import all_reduce_sum
 from moeflow.parallel.groups import ParallelGroups
 from moeflow.parallel.rebalance import placement_of
 
@@ -71,7 +72,7 @@ def sync_load_counts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Sum every MoE router's aux-loss-free ``load_counts`` over ``group`` (the ranks that share
     that router), so ``moeflow.update_expert_bias`` makes the same step on every replica."""
     for layer in moe_layers(model):
-        dist.all_reduce(layer.router.load_counts, group=group)
+        all_reduce_sum(layer.router.load_counts, group)
 
 
 def reduce_expert_gradients(model: nn.Module, groups: ParallelGroups) -> None:
@@ -100,7 +101,7 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+    all_reduce_sum(flat, group)
     if average:
         flat /= dist.get_world_size(group)
     offset = 0
@@ -142,8 +143,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup 
             sq_expert += (sq.reshape(p.shape[0], -1).sum(1) * slot_weight[id(p)]).sum()
         else:
             sq_expert += sq.sum()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sq_expert, group=group)
+    all_reduce_sum(sq_expert, group)  # nothing without torch.distributed
     sq = sq_expert + sum((g.double().square().sum() for g in grads_dense), torch.zeros_like(sq_expert))
     norm = sq.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

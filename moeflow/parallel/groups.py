@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moeflow.parallel.comm import barrier
 from moeflow.parallel.exchange import Hierarchy
 from moeflow.parallel.launch import attempt_store
 
@@ -18,8 +19,9 @@ __all__ = ["init_distributed", "shutdown_distributed", "ParallelGroups", "make_g
 def init_distributed(backend: str | None = None, *, timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment variables.
 
-    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. On CUDA the local
-    device is set from ``LOCAL_RANK``. ``timeout_s`` bounds every collective (torch's default is
+    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise. Under NCCL the
+    rank's device is ``cuda:LOCAL_RANK`` (set as the current device and bound to the group;
+    ``RuntimeError`` when the machine has fewer GPUs). ``timeout_s`` bounds every collective (torch's default is
     30 minutes): with torchrun's restart policy, a short timeout turns a peer that died into a
     quick failure and a restart instead of a long hang. Does nothing if already initialised.
 
@@ -34,9 +36,17 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
         raise RuntimeError(f"init_distributed needs torchrun's environment; missing {missing}")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs: dict[str, object] = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        # one GPU per rank: the collectives' tensors (moeflow.parallel.comm.group_device), torch's
+        # object collectives and the barrier all use this device; binding it (device_id) also
+        # builds the NCCL communicator now instead of at the first collective
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local} but this machine has {torch.cuda.device_count()} CUDA device(s): "
+                               "start at most one rank per GPU")
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = torch.device("cuda", local)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store outlives the attempt
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = attempt_store(rank, 600.0 if timeout_s is None else timeout_s)
@@ -50,7 +60,7 @@ def shutdown_distributed() -> None:
     the others' last collective fail); nothing if torch.distributed is not initialised."""
     if dist.is_initialized():
         try:
-            dist.barrier()
+            barrier()
         finally:
             dist.destroy_process_group()
 

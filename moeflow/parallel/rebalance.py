@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.layer.moe import MoE, moe_layers
-from moeflow.parallel.comm import all_to_all_rows
+from moeflow.parallel.comm import all_reduce_sum, all_to_all_rows
 from moeflow.parallel.dispatcher import ExpertParallelDispatcher
 from moeflow.parallel.placement import Placement, plan_placement
 
@@ -62,7 +62,7 @@ def sync_replica_gradients(model: nn.Module) -> None:
         mine = [(l, index[x]) for l, x in enumerate(placement.slots[rank]) if x in index]
         for l, i in mine:
             replicated_grads[i] = torch.cat([p.grad[l].reshape(-1) for p in params])
-        dist.all_reduce(replicated_grads, group=group)
+        all_reduce_sum(replicated_grads, group)
         for l, i in mine:
             offset = 0
             for p in params:
@@ -166,7 +166,7 @@ def rebalance(
         if current is None:
             raise ValueError(f"MoE layer {i} is not expert-parallel (apply moeflow.parallel.expert_parallel first)")
         load_E = layer.load_stats().to(torch.float64)
-        dist.all_reduce(load_E, group=layer.dispatcher.group)
+        all_reduce_sum(load_E, layer.dispatcher.group)
         s = current.slots_per_rank if slots_per_rank is None else slots_per_rank
         plans.append(plan_placement(load_E, world=current.world, slots_per_rank=s))
     apply_placement(model, plans, optimizer)

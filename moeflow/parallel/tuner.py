@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.config import TunerConfig, hybrid_shards
+from moeflow.parallel.comm import all_reduce_max
 from moeflow.parallel.strategy import Call
 
 __all__ = ["ParallelTuner", "Setting"]
@@ -136,7 +137,7 @@ class ParallelTuner:
         local = [fwd + max(0.0, st.get("backward_end", 0.0) - st.get("backward_start", 0.0))
                  for _, _, fwd, st, _ in self._pending]
         t = torch.tensor(local, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        all_reduce_max(t, self.group)
         for (key, setting, _, _, imbalance), seconds in zip(self._pending, t.tolist()):
             times = self._times.get(key)
             if times is None or key in self.choices:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.parallel.comm import all_gather_rows, all_to_all_rows
+from moeflow.parallel.comm import all_gather_rows, all_reduce_max, all_reduce_sum, all_to_all_rows
 from moeflow.parallel.dcp_guard import mark_rank_local
 
 __all__ = ["VocabParallelEmbedding", "VocabParallelHead", "vocab_parallel", "vocab_range", "gather_vocab_weight"]
@@ -128,16 +128,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits_Nv, targets_N, start, group):  # type: ignore[override]
         v = logits_Nv.shape[1]
         max_N = logits_Nv.max(dim=1).values if v else logits_Nv.new_full((logits_Nv.shape[0],), float("-inf"))
-        dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_max(max_N, group)
         exp_Nv = torch.exp(logits_Nv - max_N.unsqueeze(1))
         sum_N = exp_Nv.sum(dim=1)
-        dist.all_reduce(sum_N, group=group)
+        all_reduce_sum(sum_N, group)
         local_N = targets_N - start
         here_N = (local_N >= 0) & (local_N < v)
         idx_N = local_N.clamp(0, max(v - 1, 0))
         target_N = torch.where(here_N, logits_Nv.gather(1, idx_N.unsqueeze(1)).squeeze(1) if v else max_N * 0,
                                logits_Nv.new_zeros(()))
-        dist.all_reduce(target_N, group=group)
+        all_reduce_sum(target_N, group)
         ctx.save_for_backward(exp_Nv / sum_N.unsqueeze(1), idx_N, here_N)
         ctx.group = group
         return torch.log(sum_N) + max_N - target_N
@@ -146,7 +146,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_N):  # type: ignore[override]
         softmax_Nv, idx_N, here_N = ctx.saved_tensors
         grad_N = grad_N.contiguous().clone()
-        dist.all_reduce(grad_N, group=ctx.group)
+        all_reduce_sum(grad_N, ctx.group)
         grad_Nv = softmax_Nv * grad_N.unsqueeze(1)
         if grad_Nv.shape[1]:
             grad_Nv.scatter_add_(1, idx_N.unsqueeze(1), (-grad_N * here_N.to(grad_N.dtype)).unsqueeze(1))

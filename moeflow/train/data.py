@@ -169,7 +169,8 @@ class TokenStream:
 
     @classmethod
     def from_text(cls, text: str, tokenizer: Tokenizer, seq_len: int, seed: int) -> "TokenStream":
-        return cls(torch.tensor(tokenizer.encode(text), dtype=torch.int64), seq_len, seed)
+        # the corpus stays in host memory; the training loop moves each batch to its device
+        return cls(torch.tensor(tokenizer.encode(text), dtype=torch.int64, device="cpu"), seq_len, seed)
 
     def batch(self, step: int, batch_size: int, *, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs [B/world, S], targets [B/world, S])``: this rank's rows of step ``step``'s
@@ -177,9 +178,9 @@ class TokenStream:
         if batch_size % world:
             raise ValueError(f"batch_size={batch_size} must be divisible by the number of ranks {world}")
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts_B = torch.randint(0, self.ids_N.numel() - self.seq_len - 1, (batch_size,), generator=gen)
+        starts_B = torch.randint(0, self.ids_N.numel() - self.seq_len - 1, (batch_size,), generator=gen, device="cpu")
         per = batch_size // world
         starts_B = starts_B[rank * per : (rank + 1) * per]
-        window_BS = starts_B[:, None] + torch.arange(self.seq_len + 1)
+        window_BS = starts_B[:, None] + torch.arange(self.seq_len + 1, device=starts_B.device)
         tokens = self.ids_N[window_BS]
         return tokens[:, :-1], tokens[:, 1:]

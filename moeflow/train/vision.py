@@ -80,8 +80,8 @@ def load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     except ImportError as err:
         raise ImportError("the digits data set needs scikit-learn: pip install 'moeflow[train]'") from err
     data = sk_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
+    x = torch.tensor(data.images, dtype=torch.float32, device="cpu").unsqueeze(1) / 16.0  # the CPU trainer's data
+    y = torch.tensor(data.target, dtype=torch.int64, device="cpu")
     i_train, i_test = train_test_split(range(len(y)), test_size=0.25, stratify=data.target, random_state=seed)
     return x[i_train], y[i_train], x[i_test], y[i_test]
 
@@ -130,9 +130,9 @@ def train_vision(cfg: VisionTrainConfig, *, log=print) -> dict:  # type: ignore[
     bar = _bar(cfg, cfg.epochs * steps_per_epoch)
     step = 0
     for epoch in range(cfg.epochs):
-        order = torch.randperm(len(y_tr), generator=gen)
+        order = torch.randperm(len(y_tr), generator=gen, device="cpu")
         total = 0.0
-        counts_LE = torch.zeros(len(layers), cfg.num_experts, dtype=torch.long)
+        counts_LE = torch.zeros(len(layers), cfg.num_experts, dtype=torch.long, device="cpu")  # host-side record
         for i in range(0, len(order), cfg.batch_size):
             idx = order[i : i + cfg.batch_size]
             t_step = time.perf_counter()
