@@ -14,14 +14,18 @@ from __future__ import annotations
 import os
 import zlib
 
-# The Triton tests run the kernels under the interpreter, which must be on before Triton is first
-# imported in this process, and importing transformers (the integration tests) imports Triton.
-# Collection imports the test modules in file-name order, so it is switched on here, before any
-# of them. moeflow itself never reads it (``moeflow.kernels.triton`` asks Triton).
-os.environ["TRITON_INTERPRET"] = "1"
+import torch  # noqa: E402  (importing torch does not import Triton)
+
+# Without CUDA, the Triton tests run the kernels under the interpreter, which must be on before
+# Triton is first imported in this process, and importing transformers (the integration tests)
+# imports Triton. Collection imports the test modules in file-name order, so it is switched on
+# here, before any of them. With CUDA it stays off: the ``gpu`` tests run the compiled kernels
+# (``tests/test_gpu.py`` fails if they are interpreted) and the interpreter tests are skipped.
+# moeflow itself never reads the variable (``moeflow.kernels.triton`` asks Triton).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # cheapest first; the order tests run in

@@ -218,16 +218,19 @@ def compare_layer_with(
 def check_equivalence(
     rank: int, world: int, layer: moeflow.MoE, tokens: list[int], seed: int, what: str, hierarchy=None,
     overlap_degree: int | str = 1, parallel: str = "expert", *, shard=None, expert_view=None, after_backward=None,
+    device: torch.device | str = "cpu",
 ):  # type: ignore[no-untyped-def]
     """Run ``layer`` on the concatenated batch and a parallel copy on this rank's part; compare
     outputs, input, expert and dense gradients and one SGD step. ``shard(copy) -> parallel
     layer`` (default ``expert_parallel``), ``expert_view(name, full [E, ...] tensor) -> what this
     rank holds`` (default its contiguous block), ``after_backward(parallel layer)``. Returns
-    ``(ref, parallel layer)`` for further checks. Call it on every rank of a gloo group."""
+    ``(ref, parallel layer)`` for further checks. Call it on every rank of a process group
+    (gloo, or NCCL with ``device`` this rank's GPU: the layer and the inputs move there)."""
     D = layer.config.dim
+    layer = layer.to(device)
     gen = torch.Generator().manual_seed(seed + 2)
-    xs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
-    gs = [torch.randn(t, D, generator=gen, dtype=torch.float64) for t in tokens]
+    xs = [torch.randn(t, D, generator=gen, dtype=torch.float64).to(device) for t in tokens]
+    gs = [torch.randn(t, D, generator=gen, dtype=torch.float64).to(device) for t in tokens]
     start = sum(tokens[:rank])
     sl = slice(start, start + tokens[rank])
 
@@ -298,12 +301,17 @@ def assert_offloaded_grads_equal(model: MoEGPT, offloaded: MoEGPT, store, idx: t
 TIMEOUT_S = 240
 
 
-def _entry(rank: int, world: int, store_file: str, module: str, case: str, errors, args: tuple, done=None) -> None:
+def _entry(rank: int, world: int, store_file: str, module: str, case: str, errors, args: tuple, done=None,
+           backend: str = "gloo") -> None:
     torch.set_num_threads(1)
+    kw: dict[str, object] = {}
+    if backend == "nccl":  # one GPU per rank, as moeflow.parallel.init_distributed does
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device("cuda", rank)
     # a file rendezvous: no port to pick, so no race with other processes for it
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=90),
+        backend, init_method=f"file://{store_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=90), **kw,
     )
     passed = False
     try:
@@ -321,8 +329,9 @@ def _entry(rank: int, world: int, store_file: str, module: str, case: str, error
             dist.destroy_process_group()
 
 
-def spawn_ranks(world: int, module: str, case: str, *args: object) -> None:
-    """Run ``module.CASES[case](rank, world, *args)`` on ``world`` gloo ranks; fail (never hang) after TIMEOUT_S.
+def spawn_ranks(world: int, module: str, case: str, *args: object, backend: str = "gloo") -> None:
+    """Run ``module.CASES[case](rank, world, *args)`` on ``world`` ranks of ``backend`` (gloo on
+    127.0.0.1; ``"nccl"``: rank r on GPU r); fail (never hang) after TIMEOUT_S.
 
     ``module`` is the test module's ``__name__``: each rank imports it by name (tests/ is on the
     spawned processes' sys.path too) and looks the case up in its ``CASES`` dict.
@@ -332,7 +341,8 @@ def spawn_ranks(world: int, module: str, case: str, *args: object) -> None:
     store_dir = tempfile.mkdtemp(prefix="moeflow-rdzv-")
     store_file = os.path.join(store_dir, "store")
     proc = mp.start_processes(
-        _entry, args=(world, store_file, module, case, errors, args, done), nprocs=world, join=False, start_method="spawn"
+        _entry, args=(world, store_file, module, case, errors, args, done, backend), nprocs=world, join=False,
+        start_method="spawn",
     )
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
     try:

@@ -1,23 +1,27 @@
 """The Triton kernels (``moeflow.kernels.triton``) against their torch references, under the Triton
-interpreter.
+interpreter (on machines without CUDA; with CUDA the module is skipped and ``tests/test_gpu.py``
+runs the compiled kernels at full size).
 
 Every kernel is compared with its reference on odd shapes (row counts that are not a multiple
 of any block size, empty experts, K=1 and K=8, E up to 256), outputs and every gradient, fp32
 plus a tiny bf16/fp16 case; integer outputs exactly. The interpreter runs each program instance
 in Python (about a millisecond each), so the shapes are tiny; ``@pytest.mark.gpu`` tests run the
-same comparisons at full size on CUDA.
+same comparisons at full size on CUDA (``tests/test_gpu.py``).
 
 ``TRITON_INTERPRET=1`` must be set before Triton is imported anywhere in the process, hence the
-first lines below; ``conftest.py`` sets it too, before any test module is collected (importing
-transformers imports Triton). The library itself never reads it: ``moeflow.kernels.triton``
-asks Triton.
+first lines below (without CUDA); ``conftest.py`` sets it too, before any test module is
+collected (importing transformers imports Triton). The library itself never reads it:
+``moeflow.kernels.triton`` asks Triton.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
@@ -26,7 +30,6 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -44,9 +47,13 @@ from moeflow.kernels.triton import grouped_gemm, permute, routing, slots  # noqa
 from moeflow.routing import select_experts  # noqa: E402
 from moeflow.types import RoutingResult  # noqa: E402
 
-from helpers import assert_close_rel, needs_cuda, random_counts  # noqa: E402
+from helpers import assert_close_rel, random_counts  # noqa: E402
 
-pytestmark = pytest.mark.triton
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(not mt.interpreter_active(), reason="CUDA is present, so the Triton interpreter is off in this "
+                       "process (the kernels run compiled: tests/test_gpu.py); these tests run the kernels on CPU"),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,15 +96,25 @@ def test_availability_and_registry():
         assert not mt.triton_available("cuda")
 
 
-def test_auto_picks_triton_on_cuda(monkeypatch):
-    """The probe's decision on a CUDA machine (pretended: no tensor is created)."""
+@pytest.mark.parametrize("capability, native, expected", [
+    ((9, 0), True, "grouped_mm"),   # Hopper: torch's grouped GEMM (measured faster than the Triton FFN)
+    ((10, 0), True, "grouped_mm"),  # Blackwell
+    ((9, 0), False, "triton"),      # where torch's grouped GEMM does not run: Triton
+    ((8, 0), True, "triton"),       # Ampere: Triton (torch's grouped GEMM targets Hopper and later)
+])
+def test_auto_on_cuda_follows_the_gpu(monkeypatch, capability, native, expected):
+    """The decision on a CUDA machine (pretended: no tensor is created), per compute
+    capability and whether ``F.grouped_mm`` runs there."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_grouped_mm_backend("auto", torch.device("cuda"), torch.bfloat16) == "triton"
-    assert resolve_grouped_mm_backend("triton", torch.device("cuda"), torch.float32) == "triton"
-    # fp32 stays on the torch path unless asked for (the kernels' fp32 path is exact, not fast)
     registry = importlib.import_module("moeflow.kernels.grouped_mm")  # the module, not the function
-    monkeypatch.setattr(registry, "native_grouped_mm_supported", lambda *args: False)
-    assert resolve_grouped_mm_backend("auto", torch.device("cuda"), torch.float32) == "loop"
+    monkeypatch.setattr(registry, "native_grouped_mm_supported", lambda *args: native)
+    monkeypatch.setattr(registry, "_cuda_capability", lambda index: capability)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert registry.auto_grouped_mm_backend(torch.device("cuda"), dtype, capability=capability) == expected
+        assert resolve_grouped_mm_backend("auto", torch.device("cuda:0"), dtype) == expected
+    # fp32 stays on the torch path unless asked for (the kernels' fp32 path is exact, not fast)
+    assert resolve_grouped_mm_backend("auto", torch.device("cuda"), torch.float32) == ("grouped_mm" if native else "loop")
+    assert resolve_grouped_mm_backend("triton", torch.device("cuda"), torch.float32) == "triton"
     with pytest.raises(ValueError, match="backend='triton'.*float64"):
         resolve_grouped_mm_backend("triton", torch.device("cuda"), torch.float64)
 
@@ -649,93 +666,3 @@ def test_bench_script_tiny_cpu_smoke():
         del sys.modules[spec.name]
     rows = bench.main(["--device", "cpu", "--tiny"])
     assert rows and all(r["ms"] > 0 for r in rows)
-
-
-# ------------------------------------------------------------------------------------------
-# full size on a GPU
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_gpu_grouped_ffn_full_size(activation):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    E, D, H, R = 8, 1024, 1408, 8191
-    gated = activation == "swiglu"
-    counts = torch.tensor([2000, 0, 1, 3000, 190, 1000, 2000, 0], device="cuda")
-    counts[0] += R - int(counts.sum())
-    kw = dict(device="cuda", generator=gen)
-    x = torch.randn(R, D, **kw).bfloat16().requires_grad_(True)
-    w_in = (torch.randn(E, D, 2 * H if gated else H, **kw) * D**-0.5).bfloat16().requires_grad_(True)
-    w_out = (torch.randn(E, H, D, **kw) * H**-0.5).bfloat16().requires_grad_(True)
-    y = mt.grouped_ffn_triton(x, counts, w_in, w_out, activation=activation)
-    y_ref = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="loop")
-    assert_kernel_close(y, y_ref, torch.bfloat16, "y")
-    g = torch.randn(R, D, **kw).bfloat16()
-    for a, b in zip(torch.autograd.grad(y, (x, w_in, w_out), g), torch.autograd.grad(y_ref, (x, w_in, w_out), g)):
-        assert_kernel_close(a, b, torch.bfloat16, "grad")
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("E,empty", [(64, 40), (256, 200)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_gpu_grouped_ffn_odd_sizes_many_empty_experts(E, empty, dtype, activation):
-    """D=1000, H=1400 (not multiples of any tile: K, N and row tails in every GEMM), most
-    experts empty, transposed (Hugging Face [E, F, D] / [E, D, H]) weight views, bf16 and fp16;
-    plus the grouped GEMM alone and offsets the kernels must clamp (offs_E[-1] != R)."""
-    gen = torch.Generator(device="cuda").manual_seed(E)
-    D, H, R = 1000, 1400, 3001
-    gated = activation == "swiglu"
-    F = 2 * H if gated else H
-    counts = random_counts(torch.Generator().manual_seed(E), E, R, empty).cuda()
-    kw = dict(device="cuda", generator=gen)
-    x = torch.randn(R, D, **kw).to(dtype).requires_grad_(True)
-    w_in_EFD = (torch.randn(E, F, D, **kw) * D**-0.5).to(dtype).requires_grad_(True)
-    w_out_EDH = (torch.randn(E, D, H, **kw) * H**-0.5).to(dtype).requires_grad_(True)
-    w_in, w_out = w_in_EFD.transpose(1, 2), w_out_EDH.transpose(1, 2)  # strided views
-    y = mt.grouped_ffn_triton(x, counts, w_in, w_out, activation=activation)
-    y_ref = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="loop")
-    assert_kernel_close(y, y_ref, dtype, "y")
-    g = torch.randn(R, D, **kw).to(dtype)
-    params = (x, w_in_EFD, w_out_EDH)
-    got, ref = torch.autograd.grad(y, params, g), torch.autograd.grad(y_ref, params, g)
-    for name, a, b in zip(("x", "w_in", "w_out"), got, ref):
-        assert_kernel_close(a, b, dtype, f"grad {name}")
-    assert torch.all(got[1][counts == 0] == 0) and torch.all(got[2][counts == 0] == 0)
-    offs = torch.cumsum(counts, 0)
-    y_mm = mt.grouped_mm_triton(x, w_in, offs)
-    assert_kernel_close(y_mm, grouped_mm_loop(x, w_in, offs), dtype, "grouped_mm")
-    # GPU offsets are not checked: past R they are cut at R, short of R the tail rows are zeros
-    short, long_ = offs.clamp(max=R - 7), offs.clone()  # (the last experts may be empty)
-    long_[-1] += 500
-    y_short = torch.ops.moeflow.grouped_mm(x, w_in, short)
-    assert torch.equal(y_short[R - 7 :], torch.zeros_like(y_short[R - 7 :]))
-    torch.testing.assert_close(y_short[: R - 7], y_mm[: R - 7])
-    torch.testing.assert_close(torch.ops.moeflow.grouped_mm(x, w_in, long_), y_mm)
-    torch.cuda.synchronize()
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_routing_slots_permute_full_size():
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    T, E, K, D = 16384, 256, 8, 2048
-    logits = torch.randn(T, E, device="cuda", generator=gen)
-    w, ids, s = mt.fused_topk_routing(logits, top_k=K, scoring="sigmoid", normalize_topk=True)
-    w_ref, ids_ref, _ = select_experts(logits, top_k=K, scoring="sigmoid", normalize_topk=True)
-    # 4M sigmoid scores hold exact ties, which the two may order differently: ids must agree
-    # wherever the picked scores differ
-    differ = ids != ids_ref
-    assert torch.equal(s.gather(1, ids)[differ], s.gather(1, ids_ref)[differ])
-    assert_kernel_close(w, w_ref, torch.float32, "weights")
-    pos, counts, _ = mt.assign_positions(ids, E, capacity=None, choice_major=True)
-    pos_ref, counts_ref, _ = mt.assign_positions_reference(ids[:512], E, choice_major=False)
-    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=E))
-    assert torch.equal(mt.assign_positions(ids[:512], E, choice_major=False)[0], pos_ref)
-    row_A = (torch.cumsum(counts, 0) - counts)[ids.reshape(-1)] + mt.assign_positions(ids, E, choice_major=False)[0]
-    assign_M = torch.empty_like(row_A).scatter_(0, row_A, torch.arange(T * K, device="cuda"))
-    x = torch.randn(T, D, device="cuda", generator=gen).bfloat16()
-    x_MD = mt.permute_rows(x, assign_M // K, None, row_A.view(T, K), None)
-    assert torch.equal(x_MD, x[assign_M // K])

@@ -1,0 +1,343 @@
+"""What only a GPU can show: the compiled Triton kernels at full size, moeflow's defaults on
+CUDA, expert parallelism and the rest of ``moeflow.parallel`` over NCCL, and the trainer on CUDA.
+
+Every test is ``@pytest.mark.gpu`` and skipped without CUDA (CI has none); on a GPU machine
+``pytest -m gpu tests`` runs them, and ``python bench/gpu_check.py`` runs that among its stages.
+The kernels here must run compiled: with CUDA present ``conftest.py`` leaves the Triton
+interpreter off, and the first test fails if it is on.
+
+The NCCL tests run on as many ranks as there are GPUs (at most 2; one GPU gives a 1-rank group,
+which still sends every tensor through NCCL: a CPU tensor in a collective fails there) and
+compare with the single process, in fp64 like the gloo tests, plus a bf16 case on the fast path.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import moeflow
+from moeflow import RouterConfig
+from moeflow.experts.ffn import grouped_ffn
+from moeflow.kernels import grouped_mm_loop, resolve_grouped_mm_backend
+
+from helpers import assert_close_rel, check_equivalence, needs_cuda, random_counts, seeded_layer, spawn_ranks
+
+pytestmark = [pytest.mark.gpu, needs_cuda]
+
+REPO = Path(__file__).resolve().parents[1]
+
+# relative tolerance of a kernel vs the reference at the same precision
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def assert_kernel_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """``assert_close_rel`` at ``dtype``'s tolerance, relative to the largest reference magnitude."""
+    assert_close_rel(actual, expected, TOL[dtype], what, floor=1e-6, same_dtype=False)
+
+
+def _nccl_world() -> int:
+    return max(1, min(2, torch.cuda.device_count()))
+
+
+# ------------------------------------------------------------------------------------------
+# compiled kernels
+
+
+@pytest.mark.reference
+def test_triton_kernels_run_compiled_not_interpreted():
+    """A GPU run must test the compiled kernels: the interpreter is off and every kernel of
+    ``moeflow.kernels.triton`` is a compiled ``JITFunction``, and one of them runs on CUDA."""
+    pytest.importorskip("triton")
+    from moeflow.kernels import triton as mt
+    from moeflow.kernels.triton import grouped_gemm_kernels, permute, routing, slots
+
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "TRITON_INTERPRET is set in a GPU test run"
+    assert not mt.interpreter_active()
+    kinds = {type(v).__name__ for m in (permute, slots, routing, grouped_gemm_kernels) for v in vars(m).values()
+             if type(v).__name__ in ("JITFunction", "InterpretedFunction")}
+    assert kinds == {"JITFunction"}, kinds
+    x, w = torch.randn(10, 32, device="cuda"), torch.randn(2, 32, 16, device="cuda")
+    offs = torch.tensor([4, 10], device="cuda")
+    torch.testing.assert_close(mt.grouped_mm_triton(x, w, offs), grouped_mm_loop(x, w, offs), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_grouped_ffn_full_size(activation):
+    pytest.importorskip("triton")
+    from moeflow.kernels import triton as mt
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E, D, H, R = 8, 1024, 1408, 8191
+    gated = activation == "swiglu"
+    counts = torch.tensor([2000, 0, 1, 3000, 190, 1000, 2000, 0], device="cuda")
+    counts[0] += R - int(counts.sum())
+    kw = dict(device="cuda", generator=gen)
+    x = torch.randn(R, D, **kw).bfloat16().requires_grad_(True)
+    w_in = (torch.randn(E, D, 2 * H if gated else H, **kw) * D**-0.5).bfloat16().requires_grad_(True)
+    w_out = (torch.randn(E, H, D, **kw) * H**-0.5).bfloat16().requires_grad_(True)
+    y = mt.grouped_ffn_triton(x, counts, w_in, w_out, activation=activation)
+    y_ref = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="loop")
+    assert_kernel_close(y, y_ref, torch.bfloat16, "y")
+    g = torch.randn(R, D, **kw).bfloat16()
+    for a, b in zip(torch.autograd.grad(y, (x, w_in, w_out), g), torch.autograd.grad(y_ref, (x, w_in, w_out), g)):
+        assert_kernel_close(a, b, torch.bfloat16, "grad")
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("E,empty", [(64, 40), (256, 200)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_grouped_ffn_odd_sizes_many_empty_experts(E, empty, dtype, activation):
+    """D=1000, H=1400 (not multiples of any tile: K, N and row tails in every GEMM), most
+    experts empty, transposed (Hugging Face [E, F, D] / [E, D, H]) weight views, bf16 and fp16;
+    plus the grouped GEMM alone and offsets the kernels must clamp (offs_E[-1] != R)."""
+    pytest.importorskip("triton")
+    from moeflow.kernels import triton as mt
+
+    gen = torch.Generator(device="cuda").manual_seed(E)
+    D, H, R = 1000, 1400, 3001
+    gated = activation == "swiglu"
+    F = 2 * H if gated else H
+    counts = random_counts(torch.Generator().manual_seed(E), E, R, empty).cuda()
+    kw = dict(device="cuda", generator=gen)
+    x = torch.randn(R, D, **kw).to(dtype).requires_grad_(True)
+    w_in_EFD = (torch.randn(E, F, D, **kw) * D**-0.5).to(dtype).requires_grad_(True)
+    w_out_EDH = (torch.randn(E, D, H, **kw) * H**-0.5).to(dtype).requires_grad_(True)
+    w_in, w_out = w_in_EFD.transpose(1, 2), w_out_EDH.transpose(1, 2)  # strided views
+    y = mt.grouped_ffn_triton(x, counts, w_in, w_out, activation=activation)
+    y_ref = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="loop")
+    assert_kernel_close(y, y_ref, dtype, "y")
+    g = torch.randn(R, D, **kw).to(dtype)
+    params = (x, w_in_EFD, w_out_EDH)
+    got, ref = torch.autograd.grad(y, params, g), torch.autograd.grad(y_ref, params, g)
+    for name, a, b in zip(("x", "w_in", "w_out"), got, ref):
+        assert_kernel_close(a, b, dtype, f"grad {name}")
+    assert torch.all(got[1][counts == 0] == 0) and torch.all(got[2][counts == 0] == 0)
+    offs = torch.cumsum(counts, 0)
+    y_mm = mt.grouped_mm_triton(x, w_in, offs)
+    assert_kernel_close(y_mm, grouped_mm_loop(x, w_in, offs), dtype, "grouped_mm")
+    # GPU offsets are not checked: past R they are cut at R, short of R the tail rows are zeros
+    short, long_ = offs.clamp(max=R - 7), offs.clone()  # (the last experts may be empty)
+    long_[-1] += 500
+    y_short = torch.ops.moeflow.grouped_mm(x, w_in, short)
+    assert torch.equal(y_short[R - 7 :], torch.zeros_like(y_short[R - 7 :]))
+    torch.testing.assert_close(y_short[: R - 7], y_mm[: R - 7])
+    torch.testing.assert_close(torch.ops.moeflow.grouped_mm(x, w_in, long_), y_mm)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.reference
+def test_routing_slots_permute_full_size():
+    pytest.importorskip("triton")
+    from moeflow.kernels import triton as mt
+    from moeflow.routing import select_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T, E, K, D = 16384, 256, 8, 2048
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    w, ids, s = mt.fused_topk_routing(logits, top_k=K, scoring="sigmoid", normalize_topk=True)
+    w_ref, ids_ref, _ = select_experts(logits, top_k=K, scoring="sigmoid", normalize_topk=True)
+    # 4M sigmoid scores hold exact ties, which the two may order differently: ids must agree
+    # wherever the picked scores differ
+    differ = ids != ids_ref
+    assert torch.equal(s.gather(1, ids)[differ], s.gather(1, ids_ref)[differ])
+    assert_kernel_close(w, w_ref, torch.float32, "weights")
+    pos, counts, _ = mt.assign_positions(ids, E, capacity=None, choice_major=True)
+    pos_ref, counts_ref, _ = mt.assign_positions_reference(ids[:512], E, choice_major=False)
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=E))
+    assert torch.equal(mt.assign_positions(ids[:512], E, choice_major=False)[0], pos_ref)
+    row_A = (torch.cumsum(counts, 0) - counts)[ids.reshape(-1)] + mt.assign_positions(ids, E, choice_major=False)[0]
+    assign_M = torch.empty_like(row_A).scatter_(0, row_A, torch.arange(T * K, device="cuda"))
+    x = torch.randn(T, D, device="cuda", generator=gen).bfloat16()
+    x_MD = mt.permute_rows(x, assign_M // K, None, row_A.view(T, K), None)
+    assert torch.equal(x_MD, x[assign_M // K])
+
+
+# ------------------------------------------------------------------------------------------
+# defaults on CUDA
+
+
+@pytest.mark.reference
+def test_default_experts_backend_is_the_measured_fastest_and_correct():
+    """``backend="auto"`` on this GPU: torch's grouped GEMM on Hopper and later, Triton before
+    (``moeflow.kernels.grouped_mm``); the default layer equals the per-expert loop."""
+    major, _ = torch.cuda.get_device_capability()
+    chosen = resolve_grouped_mm_backend("auto", torch.device("cuda"), torch.bfloat16, (1024, 2816, 1408))
+    assert chosen == ("grouped_mm" if major >= 9 else "triton"), (torch.cuda.get_device_name(), chosen)
+    torch.manual_seed(0)
+    layer = moeflow.MoE(dim=1024, hidden=1408, num_experts=8, top_k=2, capacity_factor=0, device="cuda",
+                        dtype=torch.bfloat16)
+    loop = copy.deepcopy(layer)
+    loop.experts.config = dataclasses.replace(layer.experts.config, backend="loop")
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    y, y_ref = layer(x), loop(x)
+    assert_kernel_close(y, y_ref, torch.bfloat16, "default layer vs loop")
+    grads = torch.autograd.grad(y, [x, *layer.parameters()], g)
+    grads_ref = torch.autograd.grad(y_ref, [x, *loop.parameters()], g)
+    for a, b in zip(grads, grads_ref):
+        assert_kernel_close(a, b, torch.bfloat16, "grad")
+
+
+# ------------------------------------------------------------------------------------------
+# NCCL
+
+
+def _case_nccl_layer(rank: int, world: int) -> None:
+    """The expert-parallel layer over NCCL against the single process, fp64: capacity modes,
+    pipelining, the data and sharded modes, the two-level exchange, the tuner."""
+    from moeflow.parallel import make_groups
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    E = 4 * world
+    tokens = [11 + 3 * r for r in range(world)]
+    for i, (cf, policy) in enumerate([(1.0, "position"), (0.0, "position"), (-0.8, "score"), (0.5, "bpr")]):
+        layer = seeded_layer(E, 2, cf, policy, seed=10 + i, num_shared_experts=1)
+        check_equivalence(rank, world, layer, tokens, seed=10 + i, what=f"cf={cf} {policy}", device=device)
+    layer = seeded_layer(E, 2, 1.0, "position", seed=20)
+    check_equivalence(rank, world, layer, tokens, seed=20, overlap_degree=2, what="pipelined", device=device)
+    for parallel in ("data", "sharded"):
+        layer = seeded_layer(E, 2, 0.0, "position", seed=21)
+        check_equivalence(rank, world, layer, tokens, seed=21, parallel=parallel, what=parallel, device=device)
+    groups = make_groups(world, node_size=world)
+    layer = seeded_layer(E, 2, 1.0, "position", seed=22)
+    check_equivalence(rank, world, layer, tokens, seed=22, hierarchy=groups.hierarchy, what="two-level", device=device)
+    # the tuner times candidates and reduces the times over the ranks (a MAX all-reduce)
+    layer = seeded_layer(E, 2, 1.0, "position", seed=23)
+    ep = moeflow.parallel.expert_parallel(copy.deepcopy(layer).to(device))
+    x = torch.randn(8, layer.config.dim, dtype=torch.float64, device=device, requires_grad=True)
+    for _ in range(200):
+        ep(x, overlap_degree="auto", parallel="auto").square().sum().backward()
+        if ep.dispatcher.tuner.choices:
+            break
+    assert ep.dispatcher.tuner.choices
+
+
+def _case_nccl_bf16(rank: int, world: int) -> None:
+    """The fast path on the GPU (bf16, the default experts backend, dropless) through NCCL
+    equals the local layer on this rank's rows when the group has one rank."""
+    from moeflow.parallel import expert_parallel
+
+    torch.manual_seed(0)
+    layer = moeflow.MoE(dim=256, hidden=512, num_experts=8, top_k=2, capacity_factor=0, device="cuda",
+                        dtype=torch.bfloat16)
+    ep = expert_parallel(copy.deepcopy(layer))
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(rank))
+    y = ep(x)
+    if world == 1:
+        assert_kernel_close(y, layer(x), torch.bfloat16, "bf16 expert-parallel vs local")
+    y.float().square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ep.parameters())
+
+
+def _case_nccl_model(rank: int, world: int, root: str) -> None:
+    """An MoE GPT with expert and vocabulary parallelism on the GPU over NCCL: logits equal the
+    single process, a training step (global-norm clipping), expert moves with replicas, the
+    load counts' reduction, moeflow's checkpoint and DCP all run, and what they load gives
+    the same logits."""
+    import torch.distributed.checkpoint as dcp
+
+    from moeflow.checkpoint import load_checkpoint, save_checkpoint
+    from moeflow.models import GPTConfig, MoEGPT
+    from moeflow.parallel import (apply_placement, clip_grad_norm_, dcp_state_dict, expert_parallel,
+                                  load_dcp_state_dict, plan_placement, sync_load_counts, vocab_parallel)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    E = 4 * world
+
+    def build() -> MoEGPT:
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=41, dim=16, n_layers=2, n_heads=2, max_seq_len=8, num_experts=E, top_k=2,
+                        expert_hidden=12, router=RouterConfig(load_balance_coef=0.0, bias_update_rate=1e-3))
+        return MoEGPT(cfg, dtype=torch.float64, device=device)
+
+    def parallel(model: MoEGPT) -> MoEGPT:
+        expert_parallel(model)
+        vocab_parallel(model)
+        return model
+
+    gen = torch.Generator().manual_seed(10)
+    idx = torch.randint(0, 41, (2 * world, 8), generator=gen).to(device)
+    tgt = torch.randint(0, 41, (2 * world, 8), generator=gen).to(device)
+    mine = slice(2 * rank, 2 * rank + 2)
+    ref = build()
+    model = parallel(build())
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx[mine]), ref(idx)[mine], rtol=1e-10, atol=1e-10)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    (model.loss(idx[mine], tgt[mine]) + moeflow.aux_loss(model)).backward()
+    norm = clip_grad_norm_(model, 1.0)
+    assert torch.isfinite(norm) and norm.device == device
+    opt.step()
+    sync_load_counts(model, None)
+    moeflow.update_expert_bias(model)
+    model.eval()
+    with torch.no_grad():
+        before = model(idx[mine])
+        layers = moeflow.moe_layers(model)
+        apply_placement(model, [plan_placement([1.0] * (E - 1) + [5.0], world=world, slots_per_rank=E // world + 1)]
+                        * len(layers), opt)
+        torch.testing.assert_close(model(idx[mine]), before, rtol=1e-10, atol=1e-10)
+    save_checkpoint(Path(root) / "moeflow", 1, model, opt)
+    loaded = parallel(build())
+    load_checkpoint(Path(root) / "moeflow", loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-2), restore_rng=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx[mine]), before, rtol=1e-10, atol=1e-10)
+    dcp.save(dcp_state_dict(model, opt), checkpoint_id=f"{root}/dcp")
+    fresh = parallel(build())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = dcp_state_dict(fresh, fresh_opt)
+    dcp.load(state, checkpoint_id=f"{root}/dcp")
+    load_dcp_state_dict(fresh, fresh_opt, state)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(idx[mine]), before, rtol=1e-10, atol=1e-10)
+
+
+CASES = {"nccl_layer": _case_nccl_layer, "nccl_bf16": _case_nccl_bf16, "nccl_model": _case_nccl_model}
+
+
+@pytest.mark.distributed
+def test_expert_parallel_layer_over_nccl_equals_one_process():
+    spawn_ranks(_nccl_world(), __name__, "nccl_layer", backend="nccl")
+
+
+@pytest.mark.distributed
+def test_expert_parallel_bf16_fast_path_over_nccl():
+    spawn_ranks(_nccl_world(), __name__, "nccl_bf16", backend="nccl")
+
+
+@pytest.mark.distributed
+def test_model_training_placement_and_checkpoints_over_nccl(tmp_path):
+    spawn_ranks(_nccl_world(), __name__, "nccl_model", str(tmp_path), backend="nccl")
+
+
+# ------------------------------------------------------------------------------------------
+# the trainer on CUDA
+
+
+@pytest.mark.e2e
+def test_trainer_on_cuda_under_torchrun_trains_and_resumes(tmp_path):
+    """``torchrun -m moeflow train --device cuda`` on one GPU (NCCL), a checkpoint, then
+    ``--resume`` to more steps: the run continues from the checkpoint."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+            "-m", "moeflow", "train", "--device", "cuda", "--preset", "tiny", "--eval-every", "2", "--eval-batches", "1",
+            "--checkpoint-every", "2", "--out", str(tmp_path / "run"), "--no-plot", "--no-progress", "--sample-tokens", "0"]
+    first = subprocess.run([*base, "--steps", "4"], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = subprocess.run([*base, "--steps", "6", "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    history = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert history["step"][-1] == 6
