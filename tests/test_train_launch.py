@@ -3,7 +3,8 @@ flags are refused alike on every rank before any work (rank 0 says why); two tor
 "nodes" of 2 ranks on this machine, c10d rendezvous) train like one process, with the two-level
 exchange; and a rank killed with SIGKILL at a random moment (in a step or in a save) makes
 torchrun restart the ranks, which continue the run from its latest complete checkpoint by
-themselves and end bit for bit where an uninterrupted run ends (fp64)."""
+themselves and end bit for bit where an uninterrupted run ends (fp64); and the launcher of
+``--nproc`` killed with SIGKILL takes its agent and ranks with it."""
 
 from __future__ import annotations
 
@@ -220,6 +221,72 @@ def _killed_run_equals_uninterrupted(tmp_path: Path, kinds: list[str]) -> list[d
           f"{[(t['kind'], t['rank'], t['in_save'], round(t['respawn_s'], 2), round(t['recovery_s'], 2)) for t in trials]}")
     assert any(t["in_save"] for t in trials)
     return trials
+
+
+# ----------------------------------------------------------------------------- the launcher killed
+
+
+def _started_at(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks after boot, /proc/PID/stat field 22), or None
+    when it is gone or a zombie (it has exited, only its parent has not reaped it): with the
+    pid, what tells a recorded process from a later one that got its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _process_tree(pid: int) -> dict[int, int]:
+    """``{pid: start time}`` of process ``pid`` and all its descendants (from /proc)."""
+    tree, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        started = _started_at(p)
+        if started is None:
+            continue
+        tree[p] = started
+        try:
+            todo += [int(c) for t in Path(f"/proc/{p}/task").iterdir() for c in (t / "children").read_text().split()]
+        except OSError:  # it exited meanwhile
+            continue
+    return tree
+
+
+def _alive(tree: dict[int, int]) -> list[int]:
+    return [p for p, started in tree.items() if _started_at(p) == started]
+
+
+@pytest.mark.e2e
+def test_killing_the_launcher_ends_every_process_of_the_job(tmp_path) -> None:
+    """``moeflow train --nproc 2`` killed with SIGKILL once its ranks train: its agent and both
+    ranks go too (they used to train on as orphans, writing checkpoints), within 30 s (about
+    2 s measured on the 2-core VM: the agent's SIGTERM on its launcher's death, torchrun's
+    shutdown of the ranks; the ranks' SIGKILL on the agent's death backs it up)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "moeflow", "train", "--nproc", "2", *_flags(out, 100_000)],
+                            env=TORCHRUN_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tree: dict[int, int] = {}
+    try:
+        _wait("the ranks' first step", lambda: (out / "history.json").exists(), proc)  # rank 0 writes it after a step
+        tree = _process_tree(proc.pid)
+        assert len(rank_pids(proc.pid)) == 2 and len(tree) >= 4, tree  # launcher, agent, 2 ranks
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 30.0
+        while _alive(tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(tree), f"still running after the launcher was killed: {_alive(tree)} of {tree}"
+    finally:
+        tree.update(_process_tree(proc.pid))  # (still the whole tree if a step above failed)
+        proc.kill()
+        proc.wait()
+        for pid in _alive(tree):  # never leave a process behind, whatever failed above
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.e2e

@@ -26,7 +26,9 @@ def error(args: argparse.Namespace, message: object) -> None:
 
 
 def start_ranks(args: argparse.Namespace) -> int:
-    """``--nproc N``: ``torchrun --nproc-per-node N -m moeflow train`` with the other flags."""
+    """``--nproc N``: ``torchrun --nproc-per-node N -m moeflow train`` with the other flags. The
+    job goes with this process, even one killed with SIGKILL: its agent and ranks arm their
+    death with their parent (``run_torchrun``, ``moeflow.parallel.launch.die_with_parent``)."""
     from moeflow.parallel.launch import run_torchrun
 
     launcher = argparse.ArgumentParser(add_help=False)  # the flags of this process, not of the ranks
@@ -114,4 +116,5 @@ def summarize(history: dict, cfg, args: argparse.Namespace) -> None:  # type: ig
         print(f"plot: {cfg.out_dir / 'training.png'}")
     if args.sample_tokens > 0:
         print(f"\nsample ({args.sample_tokens} tokens, temperature 0.8, top-k 40):")
-        print(sample(history["checkpoint"], args.prompt.replace("\\n", "\n"), args.sample_tokens, 0.8, 40, args.seed))
+        print(sample(history["checkpoint"], args.prompt.replace("\\n", "\n"), args.sample_tokens, 0.8, 40, args.seed,
+                     device=cfg.device))  # on the run's device (its GPU under CUDA)

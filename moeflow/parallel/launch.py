@@ -12,15 +12,25 @@
   avoids that: rank 0 hosts a new store for each attempt and announces it in the job's store;
   ``moeflow.parallel.init_distributed`` builds the process group on it.
 - ``run_torchrun`` starts a module on N local ranks (the CLI's ``--nproc`` commands).
+- ``die_with_parent`` / ``die_with_agent``: no process of a job outlives what started it. The
+  launcher starts torchrun's agent (``moeflow.parallel.agent``), which starts the ranks, each in
+  a session of its own; a launcher killed with SIGKILL used to leave the agent and every rank
+  running as orphans, still training and writing checkpoints (and on a GPU machine holding its
+  memory). Now the agent gets SIGTERM when the launcher dies (torchrun's own shutdown then stops
+  its ranks) and a rank gets SIGKILL when its agent dies (an agent killed outright shuts nothing
+  down).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -28,11 +38,18 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["TorchrunJob", "attempt_store", "free_port", "job_store", "run_torchrun", "torchrun_job"]
+__all__ = ["AGENT_PID", "TorchrunJob", "attempt_store", "die_with_agent", "die_with_parent", "free_port", "job_store",
+           "run_torchrun", "torchrun_job"]
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _ANNOUNCE = "moeflow/attempt-store"  # in the job's store: "PORT TOKEN" of this attempt's store
 _TOKEN = "moeflow/attempt-token"  # in the attempt's store: the TOKEN rank 0 announced
+# Set by moeflow's agent for the ranks it starts (torchrun passes its environment on): its pid,
+# so that a rank can tell whether the agent died before the rank armed its death signal. Not a
+# switch: a rank of any torchrun agent goes with it; this only closes that race.
+AGENT_PID = "MOEFLOW_AGENT_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_POLL_PARENT_S = 0.5  # where prctl is missing: how often the fallback thread looks at the parent
 
 
 @dataclass(frozen=True)
@@ -145,6 +162,84 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> str:
+    """Have this process get ``sig`` as soon as its parent, process ``parent_pid``, dies; returns
+    how: ``"prctl"`` or ``"poll"``. (Why: see the module docstring.)
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, sig)`` (through ctypes), the kernel's own notice, which
+    even a stopped process gets when ``sig`` is SIGKILL. Two catches, handled so:
+
+    - The race. A parent that died before this call has left this process to another parent
+      (init or a subreaper), and the signal would wait for *that* one's death. Hence the
+      expected parent comes in as an argument, not from ``os.getppid()`` here: after setting
+      the signal, ``os.getppid()`` is compared with it, and if they differ this process sends
+      itself ``sig`` at once, as the kernel would have.
+    - The kernel fires it when the parent *thread* that started this process exits, not the
+      parent process. The parent must start it from a thread that outlives it: ``run_torchrun``
+      waits for the agent in the thread that started it, and torchrun starts its ranks from its
+      main thread.
+
+    The setting is not inherited by this process's children (each arms its own). Where there
+    is no ``prctl`` (not Linux, or the call fails), a daemon thread compares ``os.getppid()``
+    with ``parent_pid`` every 0.5 s and sends ``sig`` when they differ (a reparented process:
+    its parent died). Raises ``ValueError``/``TypeError`` naming a bad argument."""
+    if isinstance(parent_pid, bool) or not isinstance(parent_pid, int):
+        raise TypeError(f"parent_pid must be an int, got {type(parent_pid).__name__}")
+    if parent_pid < 1:
+        raise ValueError(f"parent_pid must be a process id >= 1, got {parent_pid}")
+    if isinstance(sig, bool) or not isinstance(sig, int):
+        raise TypeError(f"sig must be a signal number, got {type(sig).__name__}")
+    if sig not in set(signal.valid_signals()):
+        raise ValueError(f"sig must be a valid signal number, got {sig}")
+    how = "prctl" if _set_pdeathsig(int(sig)) else "poll"
+    if how == "poll":
+        threading.Thread(target=_watch_parent, args=(parent_pid, int(sig)), name="moeflow-parent-watch",
+                         daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before the signal was armed: what the kernel would have done
+        os.kill(os.getpid(), sig)
+    return how
+
+
+def die_with_agent(job: TorchrunJob) -> str | None:
+    """A rank of a torchrun job (``job``) goes when its torchrun agent goes: SIGKILL (the agent
+    that would have stopped it is gone, so nothing is left to wait for; a rank that is stopped
+    or hung dies too). ``None`` (nothing armed) for a process no torchrun agent started (no
+    ``TORCHELASTIC_RUN_ID``: a launcher of its own, whose lifetime is its business).
+
+    The agent is this process's parent: torchrun starts its ranks itself. moeflow's agent
+    passes its pid (``AGENT_PID``), which closes the race of ``die_with_parent``; under
+    ``torchrun`` itself the parent at this call is taken (a rank whose agent died earlier still
+    fails on its own, at the latest when it cannot reach the agent's store). The variable is
+    taken out of this process's environment, so its own children never inherit a stale pid."""
+    if job.run_id is None:
+        return None
+    told = os.environ.pop(AGENT_PID, None)
+    try:
+        agent = int(told) if told is not None else os.getppid()
+    except ValueError:
+        raise ValueError(f"{AGENT_PID}={told!r} in the environment is not a process id") from None
+    return die_with_parent(agent, signal.SIGKILL)
+
+
+def _set_pdeathsig(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)``; False where it is not available or fails."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(sig), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                          ctypes.c_ulong(0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int, sig: int) -> None:
+    """The fallback of ``die_with_parent``: ``sig`` to this process once it has another parent."""
+    while os.getppid() == parent_pid:
+        time.sleep(_POLL_PARENT_S)
+    os.kill(os.getpid(), sig)
+
+
 def run_torchrun(
     module: str, args: list[str], *, nproc: int, threads: int, stream: bool = False, max_restarts: int = 0
 ) -> subprocess.CompletedProcess:
@@ -154,10 +249,14 @@ def run_torchrun(
     ``max_restarts``: torchrun restarts the ranks that often after a failure. The job gets a
     rendezvous id of its own (``--rdzv-id``, the ranks' ``TORCHELASTIC_RUN_ID``; torchrun's
     default is ``"none"`` for every job), by which its restarts know what it started. torchrun
-    runs through ``moeflow.parallel.agent`` (no traceback of its own when a rank fails). Raises
-    ``RuntimeError`` (with the tail of the captured output) if it fails."""
+    runs through ``moeflow.parallel.agent`` (no traceback of its own when a rank fails), which is
+    told this process's pid: it, and through it every rank, dies when this process dies
+    (``die_with_parent``; this call waits for the agent in the thread that started it, as the
+    parent-death signal needs). Raises ``RuntimeError`` (with the tail of the captured output)
+    if it fails."""
     cmd = [
-        sys.executable, "-m", "moeflow.parallel.agent", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        sys.executable, "-m", "moeflow.parallel.agent", f"--parent-pid={os.getpid()}", f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--rdzv-id={uuid.uuid4().hex}", "-m", module, *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}

@@ -3,6 +3,8 @@ every node, or ``moeflow train --nproc N ARGS``, which starts exactly that on th
 
 Every rank calls ``run_rank(cfg, job)``, which
 
+0. arms its death with its torchrun agent (``die_with_agent``: SIGKILL when the agent dies, so
+   a rank never trains on, writes checkpoints or holds a GPU as an orphan);
 1. builds the process group (``init_distributed``, every collective bounded by
    ``cfg.collective_timeout_s``; restart-safe) and watches the other ranks' heartbeats for the
    whole run (``cfg.stall_timeout_s``);
@@ -38,7 +40,7 @@ from pathlib import Path
 from moeflow.parallel import init_distributed, shutdown_distributed
 from moeflow.parallel.comm import gather_objects
 from moeflow.parallel.heartbeat import Heartbeat
-from moeflow.parallel.launch import TorchrunJob, job_store
+from moeflow.parallel.launch import TorchrunJob, die_with_agent, job_store
 from moeflow.train.lm import train_lm
 from moeflow.train.lm_checkpoint import RunState, claim_run, claimed_by, inspect_run, on_rank0
 from moeflow.train.lm_config import LMTrainConfig
@@ -56,7 +58,10 @@ def run_rank(cfg: LMTrainConfig, job: TorchrunJob,
     earlier attempt of this job claimed ``out_dir``). Returns the history, or None when
     ``--resume`` found the run finished (nothing trained, no file touched). Refusals raise
     ``ValueError`` on every rank, before any training work."""
-    init_distributed(timeout_s=cfg.collective_timeout_s)
+    die_with_agent(job)
+    # the backend follows the ranks' device, not the machine: --device cpu on a GPU machine is gloo
+    cuda = str(cfg.device).startswith("cuda")
+    init_distributed("nccl" if cuda else "gloo", timeout_s=cfg.collective_timeout_s)
     try:
         with Heartbeat(interval_s=min(1.0, cfg.stall_timeout_s / 4), timeout_s=cfg.stall_timeout_s):
             node_size = _node_size(cfg, job)
