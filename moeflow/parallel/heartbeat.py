@@ -1,15 +1,40 @@
 """Stall detection for a job of ranks: a rank that stops (SIGSTOP, a hung host, a debugger)
 is named within a bounded time instead of leaving the others waiting for the collective timeout.
 
-Every rank runs a daemon thread that writes a beat into the job's key-value store (the c10d
-store torchrun's rendezvous provides, reached at ``MASTER_ADDR:MASTER_PORT``) every
-``interval_s`` and reads every other rank's. A rank whose beat has not changed for
-``timeout_s`` is reported on stderr (``rank R has not sent a heartbeat for S s``) and the watching
+Every rank beats into the job's key-value store (the c10d store torchrun's rendezvous provides,
+reached at ``MASTER_ADDR:MASTER_PORT``) every ``interval_s`` and reads every other rank's beat.
+A rank whose last beat is more than ``timeout_s`` old is reported on stderr (``rank R has not
+sent a heartbeat for S s (stall timeout T s ...)``, S the time since that beat) and the watching
 rank exits with status ``EXIT_STALLED``, so torchrun tears the worker group down and, with
-``--max-restarts``, restarts it. A beat is a counter, so clocks need not agree across hosts.
-torchrun's store outlives restarts, so every attempt beats under keys of its own: a random
-prefix that rank 0 draws and broadcasts (torchrun's restart count cannot serve: it is kept per
-node and can differ between nodes).
+``--max-restarts``, restarts it. So is a store that stops answering for ``timeout_s`` (the
+process that serves it is stopped or hung: every beat goes through it). torchrun's store
+outlives restarts, so every attempt beats under keys of its own: a random prefix that rank 0
+draws and broadcasts (torchrun's restart count cannot serve: it is kept per node and can differ
+between nodes).
+
+When the report comes. A beat is ``"COUNT STAMP"``: a counter and the beating rank's
+``time.monotonic()``. Clocks need not agree across hosts, only tick alike: the watcher learns
+each peer's clock offset as the smallest ``(when a beat was read) - STAMP`` over its recent
+reads, so it dates a peer's last beat in its own clock never earlier than it happened and
+close to it, even when it reads that beat late. Dating it by when it was read instead (as
+this module did) made the report late by as much as the watcher fell behind: a beat written
+just before the peer stopped and read only after a stall of the watcher's own started the
+timeout anew from that read. What the watching side does is split in two threads, so that
+neither blocks the verdict: one polls the store (a TCPStore ``check`` on a store whose
+server is stopped waits until the server runs again, whatever the client's timeout, measured
+with torch 2.13), the other judges every ``interval_s`` from what was last read (``_Watch``,
+no store or clock of its own: tested with a fake clock). Time in which the watching process
+itself did not run (the whole job stopped and continued, a paused VM) is no evidence against
+a peer: after such a gap a peer is judged only on a read made long enough after it for the
+peer to have beaten again.
+
+Measured (``moeflow train --nproc 2``, one rank stopped with SIGSTOP mid-run, 2-core VM): the
+report comes ``timeout_s`` after that rank's last beat (29.1-29.6 s after the stop with
+``--stall-timeout 30``, 4.1-5.7 s with 5). The job, and ``moeflow train``, end 31-34 s after
+the report (61-62 s after the stop with 30 s): on the watching rank's exit torchrun sends the
+other ranks SIGTERM and waits 30 s before SIGKILL, and a stopped process does not act on
+SIGTERM. That wait is torchrun's, fixed in its failure path (torch 2.13's
+``LocalElasticAgent._stop_workers``; its ``--shutdown-timeout`` flag does not reach it).
 
 It detects a *stopped* process (its beat thread stops too); a rank that is alive but stuck (a
 collective that never matches) keeps beating and is left to the collective timeout
@@ -18,20 +43,128 @@ collective that never matches) keeps beating and is left to the collective timeo
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from moeflow.parallel.comm import broadcast_object
 from moeflow.parallel.launch import job_store
 
-__all__ = ["Heartbeat", "EXIT_STALLED"]
+__all__ = ["Heartbeat", "EXIT_STALLED", "Stall"]
 
 EXIT_STALLED = 75  # the exit status of a rank that gave up on a stalled peer
 _DONE = "done"  # a rank's last beat: it left the watched block
+_OFFSET_SAMPLES = 32  # reads of a peer's beats its clock offset is the minimum over (the clocks may drift apart)
+
+
+@dataclass(frozen=True)
+class Stall:
+    """What the watcher found: ``rank`` sent no heartbeat for ``seconds`` (the time since its
+    last beat, dated as the module docstring says), or (``rank is None``) the job's store at
+    ``store`` answered no read for ``seconds``; ``timeout_s`` is the limit that was set."""
+
+    rank: int | None
+    seconds: float
+    timeout_s: float
+    store: str = "MASTER_ADDR:MASTER_PORT"
+
+    def message(self) -> str:
+        limit = f"stall timeout {self.timeout_s:g} s"
+        if self.rank is None:
+            what = (f"the job's key-value store at {self.store} has not answered for {self.seconds:.1f} s ({limit}; the "
+                    "process that serves it, torchrun's agent or rank 0, is stopped or hung)")
+        else:
+            what = f"rank {self.rank} has not sent a heartbeat for {self.seconds:.1f} s ({limit}; stopped or hung)"
+        return f"moeflow: {what}; this rank gives up so that torchrun can stop the job or restart it"
+
+
+class _Watch:
+    """The watcher's verdicts, apart from any store or clock (times are passed in: this
+    process's ``time.monotonic()``). ``observe`` takes one successful poll of the store (each
+    peer's beat as read; a failed poll is not observed), ``judge(now)`` returns a ``Stall`` or
+    ``None``.
+
+    Per peer it keeps the last beat read and when that beat was written in this clock: its
+    ``STAMP`` plus the peer's clock offset, the smallest ``finished - STAMP`` over the last
+    ``_OFFSET_SAMPLES`` new beats (``finished``: when the poll that read it ended, so never
+    before the beat; the smallest is the least delayed read). A peer that has not beaten yet
+    counts from the start. A peer is stalled when the latest poll, begun at ``read_at``, still
+    found a beat written more than ``timeout_s`` before ``read_at``: then it wrote nothing for
+    that long. The store is stalled when no poll has succeeded for ``timeout_s``.
+
+    Its own gaps: ``judge`` is called every ``interval_s``; a call more than ``2 * interval_s``
+    after the previous one means this process did not run in between (stopped, paused,
+    starved), and peers stopped along with it need a moment to beat again once it runs. So
+    after a gap a peer is judged only on a poll begun ``2 * interval_s`` after the gap's end,
+    and the store's silence counts from that end.
+    """
+
+    def __init__(self, peers: Iterable[int], *, timeout_s: float, interval_s: float, now: float,
+                 store: str = "MASTER_ADDR:MASTER_PORT") -> None:
+        self.timeout_s, self.grace_s, self.store = timeout_s, 2 * interval_s, store
+        # rank -> (its last beat as read, its STAMP or None, when this watcher first read it)
+        self.beats: dict[int, tuple[str, float | None, float]] = {r: ("", None, now) for r in peers}
+        self.offsets: dict[int, collections.deque[float]] = {r: collections.deque(maxlen=_OFFSET_SAMPLES) for r in self.beats}
+        self.read_at = now  # when the latest successful poll began
+        self.answered = now  # when the latest successful poll ended
+        self.ticked = now  # the latest judge call
+        self.resumed = now  # the end of the latest gap in this process's own running (or the start)
+
+    def peers(self) -> list[int]:
+        """The ranks still watched (a rank that left the block is not)."""
+        return list(self.beats)
+
+    def observe(self, beats: Mapping[int, str], started: float, finished: float) -> None:
+        """One successful poll, begun at ``started`` and ended at ``finished``: ``beats[r]`` is
+        rank ``r``'s beat as read (``""``: none yet; ``"done"``: it left the block)."""
+        for r, value in beats.items():
+            if r not in self.beats:
+                continue
+            if value == _DONE:
+                del self.beats[r], self.offsets[r]
+            elif value != self.beats[r][0]:
+                stamp = _stamp(value)
+                if stamp is not None:
+                    self.offsets[r].append(finished - stamp)
+                self.beats[r] = (value, stamp, finished)
+        self.read_at, self.answered = max(self.read_at, started), max(self.answered, finished)
+
+    def last_beat(self, rank: int) -> float:
+        """When rank ``rank`` last beat, in this clock: its stamp plus its offset; for a beat
+        without a stamp (not ``"COUNT STAMP"``), when it was read (late, never early); the
+        start if it has not beaten yet."""
+        _, stamp, read = self.beats[rank]
+        return read if stamp is None else stamp + min(self.offsets[rank])
+
+    def judge(self, now: float) -> Stall | None:
+        if now - self.ticked > self.grace_s:  # this process did not run for a while: a gap
+            self.resumed = now
+        self.ticked = now
+        if self.read_at >= self.resumed + self.grace_s:
+            for r in self.beats:
+                last = self.last_beat(r)
+                if self.read_at - last > self.timeout_s:
+                    return Stall(r, now - last, self.timeout_s, self.store)
+        silent_since = max(self.answered, self.resumed)
+        if now - silent_since > self.timeout_s:
+            return Stall(None, now - self.answered, self.timeout_s, self.store)
+        return None
+
+
+def _stamp(value: str) -> float | None:
+    """The ``STAMP`` of a beat ``"COUNT STAMP"`` (``None`` for anything else)."""
+    parts = value.split()
+    try:
+        return float(parts[1]) if len(parts) == 2 else None
+    except ValueError:
+        return None
 
 
 class Heartbeat:
@@ -40,62 +173,112 @@ class Heartbeat:
     ``rank``/``world``: this rank and the job size (default: the initialised default group's);
     ``key``: a prefix that is new for every attempt of the job (default: a random one that rank
     0 draws and broadcasts to the default group on entering, so a restarted group never reads
-    its predecessor's beats). ``on_stall(rank, seconds)`` replaces the default report-and-exit
-    (tests use it)."""
+    its predecessor's beats). ``on_stall(stall)`` (a ``Stall``) replaces the default: print
+    ``stall.message()`` and exit with ``EXIT_STALLED``. ``store`` replaces the job's store
+    (``job_store``; tests pass a fake one) and ``clock`` ``time.monotonic``."""
 
     def __init__(self, *, interval_s: float = 1.0, timeout_s: float = 30.0, rank: int | None = None,
-                 world: int | None = None, key: str | None = None, on_stall=None) -> None:  # type: ignore[no-untyped-def]
+                 world: int | None = None, key: str | None = None, on_stall: Callable[[Stall], object] | None = None,
+                 store: object | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         for name, value in (("interval_s", interval_s), ("timeout_s", timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if timeout_s < 2 * interval_s:
             raise ValueError(f"timeout_s={timeout_s} must be at least twice interval_s={interval_s}")
+        if on_stall is not None and not callable(on_stall):
+            raise TypeError(f"on_stall must be callable, got {type(on_stall).__name__}")
         self.interval_s, self.timeout_s = float(interval_s), float(timeout_s)
         self.rank = dist.get_rank() if rank is None else rank
         self.world = dist.get_world_size() if world is None else world
         self.key = None if key is None else f"moeflow/heartbeat/{key}"
         self.on_stall = on_stall if on_stall is not None else _report_and_exit
+        self.clock = clock
+        self._store = store
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._store: dist.TCPStore | None = None
+        self._lock = threading.Lock()
+        self._stalled = False
+        self._poller: threading.Thread | None = None
+        self._judging: threading.Thread | None = None
+        self._watch: _Watch | None = None
+        self._beat = 0
 
     def __enter__(self) -> Heartbeat:
         if self.key is None:  # one collective: every rank of the attempt beats under rank 0's prefix
-            drawn = [uuid.uuid4().hex if self.rank == 0 else None]
-            dist.broadcast_object_list(drawn, src=0)
-            self.key = f"moeflow/heartbeat/{drawn[0]}"
-        self._store = job_store(self.timeout_s)
-        self._thread = threading.Thread(target=self._run, args=(self._store,), name="moeflow-heartbeat", daemon=True)
-        self._thread.start()
+            drawn = broadcast_object(uuid.uuid4().hex if self.rank == 0 else None, src=0)
+            self.key = f"moeflow/heartbeat/{drawn}"
+        self._open()
+        self._poller = threading.Thread(target=self._poll_loop, name="moeflow-heartbeat", daemon=True)
+        self._judging = threading.Thread(target=self._judge_loop, name="moeflow-heartbeat-judge", daemon=True)
+        self._poller.start()
+        self._judging.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * self.interval_s)
-        if self._store is not None:  # a rank that left the block is not watched any more
+        for thread in (self._poller, self._judging):
+            if thread is not None:
+                thread.join(timeout=2 * self.interval_s)
+        # a rank that left the block is not watched any more; unless the poll is stuck in the
+        # store (it does not answer: this write could wait as long, and nobody reads it anyway)
+        if self._poller is not None and not self._poller.is_alive():
             self._store.set(f"{self.key}/{self.rank}", _DONE)
 
-    def _run(self, store: dist.TCPStore) -> None:
-        beat = 0
-        seen = {r: ("", time.monotonic()) for r in range(self.world) if r != self.rank}  # rank -> (beat, when it changed)
-        while not self._stop.wait(self.interval_s if beat else 0.0):
-            beat += 1
-            store.set(f"{self.key}/{self.rank}", str(beat))
-            now = time.monotonic()
-            for r, (last, since) in list(seen.items()):
+    def _open(self) -> None:
+        """The store and the watch (``__enter__``, once the key is known; tests call it to drive
+        ``poll`` and ``judge`` themselves, without the threads)."""
+        if self.key is None:
+            raise RuntimeError("Heartbeat._open needs the key: enter the block (or pass key=...)")
+        if self._store is None:
+            self._store = job_store(self.timeout_s)
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        self._watch = _Watch([r for r in range(self.world) if r != self.rank], timeout_s=self.timeout_s,
+                             interval_s=self.interval_s, now=self.clock(), store=where)
+
+    # ------------------------------------------------------------------ the two threads
+
+    def poll(self) -> None:
+        """One poll: write this rank's next beat, read the others' and hand them to the
+        watch. A store that fails (refused, reset: its server is gone) is a missed poll; the
+        judge counts the store's silence. Called by the polling thread every ``interval_s``."""
+        self._beat += 1
+        try:
+            self._store.set(f"{self.key}/{self.rank}", f"{self._beat} {self.clock()!r}")
+            started = self.clock()
+            beats = {}
+            with self._lock:
+                peers = self._watch.peers()
+            for r in peers:
                 key = f"{self.key}/{r}"
-                value = store.get(key).decode() if store.check([key]) else ""
-                if value == _DONE:
-                    del seen[r]
-                elif value != last:
-                    seen[r] = (value, now)
-                elif now - since > self.timeout_s and not self._stop.is_set():
-                    self.on_stall(r, now - since)
-                    return
+                beats[r] = self._store.get(key).decode() if self._store.check([key]) else ""
+            finished = self.clock()
+        except (RuntimeError, OSError):  # torch's DistStoreError and DistNetworkError are RuntimeErrors
+            return
+        with self._lock:
+            self._watch.observe(beats, started, finished)
+
+    def judge(self) -> None:
+        """One verdict from what was last read; a stall is reported once (``on_stall``), unless
+        the block is being left. Called by the judging thread every ``interval_s``."""
+        with self._lock:
+            if self._stalled or self._watch is None:
+                return
+            stall = self._watch.judge(self.clock())
+            if stall is None or self._stop.is_set():
+                return
+            self._stalled = True
+        self.on_stall(stall)
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            self.poll()
+            self.judge()  # at once on fresh evidence; the judging thread covers a poll stuck in the store
+            self._stop.wait(self.interval_s)
+
+    def _judge_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.judge()
 
 
-def _report_and_exit(rank: int, seconds: float) -> None:
-    print(f"moeflow: rank {rank} has not sent a heartbeat for {seconds:.0f} s (stopped or hung); this rank "
-          f"gives up so that torchrun can stop the job or restart it", file=sys.stderr, flush=True)
+def _report_and_exit(stall: Stall) -> None:
+    print(stall.message(), file=sys.stderr, flush=True)
     os._exit(EXIT_STALLED)
