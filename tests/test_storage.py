@@ -623,6 +623,65 @@ def test_failed_prefetch_nobody_waits_for_is_raised_by_close(monkeypatch, gen):
     assert store._closed
 
 
+def test_close_after_a_reported_load_failure_does_not_raise_it_again(monkeypatch, gen):
+    """Ring, prefetch 1: layer 1's load fails and ``acquire(1)`` raises it; layer 2's prefetch,
+    queued behind it in the same call, fails too. The caller was told (the second failure is a
+    note on the first), so ``close`` raises nothing; the slot of the failed prefetch is
+    forgotten (read again, and fails again, when asked for)."""
+    model = tiny_gpt(n_layers=4).eval()
+    store = offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", fast_memory=2 * layer_bytes(model)))
+    # 2 reads per layer: acquire(0) reads layer 0 (0, 1) and prefetches layer 1 (2, 3); acquire(1)
+    # prefetches layer 2 (4, 5) into the slot layer 0 left, then waits for layer 1
+    calls = _fail_reads(monkeypatch, {3, 5})
+    try:
+        store.acquire(0)
+        store.release(0)
+        with pytest.raises(OSError, match="injected read failure #3") as info:
+            store.acquire(1)
+        assert any("injected read failure #5" in note for note in info.value.__notes__)
+        assert calls[0] == 6 and store._loading == {} and store._orphans == []
+        assert 2 not in store._layer_slot and not any(store._slot_busy)
+    finally:
+        store.close()  # raises nothing: both failures were reported
+    assert store._closed
+
+
+def test_cache_failures_of_one_call_are_reported_once(monkeypatch, gen):
+    """Cache: three experts of one call, the first and the third fail; the call raises the first
+    with the third as a note, keeps the second (loaded fine), and ``close`` raises nothing."""
+    model = tiny_gpt(n_layers=2).eval()
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    store = offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", mode="cache", fast_memory=4 * per_expert,
+                                                                prefetch=0))
+    _fail_reads(monkeypatch, {0, 4})  # 2 reads per expert: experts 0 (0, 1), 1 (2, 3), 2 (4, 5)
+    try:
+        with pytest.raises(OSError, match="injected read failure #0") as info:
+            store.acquire_experts(0, [0, 1, 2], prefetch=False)
+        assert [n for n in info.value.__notes__ if "injected" in n] == [
+            "another load of this store failed too: OSError('injected read failure #4')"]
+        assert list(store._cache) == [(0, 1)]  # the good load stays; the failed ones are forgotten
+        store.release_workspace(store.acquire_experts(0, [1], prefetch=False))
+        assert store.stats.hits == 1
+    finally:
+        store.close()
+    assert store._closed
+
+
+def test_leaving_with_on_an_error_keeps_an_unseen_failure_as_a_note(monkeypatch, gen):
+    """A failed prefetch nobody waited for, then another error leaves ``with store:``: that error
+    propagates (not the prefetch's), carrying the prefetch's failure as a note, not losing it."""
+    model = tiny_gpt(n_layers=4).eval()
+    store = offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", fast_memory=2 * layer_bytes(model)))
+    _fail_reads(monkeypatch, {3})  # layer 1's (prefetched) second tensor
+    with pytest.raises(KeyError, match="elsewhere") as info:
+        with store:
+            store.acquire(0)
+            store.release(0)
+            raise KeyError("elsewhere")
+    assert any("nobody waited" in n and "injected read failure #3" in n for n in info.value.__notes__)
+    assert store._closed
+
+
 def test_training_with_frozen_dense_part_still_trains_experts(gen):
     """Only experts and routers trainable (frozen embeddings/attention): the experts' input
     does not require grad, yet every expert gradient equals the in-memory one."""

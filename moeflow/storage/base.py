@@ -12,7 +12,15 @@ picks the class once, at construction, and no code path here branches on it. Thi
 what a load is in every layout: a copy job on the ``CopyEngine`` (disk or host -> slot; on CUDA
 through a pinned staging buffer and the copy stream), a future per slot in flight
 (``_loading``), the stall spent waiting for it, the bytes it moved, and what becomes of a load
-nobody waits for any more (``_orphans``: ``close`` raises its error rather than losing it).
+nobody waits for any more (``_orphans``).
+
+Every failed load is reported exactly once. The caller that waits for a failed load gets its
+error; before it is raised, the store waits for the other loads in flight (a prefetch queued
+behind it, the other experts of the same call) and for the retired ones, forgets the slots of
+those that failed too and adds their errors to the raised one as notes (``__notes__``), since
+they are what that caller abandoned. A failure nobody was told about that way (a prefetch whose
+slot was reclaimed, then no failure to ride on) is raised by ``close`` (or, leaving ``with
+store:`` on another error, added to that error as a note): never lost, never raised twice.
 
 The fast tier's bytes are counted here (``stats.fast_bytes``, ``stats.peak_fast_bytes``): the
 subclasses report their slots, transient gradients and gather workspaces through ``_count_fast``.
@@ -268,15 +276,39 @@ class ExpertStore(ABC):
 
     def _await_load(self, slot: int) -> None:
         """Wait for slot ``slot``'s load if one is in flight; if it failed, forget the slot and
-        raise the error."""
+        raise the error, carrying the failures of the other loads as notes (``_settle``)."""
         future = self._loading.pop(slot, None)
         if future is None:
             return
         try:
             self._wait(future)
-        except BaseException:
+        except BaseException as err:
             self._forget_slot(slot)
+            if isinstance(err, Exception):  # the load's failure (not a Ctrl-C during the wait)
+                self._settle(err)
             raise
+
+    def _settle(self, error: BaseException) -> None:
+        """``error``, a failed load, is about to reach the caller that waited for it: wait for
+        the other loads in flight and the retired ones, forget the slots of those that failed
+        and add their errors to ``error`` as notes. The caller's call ends there, so nobody
+        would wait for them now; without this, ``close`` would raise them as failures nobody
+        saw, after the caller was told (usually the same damage of the same file). The loads
+        that succeeded stay, for their slots' next use. Costs a wait on the failure path only."""
+        for slot, future in list(self._loading.items()):
+            failure = _failure(future)
+            if failure is not None:
+                del self._loading[slot]
+                self._forget_slot(slot)
+                _add_note(error, f"another load of this store failed too: {failure!r}")
+        kept = []
+        for future in self._orphans:
+            failure = _failure(future)
+            if failure is None:
+                kept.append(future)
+            else:
+                _add_note(error, f"a load nobody waited for failed too: {failure!r}")
+        self._orphans = kept
 
     def _wait(self, future: Future) -> None:
         self.stats.stall_s += self.engine.wait(future)
@@ -292,14 +324,16 @@ class ExpertStore(ABC):
 
     def _retire(self, future: Future | None) -> None:
         """A load nobody will wait for (its slot was reclaimed or forgotten): kept so that its
-        failure is not lost (``close`` raises it)."""
+        failure is not lost (the next failure raised to a caller carries it, else ``close``
+        raises it)."""
         if future is not None:
             self._orphans.append(future)
             self._orphans = [f for f in self._orphans if not (f.done() and f.exception() is None)]
 
     @staticmethod
     def _drain(futures: list[Future]) -> None:
-        """Wait for ``futures`` (host and, on CUDA, device side) and raise the first error."""
+        """Wait for ``futures`` (host and, on CUDA, device side) and raise the first error,
+        the later ones added to it as notes."""
         error: BaseException | None = None
         for future in futures:
             try:
@@ -307,7 +341,10 @@ class ExpertStore(ABC):
                 if isinstance(result, torch.cuda.Event):
                     result.synchronize()
             except BaseException as err:  # noqa: BLE001 - re-raised below
-                error = error or err
+                if error is None:
+                    error = err
+                else:
+                    _add_note(error, f"another load of this store failed too: {err!r}")
         if error is not None:
             raise error
 
@@ -318,7 +355,8 @@ class ExpertStore(ABC):
     def invalidate(self) -> None:
         """Forget every slot's contents (the home weights changed, e.g. after an optimizer
         step); waits for loads in flight (on CUDA, on the host too: their copies are done when
-        it returns) and raises the first of their errors, after forgetting every slot."""
+        it returns) and raises the first of their errors (the others as its notes), after
+        forgetting every slot. Retired loads are left to ``close`` (or the next failure)."""
         pending = list(self._loading.values())
         self._loading.clear()
         self._forget_all()
@@ -345,8 +383,12 @@ class ExpertStore(ABC):
 
     def close(self, *, check: bool = True) -> None:
         """Stop the copy thread, unmap and remove the disk tier's file (and the temporary
-        directory the store made). Raises the first error of a load that nobody waited for
-        (a prefetch whose slot was reclaimed, a load in flight), after closing everything."""
+        directory the store made). Raises ``RuntimeError`` (``... nobody waited for it``, the
+        load's error as its cause) for the first failed load that was never reported (a
+        prefetch whose slot was reclaimed, a load in flight), after closing everything: a
+        failure nobody saw is not lost. A failure already raised to a caller (with the others
+        it carried as notes, see ``_settle``) is not raised again. ``check=False`` drops
+        them (a store that failed while being built)."""
         if self._closed:
             return
         self._closed = True
@@ -376,7 +418,30 @@ class ExpertStore(ABC):
     def __enter__(self) -> ExpertStore:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         # leaving on an error (a damaged disk tier, say): that error is the one to see, not a
-        # prefetch that failed the same way behind it (close would raise it in its place)
-        self.close(check=exc_type is None)
+        # prefetch that failed the same way behind it, which goes with it as a note instead
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except RuntimeError as unseen:
+            _add_note(exc, f"closing the ExpertStore: {unseen}")
+
+
+def _failure(future: Future) -> BaseException | None:
+    """The error of the copy job ``future`` (waiting for it to finish), or ``None``."""
+    try:
+        return future.exception()
+    except BaseException as err:  # noqa: BLE001 - cancelled: that is its failure
+        return err
+
+
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)``: Python 3.11+; on 3.10 the ``__notes__`` list it fills (PEP
+    678), which tracebacks there do not print but which stays on the error."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
