@@ -1,8 +1,10 @@
 """``moeflow train`` and ``moeflow generate`` end to end, the errors of both commands (checked
 before any rank starts), and ``--out`` holding one run (refused, resumed, finished, overwritten)
-alike with one process and with ``--nproc 2``. The other commands are tested with their subject: ``bench`` in
-test_bench.py, ``convert`` in test_checkpoint.py and test_convert_mixtral.py, ``infer`` in
-test_storage.py, ``train-vision`` in test_train_vision.py."""
+alike with one process and with ``--nproc 2``; the ``--device`` default (CUDA where available)
+and one GPU per rank, on a CUDA faked here (``torch.cuda.is_available``/``device_count``). The
+runs name ``--device cpu``: they test the CPU path on any machine. The other commands are tested
+with their subject: ``bench`` in test_bench.py, ``convert`` in test_checkpoint.py and
+test_convert_mixtral.py, ``infer`` in test_storage.py, ``train-vision`` in test_train_vision.py."""
 
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from moeflow.train import build_from_checkpoint
 
 from helpers import file_states
 
-pytestmark = pytest.mark.e2e
+# tiers per test: the command runs are e2e, the device choice with a faked CUDA is unit
 
 
+@pytest.mark.e2e
 def test_cli_generate_and_its_errors(tmp_path, capsys) -> None:
     torch.set_num_threads(2)
-    rc = main(["train", "--out", str(tmp_path / "run"), "--steps", "3", "--batch-size", "4", "--seq-len", "32",
-               "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "10"])
+    rc = main(["train", "--device", "cpu", "--out", str(tmp_path / "run"), "--steps", "3", "--batch-size", "4",
+               "--seq-len", "32", "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "10"])
     out = capsys.readouterr().out
     assert rc == 0 and "validation loss (held-out works) before training" in out and "sample" in out
     assert main(["generate", str(tmp_path / "run"), "--tokens", "5", "--prompt", "HAMLET."]) == 0
@@ -60,6 +63,7 @@ def test_cli_generate_and_its_errors(tmp_path, capsys) -> None:
         assert needle in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_cli_out_holds_one_run(tmp_path, capsys, nproc: int) -> None:
     """One process and 2 torchrun ranks behave the same; every refusal comes before a rank starts."""
@@ -68,8 +72,8 @@ def test_cli_out_holds_one_run(tmp_path, capsys, nproc: int) -> None:
 
     def train(*flags: str) -> int:
         ranks = ["--nproc", "2"] if nproc == 2 else []
-        return main(["train", "--out", str(out), *ranks, "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1",
-                     "--no-progress", "--no-plot", "--sample-tokens", "0", *flags])
+        return main(["train", "--device", "cpu", "--out", str(out), *ranks, "--batch-size", "4", "--seq-len", "32",
+                     "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "0", *flags])
 
     def history() -> dict:
         return json.loads((out / "history.json").read_text())
@@ -98,6 +102,7 @@ def test_cli_out_holds_one_run(tmp_path, capsys, nproc: int) -> None:
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
 
 
+@pytest.mark.e2e
 def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys) -> None:
     """How a command fails (``moeflow.cli.errors``): a ``UsageError`` is its one line and status;
     an exception a handler did not expect is one line saying so (status 1); ``--debug``, before
@@ -105,7 +110,7 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch
     import moeflow.cli.train as train_cli
     from moeflow.cli.errors import UsageError
 
-    argv = ["train", "--out", str(tmp_path / "run"), "--steps", "1"]
+    argv = ["train", "--device", "cpu", "--out", str(tmp_path / "run"), "--steps", "1"]
 
     def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise UsageError("--steps 1: not today\nsecond line", status=3)
@@ -133,6 +138,7 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch
                                        "(see moeflow train --help)\n")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("what", ["help", "a2a-model", "convert-info"])
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path, what: str) -> None:
     """``moeflow convert --info | head`` (the reader gone before the output): nothing on stderr
@@ -154,20 +160,22 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path, what: str) -> None:
     assert done.returncode == (0 if what == "help" else 1)  # argparse's help ignores the failed write
 
 
+@pytest.mark.e2e
 def test_nonfinite_loss_stops_every_rank_under_nproc(tmp_path, capfd) -> None:
     """``moeflow train --nproc 2`` with a learning rate that overflows the weights in step 1:
     every rank stops at step 2 (its gradient is nan) and exits 1; rank 0 says so once, the
     step-1 checkpoint is kept and nothing is saved after it."""
     out = tmp_path / "run"
-    assert main(["train", "--out", str(out), "--nproc", "2", "--lr", "1e30", "--warmup", "1", "--steps", "4",
-                 "--checkpoint-every", "1", "--batch-size", "4", "--seq-len", "16", "--eval-batches", "1",
-                 "--no-progress", "--no-plot", "--sample-tokens", "0"]) == 1
+    assert main(["train", "--device", "cpu", "--out", str(out), "--nproc", "2", "--lr", "1e30", "--warmup", "1",
+                 "--steps", "4", "--checkpoint-every", "1", "--batch-size", "4", "--seq-len", "16",
+                 "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "0"]) == 1
     err = capfd.readouterr().err
     assert err.count("moeflow train: error: training stopped at step 2") == 1, err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000001"]
     assert json.loads((out / "history.json").read_text())["skipped"][0][0] == 2
 
 
+@pytest.mark.e2e
 def test_threads_follow_omp_num_threads(tmp_path, monkeypatch, capsys) -> None:
     """--threads defaults to OMP_NUM_THREADS when it is set (else 2), and --help says which."""
     from moeflow.cli.main import build_parser
@@ -180,21 +188,24 @@ def test_threads_follow_omp_num_threads(tmp_path, monkeypatch, capsys) -> None:
             else:
                 monkeypatch.setenv("OMP_NUM_THREADS", env)
             torch.set_num_threads(3)
-            assert main(["train", "--out", str(tmp_path / f"run{expected}{env}"), "--steps", "1", "--batch-size", "2",
-                         "--seq-len", "8", "--eval-batches", "1", "--no-plot", "--sample-tokens", "0"]) == 0
+            assert main(["train", "--device", "cpu", "--out", str(tmp_path / f"run{expected}{env}"), "--steps", "1",
+                         "--batch-size", "2", "--seq-len", "8", "--eval-batches", "1", "--no-plot",
+                         "--sample-tokens", "0"]) == 0
             assert torch.get_num_threads() == expected
             sub = build_parser()._subparsers._group_actions[0].choices["train"]
             threads = next(a for a in sub._actions if a.dest == "threads")
             assert (f"in effect now: {expected}" in threads.help
                     and ("from OMP_NUM_THREADS" in threads.help) == (env == "1"))
         torch.set_num_threads(3)
-        assert main(["train", "--out", str(tmp_path / "explicit"), "--threads", "2", "--steps", "1", "--batch-size",
-                     "2", "--seq-len", "8", "--eval-batches", "1", "--no-plot", "--sample-tokens", "0"]) == 0
+        assert main(["train", "--device", "cpu", "--out", str(tmp_path / "explicit"), "--threads", "2", "--steps", "1",
+                     "--batch-size", "2", "--seq-len", "8", "--eval-batches", "1", "--no-plot",
+                     "--sample-tokens", "0"]) == 0
         assert torch.get_num_threads() == 2  # a flag beats the environment
     finally:
         torch.set_num_threads(before)
 
 
+@pytest.mark.e2e
 def test_progress_lines_and_metrics_jsonl(tmp_path, capsys) -> None:
     """Not on a terminal: plain progress lines, the validation loss before training printed
     before the first step's line; metrics.jsonl holds every step once, also after a resume."""
@@ -202,8 +213,9 @@ def test_progress_lines_and_metrics_jsonl(tmp_path, capsys) -> None:
 
     torch.set_num_threads(2)
     out = tmp_path / "run"
-    flags = ["train", "--out", str(out), "--batch-size", "4", "--seq-len", "16", "--eval-batches", "1",
-             "--eval-every", "2", "--log-every", "2", "--no-plot", "--sample-tokens", "0", "--warmup", "1"]
+    flags = ["train", "--device", "cpu", "--out", str(out), "--batch-size", "4", "--seq-len", "16",
+             "--eval-batches", "1", "--eval-every", "2", "--log-every", "2", "--no-plot", "--sample-tokens", "0",
+             "--warmup", "1"]
     assert main([*flags, "--steps", "4"]) == 0
     text = capsys.readouterr().out
     assert "\r" not in text
@@ -227,6 +239,7 @@ def test_progress_lines_and_metrics_jsonl(tmp_path, capsys) -> None:
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.e2e
 def test_tensorboard_logs_the_metrics_or_is_refused(tmp_path, capsys) -> None:
     """--tensorboard: the scalars of metrics.jsonl in --out/tensorboard when the tensorboard
     package is installed; else refused before any work, saying what to install."""
@@ -234,8 +247,8 @@ def test_tensorboard_logs_the_metrics_or_is_refused(tmp_path, capsys) -> None:
 
     torch.set_num_threads(2)
     out = tmp_path / "run"
-    rc = main(["train", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "8", "--eval-batches",
-               "1", "--no-plot", "--sample-tokens", "0", "--warmup", "1", "--tensorboard"])
+    rc = main(["train", "--device", "cpu", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "8",
+               "--eval-batches", "1", "--no-plot", "--sample-tokens", "0", "--warmup", "1", "--tensorboard"])
     if tensorboard_missing() is not None:
         assert rc == 2 and "pip install 'moeflow[tensorboard]'" in capsys.readouterr().err and not out.exists()
         return
@@ -251,24 +264,26 @@ def test_tensorboard_logs_the_metrics_or_is_refused(tmp_path, capsys) -> None:
     assert [e.step for e in events.Scalars("val/loss")] == [0, 3]
 
 
+@pytest.mark.e2e
 def test_short_run_reaches_the_peak_lr_or_is_told(tmp_path, capsys) -> None:
     """The default --warmup 30 in a 5-step run is cut to a tenth of the run, with a note; an
     explicit --warmup above --steps is refused before any work."""
     torch.set_num_threads(2)
     out = tmp_path / "run"
     flags = ["--batch-size", "2", "--seq-len", "8", "--eval-batches", "1", "--no-plot", "--sample-tokens", "0"]
-    assert main(["train", "--out", str(out), "--steps", "5", "--lr", "2e-3", *flags]) == 0
+    assert main(["train", "--device", "cpu", "--out", str(out), "--steps", "5", "--lr", "2e-3", *flags]) == 0
     text = capsys.readouterr().out
     assert "note: --steps 5 is not above the default --warmup 30: warming up over 0 step(s)" in text
     assert max(json.loads((out / "history.json").read_text())["lr"]) == pytest.approx(2e-3)
-    assert main(["train", "--out", str(tmp_path / "r2"), "--steps", "5", "--warmup", "6", *flags]) == 2
+    assert main(["train", "--device", "cpu", "--out", str(tmp_path / "r2"), "--steps", "5", "--warmup", "6", *flags]) == 2
     out_, err = capsys.readouterr()
     assert out_ == "" and "--warmup 6 is above --steps 5" in err and not (tmp_path / "r2").exists()
-    assert main(["train", "--out", str(tmp_path / "r3"), "--steps", "3", "--warmup", "3", *flags]) == 0
+    assert main(["train", "--device", "cpu", "--out", str(tmp_path / "r3"), "--steps", "3", "--warmup", "3", *flags]) == 0
     assert "note:" not in capsys.readouterr().out
     assert json.loads((tmp_path / "r3" / "history.json").read_text())["lr"][-1] == pytest.approx(3e-3)
 
 
+@pytest.mark.e2e
 def test_help_states_every_default_and_version(capsys) -> None:
     """Every option of train, train-vision and infer that has a default says it in --help;
     train's help explains max_load; --version prints the package version."""
@@ -282,11 +297,15 @@ def test_help_states_every_default_and_version(capsys) -> None:
                 assert action.help and "default" in text.lower(), (name, action.option_strings, text)
     train_help = commands["train"].format_help()
     assert "(default: 300)" in train_help and "over the even share 1/E" in train_help and "router's k" in train_help
+    for name in ("train", "generate", "infer", "bench"):  # --device: CUDA where available, said in --help
+        device_help = " ".join(commands[name].format_help().split())
+        assert "default: cuda when torch.cuda.is_available(), else cpu" in device_help, name
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.strip() == f"moeflow {moeflow.__version__}"
 
 
+@pytest.mark.e2e
 def test_config_file_flags_override_it_and_the_run_writes_it_back(tmp_path, capsys) -> None:
     """--config run.toml sets the flags its keys name; the command line wins; the run writes its
     effective flags to --out/config.toml, which --config reads back to the same settings."""
@@ -295,7 +314,7 @@ def test_config_file_flags_override_it_and_the_run_writes_it_back(tmp_path, caps
     config.write_text('steps = 2\nbatch_size = 4\nseq_len = 16\neval_batches = 1\nplot = false\nsample_tokens = 0\n'
                       'val_works = ["hamlet", "sonnets"]\nlr = 0.002\nwarmup_steps = 1\nnum_experts = 4\n')
     out = tmp_path / "run"
-    assert main(["train", "--config", str(config), "--out", str(out), "--lr", "0.001"]) == 0
+    assert main(["train", "--device", "cpu", "--config", str(config), "--out", str(out), "--lr", "0.001"]) == 0
     capsys.readouterr()
     run = json.loads((out / "history.json").read_text())
     assert run["step"] == [1, 2] and run["lr"][0] == pytest.approx(0.001)  # the flag beat the file's 0.002
@@ -305,13 +324,14 @@ def test_config_file_flags_override_it_and_the_run_writes_it_back(tmp_path, caps
     assert "lr = 0.001\n" in written and "num_experts = 4\n" in written and "resume" not in written
     # read back (to another --out): the same effective settings
     again = tmp_path / "again"
-    assert main(["train", "--config", str(out / "config.toml"), "--out", str(again)]) == 0
+    assert main(["train", "--device", "cpu", "--config", str(out / "config.toml"), "--out", str(again)]) == 0
     capsys.readouterr()
     rerun = read_index(json.loads((again / "history.json").read_text())["checkpoint"])["extra"]["train"]
     assert {k: v for k, v in rerun.items() if k != "out_dir"} == {k: v for k, v in saved["train"].items()
                                                                   if k != "out_dir"}
 
 
+@pytest.mark.e2e
 def test_init_from_a_converted_model(tmp_path, capsys) -> None:
     """train --init-from the output of convert --from-hf (a Mixtral directory): the model is the
     converted one, trained on bytes; its validation loss before training is that model's."""
@@ -328,8 +348,9 @@ def test_init_from_a_converted_model(tmp_path, capsys) -> None:
     hf = gpt_to_hf(model, tmp_path / "hf")
     assert main(["convert", "--from-hf", str(hf), str(tmp_path / "converted")]) == 0
     out = tmp_path / "ft"
-    assert main(["train", "--init-from", str(tmp_path / "converted"), "--out", str(out), "--steps", "1",
-                 "--batch-size", "2", "--seq-len", "16", "--eval-batches", "2", "--no-plot", "--sample-tokens", "0"]) == 0
+    assert main(["train", "--device", "cpu", "--init-from", str(tmp_path / "converted"), "--out", str(out),
+                 "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "2", "--no-plot",
+                 "--sample-tokens", "0"]) == 0
     capsys.readouterr()
     history = json.loads((out / "history.json").read_text())
     cfg = LMTrainConfig(out_dir=out, batch_size=2, seq_len=16, eval_batches=2)
@@ -337,3 +358,91 @@ def test_init_from_a_converted_model(tmp_path, capsys) -> None:
     assert history["val"][0][1] == pytest.approx(evaluate(model, val, cfg, None, torch.device("cpu")), rel=1e-6)
     saved = read_index(history["checkpoint"])["extra"]
     assert saved["model"]["vocab_size"] == 300 and saved["tokenizer"]["kind"] == "byte"
+
+
+# ----------------------------------------------------------------------------- the device
+
+
+def _fake_cuda(monkeypatch, count: int) -> None:
+    """This machine has ``count`` CUDA devices, as far as the device checks ask torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.mark.unit
+def test_device_defaults_to_cuda_where_available_and_says_why(monkeypatch) -> None:
+    from moeflow.cli.errors import UsageError
+    from moeflow.cli.flags import choose_device, default_device
+
+    _fake_cuda(monkeypatch, 0)
+    assert default_device() == "cpu"
+    none = choose_device("--device", None)
+    assert (none.device, none.line) == ("cpu", "device: cpu (default: CUDA is not available)")
+    with pytest.raises(UsageError, match="--device 'cuda': CUDA is not available"):
+        choose_device("--device", "cuda")
+    _fake_cuda(monkeypatch, 2)
+    assert default_device() == "cuda"
+    one = choose_device("--device", None)
+    assert (one.device, one.line) == ("cuda:0", "device: cuda:0 (default: CUDA is available)")
+    assert choose_device("--device", "cuda:1").line == "device: cuda:1 (--device cuda:1)"
+    assert choose_device("--device", "cpu").line == "device: cpu (--device cpu)"  # a GPU machine, on the CPU
+    # a torchrun rank: its own GPU, cuda:LOCAL_RANK, given as cuda or by default
+    for given in (None, "cuda"):
+        rank1 = choose_device("--device", given, ranks=2, local_rank=1, ranks_from="torchrun")
+        assert rank1.device == "cuda:1" and rank1.line.startswith("device: cuda:1 on this rank")
+    # the process that starts --nproc 2: the plan, one GPU per rank
+    plan = choose_device("--device", None, ranks=2, ranks_from="--nproc 2")
+    assert (plan.device, plan.line) == ("cuda", "device: cuda:0..cuda:1, one GPU per rank (default: CUDA is available)")
+    assert choose_device("--device", "cuda:0", ranks=1, local_rank=0).device == "cuda:0"  # the only rank's own
+    for index, ranks in (("cuda:0", 2), ("cuda:1", 2), ("cuda:1", 1)):  # one index cannot be every rank's
+        with pytest.raises(UsageError, match=rf"--device {index}: under torchrun \(--nproc {ranks}\) each rank uses"):
+            choose_device("--device", index, ranks=ranks, ranks_from=f"--nproc {ranks}")
+    assert choose_device("--device", "cpu", ranks=8).device == "cpu"  # gloo ranks need no GPU
+
+
+@pytest.mark.unit
+def test_more_ranks_than_gpus_is_refused_naming_both_numbers(monkeypatch) -> None:
+    """``--nproc 2 --device cuda`` on a one-GPU machine: refused before any rank starts (not
+    rank 1's "invalid device ordinal"), explicit or by default; the same check on a torchrun rank."""
+    import argparse
+
+    from moeflow.cli.errors import UsageError
+    from moeflow.cli.train import _device
+    from moeflow.parallel.launch import TorchrunJob
+
+    _fake_cuda(monkeypatch, 1)
+    for given in ("cuda", None):
+        args = argparse.Namespace(device=given, nproc=2)
+        with pytest.raises(UsageError, match=r"--nproc 2 runs 2 ranks on this machine, one GPU each with --device "
+                                             r"cuda.*but it has 1 CUDA device\(s\).*or give --device cpu"):
+            _device(args, None)
+    assert _device(argparse.Namespace(device="cpu", nproc=2), None).device == "cpu"
+    assert _device(argparse.Namespace(device=None, nproc=1), None).device == "cuda"
+    job = TorchrunJob(rank=1, world=2, local_rank=1, local_world=2, restart_count=0, run_id="x")
+    with pytest.raises(UsageError, match=r"torchrun --nproc-per-node 2 \(LOCAL_WORLD_SIZE\) runs 2 ranks.*has 1 CUDA"):
+        _device(argparse.Namespace(device=None, nproc=None), job)
+    _fake_cuda(monkeypatch, 2)
+    assert _device(argparse.Namespace(device="cuda", nproc=None), job).device == "cuda:1"
+
+
+@pytest.mark.e2e
+def test_train_refuses_more_ranks_than_gpus_before_starting_torchrun(tmp_path, monkeypatch, capsys) -> None:
+    """One line, status 2, no rank started and nothing written, on a (faked) one-GPU machine."""
+    import moeflow.parallel.launch as launch
+
+    _fake_cuda(monkeypatch, 1)
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("torchrun started"))
+    for device in (["--device", "cuda"], []):
+        assert main(["train", "--out", str(tmp_path / "run"), "--nproc", "2", "--steps", "1", *device]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.startswith("moeflow train: error: --nproc 2 runs 2 ranks") and "1 CUDA device(s)" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.e2e
+def test_train_prints_its_device_first(tmp_path, capsys) -> None:
+    torch.set_num_threads(2)
+    assert main(["train", "--out", str(tmp_path / "run"), "--device", "cpu", "--steps", "1", "--batch-size", "2",
+                 "--seq-len", "8", "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "device: cpu (--device cpu)"

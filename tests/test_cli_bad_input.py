@@ -11,7 +11,11 @@ Placeholders in an argv, filled per case: ``{new}`` a fresh path under the case'
 (an ``--out`` that does not exist yet), ``{file}`` an existing regular file, ``{dir}`` an existing
 empty directory, ``{missing}`` a path that does not exist, ``{ckpt}`` a complete ``moeflow train``
 checkpoint of a tiny model, ``{garbage_ckpt}`` a directory whose index.json is not JSON, ``{hf_*}``
-damaged Mixtral directories, ``{tuned_*}`` bad ``--tuned`` files. Every case is small enough that
+damaged Mixtral directories, ``{tuned_*}`` bad ``--tuned`` files, ``{run}`` a ``moeflow train`` run
+at step 2 of the ``_TRAIN`` settings (``{run_no_history}``: without its history.json,
+``{run_bad_history}``: with a history.json that is not JSON) for ``--resume``. A refusal of a
+setting the user gave must name that flag (``argument --experts:``), not another flag its message
+happens to mention (``--config`` for "model config", ``--overwrite`` for a remedy). Every case is small enough that
 a check which fails to refuse it still finishes quickly (tiny models, one step).
 """
 
@@ -30,8 +34,9 @@ from moeflow.train.metrics import tensorboard_missing
 pytestmark = pytest.mark.e2e
 
 # cheap settings, so that a case a check lets through still ends quickly
-_TRAIN = ["--steps", "1", "--batch-size", "2", "--seq-len", "8", "--eval-batches", "1", "--no-progress", "--no-plot",
-          "--sample-tokens", "0"]
+# (--device cpu: the same checks on any machine; the --device cases give their own, which wins)
+_TRAIN = ["--device", "cpu", "--steps", "1", "--batch-size", "2", "--seq-len", "8", "--eval-batches", "1",
+          "--no-progress", "--no-plot", "--sample-tokens", "0"]
 _INFER = ["--layers", "1", "--vocab-size", "64", "--seq-len", "4", "--new-tokens", "1"]
 _BENCH = ["--tokens", "16", "--dim", "8", "--hidden", "8", "--experts", "2", "--top-k", "1", "--repeats", "1",
           "--warmup", "0", "--no-memory"]
@@ -40,6 +45,15 @@ _UNWRITABLE = ("/proc/moeflow-no/x", "/sys/moeflow-no")
 
 def _train(*flags: str) -> list[str]:
     return ["train", "--out", "{new}", *_TRAIN, *flags]
+
+
+def _resume(*flags: str, out: str = "{run}") -> list[str]:
+    """``moeflow train --resume`` of the run in ``out`` (at step 2) with ``flags``."""
+    return ["train", "--out", out, *_TRAIN, "--steps", "2", "--resume", *flags]
+
+
+# a machine without CUDA refuses --device cuda; one with it runs it (only impossible devices are refused there)
+_NO_CUDA = not torch.cuda.is_available()
 
 
 def _bad(flag: str, *values: str, label: str | None = None) -> list[tuple[str, list[str], str]]:
@@ -120,13 +134,26 @@ CASES: list[tuple[str, list[str], str]] = [
     ("train-val-works-unknown", _train("--val-works", "nope"), "val_works"),
     ("train-val-works-empty", _train("--val-works", ","), "val_works"),
     ("train-resume-and-overwrite", _train("--resume", "--overwrite"), "--resume"),
+    # ---- train --resume: the flag the user changed is the one named
+    ("train-resume-experts-changed", _resume("--experts", "4"), "argument --experts:"),
+    ("train-resume-top-k-changed", _resume("--top-k", "1"), "argument --top-k:"),
+    ("train-resume-layers-changed", _resume("--layers", "2"), "argument --layers:"),
+    ("train-resume-experts-hidden-changed", _resume("--experts-hidden", "64"), "argument --experts-hidden:"),
+    ("train-resume-load-balance-coef-changed", _resume("--load-balance-coef", "0.5"), "argument --load-balance-coef:"),
+    ("train-resume-preset-changed", _resume("--preset", "small"), "argument --preset:"),
+    ("train-resume-batch-size-changed", _resume("--batch-size", "4"), "argument --batch-size:"),
+    ("train-resume-seed-changed", _resume("--seed", "1"), "argument --seed:"),
+    ("train-resume-steps-below", _resume("--steps", "1"), "argument --steps:"),
+    ("train-resume-history-missing", _resume("--steps", "3", out="{run_no_history}"), "argument --resume:"),
+    ("train-resume-history-not-json", _resume("--steps", "3", out="{run_bad_history}"), "history.json: not valid JSON"),
     ("train-deterministic-auto", _train("--deterministic", "--parallel", "auto"), "--deterministic"),
     ("train-two-level-one-rank", _train("--exchange", "two-level"), "--exchange"),
     ("train-vocab-parallel-one-rank", _train("--vocab-parallel"), "--vocab-parallel"),
     ("train-rebalance-one-rank", _train("--rebalance-every", "5"), "--rebalance-every"),
     *_bad("--tuned", "{file}", label="without-auto"),
     # ---- train: devices and paths
-    *_bad("--device", "cuda", "cuda:7", "nonsense", "meta"),
+    *_bad("--device", *(["cuda"] if _NO_CUDA else []), "cuda:99", "nonsense", "meta"),
+    ("train-nproc-device-index", _train("--nproc", "2", "--device", "cuda:0"), "--device"),
     ("train-out-is-file", ["train", "--out", "{file}", *_TRAIN], "--out"),
     ("train-out-under-file", ["train", "--out", "{file}/run", *_TRAIN], "--out"),
     *[(f"train-out-unwritable-{i}", ["train", "--out", p, *_TRAIN], "--out") for i, p in enumerate(_UNWRITABLE)],
@@ -179,6 +206,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("generate-disk-reads-evict", ["generate", "{ckpt}", "--offload", "disk", "--disk-reads", "cached",
                                    "--evict-page-cache"], "--disk-reads"),
     ("generate-disk-reads-bad", ["generate", "{ckpt}", "--offload", "disk", "--disk-reads", "mmap"], "--disk-reads"),
+    *[(f"generate-device-{v}", ["generate", "{ckpt}", "--device", v], "--device")
+      for v in (*(["cuda"] if _NO_CUDA else []), "cuda:99", "nonsense")],
+    ("generate-offload-device-nonsense", ["generate", "{ckpt}", "--offload", "host", "--device", "tpu"], "--device"),
     # ---- infer
     *[(f"infer-fast-memory-{v}", ["infer", *_INFER, "--fast-memory", v], "--fast-memory")
       for v in ("abc", "-1", "0", "nan")],
@@ -193,7 +223,8 @@ CASES: list[tuple[str, list[str], str]] = [
      "--vocab-size"),
     ("infer-ring-slots-0", ["infer", *_INFER, "--ring-slots", "0"], "--ring-slots"),
     ("infer-prefetch-negative", ["infer", *_INFER, "--prefetch", "-1"], "--prefetch"),
-    *[(f"infer-device-{v}", ["infer", *_INFER, "--device", v], "--device") for v in ("cuda", "nonsense")],
+    *[(f"infer-device-{v}", ["infer", *_INFER, "--device", v], "--device")
+      for v in (*(["cuda"] if _NO_CUDA else []), "cuda:99", "nonsense")],
     ("infer-dir-is-file", ["infer", *_INFER, "--dir", "{file}"], "--dir"),
     ("infer-dir-unwritable", ["infer", *_INFER, "--dir", _UNWRITABLE[0]], "--dir"),
     ("infer-json-unwritable", ["infer", *_INFER, "--json", _UNWRITABLE[0]], "--json"),
@@ -231,7 +262,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-top-k-above-experts", ["bench", *_BENCH, "--top-k", "9"], "--top-k"),
     ("bench-capacity-factor-nan", ["bench", *_BENCH, "--capacity-factor", "nan"], "--capacity-factor"),
     ("bench-warmup-negative", ["bench", *_BENCH, "--warmup", "-1"], "--warmup"),
-    *[(f"bench-device-{v}", ["bench", *_BENCH, "--device", v], "--device") for v in ("cuda", "nonsense")],
+    *[(f"bench-device-{v}", ["bench", *_BENCH, "--device", v], "--device")
+      for v in (*(["cuda"] if _NO_CUDA else []), "cuda:99", "nonsense")],
     ("bench-impls-bad", ["bench", *_BENCH, "--impls", "nope"], "impls"),
     ("bench-dtype-bad", ["bench", *_BENCH, "--dtype", "int8"], "--dtype"),
     ("bench-activation-bad", ["bench", *_BENCH, "--activation", "tanhh"], "--activation"),
@@ -285,6 +317,22 @@ def _hf_dirs(base: Path, outside: Path) -> dict[str, Path]:
     return dirs
 
 
+def _runs(base: Path) -> dict[str, Path]:
+    """A ``moeflow train`` run of the ``_TRAIN`` settings at step 2 (``--resume`` cases), and
+    copies with its history.json missing or not JSON."""
+    threads = torch.get_num_threads()
+    try:
+        assert main(["train", "--out", str(base / "run"), *_TRAIN, "--steps", "2", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    runs = {"run": base / "run"}
+    for name in ("run_no_history", "run_bad_history"):
+        runs[name] = Path(shutil.copytree(base / "run", base / name))
+    (runs["run_no_history"] / "history.json").unlink()
+    (runs["run_bad_history"] / "history.json").write_text("{not json")
+    return runs
+
+
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, str]:
     base = tmp_path_factory.mktemp("bad-input")
@@ -305,7 +353,8 @@ def paths(tmp_path_factory) -> dict[str, str]:
         (base / f"{name}.toml").write_text(content)
     found = {"file": base / "afile.txt", "dir": base / "empty", "missing": base / "does-not-exist",
              "garbage_ckpt": garbage, "ckpt": _tiny_checkpoint(base / "ckpt"),
-             **{name: base / f"{name}.json" for name in tuned}, **{name: base / f"{name}.toml" for name in configs}, **_hf_dirs(base, base.parent / "outside.bin")}
+             **{name: base / f"{name}.json" for name in tuned}, **{name: base / f"{name}.toml" for name in configs}, **_hf_dirs(base, base.parent / "outside.bin"),
+             **_runs(base)}
     return {k: str(v) for k, v in found.items()}
 
 

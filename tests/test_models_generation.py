@@ -1,6 +1,8 @@
 """Generation with ``MoEGPT`` (``moeflow.models.generation``): the KV-cached path against the
 plain loop (tokens and logits), ragged batches against each prompt alone, stop tokens, the
-sampling cuts (top-k, top-p), argument errors, and ``moeflow generate``'s flags."""
+sampling cuts (top-k, top-p), argument errors, ``moeflow generate``'s flags, and where the draws
+run: on the generator's device (a CPU generator with a CUDA model works), the command's generator
+on the model's (``@pytest.mark.gpu`` tests check both on CUDA)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import pytest
 import torch
 
 import moeflow
-from moeflow.models.generation import SamplingConfig, generate, generate_uncached, sample_next
+from moeflow.models.generation import SamplingConfig, draw_device, generate, generate_uncached, sample_next
 
-from helpers import rand, small_gpt, train_tiny_run
+from helpers import needs_cuda, rand, small_gpt, train_tiny_run
 
 
 def _prompts(gen: torch.Generator, lengths: list[int], vocab: int = 61) -> list[list[int]]:
@@ -182,6 +184,8 @@ def test_cli_generate_batches_prompts_and_rejects_bad_values(tmp_path, capsys) -
     bodies = [t.split("\n", 1)[1] for t in texts]
     assert [b.startswith(p) for b, p in zip(bodies, ["ROMEO.", "JULIET. O", "KING"])] == [True] * 3 == [True] * len(bodies)
     assert "prefill: 19 tokens" in err and "decode:" in err and "tokens/s" in err
+    assert err.splitlines()[0] == ("device: cuda:0 (default: CUDA is available)" if torch.cuda.is_available() else
+                                   "device: cpu (default: CUDA is not available)")
     # greedy: a batch gives what each prompt gets alone
     assert main(["generate", run, "--prompt", "JULIET. O", "--max-new-tokens", "6", "--temperature", "0",
                  "--eos", "10"]) == 0
@@ -198,6 +202,82 @@ def test_cli_generate_batches_prompts_and_rejects_bad_values(tmp_path, capsys) -
         assert main(["generate", run, *flags]) == 2, flags
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1 and "Traceback" not in err, (flags, err)
+
+
+@pytest.mark.unit
+def test_draws_run_on_the_generators_device_and_the_cli_makes_it_on_the_models(monkeypatch) -> None:
+    """``sample_next`` draws where its generator lives (torch can draw nowhere else), on the
+    logits' device without one; ``moeflow generate`` asks for its generator on the device of
+    the model's logits, so a CUDA model draws on CUDA (checked on a meta model: no CUDA here)."""
+    from moeflow.cli.generate import seeded_generator
+
+    cuda0 = torch.device("cuda", 0)
+    assert draw_device(None, cuda0) == cuda0 and draw_device(torch.Generator(), cuda0) == torch.device("cpu")
+    assert draw_device(torch.Generator(), torch.device("cpu")) == torch.device("cpu")
+    asked: list[torch.device] = []
+
+    class Recorder:
+        def __init__(self, device: object = "cpu") -> None:
+            asked.append(torch.device(device))
+
+        def manual_seed(self, seed: int) -> "Recorder":
+            return self
+
+    monkeypatch.setattr(torch, "Generator", Recorder)
+    seeded_generator(small_gpt().to("meta"), 3)
+    seeded_generator(small_gpt(), 3)
+    assert asked == [torch.device("meta"), torch.device("cpu")]
+
+
+@pytest.mark.reference
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("options", [dict(temperature=0.9), dict(temperature=1.3, top_k=5), dict(top_p=0.8),
+                                     dict(temperature=0.7, top_k=10, top_p=0.9)])
+def test_gpu_sampling_with_a_cpu_or_a_cuda_generator(options) -> None:
+    """On CUDA every sampling option runs with a generator on either device: a CPU generator
+    draws what it draws for the same (fp64) model on the CPU; a CUDA one repeats per seed."""
+    torch.manual_seed(0)
+    cpu_model = small_gpt(max_seq_len=32).double().eval()
+    cuda_model = small_gpt(max_seq_len=32).double().eval()
+    cuda_model.load_state_dict(cpu_model.state_dict())
+    cuda_model.cuda()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    on_cpu = generate(cpu_model, prompts, 12, generator=torch.Generator().manual_seed(5), **options).tokens
+    mixed = generate(cuda_model, prompts, 12, generator=torch.Generator().manual_seed(5), **options).tokens
+    assert mixed == on_cpu
+    runs = [generate(cuda_model, prompts, 12, generator=torch.Generator(device="cuda").manual_seed(5), **options).tokens
+            for _ in range(2)]
+    assert runs[0] == runs[1] and all(0 <= t < 61 for row in runs[0] for t in row)
+    out = cuda_model.generate(torch.tensor(prompts[1:2], device="cuda"), 6, generator=torch.Generator().manual_seed(1),
+                              **options)
+    assert out.device.type == "cuda" and out.shape == (1, 11)
+    logits_BV = torch.randn(3, 61, device="cuda")
+    next_B = sample_next(logits_BV, SamplingConfig(**options), torch.Generator().manual_seed(2))
+    assert next_B.device == logits_BV.device and next_B.dtype == torch.int64
+
+
+@pytest.mark.e2e
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cli_generate_samples_on_cuda_with_and_without_offload(tmp_path, capsys) -> None:
+    """`moeflow generate --device cuda` with sampling (the crash: a CPU generator for CUDA
+    logits), in memory and with the experts offloaded; the same --seed gives the same text."""
+    from moeflow.cli.main import main
+
+    run = train_tiny_run(tmp_path / "run")
+    capsys.readouterr()
+    sampling = ["--temperature", "0.9", "--sample-top-k", "8", "--top-p", "0.95", "--max-new-tokens", "8",
+                "--seed", "3"]
+    for offload in ([], ["--offload", "host"], ["--offload", "disk"]):
+        texts = []
+        for i, device in enumerate((["--device", "cuda"], [])):  # explicit, and the default on a CUDA machine
+            where = ["--dir", str(tmp_path / f"disk{i}")] if "disk" in offload else []
+            assert main(["generate", run, *device, *sampling, *offload, *where]) == 0, offload
+            out, err = capsys.readouterr()
+            assert "device: cuda:0 (" in err, err
+            texts.append(out)
+        assert texts[0] == texts[1] and texts[0].startswith("ROMEO."), (offload, texts)
 
 
 # ----------------------------------------------------------------------------- decode-shaped MoE

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from moeflow.cli.flags import check_device, config_from_flags, float_at_least
+from moeflow.cli.flags import DEVICE_HELP, check_device, choose_device, config_from_flags, float_at_least
 
 __all__ = ["add_bench", "add_a2a_model"]
 
@@ -30,7 +30,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--activation", default="swiglu", choices=["relu", "gelu", "silu", "swiglu", "geglu"])
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--device", default=None, help=f"{DEVICE_HELP}; not with --nproc")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (default 2; 1 with --nproc)")
     p.add_argument("--repeats", type=int, default=7,
                    help="timed repeats per implementation (default 7), after the --warmup untimed ones")
@@ -84,9 +84,11 @@ def _run_bench(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"moeflow bench: error: {problem}", file=sys.stderr)
         return 2
-    check_device("--device", args.device)  # before any work: a missing CUDA is one line, not torch's assertion
     if args.nproc is not None:
+        if args.device is not None:
+            check_device("--device", args.device)  # a missing CUDA is one line, not torch's assertion
         return _run_parallel_bench(args)
+    device = choose_device("--device", args.device)  # before any work; CUDA where available
     if args.sweep or args.skew or args.expert_slots or args.hidden_shards != 1:
         print("moeflow bench: error: --sweep, --skew, --expert-slots and --hidden-shards need --nproc N", file=sys.stderr)
         return 2
@@ -95,9 +97,10 @@ def _run_bench(args: argparse.Namespace) -> int:
     if args.threads is None:
         args.threads = 2
     impls = tuple(s.strip() for s in args.impls.split(",") if s.strip())
-    cfg = config_from_flags(BenchConfig, args, impls=impls, memory=not args.no_memory)
+    cfg = config_from_flags(BenchConfig, args, impls=impls, memory=not args.no_memory, device=device.device)
     if cfg is None:
         return 2
+    print(device.line, file=sys.stderr, flush=True)  # stdout: the table alone
     report = run_layer_bench(cfg, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     return _show(format_table(report), report, args.json)
 
@@ -116,7 +119,7 @@ def _run_parallel_bench(args: argparse.Namespace) -> int:
 
     if args.threads is None:
         args.threads = 1
-    if args.device != "cpu" or args.impls != "moeflow,einsum,loop,floor":
+    if args.device not in (None, "cpu") or args.impls != "moeflow,einsum,loop,floor":
         print("moeflow bench: error: --nproc runs the moeflow layer on this machine's devices; "
               "--device/--impls do not apply", file=sys.stderr)
         return 2

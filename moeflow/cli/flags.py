@@ -1,6 +1,10 @@
 """Checks of command-line flags, shared by the commands: parsed flags -> a config dataclass,
 argparse types for numbers with a range, and the paths and devices a command will use.
 
+The device: ``--device`` defaults to CUDA where torch sees it, else the CPU (``choose_device``,
+which also gives each rank of a torchrun job its own GPU, ``cuda:LOCAL_RANK``, and refuses
+more ranks on a machine than it has GPUs).
+
 Every check runs before the command does any work and fails with a ``UsageError``
 (``moeflow.cli.errors``: one line, exit 2) or, for the argparse types, argparse's own one-line
 ``argument --flag: ...``. ``float`` flags need nothing: ``moeflow.cli.main``'s parser refuses
@@ -18,13 +22,15 @@ import re
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from moeflow.cli.errors import UsageError
 
 __all__ = ["config_from_flags", "name_flags", "finite_float", "int_at_least", "float_at_least", "check_output_dir",
-           "check_output_file", "check_input_file", "check_device", "env_threads", "threads_help",
+           "check_output_file", "check_input_file", "check_device", "DEVICE_HELP", "DeviceChoice", "default_device",
+           "choose_device", "env_threads", "threads_help",
            "apply_config_file", "config_toml"]
 
 ConfigT = TypeVar("ConfigT")
@@ -49,14 +55,22 @@ def config_from_flags(
 def name_flags(message: str, flag_names: dict[str, str]) -> str:
     """A library's message for the command line: ``message`` prefixed with ``argument --flag: ``
     for the first flag whose destination it names as a whole word (``lr`` in ``lr must be > 0``;
-    ``--no-x`` switches excepted); unchanged when it names none or already names a flag."""
+    ``--no-x`` switches excepted); unchanged when it names none or already names a flag. Words
+    inside a path (``/runs/steps/checkpoints``: any run of characters with a ``/``) do not
+    count: a directory is not a flag. A library message names the setting at fault first
+    (``num_experts=4 changes the model ...; ... overwrite=True to start over``): the first
+    destination is the flag the user gave, a later one a remedy."""
     if re.search(r"(?<![\w-])--\w", message):
         return message
+    paths = [m.span() for m in re.finditer(r"[^\s'\"]*/[^\s'\"]*", message)]
     found = []
     for dest, flag in flag_names.items():
-        hit = None if flag.startswith("--no-") else re.search(rf"(?<![\w-]){re.escape(dest)}(?!\w)", message)
-        if hit is not None:
-            found.append((hit.start(), flag))
+        if flag.startswith("--no-"):
+            continue
+        for hit in re.finditer(rf"(?<![\w-]){re.escape(dest)}(?!\w)", message):
+            if not any(a <= hit.start() < b for a, b in paths):
+                found.append((hit.start(), flag))
+                break
     return f"argument {min(found)[1]}: {message}" if found else message
 
 
@@ -180,6 +194,70 @@ def check_device(flag: str, value: str) -> str:
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise UsageError(f"{flag} {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return value
+
+
+DEVICE_HELP = ("cpu, cuda or cuda:N (default: cuda when torch.cuda.is_available(), else cpu; the command's first "
+               "line says which and why)")
+
+
+def default_device() -> str:
+    """The device a command runs on when ``--device`` is not given: ``"cuda"`` where torch sees a
+    CUDA device (``torch.cuda.is_available()``), else ``"cpu"``. A machine with a GPU is used
+    as one; the first line of the command says so (``DeviceChoice.line``)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The device a command runs on, as torch takes it (``cpu``, ``cuda:N``; ``cuda`` in the
+    process that starts ``--nproc`` ranks, each of which gets ``cuda:LOCAL_RANK``), and
+    ``line``, what the command prints first: ``device: cuda:0 (default: CUDA is available)``."""
+
+    device: str
+    line: str
+
+
+def choose_device(flag: str, given: str | None, *, ranks: int | None = None, local_rank: int | None = None,
+                  ranks_from: str = "--nproc") -> DeviceChoice:
+    """The device of a command: ``given`` (the flag's value, checked as ``check_device`` does)
+    or, when None, ``default_device()``; ``UsageError`` naming the flag for one this machine
+    does not have.
+
+    ``ranks``: the processes of a torchrun job on this machine (``--nproc N``, or torchrun's
+    ``LOCAL_WORLD_SIZE`` in a rank; None: one process, no torchrun). Each rank takes one GPU,
+    ``cuda:LOCAL_RANK`` (``moeflow.parallel.init_distributed`` makes it the rank's current
+    device), so ``cuda`` names this rank's own (``local_rank``; None in the process that starts
+    the ranks), ``cuda:N`` is refused unless it is the only rank's own (two ranks on one GPU
+    would each expect it to be theirs; NCCL refuses a GPU shared by ranks), and more ranks than
+    GPUs are refused naming both numbers (``ranks_from``: how the ranks were asked for, e.g.
+    ``--nproc 2``), before any rank starts, not as rank 1's ``invalid device ordinal``."""
+    import torch
+
+    value = default_device() if given is None else given
+    why = f"{flag} {given}" if given is not None else (
+        "default: CUDA is available" if value == "cuda" else "default: CUDA is not available")
+    check_device(flag, value)
+    device = torch.device(value)
+    if device.type == "cpu":
+        return DeviceChoice("cpu", f"device: cpu ({why})")
+    if ranks is None:
+        index = 0 if device.index is None else device.index
+        return DeviceChoice(f"cuda:{index}", f"device: cuda:{index} ({why})")
+    if device.index is not None and (ranks > 1 or device.index != 0):
+        raise UsageError(f"{flag} {value}: under torchrun ({ranks_from}) each rank uses its own GPU, cuda:LOCAL_RANK "
+                         f"(rank r of a machine on cuda:r), so one index cannot name every rank's; give {flag} cuda")
+    count = torch.cuda.device_count()
+    if ranks > count:
+        how = f"{flag} {value}" if given is not None else f"{flag} {value}, the default where CUDA is available"
+        raise UsageError(f"{ranks_from} runs {ranks} ranks on this machine, one GPU each with {how}, but it has "
+                         f"{count} CUDA device(s): run at most {count} rank(s) per machine, or give {flag} cpu")
+    if local_rank is not None:
+        return DeviceChoice(f"cuda:{local_rank}", f"device: cuda:{local_rank} on this rank, cuda:LOCAL_RANK on each "
+                            f"of the {ranks} rank(s) of this machine ({why})")
+    shown = "cuda:0" if ranks == 1 else f"cuda:0..cuda:{ranks - 1}"
+    return DeviceChoice("cuda", f"device: {shown}, one GPU per rank ({why})")
 
 
 # ---- threads: the environment's choice first

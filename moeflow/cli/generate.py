@@ -4,6 +4,10 @@
     moeflow generate runs/shakespeare --prompts-file prompts.txt --batch-size 8 --temperature 0 --eos '\\n'
     moeflow generate runs/shakespeare --offload disk --fast-memory 512MB --mode cache --temperature 0
 
+The model runs on ``--device`` (default: CUDA where torch sees it, else the CPU; the first line on
+stderr says which and why), and sampling draws with a generator made there from ``--seed``
+(``seeded_generator``), so no step copies its probabilities to the host.
+
 With ``--offload host|disk`` the routed experts leave the model for an expert store
 (``moeflow.storage``, built as ``moeflow infer`` builds it: ``moeflow.cli.offload``) and only
 ``--fast-memory`` bytes of them are resident: ``--mode cache`` (the default here) fetches the
@@ -26,6 +30,7 @@ import sys
 from pathlib import Path
 
 from moeflow.cli.errors import UsageError
+from moeflow.cli.flags import choose_device
 from moeflow.cli.offload import (
     add_storage_flags,
     check_budget,
@@ -34,7 +39,7 @@ from moeflow.cli.offload import (
     store_lines,
 )
 
-__all__ = ["add_generate", "sample"]
+__all__ = ["add_generate", "sample", "seeded_generator"]
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -72,8 +77,8 @@ def _storage(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if args.offload is None:
         given = [flag for flag, value in (
             ("--fast-memory", args.fast_memory), ("--mode", args.mode), ("--ring-slots", args.ring_slots),
-            ("--prefetch", args.prefetch), ("--dir", args.dir), ("--device", args.device),
-            ("--disk-reads", args.disk_reads), ("--evict-page-cache", args.evict_page_cache or None)) if value is not None]
+            ("--prefetch", args.prefetch), ("--dir", args.dir), ("--disk-reads", args.disk_reads),
+            ("--evict-page-cache", args.evict_page_cache or None)) if value is not None]
         if given:
             raise UsageError(f"{', '.join(given)} only applies with --offload host|disk (the experts held outside "
                              "the model)")
@@ -145,12 +150,23 @@ def _eos_ids(values: list[str] | None, tok) -> list[int]:  # type: ignore[no-unt
     return ids
 
 
+def _check_sampling(args: argparse.Namespace, model, top_k: int,  # type: ignore[no-untyped-def]
+                    eos: list[int]) -> None:
+    """``ValueError`` for settings ``generate`` would refuse (a stop token outside the vocabulary)."""
+    from moeflow.models.generation import SamplingConfig
+
+    SamplingConfig(temperature=args.temperature, top_k=top_k, top_p=args.top_p, eos=eos).check_vocab(
+        model.config.vocab_size)
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     from moeflow.checkpoint import CheckpointError
 
     try:
         new, top_k = _settings(args)
         prompts = _prompts(args)
+        device = choose_device("--device", args.device)
+        args.device = device.device  # the fast tier's too, with --offload
         storage = _storage(args)
     except UsageError as err:
         print(f"moeflow generate: error: {err}", file=sys.stderr)
@@ -160,13 +176,16 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         from moeflow.train import build_from_checkpoint
 
-        model, tok, _ = build_from_checkpoint(str(args.checkpoint))
+        # offloaded experts go from the host to their store; the rest of the model to --device
+        model, tok, _ = build_from_checkpoint(str(args.checkpoint), device="cpu" if storage else device.device)
         if tok is None:
             raise ValueError(f"{args.checkpoint}: the checkpoint has no tokenizer (converted from Hugging Face); "
                              "sample with transformers' tokenizer instead")
         eos = _eos_ids(args.eos, tok)
+        _check_sampling(args, model, top_k, eos)  # before the device line: a refusal is one line
         encoded = [tok.encode(p) or [0] for p in prompts]
         if storage is None:
+            print(device.line, file=sys.stderr, flush=True)
             return _generate_all(args, model, tok, prompts, encoded, new, top_k, eos)
         from moeflow.storage import offload_experts
 
@@ -174,6 +193,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         store = offload_experts(model, storage)
     except (CheckpointError, ValueError, TypeError) as err:
         return _fail(str(err))
+    print(device.line, file=sys.stderr, flush=True)
     try:
         with store:
             status = _generate_all(args, model, tok, prompts, encoded, new, top_k, eos)
@@ -193,7 +213,7 @@ def _generate_all(args, model, tok, prompts, encoded, new, top_k, eos) -> int:  
 
     from moeflow.models.generation import generate
 
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = seeded_generator(model, args.seed)
     prefill = [0, 0.0]
     decode = [0, 0.0]
     for start in range(0, len(encoded), args.batch_size):
@@ -215,18 +235,29 @@ def _rate(tokens: int, seconds: float) -> str:
     return f"{tokens} tokens in {seconds:.3f} s ({per_s})"
 
 
-def sample(checkpoint: str, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
+def seeded_generator(model, seed: int):  # type: ignore[no-untyped-def]
+    """A ``torch.Generator`` seeded with ``seed`` on the device of ``model``'s logits (its output
+    head's; with offloaded experts, the fast tier's), where ``sample_next`` then draws without
+    copying each step's probabilities (``moeflow.models.generation.draw_device``)."""
+    import torch
+
+    return torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+
+
+def sample(checkpoint: str, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int, *,
+           device: str = "cpu") -> str:
     """``prompt`` and ``tokens`` sampled tokens after it, from the model and tokenizer of a ``moeflow
-    train`` checkpoint (``ValueError`` when it has no tokenizer, e.g. one converted from Mixtral)."""
+    train`` checkpoint, run on ``device`` (``ValueError`` when it has no tokenizer, e.g. one
+    converted from Mixtral)."""
     import torch
 
     from moeflow.train import build_from_checkpoint
 
-    model, tok, _ = build_from_checkpoint(checkpoint)
+    model, tok, _ = build_from_checkpoint(checkpoint, device=device)
     if tok is None:
         raise ValueError(f"{checkpoint}: the checkpoint has no tokenizer (converted from Hugging Face); "
                          "sample with transformers' tokenizer instead")
     ids = tok.encode(prompt) or [0]
-    out = model.generate(torch.tensor([ids]), tokens, temperature=temperature, top_k=top_k,
-                         generator=torch.Generator().manual_seed(seed))
+    out = model.generate(torch.tensor([ids], device=model.lm_head.weight.device), tokens, temperature=temperature,
+                         top_k=top_k, generator=seeded_generator(model, seed))
     return tok.decode(out[0].tolist())

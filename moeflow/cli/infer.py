@@ -4,7 +4,8 @@
     moeflow infer runs/shakespeare --offload disk --fast-memory 8MB --mode cache --prompt "ROMEO."
     moeflow infer --bench                      # ring prefetch vs synchronous vs in memory
 
-Prints what the store moved: bytes loaded into the fast tier (and read from disk), the time the
+Runs on ``--device`` (default: CUDA where torch sees it, else the CPU; the first line says which
+and why): the model's dense part and the fast tier. Prints what the store moved: bytes loaded into the fast tier (and read from disk), the time the
 compute waited for data (stall), hit rates and the peak fast-tier bytes; ``--compare`` also runs
 the in-memory model on the same tokens and reports whether the outputs are identical.
 
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 from moeflow.cli.errors import UsageError, error_line
-from moeflow.cli.flags import check_output_file, env_threads, int_at_least, threads_help
+from moeflow.cli.flags import check_output_file, choose_device, env_threads, int_at_least, threads_help
 from moeflow.cli.offload import (
     add_storage_flags,
     check_budget,
@@ -138,6 +139,8 @@ def _infer(args: argparse.Namespace) -> int:
             return _fail(f"--bench runs a fixed benchmark (it takes --layers, --threads, --seed, --json); "
                          f"it does not take {', '.join(ignored)}")
         return _run_bench(args)
+    device = choose_device("--device", args.device)  # CUDA where available
+    args.device, args.device_line = device.device, device.line
     storage = storage_config(args)  # before any work: a bad value is one line and status 2
     args.threads = args.threads or env_threads() or 2
     threads = torch.get_num_threads()
@@ -200,6 +203,7 @@ def _run(args: argparse.Namespace, storage) -> int:  # type: ignore[no-untyped-d
             report = {
                 "model": what, "n_layers": cfg.n_layers, "num_experts": cfg.num_experts, "top_k": cfg.top_k,
                 "expert_bytes": n_expert_bytes, "fast_memory": storage.fast_memory, "offload": args.offload,
+                "device": args.device,
                 "mode": args.mode, "prefetch": args.prefetch, "layout": layout,
                 "direct_io": store.disk.direct_io if store.disk is not None else None,
                 "checksum": store.disk.checksum if store.disk is not None else None,
@@ -213,6 +217,7 @@ def _run(args: argparse.Namespace, storage) -> int:  # type: ignore[no-untyped-d
             raise err.__cause__ from None
         raise
     lines = [
+        args.device_line,
         f"moeflow infer: MoE GPT ({what}): {cfg.n_layers} layers, {cfg.num_experts} experts, top-{cfg.top_k}; "
         f"expert weights {format_bytes(n_expert_bytes)} in {args.offload}"
         + (f" ({'O_DIRECT' if report['direct_io'] else 'buffered'} reads, {report['checksum']} checksums)"

@@ -17,14 +17,14 @@ import re
 from pathlib import Path
 
 from moeflow.cli.errors import UsageError
-from moeflow.cli.flags import check_device, check_output_dir, int_at_least
+from moeflow.cli.flags import DEVICE_HELP, check_device, check_output_dir, choose_device, int_at_least
 
 __all__ = ["add_storage_flags", "check_budget", "expert_bytes", "layout_line", "storage_config", "store_lines"]
 
 # (flag, attribute, value when not given) of the storage flags, in the order they are documented
+# (--device when not given: ``moeflow.cli.flags.default_device()``, CUDA where available)
 STORAGE_DEFAULTS = (("--offload", "offload", "disk"), ("--fast-memory", "fast_memory", "512MB"),
-                    ("--mode", "mode", "ring"), ("--prefetch", "prefetch", 1), ("--device", "device", "cpu"),
-                    ("--disk-reads", "disk_reads", "direct"))
+                    ("--mode", "mode", "ring"), ("--prefetch", "prefetch", 1), ("--disk-reads", "disk_reads", "direct"))
 
 
 def add_storage_flags(p: argparse.ArgumentParser, *, offload_help: str, mode_default: str = "ring") -> None:
@@ -46,7 +46,8 @@ def add_storage_flags(p: argparse.ArgumentParser, *, offload_help: str, mode_def
                    "pass, as a memory-mapped offload is (default direct)")
     p.add_argument("--evict-page-cache", action="store_true",
                    help="drop each disk read from the page cache (only matters where O_DIRECT is unavailable)")
-    p.add_argument("--device", default=None, help="the fast tier's device: cpu or cuda[:N] (default cpu)")
+    p.add_argument("--device", default=None,
+                   help=f"where the model runs and, with --offload, the fast tier lives: {DEVICE_HELP}")
 
 
 def storage_config(args: argparse.Namespace, *, mode_default: str = "ring"):  # type: ignore[no-untyped-def]
@@ -57,7 +58,9 @@ def storage_config(args: argparse.Namespace, *, mode_default: str = "ring"):  # 
 
     if args.dir is not None:
         check_output_dir("--dir", args.dir)
-    if args.device is not None:
+    if args.device is None:
+        args.device = choose_device("--device", None).device
+    else:
         check_device("--device", args.device)
     for _, name, default in STORAGE_DEFAULTS:
         if getattr(args, name) is None:

@@ -12,9 +12,11 @@ from pathlib import Path
 
 from moeflow.cli.errors import UsageError
 from moeflow.cli.flags import (
+    DEVICE_HELP,
+    DeviceChoice,
     apply_config_file,
-    check_device,
     check_output_dir,
+    choose_device,
     config_from_flags,
     env_threads,
     int_at_least,
@@ -116,7 +118,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    help="autocast; auto = bf16 on CUDA, fp32 on CPU (no native bf16 on most CPUs)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
                    help="parameter dtype (float64: exact comparisons, e.g. ranks against one process)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default=None,
+                   help=f"{DEVICE_HELP}; under torchrun (or --nproc) rank r of a machine runs on cuda:r (give cuda, "
+                   "not cuda:N), and more ranks on a machine than it has GPUs are refused")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint up to --steps (if it is already "
                    "there: say so, touch nothing and exit 0; --steps below it is refused)")
@@ -207,11 +211,25 @@ def _resolve_warmup(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _device(args: argparse.Namespace, job) -> DeviceChoice:  # type: ignore[no-untyped-def]
+    """``--device`` (or its default, CUDA where available) of this process: one process, or one
+    GPU per rank of a torchrun job (this rank's ``cuda:LOCAL_RANK``), or with ``--nproc N`` the
+    plan for the N ranks, checked here before any rank starts (``UsageError`` for a device this
+    machine lacks, an index under torchrun, more ranks than GPUs). Every rank decides alike."""
+    if job is not None:
+        return choose_device("--device", args.device, ranks=job.local_world, local_rank=job.local_rank,
+                             ranks_from=f"torchrun --nproc-per-node {job.local_world} (LOCAL_WORLD_SIZE)")
+    if args.nproc is not None:
+        return choose_device("--device", args.device, ranks=args.nproc, ranks_from=f"--nproc {args.nproc}")
+    return choose_device("--device", args.device)
+
+
 def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[no-untyped-def]
     """Why these flags cannot run (None: they can): the checks every rank makes alike, before
-    any work (the run directory's contents are checked after these, by rank 0 under torchrun):
-    the device exists, ``--out`` can be written, the corpus and ``--tuned`` can be read, and the
-    numbers suit the ranks (``--nproc N`` checks them here, before any rank starts)."""
+    any work (the run directory's contents are checked after these, by rank 0 under torchrun;
+    the device before these, by ``_device``): ``--out`` can be written, the corpus and
+    ``--tuned`` can be read, and the numbers suit the ranks (``--nproc N`` checks them here,
+    before any rank starts)."""
     from moeflow.train.data import CorpusError, load_corpus
     from moeflow.train.lm import check_world_settings
 
@@ -226,7 +244,6 @@ def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[
     if args.max_restarts is not None and args.nproc is None:
         return f"--max-restarts applies with --nproc and must be >= 0, got {args.max_restarts}"
     try:
-        check_device("--device", cfg.device)
         check_output_dir("--out", cfg.out_dir)
     except UsageError as err:
         return str(err)
@@ -282,14 +299,22 @@ def _run_train(args: argparse.Namespace) -> int:
         if lead:
             error(args, err)
         return 2
+    try:
+        device = _device(args, job)
+    except UsageError as err:
+        if lead:
+            error(args, err)
+        return 2
     with contextlib.redirect_stderr(sys.stderr if lead else io.StringIO()):
-        cfg = config_from_flags(LMTrainConfig, args, out_dir=args.out, prog="moeflow train")
+        cfg = config_from_flags(LMTrainConfig, args, out_dir=args.out, device=device.device, prog="moeflow train")
     problem = None if cfg is None else _refusal(args, cfg, job)
     if problem is not None and lead:
         error(args, problem)
     if cfg is None or problem is not None:
         return 2
     if job is not None:
+        if lead:
+            print(device.line, flush=True)
         if warmup_note and lead:
             print(warmup_note, flush=True)
         return train_rank(args, cfg, job)
@@ -299,7 +324,9 @@ def _run_train(args: argparse.Namespace) -> int:
         error(args, err)
         return 2
     if args.nproc and not run.finished:
-        return start_ranks(args)
+        return start_ranks(args)  # rank 0 prints its device line
+    if not run.finished:
+        print(device.line, flush=True)
     if warmup_note and not run.finished:
         print(warmup_note, flush=True)
     announce(cfg, run, args=args)

@@ -11,6 +11,12 @@ they cannot be reused); give the model a ``max_seq_len`` of at least prompt + ne
 stay on the cached path. ``generate_uncached`` is the plain loop (the whole context per token),
 the reference the tests hold the cached path to.
 
+Randomness: a sampled token is drawn with the caller's ``generator`` on *the generator's* device
+(``sample_next``). A generator on the logits' device (``torch.Generator(device=...)``) draws in
+place; any other one still works: each step's probabilities ``[B, V]`` are copied to it and the
+tokens back (a CPU generator with a model on CUDA draws as it would on the CPU, at one copy a
+step). ``moeflow generate`` makes its generator on the model's device.
+
 Every step goes through each block's own layers (the MoE's router, dispatcher and experts), so
 a model whose experts live elsewhere (``moeflow.storage``) generates through the same code.
 
@@ -28,7 +34,8 @@ import torch
 
 from moeflow.checks import _int
 
-__all__ = ["SamplingConfig", "Generation", "generate", "generate_uncached", "generate_tensor", "sample_next"]
+__all__ = ["SamplingConfig", "Generation", "generate", "generate_uncached", "generate_tensor", "sample_next",
+           "draw_device"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,9 +104,19 @@ class Generation:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
 
+def draw_device(generator: torch.Generator | None, logits_device: torch.device) -> torch.device:
+    """Where ``sample_next`` draws: on ``generator``'s device (torch draws only there), on the
+    logits' device without one (torch's default generator of that device)."""
+    return logits_device if generator is None else torch.device(generator.device)
+
+
 def sample_next(logits_BV: torch.Tensor, sampling: SamplingConfig,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """The next token ``[B]`` (int64) of each row of ``logits_BV`` (computed in >= fp32)."""
+    """The next token ``[B]`` (int64, on ``logits_BV``'s device) of each row of ``logits_BV``
+    (computed in >= fp32). ``generator`` may live on another device than the logits: the draw
+    runs on the generator's (``draw_device``; the probabilities are copied there and the tokens
+    back): a CPU generator draws from the same probabilities as it would with the model on the
+    CPU."""
     if sampling.greedy:
         return logits_BV.argmax(-1)
     logits_BV = logits_BV.to(torch.promote_types(logits_BV.dtype, torch.float32)) / sampling.temperature
@@ -114,7 +131,11 @@ def sample_next(logits_BV: torch.Tensor, sampling: SamplingConfig,
         drop_BV = (probs_BV.cumsum(-1) - probs_BV) >= sampling.top_p
         drop_BV[:, 0] = False
         logits_BV = logits_BV.scatter(-1, order_BV, sorted_BV.masked_fill(drop_BV, float("-inf")))
-    return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator).squeeze(1)
+    probs_BV = logits_BV.softmax(-1)
+    where = draw_device(generator, probs_BV.device)
+    if where == probs_BV.device:
+        return torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+    return torch.multinomial(probs_BV.to(where), 1, generator=generator).squeeze(1).to(logits_BV.device)
 
 
 def _check_token_ids(name: str, ids: Iterable[object], vocab_size: int | None = None) -> list[int]:
@@ -182,7 +203,9 @@ def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tok
              clock: Callable[[], float] = time.perf_counter) -> Generation:
     """Up to ``max_new_tokens`` new tokens for each prompt (lists of token ids of any lengths,
     or an int tensor ``[B, S]``), KV-cached; sampling as in ``SamplingConfig``; a row stops
-    after a token of ``eos``. Bad arguments raise ``ValueError``/``TypeError`` naming them.
+    after a token of ``eos``. ``generator`` (None: torch's default) may be on any device: the
+    draws run on its device (``sample_next``). Bad arguments raise ``ValueError``/``TypeError``
+    naming them.
     ``clock`` times prefill and decode (wall time; ``time.process_time`` gives CPU time, steadier
     on a shared machine)."""
     sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p, eos=eos)
@@ -196,7 +219,7 @@ def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tok
     P = max(len(r) for r in rows)
     # the token history, left-padded (pad id 0, never attended to): the sliding window reads it
     seq_BS = torch.zeros(len(rows), P + max_new_tokens, dtype=torch.long, device=device)
-    seq_BS[:, :P] = torch.tensor([[0] * (P - len(r)) + r for r in rows], dtype=torch.long)
+    seq_BS[:, :P] = torch.tensor([[0] * (P - len(r)) + r for r in rows], dtype=torch.long, device=device)
     pad_B = torch.tensor([P - len(r) for r in rows], dtype=torch.long, device=device)
     # columns ever fed: the prompt and every new token but the last
     capacity = min(model.config.max_seq_len, P + max_new_tokens - 1)
@@ -243,7 +266,8 @@ def generate_uncached(model, idx_BS: torch.Tensor, max_new_tokens: int, *, tempe
     (``idx [B, S]``, no padding) and picks the next token from the last position. Returns the
     new tokens per row, cut after a stop token, as ``generate`` does."""
     sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p, eos=eos)
-    _check_prompts(idx_BS if isinstance(idx_BS, torch.Tensor) else torch.as_tensor(idx_BS), model.config.vocab_size)
+    _check_prompts(idx_BS if isinstance(idx_BS, torch.Tensor) else torch.as_tensor(idx_BS, device="cpu"),
+                   model.config.vocab_size)  # a host list: checked on the host
     stop = sampling.eos
     out: list[list[int]] = [[] for _ in range(idx_BS.shape[0])]
     done = [False] * idx_BS.shape[0]

@@ -222,9 +222,13 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     "exchange": "flat" | "two-level" | None, ...}``; rank 0 also writes it to
     ``out_dir/history.json`` (before every checkpoint too) and, with ``plot``,
     ``out_dir/training.png``. With ``resume`` on a run already at ``steps`` it
-    trains nothing, touches no file and returns the saved history."""
+    trains nothing, touches no file and returns the saved history. ``cfg.device="cuda"`` (no
+    index) is this process's current GPU: on a torchrun rank ``cuda:LOCAL_RANK``, which
+    ``init_distributed`` made current."""
     rank, world = process_position(group)
     device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is None:  # this process's GPU (a rank's cuda:LOCAL_RANK)
+        device = torch.device("cuda", torch.cuda.current_device())
     recorded = check_world_settings(cfg, world, node_size)
     exchange = exchange_for(cfg, world, node_size)
     if exchange == "two-level" and (group is not None or node_size is None):
@@ -298,7 +302,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
                 objective = (loss + aux) / (world * cfg.grad_accum)
             objective.backward()
             loss_sum += loss.detach().double()
-            aux_sum += torch.as_tensor(aux).detach().double()
+            aux_sum += torch.as_tensor(aux, device=device).detach().double()
             for i, layer in enumerate(layers):
                 counts_LE[i] += layer.last_counts_E.to(counts_LE.dtype)
                 window_LE[i] += layer.last_counts_E.to(counts_LE.dtype)

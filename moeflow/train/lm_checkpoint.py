@@ -62,6 +62,7 @@ from moeflow.checkpoint.format import checkpoint_dir
 from moeflow.models import GPTConfig, MoEGPT
 from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position
 from moeflow.train.data import Tokenizer, tokenizer_from_dict
+from moeflow.train.init_from import MODEL_OVERRIDES
 from moeflow.train.lm_config import LMTrainConfig
 
 __all__ = ["MODEL_FAMILY", "RunState", "build_from_checkpoint", "checkpoint_extra", "claim_run", "claimed_by",
@@ -130,7 +131,8 @@ def _read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); move it away or start over with overwrite=True") from None
+        raise ValueError(f"{path}: not valid JSON ({err}); move it away, or start over with overwrite=True "
+                         "(--overwrite)") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
@@ -187,22 +189,47 @@ def _check_resumable(cfg: LMTrainConfig, path: Path, index: dict) -> None:
     if extra.get("family") != MODEL_FAMILY:
         raise ValueError(f"{path}: not a `moeflow train` checkpoint (family {extra.get('family')!r}); "
                          "resume=True continues a run of train_lm")
-    saved = extra.get("train", {})
-    changed = {k: (saved.get(k), v) for k, v in cfg.to_dict().items() if k in _DATA_SETTINGS and saved.get(k) != v}
+    # every message names the setting at fault first (the command line names its flag from it)
+    saved, now_train = extra.get("train", {}), cfg.to_dict()
+    changed = {k: (saved.get(k), v) for k, v in now_train.items() if k in _DATA_SETTINGS and saved.get(k) != v}
     if changed:
-        raise ValueError(f"{path}: resuming with other data settings (saved, now): {changed}")
+        raise ValueError(f"{_settings(changed)}: resume=True continues the checkpoint {path} on the data it was "
+                         f"trained with ({', '.join(_DATA_SETTINGS)} as saved); give the saved values, or start a new "
+                         "run (another out_dir, or overwrite=True)")
     saved_model = extra.get("model")
     if not isinstance(saved_model, dict) or "vocab_size" not in saved_model:
         raise ValueError(f"{path}/index.json: no model config; it cannot be resumed")
     now = _without_recompute(cfg.model_config(vocab_size=saved_model["vocab_size"]).to_dict())
     saved_model = _without_recompute(saved_model)
-    changed = {k: (saved_model.get(k), v) for k, v in now.items() if saved_model.get(k) != v}
+    changed = _model_changes(saved_model, now)
     if changed:
-        raise ValueError(f"{path}: the checkpoint's model config differs from this run's (saved, now): {changed}; "
-                         "use another out_dir, or overwrite=True to start over")
+        given = [f"{k}={now_train[k]!r}" for k in ("preset", *MODEL_OVERRIDES, "init_from")
+                 if k in saved and saved[k] != now_train[k]]
+        diff = "; ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in changed.items())
+        raise ValueError(f"{', '.join(given) or 'this run'} would change the model of the checkpoint {path} ({diff}), "
+                         "which resume=True continues; resume with the run's own model settings, or start a new run "
+                         "(another out_dir, or overwrite=True)")
     if cfg.steps < step:
         raise ValueError(f"steps={cfg.steps} is below step {step} of the checkpoint {path} that resume=True "
                          f"continues; a run is not shortened: pass steps={step} (finished, nothing to do) or more")
+
+
+def _settings(changed: dict[str, tuple[object, object]]) -> str:
+    """``num_experts=4 (the checkpoint's run: 8), ...`` from ``{name: (saved, now)}``."""
+    return ", ".join(f"{k}={now!r} (the checkpoint's run: {was!r})" for k, (was, now) in changed.items())
+
+
+def _model_changes(saved: dict, now: dict) -> dict[str, tuple[object, object]]:
+    """``{key: (saved, now)}`` of the keys of ``now`` whose value differs in ``saved``, a nested
+    config by its own keys (``router.load_balance_coef``): empty exactly when each is equal."""
+    out: dict[str, tuple[object, object]] = {}
+    for k, v in now.items():
+        was = saved.get(k)
+        if isinstance(v, dict) and isinstance(was, dict):
+            out.update({f"{k}.{n}": (was.get(n), v.get(n)) for n in {**was, **v} if was.get(n) != v.get(n)})
+        elif was != v:
+            out[k] = (was, v)
+    return out
 
 
 def _restored_history(out: Path, path: Path, step: int, saved: dict | None, legacy: dict | None) -> dict:
@@ -214,12 +241,12 @@ def _restored_history(out: Path, path: Path, step: int, saved: dict | None, lega
         try:
             kept = _history_until(source, step)
         except (KeyError, IndexError, TypeError) as err:
-            raise ValueError(f"{out / HISTORY_FILE}: malformed history ({err!r})") from None
+            raise ValueError(f"resume=True reads {out / HISTORY_FILE}: malformed history ({err!r})") from None
         if kept["step"] == list(range(1, step + 1)):
             return kept
     found = "missing" if saved is None else f"covers steps {saved.get('step', [])[:1]}..{saved.get('step', [])[-1:]}"
-    raise ValueError(f"{out / HISTORY_FILE} is {found}, but the checkpoint {path} is at step {step}: resuming needs "
-                     "the history up to it (restore the file, or start over with overwrite=True)")
+    raise ValueError(f"resume=True needs {out / HISTORY_FILE} up to step {step}, the step of the checkpoint {path}, "
+                     f"but the file is {found}: restore it, or start over with overwrite=True")
 
 
 def inspect_run(cfg: LMTrainConfig) -> RunState:

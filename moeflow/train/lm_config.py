@@ -34,6 +34,9 @@ class LMTrainConfig:
     ``"auto"`` uses bf16 autocast on a CUDA device that supports it and full fp32 on CPU
     (CPUs without native bf16 run it 50-90x slower). ``dtype`` is the parameter dtype
     (``float64`` for exact comparisons, e.g. one process against expert-parallel ranks).
+    ``device``: ``"cpu"``, ``"cuda:N"``, or ``"cuda"``, this process's current GPU (on a torchrun
+    rank ``cuda:LOCAL_RANK``: each rank its own); the library's default is the CPU, ``moeflow
+    train``'s is CUDA where available.
     ``parallel`` and ``overlap_degree`` set the MoE layers' parallel mode and pipelining under
     ``--nproc`` (``"auto"``: tuned at run time; see ``moeflow.ParallelConfig``). A run with
     ``"auto"`` writes the tuner's choices to ``out_dir/tuned.json``; ``tuned`` (such a file)
