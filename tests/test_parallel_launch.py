@@ -100,3 +100,20 @@ def test_die_with_agent_arms_only_ranks_of_a_torchrun_agent(monkeypatch):
     with pytest.raises(ValueError, match=f"{AGENT_PID}='not-a-pid' in the environment is not a process id"):
         die_with_agent(TorchrunJob(**job, run_id="abc"))
     assert AGENT_PID not in os.environ  # taken out: children never inherit a stale pid
+
+
+@pytest.mark.unit
+def test_the_agent_exits_with_the_stall_status_when_a_rank_gave_up_on_a_stalled_peer():
+    """A watcher kills its stalled peer on the same machine; torchrun may list the killed rank's
+    SIGKILL first, but the job's status is the watcher's EXIT_STALLED. Without one, the first."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from moeflow.parallel.agent import _cause
+    from moeflow.parallel.heartbeat import EXIT_STALLED
+
+    killed = ProcessFailure(local_rank=0, pid=10, exitcode=-9, error_file="/nonexistent")
+    watcher = ProcessFailure(local_rank=1, pid=11, exitcode=EXIT_STALLED, error_file="/nonexistent")
+    assert _cause(ChildFailedError("train", {0: killed, 1: watcher})) is watcher
+    other = ProcessFailure(local_rank=1, pid=11, exitcode=1, error_file="/nonexistent")
+    failures = {0: killed, 1: other}
+    assert _cause(ChildFailedError("train", failures)) is ChildFailedError("train", failures).get_first_failure()[1]

@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from moeflow.parallel.heartbeat import EXIT_STALLED
 from moeflow.parallel.launch import AGENT_PID, die_with_parent
 
 __all__ = ["main"]
@@ -49,11 +50,20 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))  # not torch.distributed.run.main: its @record re-raises with a report
     except ChildFailedError as err:
-        _, failure = err.get_first_failure()
+        failure = _cause(err)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except SignalException as err:  # torchrun stopped the ranks first
         return 128 + int(err.sigval)
     return 0
+
+
+def _cause(err: ChildFailedError):  # type: ignore[no-untyped-def]
+    """The failure whose status the agent exits with: a rank that gave up on a stalled peer
+    (``EXIT_STALLED``) when there is one, else the first to fail. A watcher on the stalled
+    rank's machine kills it (``heartbeat.report_stall``), and torchrun can see both exits in
+    one check, with the killed rank's SIGKILL first: the status should say what happened."""
+    stalled = [f for f in err.failures.values() if f.exitcode == EXIT_STALLED]
+    return min(stalled, key=lambda f: f.timestamp) if stalled else err.get_first_failure()[1]
 
 
 def _parent_pid(argv: list[str]) -> tuple[int, list[str]]:

@@ -28,13 +28,33 @@ itself did not run (the whole job stopped and continued, a paused VM) is no evid
 a peer: after such a gap a peer is judged only on a read made long enough after it for the
 peer to have beaten again.
 
-Measured (``moeflow train --nproc 2``, one rank stopped with SIGSTOP mid-run, 2-core VM): the
-report comes ``timeout_s`` after that rank's last beat (29.1-29.6 s after the stop with
-``--stall-timeout 30``, 4.1-5.7 s with 5). The job, and ``moeflow train``, end 31-34 s after
-the report (61-62 s after the stop with 30 s): on the watching rank's exit torchrun sends the
-other ranks SIGTERM and waits 30 s before SIGKILL, and a stopped process does not act on
-SIGTERM. That wait is torchrun's, fixed in its failure path (torch 2.13's
-``LocalElasticAgent._stop_workers``; its ``--shutdown-timeout`` flag does not reach it).
+The job ends at the report. On the watching rank's exit torchrun sends the other ranks SIGTERM
+and waits 30 s before SIGKILL (fixed in its failure path: torch 2.13's
+``LocalElasticAgent._stop_workers``; its ``--shutdown-timeout`` flag does not reach it), and a
+stopped process does not act on SIGTERM: the job used to end 30 s after the report. So every
+rank publishes its process once in the store, beside its beats, before its first beat
+(``RankProcess``: pid, start time from ``/proc/PID/stat``, the machine as boot id and pid
+namespace, the hostname), and the watcher, after printing the report, SIGKILLs each stalled
+rank that runs on its own machine (``report_stall``): torchrun finds it exited and stops or
+restarts the job at once. Only a process whose pid *and* start time still match what the rank
+published is killed: checked in ``/proc`` just before the report, through a pidfd that the
+kill then goes through, so a process that took the pid later is never hit. A stalled rank on
+another machine is left to torchrun's agent there (which waits the 30 s), and so is a store
+that went silent (whose server, torchrun's agent or rank 0, this rank cannot tell); the report
+says which. A rank that is judged stalled but not stopped (beat thread starved for ``timeout_s``)
+is killed too, where torchrun would have sent it SIGTERM first: the job was ending anyway.
+When torchrun sees both exits in one check, its first failure is the lower local rank's
+(137, SIGKILL, with rank 0 stopped); moeflow's agent (``moeflow train --nproc``) exits with
+``EXIT_STALLED`` whenever a rank gave up on a stalled peer, so ``failed (exit 75)`` says what
+happened either way.
+
+Measured (``moeflow train --nproc 2``, one rank stopped with SIGSTOP after a step, 2-core VM):
+the report comes ``timeout_s`` after that rank's last beat (4.3-5.7 s after the stop with
+``--stall-timeout 5``, 29.4-30.0 s with 30), and the job, and ``moeflow train``, end 1.4-2.6 s
+after the report (6.0-7.5 s after the stop with 5, six runs; 31.4-32.0 s with 30, three runs),
+where they ended 31.8-31.9 s after it before the kill (36.2-36.7 s after the stop with 5, 61.8
+s with 30, same machine). With ``--max-restarts 1 --stall-timeout 5`` the restarted ranks run
+4.7 s after the stop.
 
 It detects a *stopped* process (its beat thread stops too); a rank that is alive but stuck (a
 collective that never matches) keeps beating and is left to the collective timeout
@@ -44,36 +64,123 @@ collective that never matches) keeps beating and is left to the collective timeo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
+import signal
+import socket
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
 
 import torch.distributed as dist
 
 from moeflow.parallel.comm import broadcast_object
 from moeflow.parallel.launch import job_store
 
-__all__ = ["Heartbeat", "EXIT_STALLED", "Stall"]
+__all__ = ["Heartbeat", "EXIT_STALLED", "Stall", "RankProcess", "report_stall"]
 
 EXIT_STALLED = 75  # the exit status of a rank that gave up on a stalled peer
 _DONE = "done"  # a rank's last beat: it left the watched block
 _OFFSET_SAMPLES = 32  # reads of a peer's beats its clock offset is the minimum over (the clocks may drift apart)
+_PROC = Path("/proc")
+_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep", "T": "stopped",
+           "t": "stopped by a debugger"}  # /proc/PID/stat's state letters, for the report
+
+
+@dataclass(frozen=True)
+class RankProcess:
+    """Which process rank ``rank`` is, as it publishes itself in the job's store: ``pid``;
+    ``started``, its start time (clock ticks after boot, field 22 of ``/proc/PID/stat``), which
+    tells it from a later process that got the same pid; ``machine``, what tells this process
+    table from any other (the kernel's boot id and the pid namespace: containers on one machine
+    share the boot id, not the namespace); ``host``, its hostname, for messages."""
+
+    rank: int
+    pid: int
+    started: int
+    machine: str
+    host: str
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "pid", "started"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"RankProcess.{name} must be an int, got {type(value).__name__}")
+            if value < (1 if name == "pid" else 0):
+                raise ValueError(f"RankProcess.{name} must be {'positive' if name == 'pid' else '>= 0'}, got {value}")
+        for name in ("machine", "host"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or value.split() != [value]:
+                raise ValueError(f"RankProcess.{name} must be a non-empty string without spaces, got {value!r}")
+
+    @classmethod
+    def this(cls, rank: int) -> RankProcess | None:
+        """This process as rank ``rank``; None without a ``/proc`` of its own pid namespace (not Linux)."""
+        machine, stat = _machine(), _stat(os.getpid())
+        if machine is None or stat is None:
+            return None
+        return cls(rank, os.getpid(), stat[1], machine, (socket.gethostname().split() or ["?"])[0])
+
+    def encode(self) -> str:
+        return f"{self.pid} {self.started} {self.machine} {self.host}"
+
+    @classmethod
+    def decode(cls, rank: int, text: str) -> RankProcess | None:
+        """The process ``encode`` wrote as ``text`` for ``rank``; None for anything else (a rank
+        that could not tell which process it is publishes ``""``)."""
+        parts = text.split()
+        try:
+            return cls(rank, int(parts[0]), int(parts[1]), parts[2], parts[3]) if len(parts) == 4 else None
+        except ValueError:
+            return None
+
+
+def _stat(pid: int, proc: Path = _PROC) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter and start time (fields 3 and 22 of ``/proc/PID/stat``), or
+    None when there is no such process or it has exited (a zombie, not yet reaped)."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "PID (COMM) ", COMM may hold spaces and ")"
+    return None if fields[0] in ("Z", "X") else (fields[0], int(fields[19]))
+
+
+def _machine(proc: Path = _PROC) -> str | None:
+    """This process table's identity (``RankProcess.machine``): ``BOOT_ID/pid:[INODE]``; None
+    without ``/proc``, or with one that is not of this process's pid namespace."""
+    try:
+        if os.readlink(proc / "self") != str(os.getpid()):
+            return None
+        return f"{(proc / 'sys/kernel/random/boot_id').read_text().strip()}/{os.readlink(proc / 'self/ns/pid')}"
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
 class Stall:
     """What the watcher found: ``rank`` sent no heartbeat for ``seconds`` (the time since its
-    last beat, dated as the module docstring says), or (``rank is None``) the job's store at
-    ``store`` answered no read for ``seconds``; ``timeout_s`` is the limit that was set."""
+    last beat, dated as the module docstring says), nor did the ranks ``others`` for the
+    timeout, or (``rank is None``) the job's store at ``store`` answered no read for
+    ``seconds``; ``timeout_s`` is the limit that was set. ``processes``: the processes the
+    stalled ranks published (``RankProcess``; a rank that did not publish one is absent)."""
 
     rank: int | None
     seconds: float
     timeout_s: float
     store: str = "MASTER_ADDR:MASTER_PORT"
+    others: tuple[int, ...] = ()
+    processes: tuple[RankProcess, ...] = ()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every stalled rank (none when it is the store that went silent)."""
+        return () if self.rank is None else (self.rank, *self.others)
 
     def message(self) -> str:
         limit = f"stall timeout {self.timeout_s:g} s"
@@ -82,6 +189,9 @@ class Stall:
                     "process that serves it, torchrun's agent or rank 0, is stopped or hung)")
         else:
             what = f"rank {self.rank} has not sent a heartbeat for {self.seconds:.1f} s ({limit}; stopped or hung)"
+            if self.others:
+                what += (f", nor has rank {self.others[0]}" if len(self.others) == 1 else
+                         f", nor have ranks {', '.join(map(str, self.others))}")
         return f"moeflow: {what}; this rank gives up so that torchrun can stop the job or restart it"
 
 
@@ -97,7 +207,8 @@ class _Watch:
     before the beat; the smallest is the least delayed read). A peer that has not beaten yet
     counts from the start. A peer is stalled when the latest poll, begun at ``read_at``, still
     found a beat written more than ``timeout_s`` before ``read_at``: then it wrote nothing for
-    that long. The store is stalled when no poll has succeeded for ``timeout_s``.
+    that long (the verdict names the first such peer and lists the others). The store is
+    stalled when no poll has succeeded for ``timeout_s``.
 
     Its own gaps: ``judge`` is called every ``interval_s``; a call more than ``2 * interval_s``
     after the previous one means this process did not run in between (stopped, paused,
@@ -148,10 +259,10 @@ class _Watch:
             self.resumed = now
         self.ticked = now
         if self.read_at >= self.resumed + self.grace_s:
-            for r in self.beats:
-                last = self.last_beat(r)
-                if self.read_at - last > self.timeout_s:
-                    return Stall(r, now - last, self.timeout_s, self.store)
+            stalled = [r for r in self.beats if self.read_at - self.last_beat(r) > self.timeout_s]
+            if stalled:
+                return Stall(stalled[0], now - self.last_beat(stalled[0]), self.timeout_s, self.store,
+                             others=tuple(stalled[1:]))
         silent_since = max(self.answered, self.resumed)
         if now - silent_since > self.timeout_s:
             return Stall(None, now - self.answered, self.timeout_s, self.store)
@@ -173,9 +284,10 @@ class Heartbeat:
     ``rank``/``world``: this rank and the job size (default: the initialised default group's);
     ``key``: a prefix that is new for every attempt of the job (default: a random one that rank
     0 draws and broadcasts to the default group on entering, so a restarted group never reads
-    its predecessor's beats). ``on_stall(stall)`` (a ``Stall``) replaces the default: print
-    ``stall.message()`` and exit with ``EXIT_STALLED``. ``store`` replaces the job's store
-    (``job_store``; tests pass a fake one) and ``clock`` ``time.monotonic``."""
+    its predecessor's beats). ``on_stall(stall)`` (a ``Stall``) replaces the default:
+    ``report_stall(stall)`` (the report; the stalled ranks of this machine killed) and exit with
+    ``EXIT_STALLED``. ``store`` replaces the job's store (``job_store``; tests pass a fake one)
+    and ``clock`` ``time.monotonic``."""
 
     def __init__(self, *, interval_s: float = 1.0, timeout_s: float = 30.0, rank: int | None = None,
                  world: int | None = None, key: str | None = None, on_stall: Callable[[Stall], object] | None = None,
@@ -201,6 +313,9 @@ class Heartbeat:
         self._judging: threading.Thread | None = None
         self._watch: _Watch | None = None
         self._beat = 0
+        self._me: RankProcess | None = None  # this process, published once (before the first beat)
+        self._published = False
+        self._processes: dict[int, RankProcess | None] = {}  # peer -> the process it published (None: none)
 
     def __enter__(self) -> Heartbeat:
         if self.key is None:  # one collective: every rank of the attempt beats under rank 0's prefix
@@ -231,6 +346,7 @@ class Heartbeat:
         if self._store is None:
             self._store = job_store(self.timeout_s)
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        self._me = RankProcess.this(self.rank)
         self._watch = _Watch([r for r in range(self.world) if r != self.rank], timeout_s=self.timeout_s,
                              interval_s=self.interval_s, now=self.clock(), store=where)
 
@@ -238,10 +354,14 @@ class Heartbeat:
 
     def poll(self) -> None:
         """One poll: write this rank's next beat, read the others' and hand them to the
-        watch. A store that fails (refused, reset: its server is gone) is a missed poll; the
-        judge counts the store's silence. Called by the polling thread every ``interval_s``."""
+        watch; then read the processes the peers published that are not known yet. A store
+        that fails (refused, reset: its server is gone) is a missed poll; the judge counts the
+        store's silence. Called by the polling thread every ``interval_s``."""
         self._beat += 1
         try:
+            if not self._published:  # before the first beat: a peer that saw a beat finds it
+                self._store.set(f"{self.key}/{self.rank}/process", "" if self._me is None else self._me.encode())
+                self._published = True
             self._store.set(f"{self.key}/{self.rank}", f"{self._beat} {self.clock()!r}")
             started = self.clock()
             beats = {}
@@ -255,6 +375,17 @@ class Heartbeat:
             return
         with self._lock:
             self._watch.observe(beats, started, finished)
+            unknown = [r for r in self._watch.peers() if r not in self._processes]
+        found = {}
+        try:
+            for r in unknown:
+                key = f"{self.key}/{r}/process"
+                if self._store.check([key]):
+                    found[r] = RankProcess.decode(r, self._store.get(key).decode())
+        except (RuntimeError, OSError):
+            pass  # read again at the next poll
+        with self._lock:
+            self._processes.update(found)
 
     def judge(self) -> None:
         """One verdict from what was last read; a stall is reported once (``on_stall``), unless
@@ -266,6 +397,8 @@ class Heartbeat:
             if stall is None or self._stop.is_set():
                 return
             self._stalled = True
+            found = (self._processes.get(r) for r in stall.ranks)
+            stall = dataclasses.replace(stall, processes=tuple(p for p in found if p is not None))
         self.on_stall(stall)
 
     def _poll_loop(self) -> None:
@@ -279,6 +412,85 @@ class Heartbeat:
             self.judge()
 
 
+def report_stall(stall: Stall, out: TextIO | None = None) -> list[int]:
+    """Print ``stall``'s report on ``out`` (default: stderr), then SIGKILL each stalled rank
+    that runs on this machine and still is the process it published; return their pids.
+
+    A stalled rank is mostly a stopped one, and a stopped process does not act on the SIGTERM
+    with which torchrun ends the other ranks when this one exits: torchrun would wait 30 s for
+    it before its own SIGKILL. Killed here, it has exited when torchrun looks. The report says
+    what becomes of each stalled rank: killed (with its state from ``/proc``, e.g. stopped),
+    on another machine (left to torchrun's agent there, which waits as said), exited, not
+    this user's, or not published. Only a process whose pid *and* start time still match
+    what the rank published is killed, checked through a pidfd, which the signal then goes
+    through, so no process that took the pid later can be hit (without pidfds, before Linux
+    5.3: through the pid, checked just before)."""
+    if not isinstance(stall, Stall):
+        raise TypeError(f"report_stall takes a Stall, got {type(stall).__name__}")
+    machine = _machine()
+    claims = [_claim(p, machine) for p in stall.processes]
+    published = {p.rank for p in stall.processes}
+    notes = [what for _, what in claims] + [f"rank {r} did not publish its process: left to torchrun"
+                                            for r in stall.ranks if r not in published]
+    print("; ".join([stall.message(), *notes]), file=sys.stderr if out is None else out, flush=True)
+    return [kill() for kill, _ in claims if kill is not None]
+
+
+def _claim(process: RankProcess, machine: str | None,
+           stat: Callable[[int], tuple[str, int] | None] = _stat) -> tuple[Callable[[], int] | None, str]:
+    """Whether ``report_stall`` may kill ``process`` (``machine``: this one's, ``_machine()``;
+    ``stat``: ``_stat``, which tests replace): the kill, which returns the pid (None: leave
+    it), and what the report says of it."""
+    rank, pid = process.rank, process.pid
+    if machine is None or process.machine != machine:
+        return None, (f"rank {rank} runs on {process.host} (pid {pid}), not on this machine: left to torchrun's "
+                      "agent there")
+    try:  # a pidfd pins the process: the one checked below is the one the signal reaches
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = None
+    except (AttributeError, OSError):  # no pidfd_open (not Linux, or before 5.3)
+        fd = -1
+    now = stat(pid) if fd is not None else None
+    if now is None or now[1] != process.started:  # gone, or the pid is another process's now
+        _close(fd)
+        return None, f"rank {rank}'s process (pid {pid}) has exited"
+    try:
+        _signal(fd, pid, 0)  # may this process signal it?
+    except PermissionError:
+        _close(fd)
+        return None, f"rank {rank} (pid {pid}) is another user's process: left to torchrun"
+    except ProcessLookupError:
+        _close(fd)
+        return None, f"rank {rank}'s process (pid {pid}) has exited"
+
+    def kill() -> int:
+        try:
+            _signal(fd, pid, signal.SIGKILL)
+        except ProcessLookupError:  # it exited meanwhile
+            pass
+        finally:
+            _close(fd)
+        return pid
+
+    state = _STATES.get(now[0], f"state {now[0]}")
+    return kill, (f"rank {rank} (pid {pid} on this machine, {state}) is killed with SIGKILL: torchrun need not wait "
+                  "for it")
+
+
+def _signal(fd: int, pid: int, sig: int) -> None:
+    """Send ``sig`` through the pidfd ``fd``, or (``fd == -1``: none) to ``pid``."""
+    if fd >= 0:
+        signal.pidfd_send_signal(fd, sig)
+    else:
+        os.kill(pid, sig)
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None and fd >= 0:
+        os.close(fd)
+
+
 def _report_and_exit(stall: Stall) -> None:
-    print(stall.message(), file=sys.stderr, flush=True)
+    report_stall(stall)
     os._exit(EXIT_STALLED)
