@@ -21,7 +21,6 @@ A module that needs more letters names them in its own docstring.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
@@ -52,22 +51,23 @@ class RoutingResult:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     priority_TK: torch.Tensor | None = None
 
+    counts_E: torch.Tensor = field(init=False, repr=False)
+    """Assignments per expert before any drop (int64 ``[E]``), counted once per call (on
+    construction: every dispatcher reads it) and shared by the losses, the balancing counters,
+    the layer and the dispatcher."""
+
     def __post_init__(self) -> None:
         if self.priority_TK is None:
             object.__setattr__(self, "priority_TK", self.weights_TK)
+        ids_A = self.ids_TK.detach().reshape(-1)
+        # a scatter-add into a fixed [E]: no host sync (torch.bincount reads min/max on the host
+        # on CUDA) and a static shape (torch.compile, CUDA graphs)
+        counts_E = torch.zeros(self.logits_TE.shape[1], dtype=torch.long, device=ids_A.device)
+        object.__setattr__(self, "counts_E", counts_E.scatter_add_(0, ids_A, torch.ones_like(ids_A)))
 
     @property
     def top_k(self) -> int:
         return self.ids_TK.shape[1]
-
-    @cached_property
-    def counts_E(self) -> torch.Tensor:
-        """Assignments per expert before any drop (int64 ``[E]``), counted once per call and
-        shared by the losses, the balancing counters, the layer and the dispatcher."""
-        ids_A = self.ids_TK.detach().reshape(-1)
-        # a scatter-add into a fixed [E] (torch.bincount reads min/max on the host on CUDA)
-        counts_E = torch.zeros(self.logits_TE.shape[1], dtype=torch.long, device=ids_A.device)
-        return counts_E.scatter_add_(0, ids_A, torch.ones_like(ids_A))
 
 
 @dataclass(frozen=True)

@@ -359,9 +359,33 @@ def lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
                      activation: str) -> torch.Tensor:
     """``lean_ffn``'s forward with ``gemm="grouped_mm"`` for calls autograd records nothing for
     (inference, a decode step): the same two products, without the autograd Functions and
-    offset casts (~7% of a B=8 decode step); bit-equal to ``lean_ffn`` (tests compare)."""
+    offset casts (~7% of a B=8 decode step); bit-equal to ``lean_ffn`` (tests compare).
+
+    Under ``torch.compile`` it is one opaque op (``moeflow::lean_ffn_no_grad``, output
+    ``[R, D]``): torch's fake implementation of ``F.grouped_mm`` accepts bf16 only, so a traced
+    fp32 or fp16 call would fail; eager calls skip the op's dispatch (microseconds a decode
+    step pays per MoE block)."""
+    if torch.compiler.is_compiling():
+        return _lean_ffn_no_grad_op(x_RD, w_in, w_out, counts_E, activation)
+    return _lean_ffn_no_grad(x_RD, w_in, w_out, counts_E, activation)
+
+
+def _lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, counts_E: torch.Tensor,
+                      activation: str) -> torch.Tensor:
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     return F.grouped_mm(_activate(F.grouped_mm(x_RD, w_in, offs=offs_E), activation), w_out, offs=offs_E)
+
+
+@torch.library.custom_op("moeflow::lean_ffn_no_grad", mutates_args=())
+def _lean_ffn_no_grad_op(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, counts_E: torch.Tensor,
+                         activation: str) -> torch.Tensor:
+    return _lean_ffn_no_grad(x_RD, w_in, w_out, counts_E, activation)
+
+
+@_lean_ffn_no_grad_op.register_fake
+def _(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, counts_E: torch.Tensor,
+      activation: str) -> torch.Tensor:
+    return x_RD.new_empty((x_RD.shape[0], w_out.shape[-1]))
 
 
 def ffn_reference(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, offs_E: torch.Tensor | None, *,

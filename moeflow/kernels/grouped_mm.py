@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.triton import triton_available
+from moeflow.kernels.triton import _constant_under_compile, triton_available
 
 __all__ = [
     "grouped_mm",
@@ -165,11 +165,14 @@ def auto_grouped_mm_backend(device: torch.device, dtype: torch.dtype, dims: tupl
     return "grouped_mm" if native else "loop"
 
 
+@_constant_under_compile
 def resolve_grouped_mm_backend(name: str, device: torch.device, dtype: torch.dtype, dims: tuple[int, ...] = ()) -> str:
     """Map ``"auto"`` to a concrete backend (``auto_grouped_mm_backend``); reject a named
     backend that cannot run here.
 
     ``dims``: the feature sizes of the matrices involved (see ``native_grouped_mm_supported``).
+    Under ``torch.compile`` the answer is taken once at trace time (the probe runs a grouped
+    GEMM, which is not traced).
     """
     if name == "auto":
         return auto_grouped_mm_backend(device, dtype, dims)
