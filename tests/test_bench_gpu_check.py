@@ -58,6 +58,9 @@ def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     assert fig["resume"]["resumed_from"] == 4
     assert fig["dcp"]["saved_equal"] and fig["dcp"]["converted_equal"] and fig["dcp"]["optimizer_tensors"] > 0
     assert fig["generate"]["sampled"]["decode_tokens"] > 0 and fig["infer"]["identical"] is True
+    decode = {r["candidate"]: r for r in fig["decode"]["rows"]}
+    assert set(decode) == {"moeflow", "moeflow:compiled", "hf:grouped_mm", "hf:static"}
+    assert all(r["tokens_vs_moeflow"] == "identical" and r["decode_tok_s"] > 0 for r in decode.values())
     assert [t["overlap_degree"] for t in fig["overlap"]["timings"]] == [1, 2]
     rows = {r["stage"]: r for r in fig["profile"]["rows"]}
     assert set(PROFILE_STAGES) <= set(rows) and fig["profile"]["unit"] == "cpu"

@@ -7,9 +7,23 @@ generate greedily from the same prompts (batch ``B`` rows of ``--prompt-len`` ra
 ``--new-tokens``:
 
     moeflow          MoEGPT.generate's loop (``moeflow.models.generation.generate``: KV cache)
+    moeflow:compiled the same with ``compile=True``: the static decode step compiled with
+                     ``torch.compile(fullgraph=True)`` (CUDA graphs on CUDA); compiled and warmed
+                     up before the clock starts (``--no-compiled``: left out)
     hf:<impl>        MixtralForCausalLM.generate (KV cache) with each experts implementation of
                      ``--hf-experts`` (transformers' ``set_experts_implementation``: ``eager``
                      per-expert loop, ``grouped_mm``, ``batched_mm``)
+    hf:static        transformers' own compiled decoding: ``cache_implementation="static"`` with
+                     its ``torch.compile`` of the forward (``CompileConfig``: CUDA graphs on CUDA,
+                     plain inductor on CPU), ``grouped_mm`` experts (``--hf-static``; on by
+                     default on CUDA, where transformers compiles a static cache by itself)
+
+Every candidate runs once with the same shapes before the timed rounds (compilation and CUDA
+graph recording stay out of the timings). ``--device cuda --dtype bfloat16`` with the model
+flags of issue 27's GPU measurement (dim 1024, 8 layers, 16 heads, 8 KV heads, 8 experts,
+top-2, expert hidden 1408, vocabulary 32000, 128-token prompts, 128 new tokens, batch 1 and
+16) is the GPU comparison ``bench/gpu_check.py`` runs; on CUDA every clock reading follows a
+device synchronisation.
 
 Prefill is the time from the call to the first new token of every row (the prompt's forward
 and one pick), decode the rest: for transformers, a streamer stamps the first new token
@@ -64,8 +78,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_model(args: argparse.Namespace, max_seq_len: int):  # type: ignore[no-untyped-def]
-    """The ``MoEGPT`` of ``add_model_flags``' flags (seeded with ``--seed``, eval, fp32),
-    holding ``max_seq_len`` positions (the prompt and the new tokens)."""
+    """The ``MoEGPT`` of ``add_model_flags``' flags (seeded with ``--seed``, eval, fp32 on the
+    CPU: the caller moves it), holding ``max_seq_len`` positions (the prompt and the new tokens)."""
     from moeflow.config import RouterConfig
     from moeflow.models import GPTConfig, MoEGPT
 
@@ -105,6 +119,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="also time block 0's MoE layer alone at these token counts (empty: skip)")
     p.add_argument("--layer-calls", type=int, default=200, help="calls per timed repeat of the layer")
     p.add_argument("--skip-generate", action="store_true", help="only the layer timings")
+    p.add_argument("--no-compiled", action="store_true", help="leave out moeflow:compiled")
+    p.add_argument("--hf-static", choices=["auto", "on", "off"], default="auto",
+                   help="transformers' static-cache compiled generate (hf:static; auto: on CUDA only)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="the weights' and activations' dtype (default float32; bfloat16 on a GPU)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     return p
 
@@ -130,19 +150,42 @@ class _FirstTokenClock:
         pass
 
 
-def _run_moeflow(model, idx_BS: torch.Tensor, n: int, clock) -> tuple[list[list[int]], float, float]:  # type: ignore[no-untyped-def]
+def _synced(clock, device: torch.device):  # type: ignore[no-untyped-def]
+    """``clock`` read after the device finished its work (CUDA); ``clock`` itself on the CPU."""
+    if device.type != "cuda":
+        return clock
+
+    def read() -> float:
+        torch.cuda.synchronize(device)
+        return clock()
+    return read
+
+
+def _run_moeflow(model, idx_BS: torch.Tensor, n: int, clock, compile: bool = False  # type: ignore[no-untyped-def]
+                 ) -> tuple[list[list[int]], float, float]:
     from moeflow.models.generation import generate
 
-    out = generate(model, idx_BS, n, temperature=0, clock=clock)
+    out = generate(model, idx_BS, n, temperature=0, clock=_synced(clock, idx_BS.device), compile=compile)
     return out.tokens, out.prefill_s, out.decode_s
 
 
-def _run_hf(hf, idx_BS: torch.Tensor, n: int, clock) -> tuple[list[list[int]], float, float]:  # type: ignore[no-untyped-def]
+def _run_hf(hf, idx_BS: torch.Tensor, n: int, clock, static: bool = False  # type: ignore[no-untyped-def]
+            ) -> tuple[list[list[int]], float, float]:
+    """transformers' ``generate``; ``static``: with a static cache, which transformers compiles
+    (``CompileConfig``; on the CPU only when told ``_compile_all_devices``)."""
+    clock = _synced(clock, idx_BS.device)
     stamp = _FirstTokenClock(clock)
+    kw: dict = {}
+    if static:
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True, mode="reduce-overhead" if idx_BS.device.type == "cuda" else "default")
+        config._compile_all_devices = True
+        kw = {"cache_implementation": "static", "compile_config": config}
     with torch.no_grad():
         t0 = clock()
         out = hf.generate(idx_BS, attention_mask=torch.ones_like(idx_BS), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, num_beams=1, pad_token_id=0, streamer=stamp)
+                          do_sample=False, num_beams=1, pad_token_id=0, streamer=stamp, **kw)
         t2 = clock()
     t1 = stamp.first if stamp.first is not None else t2
     return out[:, idx_BS.shape[1]:].tolist(), t1 - t0, t2 - t1
@@ -174,12 +217,14 @@ def _first_difference(a: list[list[int]], b: list[list[int]]) -> str:
 
 
 def build_models(args: argparse.Namespace, hf_dir: Path):
-    """The moeflow model and transformers' model loaded from its export (both eval, fp32)."""
+    """The moeflow model and transformers' model loaded from its export (both eval), on
+    ``--device`` in ``--dtype``."""
     from moeflow.convert.mixtral import gpt_to_hf
 
     model = build_model(args, args.prompt_len + max(int(n) for n in args.new_tokens.split(",")))
     gpt_to_hf(model, hf_dir)
-    return model, load_hf(hf_dir)
+    dtype = getattr(torch, args.dtype)
+    return model.to(device=args.device, dtype=dtype), load_hf(hf_dir).to(device=args.device, dtype=dtype)
 
 
 def run_generate_bench(args: argparse.Namespace) -> dict:
@@ -191,17 +236,28 @@ def run_generate_bench(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(args.seed + 1)
     rows: list[dict] = []
     layer_rows = _layer_bench(args, model, hf, impls, clock, gen) if args.layer_tokens else []
+    static = args.hf_static == "on" or (args.hf_static == "auto" and torch.device(args.device).type == "cuda")
     with torch.no_grad():
         for B in ([] if args.skip_generate else (int(b) for b in args.batch_sizes.split(","))):
-            idx = torch.randint(0, args.vocab, (B, args.prompt_len), generator=gen)
+            idx = torch.randint(0, args.vocab, (B, args.prompt_len), generator=gen).to(args.device)
             for n in (int(v) for v in args.new_tokens.split(",")):
                 cands = {"moeflow": lambda idx=idx, n=n: _run_moeflow(model, idx, n, clock)}
+                if not args.no_compiled:
+                    cands["moeflow:compiled"] = lambda idx=idx, n=n: _run_moeflow(model, idx, n, clock, compile=True)
                 for impl in impls:
                     cands[f"hf:{impl}"] = (lambda impl=impl, idx=idx, n=n: (hf.set_experts_implementation(impl),
                                                                             _run_hf(hf, idx, n, clock))[1])
-                for name in cands:  # warm-up: a short run of each
-                    (_run_moeflow(model, idx, 4, clock) if name == "moeflow" else
-                     (hf.set_experts_implementation(name[3:]), _run_hf(hf, idx, 4, clock)))
+                if static:
+                    cands["hf:static"] = (lambda idx=idx, n=n: (hf.set_experts_implementation("grouped_mm"),
+                                                                _run_hf(hf, idx, n, clock, static=True))[1])
+                for name, run in cands.items():  # warm-up: the compiled ones compile for these shapes
+                    if name in ("moeflow:compiled", "hf:static"):
+                        run()
+                    elif name == "moeflow":
+                        _run_moeflow(model, idx, 4, clock)
+                    else:
+                        hf.set_experts_implementation(name[3:])
+                        _run_hf(hf, idx, 4, clock)
                 medians, tokens = take_turns(cands, args.repeats)
                 for name, (pre, dec) in medians.items():
                     rows.append({
@@ -212,7 +268,9 @@ def run_generate_bench(args: argparse.Namespace) -> dict:
                 _print_case(rows[-len(medians):])
     return {
         "bench": "generate", "date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(), "clock": args.clock, "torch": torch.__version__, "dtype": "float32",
+        "threads": torch.get_num_threads(), "clock": args.clock, "torch": torch.__version__, "dtype": args.dtype,
+        "device": str(args.device) + (f" ({torch.cuda.get_device_name(args.device)})"
+                                      if torch.device(args.device).type == "cuda" else ""),
         "transformers": __import__("transformers").__version__, "args": {k: str(v) for k, v in vars(args).items()},
         "results": rows, "layer": layer_rows,
     }
@@ -242,7 +300,7 @@ def _layer_bench(args: argparse.Namespace, model, hf, impls: list[str], clock, g
     rows = []
     with torch.no_grad():
         for T in (int(t) for t in args.layer_tokens.split(",")):
-            x_TD = torch.randn(T, args.dim, generator=gen)
+            x_TD = torch.randn(T, args.dim, generator=gen).to(device=args.device, dtype=getattr(torch, args.dtype))
             ref = layer(x_TD)
             times: dict[str, list[float]] = {name: [] for name in cands}
             diffs = {name: float((fn(x_TD) - ref).abs().max()) for name, fn in cands.items()}
@@ -264,8 +322,8 @@ def _layer_bench(args: argparse.Namespace, model, hf, impls: list[str], clock, g
 
 
 def _print_case(rows: list[dict]) -> None:
-    mf = rows[0]
-    hf_rows = [r for r in rows if r["candidate"] != "moeflow"]
+    mf = max((r for r in rows if r["candidate"].startswith("moeflow")), key=lambda r: r["decode_tok_s"] or 0)
+    hf_rows = [r for r in rows if not r["candidate"].startswith("moeflow")]
     best_dec = max(hf_rows, key=lambda r: r["decode_tok_s"] or 0) if hf_rows else None
     best_pre = max(hf_rows, key=lambda r: r["prefill_tok_s"]) if hf_rows else None
     print(f"B={mf['batch']} new={mf['new_tokens']}")
@@ -273,7 +331,7 @@ def _print_case(rows: list[dict]) -> None:
         print(f"  {r['candidate']:<16} prefill {r['prefill_tok_s']:>10,.0f} tok/s  decode {r['decode_tok_s'] or 0:>9,.0f} "
               f"tok/s   tokens {r['tokens_vs_moeflow']}")
     if best_dec is not None:
-        print(f"  moeflow / best transformers: decode {mf['decode_tok_s'] / best_dec['decode_tok_s']:.2f}x "
+        print(f"  {mf['candidate']} / best transformers: decode {mf['decode_tok_s'] / best_dec['decode_tok_s']:.2f}x "
               f"({best_dec['candidate']}), prefill {mf['prefill_tok_s'] / best_pre['prefill_tok_s']:.2f}x "
               f"({best_pre['candidate']})", flush=True)
 

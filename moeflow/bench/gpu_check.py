@@ -1,6 +1,6 @@
 """The GPU acceptance run: one command that shows what moeflow does on a CUDA machine.
 
-    python bench/gpu_check.py            # CUDA, bf16, full shapes, in a 345 s budget (not yet run on a GPU)
+    python bench/gpu_check.py            # CUDA, bf16, full shapes, in a 540 s budget (not yet run on a GPU)
     python bench/gpu_check.py --smoke    # the same stages at tiny shapes on CPU (= --device cpu --tiny)
     make gpu-check
 
@@ -36,6 +36,12 @@ with the repository root on ``PYTHONPATH``. Stages, in order:
                (temperature, top-k, top-p, a seed; 4 prompts in one batch) and greedy
     infer      ``python -m moeflow infer --offload disk --device cuda --compare`` on that checkpoint:
                experts streamed from disk, output compared with the in-memory model
+    decode     ``moeflow.bench.generate`` (greedy generation, the same weights): moeflow's eager and
+               compiled decode (``generate(compile=True)``: CUDA graphs) against transformers'
+               ``grouped_mm`` ``generate`` and its static-cache compiled ``generate``, on issue
+               27's Mixtral-shaped model (dim 1024, 8 layers, 16/8 heads, 8 experts top-2, expert
+               hidden 1408, vocabulary 32000), bf16, 128-token prompts, 128 new tokens, batch 1
+               and 16; decode tokens/s and the ratios. Four compilations: most of its time
     overlap    ``moeflow.bench.gpu_overlap`` on 1 GPU (NCCL loopback exchange, degrees 1, 2, 4)
     profile    ``moeflow.bench.stage_profile`` on the DeepSeek-like layer: device kernel time of
                one forward+backward per stage (router, slots, dispatch, GEMM, activation, combine,
@@ -466,6 +472,43 @@ def stage_generate(ctx: Context, timeout_s: float) -> dict:
                                   f"{g.get('decode_tokens_per_s', 0):,.0f} tokens/s"}
 
 
+# issue 27's GPU model and workload (the tiny smoke shapes: a 2-layer model, 8-token prompts)
+DECODE_FLAGS = ["--dim", "1024", "--layers", "8", "--heads", "16", "--kv-heads", "8", "--experts", "8", "--top-k", "2",
+                "--hidden", "1408", "--vocab", "32000", "--prompt-len", "128", "--new-tokens", "128",
+                "--batch-sizes", "1,16", "--dtype", "bfloat16", "--repeats", "3"]
+DECODE_TINY_FLAGS = ["--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--experts", "4", "--top-k", "2",
+                     "--hidden", "96", "--vocab", "256", "--prompt-len", "8", "--new-tokens", "12", "--batch-sizes", "2",
+                     "--repeats", "1", "--threads", "1", "--hf-static", "on"]
+
+
+def stage_decode(ctx: Context, timeout_s: float) -> dict:
+    path = ctx.out / "decode.json"
+    path.unlink(missing_ok=True)
+    argv = _python("-m", "moeflow.bench.generate", *(DECODE_TINY_FLAGS if ctx.tiny else DECODE_FLAGS),
+                   "--hf-experts", "grouped_mm", "--layer-tokens", "", "--device", ctx.device, "--json", str(path))
+    run_command(ctx, "decode", argv, timeout_s)
+    rows = json.loads(path.read_text())["results"]
+    figures: dict = {"rows": rows}
+    parts = []
+    for B in sorted({r["batch"] for r in rows}):
+        by = {r["candidate"]: r for r in rows if r["batch"] == B}
+        compiled = by.get("moeflow:compiled", by["moeflow"])
+        base = by.get("hf:grouped_mm")
+        static = by.get("hf:static")
+        wrong = [name for name, r in by.items() if r["tokens_vs_moeflow"] != "identical"]
+        line = f"B={B}: compiled {compiled['decode_tok_s']:,.0f} tok/s"
+        if base:
+            line += f", {compiled['decode_tok_s'] / base['decode_tok_s']:.2f}x transformers"
+        if static:
+            line += f", {compiled['decode_tok_s'] / static['decode_tok_s']:.2f}x its static compiled"
+        line += f", {compiled['decode_tok_s'] / by['moeflow']['decode_tok_s']:.2f}x eager"
+        if wrong:
+            line += f" (tokens differ: {', '.join(wrong)})"
+        parts.append(line)
+        figures[f"batch_{B}"] = {name: r["decode_tok_s"] for name, r in by.items()}
+    return {**figures, "summary": "; ".join(parts)}
+
+
 def stage_infer(ctx: Context, timeout_s: float) -> dict:
     run = _needs_run(ctx)
     path = ctx.out / "infer.json"
@@ -530,6 +573,7 @@ STAGES = [
     Stage("dcp", stage_dcp, 45, 90, "run"),
     Stage("generate", stage_generate, 40, 90, "run"),
     Stage("infer", stage_infer, 30, 90, "run"),
+    Stage("decode", stage_decode, 240, 150),
     Stage("overlap", stage_overlap, 45, 90),
     Stage("profile", stage_profile, 40, 90),
 ]
@@ -900,7 +944,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stages", default=None, help="comma-separated subset of the stages, in their order (default: all)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run; a stage gets min(its timeout, what is left less 20 s for "
-                        "each later stage) (default: 345 on CUDA, 420 for the smoke run)")
+                        "each later stage) (default: 540 on CUDA, 420 for the smoke run)")
     p.add_argument("--jobs", type=int, choices=[1, 2], default=None,
                    help="2: the stages that use the training run and the others at once, in two chains "
                         "(default: 1 on CUDA, where timings and GPU memory need the machine to themselves; 2 "
@@ -957,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = [s for s in STAGES if args.stages is None or s.name in args.stages]
     ctx = Context(device=args.device, tiny=args.tiny, out=args.out_dir.resolve(), env=child_env(args.device),
                   repeats=args.repeats, selected=tuple(s.name for s in stages))
-    budget = args.budget or (420.0 if args.device == "cpu" else 345.0)
+    budget = args.budget or (420.0 if args.device == "cpu" else 540.0)
     device_name = _device_name(args.device)
     versions = _versions()
     header = (f"moeflow GPU acceptance run ({ctx.mode}): {device_name}, {ctx.dtype}, torch {versions['torch']}, "

@@ -66,6 +66,10 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with "
                    "probability >= p (default 1: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="decode with the compiled static step (torch.compile, CUDA graphs on CUDA): compiles once "
+                   "per batch size and cache size (seconds to minutes), then runs each step without Python "
+                   "overhead; not with --offload")
     add_storage_flags(p, offload_help="hold the routed experts in host memory or on disk and stream them through "
                       "--fast-memory (default: none, the whole model in memory)", mode_default="cache")
     p.set_defaults(func=_run_generate)
@@ -168,6 +172,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         device = choose_device("--device", args.device)
         args.device = device.device  # the fast tier's too, with --offload
         storage = _storage(args)
+        if args.compile and storage is not None:
+            raise UsageError(f"--compile cannot go with --offload {args.offload}: the expert store moves experts "
+                             "between the host and the fast tier during a step, which a compiled step cannot hold")
     except UsageError as err:
         print(f"moeflow generate: error: {err}", file=sys.stderr)
         return err.status
@@ -219,7 +226,7 @@ def _generate_all(args, model, tok, prompts, encoded, new, top_k, eos) -> int:  
     for start in range(0, len(encoded), args.batch_size):
         batch = encoded[start:start + args.batch_size]
         result = generate(model, batch, new, temperature=args.temperature, top_k=top_k, top_p=args.top_p,
-                          eos=eos, generator=gen)
+                          eos=eos, generator=gen, compile=args.compile)
         prefill = [prefill[0] + result.prefill_tokens, prefill[1] + result.prefill_s]
         decode = [decode[0] + result.decode_tokens, decode[1] + result.decode_s]
         for i, (ids, out) in enumerate(zip(batch, result.tokens)):

@@ -20,6 +20,20 @@ step). ``moeflow generate`` makes its generator on the model's device.
 Every step goes through each block's own layers (the MoE's router, dispatcher and experts), so
 a model whose experts live elsewhere (``moeflow.storage``) generates through the same code.
 
+Compiled decode (``generate(..., compile=True)``, ``moeflow generate --compile``): every step is
+``MoEGPT.decode_step``, whose shapes depend only on the batch size and the cache capacity, so
+``torch.compile(fullgraph=True)`` compiles it once (on CUDA with CUDA graphs: ``mode=
+"reduce-overhead"``) and later steps and calls replay it (``CompiledDecoder``). To make that
+hold, a compiled generation differs from the eager loop in three ways, none visible in its
+tokens: the cache capacity is rounded up to a power of two (at least 16, at most
+``max_seq_len``), so calls of different lengths share a compilation; finished rows stay in the
+batch (their extra tokens are cut afterwards) instead of leaving it; and stop tokens are
+checked on the device, the host reading whether every row has stopped once every
+``STOP_CHECK_EVERY`` steps (the eager loop reads every step's tokens). A step has no host
+synchronisation (``tests/test_models_generation_compiled.py`` checks it); sampling runs eagerly
+between steps. Past ``max_seq_len`` the window slides as in the eager loop (those steps run
+eagerly: each re-runs the window).
+
 Legend: ``B`` rows still generating, ``S`` columns, ``V`` vocabulary.
 """
 
@@ -27,6 +41,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +50,9 @@ import torch
 from moeflow.checks import _int
 
 __all__ = ["SamplingConfig", "Generation", "generate", "generate_uncached", "generate_tensor", "sample_next",
-           "draw_device"]
+           "draw_device", "CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY"]
+
+STOP_CHECK_EVERY = 8  # compiled decode: steps between the host's looks at whether every row stopped
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,15 +217,22 @@ def _prefill(model, seq_BS: torch.Tensor, pad_B: torch.Tensor, capacity: int):
 def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
              eos: int | Sequence[int] | None = None, generator: torch.Generator | None = None,
-             clock: Callable[[], float] = time.perf_counter) -> Generation:
+             clock: Callable[[], float] = time.perf_counter, compile: bool = False) -> Generation:
     """Up to ``max_new_tokens`` new tokens for each prompt (lists of token ids of any lengths,
     or an int tensor ``[B, S]``), KV-cached; sampling as in ``SamplingConfig``; a row stops
     after a token of ``eos``. ``generator`` (None: torch's default) may be on any device: the
     draws run on its device (``sample_next``). Bad arguments raise ``ValueError``/``TypeError``
     naming them.
     ``clock`` times prefill and decode (wall time; ``time.process_time`` gives CPU time, steadier
-    on a shared machine)."""
+    on a shared machine; a compiled generation synchronises a CUDA device before each reading).
+    ``compile=True``: the decode steps run the compiled static step (module docstring; the
+    first call of a batch size and cache capacity compiles and warms it up before the clock
+    starts)."""
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool, got {type(compile).__name__} {compile!r}")
     sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p, eos=eos)
+    if compile:
+        return _generate_compiled(model, prompts, max_new_tokens, sampling, generator, clock)
     V, device = model.config.vocab_size, model.embed.weight.device
     rows = _check_prompts(prompts, V)
     stop = sampling.eos
@@ -256,6 +280,174 @@ def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tok
     generated = sum(len(o) for o in out)
     return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=t1 - t0,  # type: ignore[operator]
                       decode_tokens=generated - len(rows), decode_s=t2 - t1)  # type: ignore[operator]
+
+
+def _bucket(columns: int, max_seq_len: int) -> int:
+    """The cache capacity of a compiled generation needing ``columns``: the next power of two
+    (at least 16), at most ``max_seq_len``; calls of similar lengths share one compilation."""
+    return min(max_seq_len, max(16, 1 << max(0, columns - 1).bit_length()))
+
+
+class CompiledDecoder:
+    """One model's compiled static decode step (``MoEGPT.decode_step`` through
+    ``torch.compile(fullgraph=True)``, with CUDA graphs on CUDA) and the caches it runs on.
+
+    A cache per batch size and capacity is kept and reused by later calls (zeroed each time):
+    CUDA graphs replay on fixed addresses, and the cache is what the step writes. At most
+    ``max_caches`` are kept (the least recently used go). ``compilations`` counts the shapes
+    prepared so far (each compiled and warmed up on first use, before any timing)."""
+
+    def __init__(self, model, *, max_caches: int = 4) -> None:  # type: ignore[no-untyped-def]
+        self.device = model.embed.weight.device
+        self.cuda = self.device.type == "cuda"
+        self.step = torch.compile(model.decode_step, fullgraph=True, dynamic=False,
+                                  mode="reduce-overhead" if self.cuda else None)
+        self.caches: dict[tuple[int, int], object] = {}
+        self.max_caches = max_caches
+        self.compilations = 0
+
+    def cache(self, model, pad_B: torch.Tensor, capacity: int):  # type: ignore[no-untyped-def]
+        """A zeroed cache of ``capacity`` columns for these rows (``pad_B``), with the step
+        compiled and warmed up for its shape."""
+        key = (pad_B.shape[0], capacity)
+        cache = self.caches.pop(key, None)
+        if cache is None:
+            cache = model.new_cache(pad_B, capacity, zeroed=True)
+            if self.cuda:  # the step writes into the cache: CUDA graphs need it at fixed addresses
+                for t in (*cache.k, *cache.v):
+                    torch._dynamo.mark_static_address(t)
+            try:
+                self._warm_up(cache, pad_B)
+            except torch._dynamo.exc.TorchDynamoException as err:  # e.g. a host read in a custom layer
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise ValueError(f"compile=True: this model's decode step does not compile as one graph ({first}); "
+                                 "generate without compile") from err
+            self.compilations += 1
+            while len(self.caches) >= self.max_caches:
+                self.caches.pop(next(iter(self.caches)))
+        else:
+            cache.reset(pad_B)
+        self.caches[key] = cache  # the most recently used last
+        return cache
+
+    def _warm_up(self, cache, pad_B: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+        tokens_B = torch.zeros(cache.batch, dtype=torch.long, device=self.device)
+        pos = torch.zeros((), dtype=torch.long, device=self.device)
+        for _ in range(3 if self.cuda else 1):  # CUDA graphs record on the second or third call
+            self.mark_step()
+            self.step(tokens_B, pos, cache)
+        cache.reset(pad_B)
+
+    def run(self, next_B: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """One compiled step on a cache this decoder prepared (``cache``), skipping dynamo's
+        full guard check (``skip_guard_eval_unsafe``: only the guards that tell this decoder's
+        compiled shapes apart run; ~0.2 ms of a ~2.5 ms CPU step). That is safe here because
+        every input comes from ``cache`` and the generation loop: the same model, tensors of
+        the compiled shapes, dtypes and devices."""
+        self.mark_step()
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self.step(next_B, pos, cache)
+
+    def mark_step(self) -> None:
+        """Tell CUDA graphs a new step begins (the previous step's outputs were consumed)."""
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+
+
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def compiled_decoder(model) -> CompiledDecoder:  # type: ignore[no-untyped-def]
+    """The model's ``CompiledDecoder`` (made on first use, kept while the model lives; made
+    anew when the model moved to another device)."""
+    decoder = _DECODERS.get(model)
+    if decoder is None or decoder.device != model.embed.weight.device:
+        decoder = _DECODERS[model] = CompiledDecoder(model)
+    return decoder
+
+
+def _check_compilable(model) -> None:  # type: ignore[no-untyped-def]
+    """``ValueError`` (naming ``compile`` and the layer) for a model whose decode step cannot be
+    one graph: every MoE layer needs the built-in grouped experts and a local dispatcher (an
+    expert store moves experts on the host between steps, an expert-parallel dispatcher runs
+    collectives, ``ModuleExperts`` read their group sizes on the host)."""
+    from moeflow.dispatch import LocalDispatcher
+    from moeflow.experts import GroupedExperts
+    from moeflow.layer.moe import moe_layers
+
+    for i, layer in enumerate(moe_layers(model)):
+        if not isinstance(layer.experts, GroupedExperts) or not isinstance(layer.dispatcher, LocalDispatcher):
+            raise ValueError(f"compile=True needs every MoE layer to hold GroupedExperts with a LocalDispatcher; MoE "
+                             f"layer {i} has {type(layer.experts).__name__} with {type(layer.dispatcher).__name__} "
+                             "(offloaded or expert-parallel experts, or experts of your own: generate without compile)")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generate_compiled(model, prompts, max_new_tokens: int, sampling: SamplingConfig,  # type: ignore[no-untyped-def]
+                       generator: torch.Generator | None, clock: Callable[[], float]) -> Generation:
+    """``generate(..., compile=True)``; the module docstring says how it differs from the eager
+    loop (not in its tokens)."""
+    _check_compilable(model)
+    V, device = model.config.vocab_size, model.embed.weight.device
+    rows = _check_prompts(prompts, V)
+    out: list[list[int]] = [[] for _ in rows]
+    prompt_tokens = sum(len(r) for r in rows)
+    if max_new_tokens == 0:
+        return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=0.0, decode_tokens=0, decode_s=0.0)
+    B, P, S = len(rows), max(len(r) for r in rows), model.config.max_seq_len
+    seq_BS = torch.zeros(B, P + max_new_tokens, dtype=torch.long, device=device)
+    seq_BS[:, :P] = torch.tensor([[0] * (P - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    pad_B = torch.tensor([P - len(r) for r in rows], dtype=torch.long, device=device)
+    capacity = min(S, P + max_new_tokens - 1)  # columns ever fed, as in the eager loop
+    start = max(0, P - S)  # a prompt longer than the window is cut to its last S columns
+    decoder = compiled_decoder(model)
+    cache = decoder.cache(model, (pad_B - start).clamp(min=0), _bucket(capacity, S))
+    stop = torch.tensor(sorted(sampling.eos), dtype=torch.long, device=device) if sampling.eos else None
+    done_B = torch.zeros(B, dtype=torch.bool, device=device)
+    steps: list[torch.Tensor] = []
+
+    _sync(device)
+    t0 = clock()
+    logits_BV = model.forward_cached(seq_BS[:, start:P], cache)  # the prefill runs eagerly
+    filled, cols = P - start, P
+    pos = torch.full((), filled, dtype=torch.long, device=device)
+    t1 = None
+    for step in range(max_new_tokens):
+        next_B = sample_next(logits_BV, sampling, generator)
+        steps.append(next_B)
+        if t1 is None:
+            _sync(device)
+            t1 = clock()
+        if step == max_new_tokens - 1:
+            break
+        if stop is not None:
+            done_B |= torch.isin(next_B, stop)
+            # the host looks every few steps (a read is a synchronisation), never inside a step
+            if (step + 1) % STOP_CHECK_EVERY == 0 and bool(done_B.all()):
+                break
+        seq_BS[:, cols] = next_B
+        cols += 1
+        if filled < capacity:
+            logits_BV = decoder.run(next_B, pos, cache)
+            pos += 1
+            filled += 1
+        else:  # the context is longer than max_seq_len: the window slides (eagerly, as generate does)
+            cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
+    tokens_BN = torch.stack(steps, dim=1).tolist()  # the tokens' one read
+    _sync(device)
+    t2 = clock()
+    for b, row in enumerate(tokens_BN):
+        for t in row:
+            out[b].append(t)
+            if t in sampling.eos:
+                break
+    generated = sum(len(o) for o in out)
+    return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=t1 - t0,  # type: ignore[operator]
+                      decode_tokens=generated - B, decode_s=t2 - t1)  # type: ignore[operator]
 
 
 @torch.no_grad()

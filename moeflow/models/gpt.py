@@ -27,7 +27,7 @@ from torch import nn
 from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig, _int
 from moeflow.experts import DenseFFN
 from moeflow.layer import MoE
-from moeflow.models.kv_cache import KVCache, StepInputs, step_inputs
+from moeflow.models.kv_cache import KVCache, StaticStep, StepInputs, static_step, step_inputs
 
 __all__ = ["GPTConfig", "MoEGPT", "RMSNorm", "GPT_PRESETS", "gpt_config"]
 
@@ -209,10 +209,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, self.n_kv * self.head_dim, bias=False, **kw)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False, **kw)
 
-    def forward(self, x_BSD: torch.Tensor, step: StepInputs | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, step: StepInputs | StaticStep | None = None, layer: int = 0
+                ) -> torch.Tensor:
         """Without ``step``: the whole sequence, causal, positions ``0 .. S-1``. With ``step``
         (incremental decoding): the new columns' keys/values go into ``step.cache`` at block
-        ``layer`` and the queries attend over every cached column, at each row's positions."""
+        ``layer`` and the queries attend over every cached column, at each row's positions; a
+        ``StaticStep`` (one column) writes column ``step.pos`` and attends over the whole cache
+        through its mask (the same shapes at every step)."""
         B, S, _ = x_BSD.shape
         q = self.q_proj(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
@@ -220,10 +223,14 @@ class Attention(nn.Module):
         if step is None:
             cos, sin = rope_cos_sin(S, self.head_dim, self.theta, x_BSD.device, q.dtype)
             mask, causal = None, True
+        elif isinstance(step, StaticStep):
+            cos, sin, mask, causal = step.cos, step.sin, step.mask, False
         else:
             cos, sin, mask, causal = step.cos, step.sin, step.mask, step.causal
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if step is not None:
+        if isinstance(step, StaticStep):
+            k, v = step.cache.write_at(layer, step.pos, k, v)
+        elif step is not None:
             k, v = step.cache.write(layer, step.start, k, v)
         gqa = self.n_kv != self.n_heads
         if gqa and S == 1 and not causal:
@@ -255,15 +262,17 @@ class Block(nn.Module):
                                 init_std=config.init_std, **kw)  # type: ignore[arg-type]
         self.drop = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()  # no op per call
 
-    def forward(self, x_BSD: torch.Tensor, step: StepInputs | None = None, layer: int = 0) -> torch.Tensor:
-        """``step`` given: a cached call (generation, ``MoEGPT.forward_cached``), whose MoE
-        balance losses nobody reads, so the MoE skips them (``MoE.forward(losses=False)``)."""
+    def forward(self, x_BSD: torch.Tensor, step: StepInputs | StaticStep | None = None, layer: int = 0
+                ) -> torch.Tensor:
+        """``step`` given: a cached call (generation, ``MoEGPT.forward_cached`` and
+        ``decode_step``), whose MoE balance losses nobody reads, so the MoE skips them
+        (``MoE.forward(losses=False)``)."""
         x_BSD = x_BSD + self.drop(self.attn(self.attn_norm(x_BSD), step, layer))
         h_BSD = self.ffn_norm(x_BSD)
         if step is None:
             return x_BSD + self.drop(self.ffn(h_BSD))
         ffn = partial(self.ffn, losses=False) if isinstance(self.ffn, MoE) else self.ffn
-        if step.real_T is None:
+        if isinstance(step, StaticStep) or step.real_T is None:  # (a decode column is real in every row)
             return x_BSD + self.drop(ffn(h_BSD))
         # left padding: the FFN (the MoE's routing and capacity) sees the real tokens only
         h_TD = h_BSD.reshape(-1, h_BSD.shape[-1])
@@ -338,9 +347,10 @@ class MoEGPT(nn.Module):
         logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
         return F.cross_entropy(logits_BSV.flatten(0, 1), targets_BS.flatten())
 
-    def new_cache(self, pad_B: torch.Tensor, capacity: int) -> KVCache:
+    def new_cache(self, pad_B: torch.Tensor, capacity: int, *, zeroed: bool = False) -> KVCache:
         """An empty ``KVCache`` for ``len(pad_B)`` rows (``pad_B[b]`` left-pad columns in row
-        ``b``) and ``capacity <= max_seq_len`` columns, on the model's device and dtype."""
+        ``b``) and ``capacity <= max_seq_len`` columns, on the model's device and dtype
+        (``zeroed``: filled with zeros, as ``decode_step`` needs)."""
         _int("capacity", capacity, minimum=1)
         if capacity > self.config.max_seq_len:
             raise ValueError(f"capacity={capacity} exceeds max_seq_len={self.config.max_seq_len}")
@@ -349,7 +359,7 @@ class MoEGPT(nn.Module):
         cos, sin = rope_cos_sin(capacity, head_dim, self.config.rope_theta, ref.device, ref.dtype)
         return KVCache(n_layers=self.config.n_layers, batch=pad_B.shape[0], kv_heads=self.config.kv_heads,
                        head_dim=head_dim, capacity=capacity, pad_B=pad_B, cos_LH=cos, sin_LH=sin,
-                       device=ref.device, dtype=ref.dtype)
+                       device=ref.device, dtype=ref.dtype, zeroed=zeroed)
 
     def forward_cached(self, idx_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits ``[B, V]`` of the last column after appending ``idx [B, S]`` to ``cache``: the
@@ -365,6 +375,24 @@ class MoEGPT(nn.Module):
         for i, block in enumerate(self.layers):
             x_BSD = block(x_BSD, step, i)
         cache.length += idx_BS.shape[1]
+        return self.lm_head(self.norm(x_BSD[:, -1]))
+
+    def decode_step(self, next_B: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits ``[B, V]`` after appending token ``next_B[b]`` to row ``b`` at column ``pos``
+        (a 0-dim int64 device tensor, ``pos < cache.capacity``; the columns before it filled by a
+        prefill and earlier steps) of a zeroed cache (``new_cache(..., zeroed=True)``).
+
+        The *static* decode step: its shapes depend on the cache alone and nothing in it reads
+        a tensor on the host, so ``torch.compile(fullgraph=True)`` compiles it once per batch
+        size and cache capacity, and CUDA graphs replay it (``generate(..., compile=True)``).
+        It attends over all ``L`` columns (the unwritten ones masked): more attention work than
+        ``forward_cached`` on a short cache, the price of one shape for every step. Equal to
+        ``forward_cached`` up to rounding. The caller advances ``pos``; ``cache.length`` is not
+        touched."""
+        step = static_step(cache, pos)
+        x_BSD = self.embed(next_B.unsqueeze(1))
+        for i, block in enumerate(self.layers):
+            x_BSD = block(x_BSD, step, i)
         return self.lm_head(self.norm(x_BSD[:, -1]))
 
     @torch.no_grad()

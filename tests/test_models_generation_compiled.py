@@ -1,0 +1,232 @@
+"""Compiled decode (``generate(..., compile=True)``): the static step ``MoEGPT.decode_step``
+traces as one graph with no host synchronisation, equals the eager cached step, and compiled
+generation gives the eager loop's tokens (greedy and seeded sampling, one row and a
+left-padded batch, stop tokens, a sliding window) with a bounded number of compilations.
+
+Compiling with inductor on this CPU takes tens of seconds a shape, so every compiled test
+shares one model and the shapes of two batch sizes (1 and 3 rows) and one cache capacity (32
+columns): ``compilations`` counts them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import moeflow.models.gpt as gpt_module
+from moeflow.models.generation import STOP_CHECK_EVERY, _bucket, compiled_decoder, generate
+
+from helpers import small_gpt
+
+MAX_SEQ = 32
+# prompts of a left-padded batch (3 rows) and of one row
+PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 8], [6, 6, 11, 30]]
+ONE = [[17, 3, 44, 2, 9]]
+
+
+@pytest.fixture(scope="module")
+def model() -> gpt_module.MoEGPT:
+    """A small MoE GPT in fp32 with weights drawn wide enough (std 0.3) that greedy picks are
+    far from ties: compiled and eager kernels round differently in the last bits."""
+    torch.manual_seed(0)
+    m = small_gpt(max_seq_len=MAX_SEQ).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else None
+    return m
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts the tensor calls that read values on the host (a synchronisation with a GPU, and a
+    graph break or a shape that depends on data under ``torch.compile``)."""
+
+    NAMES = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
+                       "bincount", "unique", "masked_select", "repeat_interleave"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES:
+            self.seen.append(name)
+        elif name == "__getitem__" and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                                           for a in _flat(args[1:])):
+            self.seen.append("__getitem__[bool]")
+        return func(*args, **(kwargs or {}))
+
+
+def _flat(items):  # type: ignore[no-untyped-def]
+    for a in items:
+        if isinstance(a, (tuple, list)):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+def _prefilled(model, prompts: list[list[int]], capacity: int = MAX_SEQ):  # type: ignore[no-untyped-def]
+    """A zeroed cache holding the left-padded prompts, the prefill's logits, the next column."""
+    P = max(len(r) for r in prompts)
+    idx = torch.tensor([[0] * (P - len(r)) + r for r in prompts])
+    cache = model.new_cache(torch.tensor([P - len(r) for r in prompts]), capacity, zeroed=True)
+    return cache, model.forward_cached(idx, cache), P
+
+
+# ------------------------------------------------------------------------------------------
+# the static step, eager
+
+
+@pytest.mark.reference
+def test_static_step_equals_the_cached_step(model):
+    """Four decode steps of a left-padded batch: ``decode_step`` (whole cache, masked) against
+    ``forward_cached`` (the filled columns), logits to fp32 rounding."""
+    with torch.no_grad():
+        cache, logits, P = _prefilled(model, PROMPTS)
+        ref_cache, ref_logits, _ = _prefilled(model, PROMPTS)
+        ref_cache.length = P
+        pos = torch.tensor(P)
+        for _ in range(4):
+            next_B = logits.argmax(-1)
+            logits = model.decode_step(next_B, pos, cache)
+            ref_logits = model.forward_cached(next_B.unsqueeze(1), ref_cache)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+            pos += 1
+
+
+@pytest.mark.reference
+def test_static_step_reads_nothing_on_the_host(model, monkeypatch):
+    """No call of the step reads a tensor's value on the host; and the counter does see one
+    when a step does (a sync planted in the step's inputs)."""
+    with torch.no_grad():
+        cache, logits, P = _prefilled(model, PROMPTS)
+        next_B, pos = logits.argmax(-1), torch.tensor(P)
+        with SyncCounter() as counter:
+            model.decode_step(next_B, pos, cache)
+        assert counter.seen == []
+
+        real = gpt_module.static_step
+
+        def planted(cache, pos):  # type: ignore[no-untyped-def]
+            if int(pos) >= 0:  # a host read of the column
+                return real(cache, pos)
+            raise AssertionError
+
+        monkeypatch.setattr(gpt_module, "static_step", planted)
+        with SyncCounter() as counter:
+            model.decode_step(next_B, pos, cache)
+        assert counter.seen == ["__int__"]
+
+
+@pytest.mark.reference
+def test_static_step_traces_as_one_graph(model):
+    """``torch._dynamo.explain``: one graph, no break (``torch.compile(fullgraph=True)`` would
+    raise on any)."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        cache, logits, P = _prefilled(model, PROMPTS)
+        explained = torch._dynamo.explain(model.decode_step)(logits.argmax(-1), torch.tensor(P), cache)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.unit
+def test_cache_capacities_round_up_to_a_power_of_two_within_the_window():
+    assert [_bucket(n, 512) for n in (1, 16, 17, 33, 300, 512)] == [16, 16, 32, 64, 512, 512]
+    assert _bucket(40, 48) == 48  # never past max_seq_len
+
+
+@pytest.mark.unit
+def test_compile_must_be_a_bool(model):
+    with pytest.raises(TypeError, match="compile must be a bool"):
+        generate(model, ONE, 2, compile="yes")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------
+# compiled generation (inductor on this CPU)
+
+
+@pytest.mark.e2e
+def test_compiled_generation_gives_the_eager_tokens(model):
+    """Greedy, fp32: one row and a left-padded batch; then seeded sampling (temperature, top-k,
+    top-p) of the batch; then stop tokens (rows stop at different steps, the host looking every
+    few steps); then three calls of other lengths: no new compilation."""
+    torch._dynamo.reset()
+    for prompts, n in ((ONE, 20), (PROMPTS, 20)):
+        eager = generate(model, prompts, n, temperature=0)
+        compiled = generate(model, prompts, n, temperature=0, compile=True)
+        assert compiled.tokens == eager.tokens
+        assert compiled.decode_tokens == eager.decode_tokens and compiled.prefill_tokens == eager.prefill_tokens
+    decoder = compiled_decoder(model)
+    assert decoder.compilations == 2  # (1 row, 32 columns) and (3 rows, 32 columns)
+
+    sampling = dict(temperature=0.9, top_k=12, top_p=0.95)
+    eager = generate(model, PROMPTS, 20, generator=torch.Generator().manual_seed(7), **sampling)
+    compiled = generate(model, PROMPTS, 20, generator=torch.Generator().manual_seed(7), compile=True, **sampling)
+    assert compiled.tokens == eager.tokens
+
+    greedy = generate(model, PROMPTS, 20, temperature=0).tokens
+    stop = [greedy[0][2], greedy[2][STOP_CHECK_EVERY + 3]]  # row 0 stops early, row 2 after a host check
+    eager = generate(model, PROMPTS, 20, temperature=0, eos=stop)
+    compiled = generate(model, PROMPTS, 20, temperature=0, eos=stop, compile=True)
+    assert compiled.tokens == eager.tokens
+    assert len(compiled.tokens[0]) < 20
+
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for prompts, n in ((PROMPTS, 12), ([r[:2] for r in PROMPTS], 25), (ONE, 15)):  # 17..32 columns: one capacity
+        assert generate(model, prompts, n, temperature=0, compile=True).tokens == \
+            generate(model, prompts, n, temperature=0).tokens
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert decoder.compilations == 2
+
+
+@pytest.mark.e2e
+def test_compiled_generation_slides_its_window_like_the_eager_loop(model):
+    """Past ``max_seq_len`` columns both re-run the last window per token: the same tokens
+    (the compiled steps up to the window's end share the shapes of the test above)."""
+    eager = generate(model, PROMPTS, MAX_SEQ + 6, temperature=0)
+    compiled = generate(model, PROMPTS, MAX_SEQ + 6, temperature=0, compile=True)
+    assert compiled.tokens == eager.tokens
+
+
+@pytest.mark.e2e
+def test_cli_generate_compile_reaches_generate_and_refuses_offload(tmp_path, monkeypatch, capsys):
+    """``moeflow generate --compile`` calls ``generate(..., compile=True)``; with ``--offload``
+    it is a one-line usage error."""
+    import moeflow.models.generation as generation
+    from moeflow.cli.main import main
+
+    from helpers import train_tiny_run
+
+    run = train_tiny_run(tmp_path / "run")
+    calls = []
+    real = generation.generate
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs.get("compile"))
+        return real(*args, **{**kwargs, "compile": False})  # (the wiring, not another compilation)
+
+    monkeypatch.setattr(generation, "generate", spy)
+    assert main(["generate", run, "--compile", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+    assert calls == [True]
+    assert main(["generate", run, "--compile", "--offload", "host", "--max-new-tokens", "3", "--device", "cpu"]) == 2
+    assert "--compile cannot go with --offload host" in capsys.readouterr().err
+
+
+@pytest.mark.reference
+def test_compile_refuses_a_model_whose_step_cannot_be_one_graph(model):
+    """Experts of one's own (here ``ModuleExperts``, which read group sizes on the host) are
+    refused up front, naming the layer; a step that fails to trace (fp64 runs the ``loop``
+    experts backend, which reads them too) is a ``ValueError``, not a dynamo traceback."""
+    import copy
+
+    from moeflow import ModuleExperts
+    from moeflow.layer.moe import moe_layers
+
+    own = copy.deepcopy(model)
+    layer = moe_layers(own)[0]
+    layer.experts = ModuleExperts([torch.nn.Linear(own.config.dim, own.config.dim) for _ in range(layer.config.num_experts)])
+    with pytest.raises(ValueError, match="compile=True needs .* MoE layer 0 has ModuleExperts"):
+        generate(own, ONE, 3, temperature=0, compile=True)
+    with pytest.raises(ValueError, match="does not compile as one graph"):
+        generate(copy.deepcopy(model).double(), ONE, 3, temperature=0, compile=True)
