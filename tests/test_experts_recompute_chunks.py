@@ -111,8 +111,9 @@ def test_chunk_count_follows_the_size_of_h():
 
 def test_recompute_peak_falls_with_the_chunk_size():
     """fp32, E=8: the default path's peak holds the whole h (4 MiB); recompute in one chunk
-    holds it in backward too; in 8 chunks only one expert's h and temporaries at a time, and dx
-    is written over the saved copy of the rows (no [rows, D] gradient allocated)."""
+    holds it in backward too (with, by design, its copy of the rows and dW_in allocated before
+    the chunks); in 8 chunks only one expert's h and temporaries at a time, and dx is written
+    over the saved copy of the rows (no [rows, D] gradient allocated)."""
     torch.manual_seed(0)
     E, C, D, H = 8, 256, 64, 256
     w_in = torch.randn(E, D, 2 * H).requires_grad_()
@@ -128,7 +129,7 @@ def test_recompute_peak_falls_with_the_chunk_size():
     row = 4 * E * C  # bytes of one fp32 column over all rows
     grads, h, x_bytes = 4 * 3 * E * D * H, row * 2 * H, row * D
     default, one, eight = peak(), peak(recompute=True, chunks=1), peak(recompute=True, chunks=8)
-    assert eight < one <= default
+    assert eight < one <= default + x_bytes + 4 * E * D * 2 * H
     # gradients + the rows' copy (then dx) + the output + one expert's h, act(gate), a or da
     assert eight <= grads + 2 * x_bytes + (h + 2 * row * H) // E
     assert default >= grads + h + 2 * x_bytes

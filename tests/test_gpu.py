@@ -162,6 +162,44 @@ def test_routing_slots_permute_full_size():
     assert torch.equal(x_MD, x[assign_M // K])
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_row_and_activation_ops_run_triton_on_cuda(dtype):
+    """The layer's permute / unpermute and activation ops take their Triton kernels on CUDA and
+    equal their torch references (outputs and gradients), at a realistic size."""
+    pytest.importorskip("triton")
+    from moeflow.kernels.activation import activate, activate_backward_, activate_backward_reference_, activate_reference
+    from moeflow.kernels.permute import (gather_rows_reference, permute_rows, unpermute_rows,
+                                         unpermute_rows_reference)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T, K, D, E = 4096, 2, 1024, 8
+    ids = torch.randint(0, E, (T * K,), device="cuda", generator=gen)
+    order = torch.sort(ids, stable=True).indices  # the assignment of each expert row
+    row_A = torch.empty_like(order).scatter_(0, order, torch.arange(T * K, device="cuda"))
+    x = torch.randn(T, D, device="cuda", generator=gen, dtype=dtype, requires_grad=True)
+    args = (order // K, None, row_A.view(T, K), None)
+    got, ref = permute_rows(x, *args), gather_rows_reference(x, *args)
+    assert torch.equal(got, ref)
+    g = torch.randn_like(got)
+    assert_kernel_close(torch.autograd.grad(got, x, g)[0], torch.autograd.grad(ref, x, g)[0], dtype, "permute grad")
+    y = torch.randn(T * K, D, device="cuda", generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.rand(T, K, device="cuda", generator=gen, dtype=dtype, requires_grad=True)
+    uargs = (row_A.view(T, K), None, w, order, None)
+    out, out_ref = unpermute_rows(y, *uargs), unpermute_rows_reference(y, *uargs)
+    assert_kernel_close(out, out_ref, dtype, "unpermute")
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (y, w), g), torch.autograd.grad(out_ref, (y, w), g)):
+        assert_kernel_close(a, b, dtype, "unpermute grad")
+    h = torch.randn(T * K, 2 * 1408, device="cuda", generator=gen, dtype=dtype)
+    assert_kernel_close(activate(h, "swiglu"), activate_reference(h, "swiglu"), dtype, "swiglu")
+    da = torch.randn(T * K, 1408, device="cuda", generator=gen, dtype=dtype)
+    a, b = h.clone(), h.clone()
+    activate_backward_(a, da.clone(), "swiglu")
+    activate_backward_reference_(b, da.clone(), "swiglu")
+    assert_kernel_close(a, b, dtype, "swiglu backward")
+
+
 # ------------------------------------------------------------------------------------------
 # defaults on CUDA
 

@@ -1,6 +1,6 @@
-"""The torch kernels (``moeflow.kernels``: grouped GEMM backends, row gathers, id counts) against
-their references: outputs and gradients, odd shapes, empty groups. The Triton kernels:
-``test_kernels_triton.py``."""
+"""The torch kernels (``moeflow.kernels``: grouped GEMM backends, row gathers, the permute and
+unpermute ops, id counts) against their references: outputs and gradients, odd shapes, empty
+groups. The Triton kernels: ``test_kernels_triton.py``."""
 
 from __future__ import annotations
 
@@ -16,9 +16,13 @@ from moeflow.kernels import (
     native_grouped_mm_supported,
     resolve_grouped_mm_backend,
 )
+from moeflow import DispatchConfig
+from moeflow.dispatch import LocalDispatcher
 from moeflow.kernels.counts import count_ids
+from moeflow.kernels.permute import permute_rows, unpermute_rows, unpermute_rows_reference
+from moeflow.types import RoutingResult
 
-from helpers import random_counts
+from helpers import assert_close_rel, random_counts
 
 pytestmark = pytest.mark.reference
 
@@ -124,3 +128,98 @@ def test_count_ids_matches_bincount():
     ids = torch.randint(0, 7, (50, 3))
     assert torch.equal(count_ids(ids, 7), torch.bincount(ids.reshape(-1), minlength=7))
     assert torch.equal(count_ids(torch.zeros(0, 2, dtype=torch.long), 3), torch.zeros(3, dtype=torch.long))
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+def assert_kernel_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """``assert_close_rel`` at ``dtype``'s tolerance, relative to the largest reference magnitude."""
+    assert_close_rel(actual, expected, TOL[dtype], what, floor=1e-6, same_dtype=False)
+
+
+# ------------------------------------------------------------------------------------------
+# permute / unpermute (moeflow.kernels.permute: the differentiable ops, the torch path off CUDA)
+
+
+def _plan(gen, T, E, K, cf, dtype):
+    """A real dispatch plan (from ``LocalDispatcher``) for random routing."""
+    skip = 1 if E > K + 1 else 0
+    scores = torch.rand(T, E, generator=gen)
+    if skip:
+        scores[:, E - skip :] = -1  # an empty expert
+    ids_TK = scores.topk(K, dim=1).indices
+    weights_TK = torch.rand(T, K, generator=gen, dtype=dtype) + 0.1
+    dummy = torch.zeros(T, E, dtype=dtype)
+    routing = RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=dummy, scores_TE=dummy)
+    x_TD = torch.randn(T, 5, generator=gen, dtype=dtype)
+    _, plan = LocalDispatcher(num_experts=E, config=DispatchConfig(drop_policy="position")).dispatch(
+        x_TD, routing, capacity_factor=cf
+    )
+    return plan
+
+
+PLAN_CASES = {  # T, E, K, cf, D
+    "dropless-K1": (37, 5, 1, 0.0, 20),
+    "dropless-K8": (29, 16, 8, 0.0, 33),
+    "capacity-drops": (31, 6, 2, 0.7, 17),
+    "capped": (23, 8, 3, -0.6, 130),
+}
+PERMUTE_PARAMS = [pytest.param(*case, torch.float32, id=f"{name}-fp32") for name, case in PLAN_CASES.items()] + [
+    pytest.param(*PLAN_CASES["capped"], dtype, id=f"capped-{str(dtype)[6:]}") for dtype in (torch.bfloat16, torch.float16)
+]
+
+
+@pytest.mark.parametrize("T,E,K,cf,D,dtype", PERMUTE_PARAMS)
+def test_permute_unpermute_match_reference(gen, T, E, K, cf, D, dtype):
+    plan = _plan(gen, T, E, K, cf, dtype)
+    M = plan.assign_M.shape[0]
+    index_M = torch.div(plan.assign_M, K, rounding_mode="floor")
+    row_TK = plan.row_A.view(T, K)
+    kept_TK = None if plan.kept_A is None else plan.kept_A.view(T, K)
+    args = (index_M, plan.row_valid_M, row_TK, kept_TK)
+
+    x_TD = torch.randn(T, D, generator=gen, dtype=dtype, requires_grad=True)
+    x_MD = permute_rows(x_TD, *args)
+    x_MD_ref = gather_rows_reference(x_TD, *args)
+    torch.testing.assert_close(x_MD, x_MD_ref, rtol=0, atol=0)  # a copy: exact
+    g_MD = torch.randn(M, D, generator=gen, dtype=dtype)
+    (gx,) = torch.autograd.grad(x_MD, x_TD, g_MD)
+    (gx_ref,) = torch.autograd.grad(x_MD_ref, x_TD, g_MD)
+    assert_kernel_close(gx, gx_ref, dtype, "permute grad x")
+
+    # weighted (weight_at="dispatch"): every row scaled by its assignment's router weight
+    w_M = (torch.rand(M, generator=gen, dtype=torch.float32) + 0.5).to(dtype).requires_grad_(True)
+    xw_MD = permute_rows(x_TD, *args, weights_M=w_M)
+    xw_MD_ref = gather_rows_reference(x_TD, *args) * w_M.unsqueeze(1)
+    assert_kernel_close(xw_MD, xw_MD_ref, dtype, "weighted permute")
+    got = torch.autograd.grad(xw_MD, (x_TD, w_M), g_MD)
+    ref = torch.autograd.grad(xw_MD_ref, (x_TD, w_M), g_MD)
+    assert_kernel_close(got[0], ref[0], dtype, "weighted permute grad x")
+    assert_kernel_close(got[1], ref[1], dtype, "weighted permute grad weights")
+
+    y_MD = torch.randn(M, D, generator=gen, dtype=dtype, requires_grad=True)
+    w_TK = plan.weights_TK.detach().clone().requires_grad_(True)
+    uargs = (row_TK, kept_TK, w_TK, plan.assign_M, plan.row_valid_M)
+    y_TD = unpermute_rows(y_MD, *uargs)
+    y_TD_ref = unpermute_rows_reference(y_MD, *uargs)
+    assert_kernel_close(y_TD, y_TD_ref, dtype, "unpermute")
+    g_TD = torch.randn(T, D, generator=gen, dtype=dtype)
+    got = torch.autograd.grad(y_TD, (y_MD, w_TK), g_TD)
+    ref = torch.autograd.grad(y_TD_ref, (y_MD, w_TK), g_TD)
+    assert_kernel_close(got[0], ref[0], dtype, "unpermute grad y")
+    assert_kernel_close(got[1], ref[1], dtype, "unpermute grad weights")
+    # without weights (weights applied at dispatch): a plain sum
+    y_sum = unpermute_rows(y_MD, row_TK, kept_TK, None, plan.assign_M, plan.row_valid_M)
+    assert_kernel_close(y_sum, unpermute_rows_reference(y_MD, row_TK, kept_TK, None, plan.assign_M, plan.row_valid_M), dtype, "sum")
+
+
+def test_permute_rejects_bad_arguments():
+    x = torch.randn(4, 3)
+    idx = torch.arange(4)
+    with pytest.raises(TypeError, match="index_M must be int32 or int64"):
+        permute_rows(x, idx.float(), None, idx.view(4, 1), None)
+    with pytest.raises(ValueError, match="rev_TK has 2 rows"):
+        permute_rows(x, idx, None, idx[:2].view(2, 1), None)
+    with pytest.raises(ValueError, match="weights_TK shape"):
+        unpermute_rows(x, idx.view(2, 2), None, torch.rand(4, 1), idx, None)

@@ -39,7 +39,7 @@ import moeflow  # noqa: E402
 from moeflow import DispatchConfig, ExpertsConfig  # noqa: E402
 from moeflow.dispatch import LocalDispatcher, assign_slots  # noqa: E402
 from moeflow.experts.ffn import GroupedExperts, grouped_ffn  # noqa: E402
-from moeflow.kernels import gather_rows_reference, grouped_mm_loop, resolve_grouped_mm_backend  # noqa: E402
+from moeflow.kernels import grouped_mm_loop, resolve_grouped_mm_backend  # noqa: E402
 from moeflow.kernels import triton as mt  # noqa: E402
 # load every kernel module now, while the interpreter is on: @triton.jit picks the interpreter
 # when a kernel is *defined* (a test below switches the interpreter off for a moment)
@@ -129,86 +129,48 @@ def test_explicit_triton_on_cpu_without_interpreter_raises(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
-# permute / unpermute
+# permute / unpermute primitives and the activation (the Triton launchers against the references;
+# the differentiable permute_rows / unpermute_rows are tested in test_kernels.py)
 
 
-def _plan(gen, T, E, K, cf, dtype):
-    """A real dispatch plan (from ``LocalDispatcher``) for random routing."""
-    ids_TK = distinct_ids(gen, T, E, K, skip=1 if E > K + 1 else 0)
-    weights_TK = torch.rand(T, K, generator=gen, dtype=dtype) + 0.1
-    dummy = torch.zeros(T, E, dtype=dtype)
-    routing = RoutingResult(weights_TK=weights_TK, ids_TK=ids_TK, logits_TE=dummy, scores_TE=dummy)
-    x_TD = torch.randn(T, 5, generator=gen, dtype=dtype)
-    _, plan = LocalDispatcher(num_experts=E, config=DispatchConfig(drop_policy="position")).dispatch(
-        x_TD, routing, capacity_factor=cf
-    )
-    return plan
+@pytest.mark.parametrize("N,J,M,D", [(37, 1, 29, 20), (29, 8, 200, 33), (23, 3, 17, 130), (5, 2, 0, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_gather_reduce_and_dot_match_reference(gen, N, J, M, D, dtype):
+    """Random indices with invalid entries (which may hold any value), weights or none."""
+    from moeflow.kernels.permute import gather_dot_reference, gather_reduce_reference
+    from moeflow.kernels.triton.permute import launch_gather_dot, launch_gather_reduce
+
+    src = torch.randn(M, D, generator=gen).to(dtype)
+    index = torch.randint(0, max(M, 1), (N, J), generator=gen)
+    valid = torch.rand(N, J, generator=gen) < 0.8
+    index[~valid] = 10**6  # never read
+    w = (torch.rand(N, J, generator=gen) + 0.5).to(dtype)
+    for v, ww in ((valid, w), (valid, None), (None, None) if M else (valid, None)):
+        idx = index if v is not None else index.clamp(max=max(M - 1, 0))
+        assert_kernel_close(launch_gather_reduce(src, idx, v, ww), gather_reduce_reference(src, idx, v, ww), dtype,
+                            "gather_reduce")
+    a = torch.randn(N, D, generator=gen).to(dtype)
+    assert_kernel_close(launch_gather_dot(a, src, index, valid, dtype), gather_dot_reference(a, src, index, valid, w),
+                        dtype, "gather_dot")
 
 
-PLAN_CASES = {  # T, E, K, cf, D
-    "dropless-K1": (37, 5, 1, 0.0, 20),
-    "dropless-K8": (29, 16, 8, 0.0, 33),
-    "capacity-drops": (31, 6, 2, 0.7, 17),
-    "capped": (23, 8, 3, -0.6, 130),
-}
-PERMUTE_PARAMS = [pytest.param(*case, torch.float32, id=f"{name}-fp32") for name, case in PLAN_CASES.items()] + [
-    pytest.param(*PLAN_CASES["capped"], dtype, id=f"capped-{str(dtype)[6:]}") for dtype in (torch.bfloat16, torch.float16)
-]
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "silu", "gelu", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_activation_matches_reference(gen, activation, dtype):
+    """Forward ``a = act(h)`` and the in-place backward on odd shapes (rows and widths not a
+    multiple of the blocks)."""
+    from moeflow.kernels.activation import activate_backward_reference_, activate_reference
+    from moeflow.kernels.triton.activation import launch_activate, launch_activate_backward_
 
-
-@pytest.mark.parametrize("T,E,K,cf,D,dtype", PERMUTE_PARAMS)
-def test_permute_unpermute_match_reference(gen, T, E, K, cf, D, dtype):
-    plan = _plan(gen, T, E, K, cf, dtype)
-    M = plan.assign_M.shape[0]
-    index_M = torch.div(plan.assign_M, K, rounding_mode="floor")
-    row_TK = plan.row_A.view(T, K)
-    kept_TK = None if plan.kept_A is None else plan.kept_A.view(T, K)
-    args = (index_M, plan.row_valid_M, row_TK, kept_TK)
-
-    x_TD = torch.randn(T, D, generator=gen, dtype=dtype, requires_grad=True)
-    x_MD = mt.permute_rows(x_TD, *args)
-    x_MD_ref = gather_rows_reference(x_TD, *args)
-    torch.testing.assert_close(x_MD, x_MD_ref, rtol=0, atol=0)  # a copy: exact
-    g_MD = torch.randn(M, D, generator=gen, dtype=dtype)
-    (gx,) = torch.autograd.grad(x_MD, x_TD, g_MD)
-    (gx_ref,) = torch.autograd.grad(x_MD_ref, x_TD, g_MD)
-    assert_kernel_close(gx, gx_ref, dtype, "permute grad x")
-
-    # weighted (weight_at="dispatch"): every row scaled by its assignment's router weight
-    w_M = (torch.rand(M, generator=gen, dtype=torch.float32) + 0.5).to(dtype).requires_grad_(True)
-    xw_MD = mt.permute_rows(x_TD, *args, weights_M=w_M)
-    xw_MD_ref = gather_rows_reference(x_TD, *args) * w_M.unsqueeze(1)
-    assert_kernel_close(xw_MD, xw_MD_ref, dtype, "weighted permute")
-    got = torch.autograd.grad(xw_MD, (x_TD, w_M), g_MD)
-    ref = torch.autograd.grad(xw_MD_ref, (x_TD, w_M), g_MD)
-    assert_kernel_close(got[0], ref[0], dtype, "weighted permute grad x")
-    assert_kernel_close(got[1], ref[1], dtype, "weighted permute grad weights")
-
-    y_MD = torch.randn(M, D, generator=gen, dtype=dtype, requires_grad=True)
-    w_TK = plan.weights_TK.detach().clone().requires_grad_(True)
-    uargs = (row_TK, kept_TK, w_TK, plan.assign_M, plan.row_valid_M)
-    y_TD = mt.unpermute_rows(y_MD, *uargs)
-    y_TD_ref = mt.unpermute_rows_reference(y_MD, *uargs)
-    assert_kernel_close(y_TD, y_TD_ref, dtype, "unpermute")
-    g_TD = torch.randn(T, D, generator=gen, dtype=dtype)
-    got = torch.autograd.grad(y_TD, (y_MD, w_TK), g_TD)
-    ref = torch.autograd.grad(y_TD_ref, (y_MD, w_TK), g_TD)
-    assert_kernel_close(got[0], ref[0], dtype, "unpermute grad y")
-    assert_kernel_close(got[1], ref[1], dtype, "unpermute grad weights")
-    # without weights (weights applied at dispatch): a plain sum
-    y_sum = mt.unpermute_rows(y_MD, row_TK, kept_TK, None, plan.assign_M, plan.row_valid_M)
-    assert_kernel_close(y_sum, mt.unpermute_rows_reference(y_MD, row_TK, kept_TK, None, plan.assign_M, plan.row_valid_M), dtype, "sum")
-
-
-def test_permute_rejects_bad_arguments():
-    x = torch.randn(4, 3)
-    idx = torch.arange(4)
-    with pytest.raises(TypeError, match="index_M must be int32 or int64"):
-        mt.permute_rows(x, idx.float(), None, idx.view(4, 1), None)
-    with pytest.raises(ValueError, match="rev_TK has 2 rows"):
-        mt.permute_rows(x, idx, None, idx[:2].view(2, 1), None)
-    with pytest.raises(ValueError, match="weights_TK shape"):
-        mt.unpermute_rows(x, idx.view(2, 2), None, torch.rand(4, 1), idx, None)
+    gated = activation in ("swiglu", "geglu")
+    N, C = 13, 300
+    h = (torch.randn(N, 2 * C if gated else C, generator=gen) * 2).to(dtype)
+    assert_kernel_close(launch_activate(h, activation), activate_reference(h, activation), dtype, "activate")
+    da = torch.randn(N, C, generator=gen).to(dtype)
+    got, ref = h.clone(), h.clone()
+    launch_activate_backward_(got, da.clone(), activation)
+    activate_backward_reference_(ref, da.clone(), activation)
+    assert_kernel_close(got, ref, dtype, "activate backward")
 
 
 # ------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch._library.custom_ops as _custom_ops
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -93,7 +94,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self._inside(func, args, kwargs)
+        if out is _NOT_CUSTOM:
+            out = func(*args, **kwargs)
         for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
             self.current -= self._live.pop(key)[1]
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
@@ -108,6 +111,22 @@ class LiveTensorBytes(TorchDispatchMode):
             self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
+
+
+    def _inside(self, func, args, kwargs):  # type: ignore[no-untyped-def]
+        """A custom op with a Python implementation for this device (moeflow's fused ops: one
+        kernel on CUDA, torch ops elsewhere) runs that implementation with this mode active, so
+        its temporaries count as the ops' allocations they are; ``_NOT_CUSTOM`` otherwise."""
+        opdef = _custom_ops._maybe_get_opdef(func)
+        if opdef is None:
+            return _NOT_CUSTOM
+        device = next((t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+        impl = opdef._backend_fns.get(device) or opdef._backend_fns.get(None) or opdef._init_fn
+        with self:
+            return impl(*args, **kwargs)
+
+
+_NOT_CUSTOM = object()
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:

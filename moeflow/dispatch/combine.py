@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.kernels.gather import gather_rows
+from moeflow.kernels.permute import unpermute_rows
 from moeflow.types import DispatchPlan
 
 __all__ = ["combine_weights", "renormalize_kept", "sum_token_rows", "combine_rows"]
@@ -23,18 +23,15 @@ def sum_token_rows(rows_TKD: torch.Tensor, weights_TK: torch.Tensor, weight_at: 
 
 
 def combine_rows(out_MD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """``y_TD`` from the outputs of the plan's token-side rows: gather each kept assignment's
-    row (``plan.row_A``; dropped ones give 0) and sum them per token. Backward is a gather too
-    (each row's gradient comes from its one assignment, ``plan.assign_M``)."""
-    D = out_MD.shape[-1]
-    rows_AD = gather_rows(
-        out_MD,
-        plan.row_A,
-        plan.kept_A,
-        plan.assign_M.view(-1, 1),
-        None if plan.row_valid_M is None else plan.row_valid_M.view(-1, 1),
-    )
-    return sum_token_rows(rows_AD.view(plan.num_tokens, plan.top_k, D), plan.weights_TK.to(out_MD.dtype), plan.weight_at)
+    """``y_TD`` from the outputs of the plan's token-side rows: each token's kept assignments'
+    rows (``plan.row_A``; dropped ones give 0), weighted by their router weights unless those
+    applied at dispatch, summed per token in one op (``moeflow.kernels.permute.unpermute_rows``:
+    each row read once, fp32 sums). Backward is a gather too (each row's gradient comes from
+    its one assignment, ``plan.assign_M``), and a row dot product for the weights."""
+    T, K = plan.num_tokens, plan.top_k
+    weights_TK = None if plan.weight_at == "dispatch" else plan.weights_TK.to(out_MD.dtype)
+    return unpermute_rows(out_MD, plan.row_A.view(T, K), None if plan.kept_A is None else plan.kept_A.view(T, K),
+                          weights_TK, plan.assign_M, plan.row_valid_M)
 
 
 def combine_weights(

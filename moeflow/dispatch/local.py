@@ -15,7 +15,7 @@ from moeflow.dispatch.capacity import resolve_capacity
 from moeflow.dispatch.combine import combine_rows, combine_weights, sum_token_rows
 from moeflow.dispatch.slots import assign_slots
 from moeflow.experts.ffn import Experts
-from moeflow.kernels.gather import gather_rows
+from moeflow.kernels.permute import permute_rows
 from moeflow.types import DispatchPlan, ExpertLayout, RoutingResult
 
 __all__ = ["LocalDispatcher"]
@@ -24,10 +24,11 @@ __all__ = ["LocalDispatcher"]
 class LocalDispatcher:
     """All experts live in this process (``Dispatcher`` protocol).
 
-    Both directions are row gathers along the plan's one-to-K mapping
-    (``moeflow.kernels.gather_rows``), whose backward is a gather as well: no scatter-add, no
-    one-hot, and no host synchronisation (except reading the kept-row count of a capped
-    dropless call, which sizes the expert input).
+    Both directions are single row-moving ops along the plan's one-to-K mapping
+    (``moeflow.kernels.permute``: the permute, and the weighted unpermute of
+    ``dispatch.combine``), whose backwards are gathers as well: no scatter-add, no one-hot, each
+    row read and written once, and no host synchronisation (except reading the kept-row count of
+    a capped dropless call, which sizes the expert input).
     """
 
     collective = False
@@ -118,11 +119,11 @@ class LocalDispatcher:
         counts_E = slots.counts_E if cap.row_cap is None else slots.counts_E.clamp(max=cap.row_cap)
 
         token_M = torch.div(assign_M, K, rounding_mode="floor")
-        rows_MD = gather_rows(
-            x_TD, token_M, row_valid_M, row_A.view(T, K), None if kept_A is None else kept_A.view(T, K)
+        # one op moves each row once, scaled by its router weight when weights apply at dispatch
+        rows_MD = permute_rows(
+            x_TD, token_M, row_valid_M, row_A.view(T, K), None if kept_A is None else kept_A.view(T, K),
+            weights_TK.reshape(-1)[assign_M] if self.config.weight_at == "dispatch" else None,
         )
-        if self.config.weight_at == "dispatch":
-            rows_MD = rows_MD * weights_TK.reshape(-1)[assign_M].unsqueeze(1)
         expert_in = rows_MD if cap.layout_capacity is None else rows_MD.view(E, cap.layout_capacity, D)
         plan = DispatchPlan(
             assign_M=assign_M,

@@ -61,6 +61,7 @@ from torch.autograd.function import once_differentiable
 
 from moeflow.experts.weight_grads import (add_weight_grad_, expert_row_ranges, grad_buffer, mm_weight_grad,
                                           no_grad_to_add, records_grad_mode, weight_grad_into)
+from moeflow.kernels.activation import activate, activate_backward_, activate_reference
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 
 __all__ = ["LEAN_ACTIVATIONS", "LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
@@ -70,52 +71,21 @@ LEAN_GEMMS = ("bmm", "grouped_mm", "loop")  # padded layout; grouped native; gro
 # Each ATen op is a parallel region, and on a busy machine every region waits for its slowest
 # thread (measured on a loaded 2-core VM: a 64-expert FFN run in 64 one-expert chunks was 9x
 # slower than in one piece), so the elementwise backward takes few, large steps.
-_ROW_CHUNKS = 2  # elementwise backward: h in this many row steps (temporaries: two [N/2, H])
-_MIN_ROW_STEP = 1 << 20  # ... of at least this many elements
 _CHUNK_BYTES = 16 << 20  # recompute (forward and backward): h_c [rows_c, F] at most this ...
 _CHUNKS = 8  # ... and at most 1/_CHUNKS of h ...
 _MIN_CHUNK_BYTES = 1 << 20  # ... but not below this (small problems: one chunk)
 
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """``a = act(h)`` (gated: ``act(gate) * up`` on the two halves of the last dim)."""
-    if activation in ("swiglu", "geglu"):
-        gate, up = h.chunk(2, dim=-1)
-        a = F.silu(gate) if activation == "swiglu" else F.gelu(gate)
-        return a.mul_(up)
-    return {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[activation](h)
-
-
-def _slope_times(grad: torch.Tensor, z: torch.Tensor, kind: str, out: torch.Tensor) -> torch.Tensor:
-    """``out = f'(z) * grad`` for ``kind`` in silu / gelu / relu, by the kernels autograd's own
-    backward uses (so the gradients match plain autograd to the bit); ``out`` may be ``z``."""
-    aten = torch.ops.aten
-    if kind == "silu":
-        return aten.silu_backward.grad_input(grad, z, grad_input=out)
-    if kind == "gelu":
-        return aten.gelu_backward.grad_input(grad, z, grad_input=out)
-    return aten.threshold_backward.grad_input(grad, z, 0, grad_input=out)
+    """``a = act(h)`` as one op (``moeflow.kernels.activation.activate``: one fused pass on CUDA).
+    A module-level name, so ``moeflow.bench.stage_profile`` can label it."""
+    return activate(h, activation)
 
 
 def _act_backward_(h_NF: torch.Tensor, da_NH: torch.Tensor, activation: str) -> torch.Tensor:
-    """Overwrite ``h`` with ``dh = d act(h) / dh * da`` (row chunks, two chunk-size
-    temporaries at most); returns ``h``."""
-    N, F_ = h_NF.shape
-    step = max(1, math.ceil(N / _ROW_CHUNKS), _MIN_ROW_STEP // max(F_, 1))
-    gated = activation in ("swiglu", "geglu")
-    kind = {"swiglu": "silu", "geglu": "gelu"}.get(activation, activation)
-    for r in range(0, N, step):
-        h, da = h_NF[r : r + step], da_NH[r : r + step]
-        if gated:
-            gate, up = h.chunk(2, dim=-1)
-            da_up = da * up  # d/dgate (f(gate) * up) = f'(gate) * up * da
-            f = F.silu(gate) if kind == "silu" else F.gelu(gate)
-            torch.mul(f, da, out=up)  # d/dup = f(gate) * da
-            del f
-            _slope_times(da_up, gate, kind, out=gate)
-        else:
-            _slope_times(da, h, kind, out=h)
-    return h_NF
+    """Overwrite ``h`` with ``dh = d act(h) / dh * da`` as one op
+    (``moeflow.kernels.activation.activate_backward_``); returns ``h``."""
+    return activate_backward_(h_NF, da_NH, activation)
 
 
 def _mm(gemm: str, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None) -> torch.Tensor:
@@ -262,8 +232,6 @@ class _RecomputeFFN(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, w_in, w_out, offs = ctx.saved_tensors
         act, gemm = ctx.activation, ctx.gemm
-        gated = act in ("swiglu", "geglu")
-        kind = {"swiglu": "silu", "geglu": "gelu"}.get(act, act)
         need_x, need_w_in, need_w_out = ctx.needs_input_grad[:3]
         # the weights' existing .grad when the gradients can be added into it (weight_grads), else new
         acc_in, acc_out = grad_buffer(ctx, 1, w_in), grad_buffer(ctx, 2, w_out)
@@ -284,24 +252,12 @@ class _RecomputeFFN(torch.autograd.Function):
                 w_in_c, w_out_c = w_in[e0:e1], w_out[e0:e1]
                 offs_c = offs if gemm == "bmm" else offs[e0:e1] - r0
                 h_c = _mm(gemm, x_c, w_in_c, offs_c)
-                if gated:  # a = f(gate) * up, keeping f(gate) for the backward below
-                    gate, up = h_c.chunk(2, dim=-1)
-                    f = F.silu(gate) if kind == "silu" else F.gelu(gate)
-                    a = f * up
-                else:
-                    a = _activate(h_c, act)
+                a = _activate(h_c, act)
                 if need_w_out:
                     into_out(gemm, a, dy_c, offs_c, dw_out[e0:e1])
                 del a
                 da = _mm(gemm, dy_c, w_out_c.transpose(-2, -1), offs_c)
-                if gated:  # d/dup = f(gate) * da; d/dgate = f'(gate) * up * da (autograd's kernels)
-                    f.mul_(da)
-                    da.mul_(up)
-                    _slope_times(da, gate, kind, out=gate)
-                    up.copy_(f)
-                    del f
-                else:
-                    _slope_times(da, h_c, kind, out=h_c)
+                _act_backward_(h_c.view(-1, h_c.shape[-1]), da.view(-1, da.shape[-1]), act)
                 del da  # h_c is dh_c now
                 if need_w_in:
                     into_in(gemm, x_c, h_c, offs_c, dw_in[e0:e1])
@@ -373,7 +329,8 @@ def lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
 def _lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, counts_E: torch.Tensor,
                       activation: str) -> torch.Tensor:
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-    return F.grouped_mm(_activate(F.grouped_mm(x_RD, w_in, offs=offs_E), activation), w_out, offs=offs_E)
+    # the torch ops themselves: a decode step's few rows gain nothing from one more op's dispatch
+    return F.grouped_mm(activate_reference(F.grouped_mm(x_RD, w_in, offs=offs_E), activation), w_out, offs=offs_E)
 
 
 @torch.library.custom_op("moeflow::lean_ffn_no_grad", mutates_args=())

@@ -1,0 +1,145 @@
+"""The expert activation and its backward as single ops, on any device (legend: moeflow.types;
+``N`` rows, ``F`` the first GEMM's width: ``2H`` for a gated activation, ``H`` otherwise).
+
+    a_NH = activate(h_NF, activation)               # act(h), or act(gate) * up for swiglu / geglu
+    activate_backward_(h_NF, da_NH, activation)     # h_NF := d act(h) / dh * da, in place
+
+``activation``: ``swiglu``, ``geglu``, ``silu``, ``gelu`` (exact, erf), ``relu``.
+
+Why ops: written in torch, a SwiGLU forward is two passes over the rows (``silu``, then the
+product) and its backward five; the GPU needs one each, reading ``h`` (and ``da``) once and
+writing ``a`` (or ``dh``) once. Both are ``torch.library`` custom ops (``moeflow::activate``,
+``moeflow::activate_backward_``): on CUDA they run fused Triton kernels
+(``moeflow.kernels.triton.activation``; Triton importable), elsewhere (and on CUDA without
+Triton) the torch references beside them, which use the same kernels as autograd's own
+backward (bit-equal to plain autograd). ``moeflow.bench.traffic`` counts each as one op.
+
+The backward overwrites ``h`` with ``dh`` (it is not needed afterwards), so it needs no second
+``[N, F]`` buffer; the reference does it in a few large row steps with one step-sized
+temporary (the up half of ``h`` serves as scratch).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from moeflow.kernels.triton import triton_available
+
+__all__ = ["ACTIVATIONS", "activate", "activate_backward_", "activate_reference", "activate_backward_reference_"]
+
+ACTIVATIONS = ("swiglu", "geglu", "relu", "gelu", "silu")
+GATED = ("swiglu", "geglu")
+# Each ATen op is a parallel region, and on a busy machine every region waits for its slowest
+# thread (measured on a loaded 2-core VM), so the reference backward takes few, large steps.
+_ROW_CHUNKS = 2  # h in this many row steps (temporaries: two [N/2, H])
+_MIN_ROW_STEP = 1 << 20  # ... of at least this many elements
+
+
+def _check(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+
+
+def activate_reference(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """``a = act(h)`` in torch ops (gated: ``act(gate) * up`` on the two halves of the last dim)."""
+    if activation in GATED:
+        gate, up = h.chunk(2, dim=-1)
+        a = F.silu(gate) if activation == "swiglu" else F.gelu(gate)
+        return a.mul_(up)
+    return {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[activation](h)
+
+
+def _slope_times(grad: torch.Tensor, z: torch.Tensor, kind: str, out: torch.Tensor) -> torch.Tensor:
+    """``out = f'(z) * grad`` for ``kind`` in silu / gelu / relu, by the kernels autograd's own
+    backward uses (so the gradients match plain autograd to the bit); ``out`` may be ``z``."""
+    aten = torch.ops.aten
+    if kind == "silu":
+        return aten.silu_backward.grad_input(grad, z, grad_input=out)
+    if kind == "gelu":
+        return aten.gelu_backward.grad_input(grad, z, grad_input=out)
+    return aten.threshold_backward.grad_input(grad, z, 0, grad_input=out)
+
+
+def activate_backward_reference_(h_NF: torch.Tensor, da_NH: torch.Tensor, activation: str) -> torch.Tensor:
+    """Overwrite ``h`` with ``dh = d act(h) / dh * da`` in torch ops, in row steps with one
+    step-size temporary (``h``'s up half is the scratch; ``da`` is only read); returns ``h``."""
+    N, F_ = h_NF.shape
+    step = max(1, math.ceil(N / _ROW_CHUNKS), _MIN_ROW_STEP // max(F_, 1))
+    gated = activation in GATED
+    kind = {"swiglu": "silu", "geglu": "gelu"}.get(activation, activation)
+    for r in range(0, N, step):
+        h, da = h_NF[r : r + step], da_NH[r : r + step]
+        if gated:
+            gate, up = h.chunk(2, dim=-1)
+            f = F.silu(gate) if kind == "silu" else F.gelu(gate)
+            f.mul_(da)  # d/dup = f(gate) * da
+            up.mul_(da)  # d/dgate (f(gate) * up) = f'(gate) * up * da
+            _slope_times(up, gate, kind, out=gate)
+            up.copy_(f)
+            del f
+        else:
+            _slope_times(da, h, kind, out=h)
+    return h_NF
+
+
+@torch.library.custom_op("moeflow::activate", mutates_args=())
+def _activate_op(h_NF: torch.Tensor, activation: str) -> torch.Tensor:
+    return activate_reference(h_NF, activation)
+
+
+@_activate_op.register_kernel("cuda")
+def _(h_NF, activation):  # type: ignore[no-untyped-def]
+    if not triton_available(h_NF.device) or h_NF.dtype == torch.float64:
+        return activate_reference(h_NF, activation)
+    from moeflow.kernels.triton.activation import launch_activate
+
+    return launch_activate(h_NF, activation)
+
+
+@_activate_op.register_fake
+def _(h_NF, activation):  # type: ignore[no-untyped-def]
+    F_ = h_NF.shape[-1]
+    return h_NF.new_empty(*h_NF.shape[:-1], F_ // 2 if activation in GATED else F_)
+
+
+@torch.library.custom_op("moeflow::activate_backward_", mutates_args=("h_NF",))
+def _activate_backward_op(h_NF: torch.Tensor, da_NH: torch.Tensor, activation: str) -> None:
+    activate_backward_reference_(h_NF, da_NH, activation)
+
+
+@_activate_backward_op.register_kernel("cuda")
+def _(h_NF, da_NH, activation):  # type: ignore[no-untyped-def]
+    if not triton_available(h_NF.device) or h_NF.dtype == torch.float64:
+        activate_backward_reference_(h_NF, da_NH, activation)
+        return
+    from moeflow.kernels.triton.activation import launch_activate_backward_
+
+    launch_activate_backward_(h_NF, da_NH, activation)
+
+
+@_activate_backward_op.register_fake
+def _(h_NF, da_NH, activation):  # type: ignore[no-untyped-def]
+    return None
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """``a = act(h)`` as one op (module docstring); ``h [..., F]`` -> ``[..., F/2]`` gated, else
+    ``[..., F]``. Not differentiable (the lean experts differentiate it themselves)."""
+    _check(activation)
+    return _activate_op(h, activation)
+
+
+def activate_backward_(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.Tensor:
+    """Overwrite ``h [N, F]`` with ``d act(h) / dh * da`` (``da [N, F/2]`` gated, else
+    ``[N, F]``) as one op; returns ``h``."""
+    _check(activation)
+    if h.dim() != 2 or da.dim() != 2 or h.shape[0] != da.shape[0]:
+        raise ValueError(f"activate_backward_: h and da must be 2-D with the same rows, got {tuple(h.shape)} and "
+                         f"{tuple(da.shape)}")
+    if not h.is_contiguous() or not da.is_contiguous():
+        raise ValueError("activate_backward_: h and da must be contiguous (they are overwritten in place)")
+    _activate_backward_op(h, da, activation)
+    return h

@@ -1,0 +1,88 @@
+"""Triton kernels of the expert activation and its backward (``moeflow.kernels.activation``;
+legend there): one pass each, fp32 arithmetic, the same activation formulas as the fused
+grouped-GEMM epilogues (``grouped_gemm_kernels._act`` / ``_act_grad``).
+
+    forward:   a[n, c] = act(h[n, c])                   (gated: act(h[n, c]) * h[n, H + c])
+    backward:  h[n, c] := act'(h[n, c]) * da[n, c]      (gated: act'(g) * u * da at the gate,
+                                                         act(g) * da at the up half), in place
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeflow.kernels.triton import check_triton_tensors, device_guard
+from moeflow.kernels.triton.grouped_gemm_kernels import _act, _act_grad
+
+__all__ = ["launch_activate", "launch_activate_backward_", "ACT_CODES"]
+
+# activation -> (the epilogue helpers' code, gated)
+ACT_CODES = {"gelu": (1, False), "silu": (2, False), "relu": (3, False), "geglu": (1, True), "swiglu": (2, True)}
+_BLOCK_N = 8
+_BLOCK_C = 256
+
+
+@triton.jit
+def _activate_kernel(h_ptr, a_ptr, N, C, s_h, s_a, ACT: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (rows < N)[:, None] & (cols < C)[None, :]
+    base = rows.to(tl.int64)[:, None] * s_h + cols[None, :]
+    g = tl.load(h_ptr + base, mask=m, other=0.0).to(tl.float32)
+    a = _act(g, ACT)
+    if GATED:
+        a = a * tl.load(h_ptr + base + C, mask=m, other=0.0).to(tl.float32)
+    tl.store(a_ptr + rows.to(tl.int64)[:, None] * s_a + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _activate_backward_kernel(h_ptr, da_ptr, N, C, s_h, s_da, ACT: tl.constexpr, GATED: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (rows < N)[:, None] & (cols < C)[None, :]
+    base = rows.to(tl.int64)[:, None] * s_h + cols[None, :]
+    g = tl.load(h_ptr + base, mask=m, other=0.0).to(tl.float32)
+    da = tl.load(da_ptr + rows.to(tl.int64)[:, None] * s_da + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(h_ptr + base + C, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + base, (_act_grad(g, ACT) * u * da).to(h_ptr.dtype.element_ty), mask=m)
+        tl.store(h_ptr + base + C, (_act(g, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(h_ptr + base, (_act_grad(g, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
+
+
+def _grid(N: int, C: int) -> tuple[int, int]:
+    return triton.cdiv(N, _BLOCK_N), triton.cdiv(C, _BLOCK_C)
+
+
+def launch_activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """``a = act(h)`` for ``h [..., F]`` (contiguous copy if needed), in ``h``'s dtype."""
+    check_triton_tensors("activate", h=h)
+    code, gated = ACT_CODES[activation]
+    F_ = h.shape[-1]
+    C = F_ // 2 if gated else F_
+    h2 = h.reshape(-1, F_).contiguous()
+    N = h2.shape[0]
+    a = torch.empty(N, C, dtype=h.dtype, device=h.device)
+    if N and C:
+        with device_guard(h2):
+            _activate_kernel[_grid(N, C)](h2, a, N, C, h2.stride(0), a.stride(0), ACT=code, GATED=gated,
+                                          BLOCK_N=_BLOCK_N, BLOCK_C=_BLOCK_C)
+    return a.view(*h.shape[:-1], C)
+
+
+def launch_activate_backward_(h: torch.Tensor, da: torch.Tensor, activation: str) -> None:
+    """``h [N, F]`` (contiguous) := ``act'(h) * da`` (``da [N, C]``), in place."""
+    check_triton_tensors("activate_backward_", h=h, da=da)
+    code, gated = ACT_CODES[activation]
+    N, F_ = h.shape
+    C = F_ // 2 if gated else F_
+    da = da.contiguous()
+    if N and C:
+        with device_guard(h):
+            _activate_backward_kernel[_grid(N, C)](h, da, N, C, h.stride(0), da.stride(0), ACT=code, GATED=gated,
+                                                   BLOCK_N=_BLOCK_N, BLOCK_C=_BLOCK_C)
