@@ -52,18 +52,20 @@ def test_backward_ops_land_in_their_forward_stage():
     for e in events:
         if e["name"].startswith(BACKWARD):
             nodes.setdefault(e["name"][len(BACKWARD):], set()).add((e["stage"], e["phase"]))
-    # the router's linear and scoring, the experts' two GEMM nodes, both row gathers
+    # the router's linear and scoring, the experts' two GEMM nodes, the permute (dispatch) and the
+    # weighted unpermute (combine)
     assert nodes["MmBackward0"] == {("router", "bwd")}
     assert nodes["SoftmaxBackward0"] == {("router", "bwd")}
     assert nodes["_FirstGEMMBackward"] == {("gemm", "bwd")}
     assert nodes["_ActSecondGEMMBackward"] == {("gemm", "bwd")}
-    assert nodes["_GatherRowsBackward"] == {("dispatch", "bwd"), ("combine", "bwd")}
-    assert nodes["BmmBackward0"] == {("combine", "bwd")}  # the weighted sum over each token's K rows
+    assert nodes["GeneratedBackwardFor_moeflow_permute_rows_defaultBackward"] == {("dispatch", "bwd")}
+    assert nodes["GeneratedBackwardFor_moeflow_unpermute_rows_defaultBackward"] == {("combine", "bwd")}
     assert ("losses", "bwd") in nodes["MulBackward0"]
     # ops inside a node's backward: the activation's backward (a labelled helper) is activation,
     # the GEMMs there are the node's stage
     bwd_ops = {(e["name"], e["stage"]) for e in events if e["phase"] == "bwd" and not e["name"].startswith(BACKWARD)}
-    assert ("aten::silu_backward", "activation") in bwd_ops
+    assert ("moeflow::activate_backward_", "activation") in bwd_ops
+    assert ("aten::silu_backward", "activation") in bwd_ops  # (its torch implementation, on CPU)
     assert ("aten::_grouped_mm", "gemm") in bwd_ops or ("aten::mm", "gemm") in bwd_ops
     # nothing of the forward is taken for backward, and vice versa
     fwd_ops = {e["name"] for e in events if e["phase"] == "fwd"}

@@ -53,7 +53,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-__all__ = ["STAGES", "LABEL", "stage_ranges", "attribute_events", "profile_stages", "format_stage_table"]
+__all__ = ["STAGES", "LABEL", "stage_ranges", "profiler_label", "attribute_events", "profile_stages",
+           "format_stage_table"]
 
 STAGES = ("router", "slots", "dispatch", "gemm", "activation", "combine", "losses")
 LABEL = "moeflow_stage::"  # prefix of the record_function ranges
@@ -61,10 +62,18 @@ _BACKWARD = "autograd::engine::evaluate_function: "
 _OTHER = "other"
 
 
-def _wrap(fn: Callable, stage: str) -> Callable:
+Label = Callable[[str], contextlib.AbstractContextManager]
+
+
+def profiler_label(stage: str) -> contextlib.AbstractContextManager:
+    """The default ``stage_ranges`` label: a ``record_function`` range named ``LABEL + stage``."""
+    return record_function(LABEL + stage)
+
+
+def _wrap(fn: Callable, stage: str, label: Label) -> Callable:
     @functools.wraps(fn)
     def labelled(*args: object, **kwargs: object) -> object:
-        with record_function(LABEL + stage):
+        with label(stage):
             return fn(*args, **kwargs)
 
     return labelled
@@ -85,14 +94,15 @@ def _module_functions() -> list[tuple[object, str, str]]:
 
 
 @contextlib.contextmanager
-def stage_ranges(layer: torch.nn.Module) -> Iterator[None]:
-    """Label ``layer``'s stages with ``record_function`` ranges (named ``LABEL + stage``) inside
-    the block, from outside (module docstring); everything is put back on exit."""
+def stage_ranges(layer: torch.nn.Module, label: Label = profiler_label) -> Iterator[None]:
+    """Label ``layer``'s stages inside the block, from outside (module docstring): every stage
+    runs inside ``label(stage)`` (default: ``record_function`` ranges named ``LABEL + stage``;
+    ``moeflow.bench.traffic`` passes its own); everything is put back on exit."""
     undo: list[Callable[[], None]] = []
     try:
         for mod, name, stage in _module_functions():
             original = getattr(mod, name)
-            setattr(mod, name, _wrap(original, stage))
+            setattr(mod, name, _wrap(original, stage, label))
             undo.append(lambda mod=mod, name=name, original=original: setattr(mod, name, original))
         dispatcher = layer.dispatcher
         for method, stage in (("dispatch", "dispatch"), ("combine", "combine")):
@@ -100,14 +110,14 @@ def stage_ranges(layer: torch.nn.Module) -> Iterator[None]:
                 continue  # a dispatcher without the local stages (expert parallel): under "other"
             had = method in vars(dispatcher)
             previous = vars(dispatcher).get(method)
-            setattr(dispatcher, method, _wrap(getattr(dispatcher, method), stage))
+            setattr(dispatcher, method, _wrap(getattr(dispatcher, method), stage, label))
             undo.append(lambda d=dispatcher, m=method, had=had, prev=previous:
                         setattr(d, m, prev) if had else delattr(d, m))
         for module, stage in ((layer.router, "router"), (layer.experts, "gemm")):
-            open_ranges: list[record_function] = []
+            open_ranges: list[contextlib.AbstractContextManager] = []
 
             def enter(_mod: object, _args: object, stage: str = stage, open_ranges: list = open_ranges) -> None:
-                rf = record_function(LABEL + stage)
+                rf = label(stage)
                 rf.__enter__()
                 open_ranges.append(rf)
 
