@@ -554,8 +554,10 @@ def test_gpu_offloaded_training_equals_in_memory():
         for i, layer in enumerate(moeflow.moe_layers(model)):
             weights = store.layer_weights(i)
             for name, p in layer.experts.named_parameters():
-                # host AdamW vs CUDA AdamW: same formula, different hardware rounding
-                torch.testing.assert_close(weights[name], p.cpu(), rtol=1e-5, atol=1e-6)
+                # host AdamW vs CUDA AdamW: same formula, different hardware rounding, which Adam's
+                # g / sqrt(v) amplifies where a gradient is near eps (an H100: 1.2e-6 on one of 18432
+                # weights); atol 1e-5 is 0.3% of one step (lr 3e-3), far below a missed update
+                torch.testing.assert_close(weights[name], p.cpu(), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ failures, lifetime

@@ -16,11 +16,13 @@ What it measures, in order:
    Mixtral-like shape (T=16384, D=4096, H=14336, E=8, K=2) and a DeepSeek-like shape
    (T=16384, D=2048, H=1408, E=64, K=6, no shared experts), with the experts backend
    ``"triton"`` (row "moeflow-triton FFN": the layer's torch routing and dispatch with the
-   Triton fused expert FFN; the layer does not use the fused routing / slot / permute kernels,
-   which have rows of their own below), ``"grouped_mm"`` (moeflow-torch: ``F.grouped_mm``) and the
+   Triton fused expert FFN; of the kernels with rows of their own below, the layer runs the
+   permute ones on CUDA, not the fused routing and slot ones), ``"grouped_mm"`` (moeflow-torch: ``F.grouped_mm``) and the
    GShard one-hot einsum reference (``moeflow.testing.einsum_moe``, padded to the busiest
    expert). The einsum is skipped, with the reason printed, where its ``[T, E, C]`` tensors
-   would exceed half the free memory or its two einsums would cost over 10x the expert GEMMs;
+   would exceed half the free memory or its two einsums would cost over 10x the expert GEMMs,
+   and with ``--no-einsum`` (the GPU check's choice: on an H100 at the Mixtral-like shape it takes
+   2.6 s forward and 11.4 s forward+backward, over a minute with the warm-ups);
 3. the bare expert FFN on the same routed rows: the Triton fused kernel against the
    ``F.grouped_mm`` floor;
 4. permute / unpermute (``moeflow.kernels.triton``) in GB/s against the copy bandwidth;
@@ -162,7 +164,8 @@ def _torch_backend(shape: Shape, device: torch.device, dtype: torch.dtype) -> st
     return "grouped_mm" if native_grouped_mm_supported(device, dtype, dims) else "loop"
 
 
-def layer_rows(shape: Shape, device: torch.device, dtype: torch.dtype, gemm_tflops: float, measure, tiny: bool) -> list[dict]:
+def layer_rows(shape: Shape, device: torch.device, dtype: torch.dtype, gemm_tflops: float, measure, tiny: bool,
+               einsum: bool = True) -> list[dict]:
     from moeflow.testing import einsum_moe
 
     rows: list[dict] = []
@@ -177,7 +180,7 @@ def layer_rows(shape: Shape, device: torch.device, dtype: torch.dtype, gemm_tflo
     for impl, backend in impls:
         layer = _layer(shape, backend or "auto", device, dtype)
         if backend is None:
-            reason = _einsum_skip_reason(shape, device, dtype)
+            reason = _einsum_skip_reason(shape, device, dtype) if einsum else "--no-einsum"
             if reason is not None:
                 rows.append(dict(case=shape.name, impl=impl, pass_="skipped", ms=float("nan"), rate=float("nan"),
                                  unit="", pct=float("nan"), note=reason))
@@ -327,6 +330,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke run; CPU needs the Triton interpreter)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per row (median reported)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--no-einsum", action="store_true",
+                        help="skip the GShard one-hot einsum reference rows (minutes at the full shapes)")
     args = parser.parse_args(argv)
     if args.device == "cpu":
         # the CPU smoke mode needs Triton's interpreter: switch it on before Triton is first
@@ -355,7 +360,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     gemm_tflops, copy_gbps, rows = ceilings(device, args.tiny, measure)
     for shape in shapes:
-        rows += layer_rows(shape, device, dtype, gemm_tflops, measure, args.tiny)
+        rows += layer_rows(shape, device, dtype, gemm_tflops, measure, args.tiny, einsum=not args.no_einsum)
         rows += expert_rows(shape, device, dtype, gemm_tflops, measure, args.tiny)
         rows += permute_rows_bench(shape, device, dtype, copy_gbps, measure)
         rows += routing_slots_bench(shape, device, dtype, copy_gbps, measure)

@@ -3,8 +3,9 @@
 
 ``launch_gather_reduce`` and ``launch_gather_dot`` run the two primitives of
 ``moeflow.kernels.permute`` (``gather_reduce``: ``out_ND[n] = sum_j valid * w * src_MD[index_NJ[n,
-j]]``; ``gather_dot``: ``out_NJ[n, j] = valid * <a_ND[n], b_MD[index_NJ[n, j]]>``), with fp32
-accumulation; those custom ops call them on CUDA. ``permute_rows``, ``unpermute_rows`` and
+j]]``; ``gather_dot``: ``out_NJ[n, j] = valid * <a_ND[n], b_MD[index_NJ[n, j]]>``), accumulated in
+fp32 (fp64 for fp64 tensors, so the fp64 checks hold to fp64 rounding on CUDA too); those custom
+ops call them on CUDA. ``permute_rows``, ``unpermute_rows`` and
 ``unpermute_rows_reference`` are re-exported from ``moeflow.kernels.permute`` (the
 differentiable ops, any device). The tests run the launchers under the Triton interpreter
 against the torch references (``gather_reduce_reference``, ``gather_dot_reference``).
@@ -31,13 +32,15 @@ def _gather_reduce_kernel(
     src_ptr, index_ptr, valid_ptr, w_ptr, out_ptr,
     N, D, J, stride_src, stride_out,
     HAS_VALID: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
 ):
-    """Program (i, j) writes rows ``i*BLOCK_N ...`` and columns ``j*BLOCK_D ...`` of out."""
+    """Program (i, j) writes rows ``i*BLOCK_N ...`` and columns ``j*BLOCK_D ...`` of out; sums in
+    ``ACC`` (fp32, or fp64 for fp64 tensors)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < N
     col_ok = cols < D
-    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
     for j in range(J):
         take = row_ok
         if HAS_VALID:
@@ -45,9 +48,9 @@ def _gather_reduce_kernel(
         src_row = tl.load(index_ptr + rows * J + j, mask=take, other=0).to(tl.int64)
         vals = tl.load(
             src_ptr + src_row[:, None] * stride_src + cols[None, :], mask=take[:, None] & col_ok[None, :], other=0.0
-        ).to(tl.float32)
+        ).to(ACC)
         if HAS_W:
-            vals = vals * tl.load(w_ptr + rows * J + j, mask=take, other=0.0).to(tl.float32)[:, None]
+            vals = vals * tl.load(w_ptr + rows * J + j, mask=take, other=0.0).to(ACC)[:, None]
         acc += vals
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
@@ -57,9 +60,9 @@ def _gather_reduce_kernel(
 def _gather_dot_kernel(
     a_ptr, b_ptr, index_ptr, valid_ptr, out_ptr,
     N, D, J, stride_a, stride_b,
-    HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
 ):
-    """``out_NJ[n, j] = valid * <a_ND[n], b_MD[index_NJ[n, j]]>`` (fp32 accumulation)."""
+    """``out_NJ[n, j] = valid * <a_ND[n], b_MD[index_NJ[n, j]]>`` (sums in ``ACC``)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     for j in range(J):
@@ -67,14 +70,19 @@ def _gather_dot_kernel(
         if HAS_VALID:
             take = take & (tl.load(valid_ptr + rows * J + j, mask=row_ok, other=0) != 0)
         b_row = tl.load(index_ptr + rows * J + j, mask=take, other=0).to(tl.int64)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N,), dtype=ACC)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
             m = take[:, None] & (cols < D)[None, :]
             a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :], mask=m, other=0.0)
             b = tl.load(b_ptr + b_row[:, None] * stride_b + cols[None, :], mask=m, other=0.0)
-            acc += tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)
+            acc += tl.sum(a.to(ACC) * b.to(ACC), axis=1)
         tl.store(out_ptr + rows * J + j, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _acc(*tensors: torch.Tensor | None) -> tl.dtype:
+    """The kernels' accumulation dtype: fp64 where any input is fp64, else fp32."""
+    return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
 def _block_d(D: int) -> int:
@@ -103,6 +111,7 @@ def launch_gather_reduce(
             src_MD, index_NJ, valid_NJ, w_NJ, out_ND,
             N, D, J, src_MD.stride(0), out_ND.stride(0),
             HAS_VALID=valid_NJ is not None, HAS_W=w_NJ is not None, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+            ACC=_acc(src_MD, w_NJ),
         )
     return out_ND
 
@@ -122,6 +131,6 @@ def launch_gather_dot(
         _gather_dot_kernel[(triton.cdiv(N, _BLOCK_N),)](
             a_ND, b_MD, index_NJ, valid_NJ, out_NJ,
             N, D, J, a_ND.stride(0), b_MD.stride(0),
-            HAS_VALID=valid_NJ is not None, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(D),
+            HAS_VALID=valid_NJ is not None, BLOCK_N=_BLOCK_N, BLOCK_D=_block_d(D), ACC=_acc(a_ND, b_MD),
         )
     return out_NJ
