@@ -529,3 +529,30 @@ def ffn_operands(gen: torch.Generator, gemm: str, activation: str, dtype: torch.
     counts[empty] = 0
     offs = counts.cumsum(0)
     return torch.randn(int(offs[-1]), D, generator=gen, dtype=dtype).requires_grad_(), w_in, w_out, offs
+
+
+class StoppedAfterCheckpoint(Exception):
+    """Raised by ``run_until_checkpoint`` right after the checkpoint it waits for is on disk."""
+
+
+def run_until_checkpoint(step: int, train: Callable[[], object]) -> None:
+    """Run ``train()`` (a ``moeflow.train.lm.train_lm`` call) and stop it right after the
+    checkpoint of ``step`` is complete, as a job killed there would be: the way resumption tests
+    interrupt a run at a known step."""
+    import moeflow.train.lm as lm
+
+    save = lm.save_checkpoint_async
+
+    def save_then_stop(root, at, *args, **kw):  # type: ignore[no-untyped-def]
+        pending = save(root, at, *args, **kw)
+        if at == step:
+            pending.wait()
+            raise StoppedAfterCheckpoint
+        return pending
+
+    lm.save_checkpoint_async = save_then_stop
+    try:
+        with pytest.raises(StoppedAfterCheckpoint):
+            train()
+    finally:
+        lm.save_checkpoint_async = save

@@ -235,6 +235,17 @@ CASES: list[tuple[str, list[str], str]] = [
     ("infer-offload-bad", ["infer", *_INFER, "--offload", "gpu"], "--offload"),
     ("infer-bench-layers-0", ["infer", "--bench", "--layers", "0"], "--layers"),
     ("infer-bench-json-unwritable", ["infer", "--bench", "--layers", "2", "--json", _UNWRITABLE[0]], "--json"),
+    # ---- prepare-data
+    ("prepare-data-nothing", ["prepare-data"], "SOURCE"),
+    ("prepare-data-no-out", ["prepare-data", "{file}"], "--out"),
+    ("prepare-data-source-missing", ["prepare-data", "{missing}", "--out", "{new}"], "{missing}"),
+    ("prepare-data-folder-without-data", ["prepare-data", "{dir}", "--out", "{new}"], "{dir}"),
+    ("prepare-data-out-is-file", ["prepare-data", "{file}", "--out", "{file}"], "--out"),
+    ("prepare-data-tokenizer-missing", ["prepare-data", "{file}", "--out", "{new}", "--tokenizer", "{missing}"],
+     "--tokenizer"),
+    *[(f"prepare-data-{flag[2:]}-{v}", ["prepare-data", "{file}", "--out", "{new}", flag, v], flag)
+      for flag, v in (("--val-fraction", "1.5"), ("--val-fraction", "nan"), ("--workers", "0"), ("--bpe-vocab", "10"),
+                      ("--shard-tokens", "0"))],
     # ---- convert
     ("convert-nothing", ["convert"], "SRC"),
     ("convert-info-missing", ["convert", "{missing}", "--info"], "{missing}"),

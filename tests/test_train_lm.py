@@ -18,7 +18,7 @@ from moeflow.checkpoint import read_index
 from moeflow.train import LMTrainConfig, build_from_checkpoint, train_lm
 from moeflow.train.nonfinite import NonFiniteLossError, check_parameters_finite
 
-from helpers import file_states, spawn_ranks
+from helpers import file_states, run_until_checkpoint, spawn_ranks
 
 
 # ----------------------------------------------------------------------------- config
@@ -578,30 +578,12 @@ def test_training_figure_panels() -> None:
 _PLACED_RESUMED = dict(load_balance_coef=0.0, dtype="float64", rebalance_every=2, checkpoint_every=1, keep_checkpoints=10)
 
 
-class _Stopped(Exception):
-    pass
-
-
 def _case_train_placed_resumed(rank: int, world: int, out: str, stop: str) -> None:
     """Steps 1..6 with a move every 2 steps (replicas: one slot more than E / world), in one go
     (``stop`` 0) or interrupted right after the checkpoint of step ``stop`` and resumed."""
     cfg = _cfg(out, steps=6, **_PLACED_RESUMED, expert_slots=8 // world + 1)
     if int(stop):
-        save = lm.save_checkpoint_async
-
-        def save_then_stop(root, step, *args, **kw):  # type: ignore[no-untyped-def]
-            pending = save(root, step, *args, **kw)
-            if step == int(stop):
-                pending.wait()
-                raise _Stopped
-            return pending
-
-        lm.save_checkpoint_async = save_then_stop
-        try:
-            with pytest.raises(_Stopped):
-                train_lm(cfg)
-        finally:
-            lm.save_checkpoint_async = save
+        run_until_checkpoint(int(stop), lambda: train_lm(cfg))
     train_lm(dataclasses.replace(cfg, resume=bool(int(stop))))
 
 

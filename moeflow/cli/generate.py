@@ -56,7 +56,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)  # the old name of --max-new-tokens
     p.add_argument("--eos", action="append", default=None, metavar="TOKEN",
                    help="stop a row after this token: a token id, or text the tokenizer encodes as one token "
-                   "(e.g. '\\n'); repeat for several")
+                   "(e.g. '\\n'); repeat for several (default: the tokenizer's end-of-document token, where it has one: a "
+                   "model trained on your own documents ends one with it)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--sample-top-k", type=int, default=None, metavar="K",
                    help="sample among the k most likely tokens only; 0 = all (default 40). Not the router's "
@@ -141,6 +142,8 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _eos_ids(values: list[str] | None, tok) -> list[int]:  # type: ignore[no-untyped-def]
+    if values is None and getattr(tok, "eod", None) is not None:
+        return [int(tok.eod)]  # what follows a document's end is another document
     ids = []
     for value in values or []:
         if value.lstrip("-").isdigit():

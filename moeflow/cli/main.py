@@ -1,4 +1,4 @@
-"""``moeflow`` command line: ``moeflow [--debug] bench|train|generate|infer|train-vision|a2a-model|convert ...``.
+"""``moeflow`` command line: ``moeflow [--debug] bench|train|prepare-data|generate|infer|train-vision|a2a-model|convert ...``.
 
 This module builds the parser and dispatches; each command family lives in its own module
 (``bench``, ``convert``, ``train``, ``generate``, ``infer``), which adds its subcommands with an
@@ -23,6 +23,7 @@ import sys
 from moeflow import __version__
 from moeflow.cli.bench import add_a2a_model, add_bench
 from moeflow.cli.convert import add_convert
+from moeflow.cli.data import add_prepare_data
 from moeflow.cli.errors import UsageError, error_line
 from moeflow.cli.flags import finite_float
 from moeflow.cli.generate import add_generate
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_a2a_model(sub)
     add_convert(sub)
     add_train(sub)
+    add_prepare_data(sub)
     add_generate(sub)
     add_infer(sub)
     add_train_vision(sub)

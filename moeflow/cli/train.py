@@ -85,7 +85,25 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=128,
                    help="model context: tokens per training sequence, and the longest prompt + output the model "
                    "takes (infer's --seq-len is a prompt length)")
-    p.add_argument("--tokenizer", default="byte", choices=["byte", "bpe"], help="bytes, or a BPE trained on the training works")
+    p.add_argument("--data", action="append", default=None, metavar="SOURCE[@WEIGHT]",
+                   help="train on your own data instead of Shakespeare: a text file or a folder of them, .jsonl / .json "
+                   "(the text in --text-field), .parquet, a datasets directory (save_to_disk), hf:NAME from the "
+                   "local datasets cache, or a folder `moeflow prepare-data` wrote; repeat to mix several, "
+                   "@WEIGHT drawing from each in that proportion (raw sources are tokenized once into --out/data; default: "
+                   "the Shakespeare corpus)")
+    p.add_argument("--val-data", action="append", default=None, metavar="SOURCE",
+                   help="with --data: validation sources (default: --val-fraction of each --data source's documents)")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="with --data and no --val-data: the documents held out for validation, chosen by document")
+    p.add_argument("--text-field", default="text", help="with --data: the JSON key or column holding the text")
+    p.add_argument("--skip-empty", action="store_true",
+                   help="with --data: skip empty documents (counted in the log) instead of refusing them")
+    p.add_argument("--mmap-window", type=int, default=256 << 20, metavar="BYTES",
+                   help="with --data: the bytes of each token file memory-mapped at a time (resident memory stays "
+                   "within it however large the corpus)")
+    p.add_argument("--tokenizer", default="byte", metavar="byte|bpe|PATH",
+                   help="bytes, a BPE trained on the training text, or (with --data) a Hugging Face tokenizer.json or "
+                   "a model directory holding one")
     p.add_argument("--bpe-vocab", type=int, default=1024, help="with --tokenizer bpe: the vocabulary size")
     p.add_argument("--val-works", default=",".join(DEFAULT_VAL_WORKS), help="comma-separated works held out for validation")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (the total, also with --resume)")
@@ -257,6 +275,14 @@ def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[
         return "--expert-slots applies with --rebalance-every N"
     try:  # torchrun's LOCAL_WORLD_SIZE may differ between nodes: the ranks compare it once they are connected
         check_world_settings(cfg, world, args.nproc if job is None else None)
+        if cfg.data:  # one's own sources: they exist (their contents are read, and checked, by the run)
+            from moeflow.train.lm_config import source_weight
+
+            for flag, sources in (("--data", [source_weight(s)[0] for s in cfg.data]), ("--val-data", cfg.val_data)):
+                for source in sources:
+                    if not source.startswith("hf:") and not Path(source).exists():
+                        return f"{flag} {source}: no such file or folder"
+            return None
         corpus = load_corpus(cfg.val_works)
     except (CorpusError, ValueError) as err:
         return str(err)
@@ -293,6 +319,7 @@ def _run_train(args: argparse.Namespace) -> int:
     # the config calls --out out_dir (and "out" is too common a word to stand for it)
     args.flag_names = {**{k: v for k, v in getattr(args, "flag_names", {}).items() if k != "out"}, "out_dir": "--out"}
     args.val_works = tuple(w.strip() for w in args.val_works.split(",") if w.strip())
+    args.data, args.val_data = tuple(args.data or ()), tuple(args.val_data or ())
     try:
         warmup_note = _resolve_warmup(args)
     except UsageError as err:

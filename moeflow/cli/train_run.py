@@ -106,8 +106,13 @@ def announce(cfg, run, continuing: bool = False,  # type: ignore[no-untyped-def]
 
 def summarize(history: dict, cfg, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
     (_, before), (s1, after) = history["val"][0], history["val"][-1]
-    print(f"validation loss (held-out works) before training: {before:.4f} nats/token (perplexity {math.exp(before):.2f})")
-    print(f"validation loss after {s1} steps:                  {after:.4f} nats/token (perplexity {math.exp(after):.2f})")
+    held = "held-out data" if cfg.data else "held-out works"
+    print(f"validation loss ({held}) before training: {before:.4f} nats/token (perplexity {math.exp(before):.2f})")
+    print(f"validation loss after {s1} steps:{' ' * (len(held) + 20 - len(str(s1)) - 13)}{after:.4f} nats/token "
+          f"(perplexity {math.exp(after):.2f})")
+    if "data_share" in history:  # one's own data: how long the steps waited for their batch (read one ahead)
+        print(f"data: the steps waited {history['data_wait_s']:.3f} s for their batches "
+              f"({100 * history['data_share']:.2f}% of the training time)")
     ranks = history["world_size"]
     how = f" ({history['exchange']} exchange)" if history.get("exchange") else ""
     print(f"throughput: {history['tokens_per_s']:,.0f} tokens/s on {ranks} rank(s){how}")

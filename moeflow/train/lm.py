@@ -70,6 +70,8 @@ from moeflow.train.data import (
     load_corpus,
     tokenizer_from_dict,
 )
+from moeflow.train.lm_data import open_run_data
+from moeflow.train.tokens import Prefetcher
 from moeflow.train.lm_checkpoint import (
     MODEL_FAMILY,
     build_from_checkpoint,
@@ -234,13 +236,26 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     if exchange == "two-level" and (group is not None or node_size is None):
         raise ValueError(f"exchange='two-level' groups the ranks of the whole job by node: it needs group=None and "
                          f"node_size (ranks per node, the same on every node), got node_size={node_size}")
-    corpus = load_corpus(cfg.val_works)
+    corpus = None if cfg.data else load_corpus(cfg.val_works)
     run = open_run(cfg, group)  # refuses another run in out_dir, claims it, finds the checkpoint to resume
     if run.finished:
         return run.history
-    tok = _build_tokenizer(cfg, corpus.train_text, group)
-    train = TokenStream.from_text(corpus.train_text, tok, cfg.seq_len, cfg.seed)
-    val = TokenStream.from_text(corpus.val_text, tok, cfg.seq_len, cfg.seed + 1)
+    data_notes: list[str] = []
+    fingerprint = None
+    if corpus is not None:
+        tok = _build_tokenizer(cfg, corpus.train_text, group)
+        train = TokenStream.from_text(corpus.train_text, tok, cfg.seq_len, cfg.seed)
+        val = TokenStream.from_text(corpus.val_text, tok, cfg.seq_len, cfg.seed + 1)
+    else:  # one's own data: prepared (once) and memory-mapped, each rank reading its own rows
+        own = open_run_data(cfg, group)
+        tok, val, data_notes, fingerprint = own.tokenizer, own.val, own.notes, own.fingerprint
+        train = Prefetcher(own.train)  # the next batch is read while this step runs
+        if run.checkpoint is not None:
+            saved = read_index(run.checkpoint)["extra"].get("data")
+            if saved is not None and saved != fingerprint:
+                raise ValueError(f"data: the training or validation data differs from the data the checkpoint "
+                                 f"{run.checkpoint} was trained on (their tokens changed); resume=True continues a run "
+                                 "on its own data: restore it, or start a new run (another out_dir, or overwrite=True)")
 
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -267,7 +282,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     torch.manual_seed(cfg.seed * 1_000 + 1 + rank)  # router noise and dropout: per rank, reproducible
     opt = _optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"
-    extra = checkpoint_extra(cfg, model_cfg, tok, run.run_id)
+    extra = checkpoint_extra(cfg, model_cfg, tok, run.run_id, data=fingerprint)
 
     start, history = run.start, run.history
     if run.checkpoint is not None:  # weights, optimizer and router state, this rank's RNG
@@ -282,6 +297,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     if rank == 0:
         bar = RunLog(cfg.out_dir, start=start, total=cfg.steps, every=log_every, progress=cfg.progress,
                      tensorboard=cfg.tensorboard)
+        for note in data_notes:
+            bar.write(note)
     if start == 0:
         history["val"].append([0, evaluate(model, val, cfg, group, device)])
         if bar is not None:
@@ -376,6 +393,10 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     if bar is not None:
         bar.close()
     history["tokens_per_s"] = tokens_per_step * (cfg.steps - start) / max(elapsed, 1e-9)
+    if isinstance(train, Prefetcher):  # the time steps waited for their data (read one batch ahead)
+        history["data_wait_s"] = train.waited_s
+        history["data_share"] = train.waited_s / max(elapsed, 1e-9)
+        train.close()
     history["world_size"] = world
     history["exchange"], history["node_size"] = exchange, node_size
     tuned = tuned_settings(model) if world > 1 and "auto" in (cfg.parallel, cfg.overlap_degree) else None

@@ -76,15 +76,19 @@ _OUTPUTS = ("training.png", "tuned.json", "train_config.json", "metrics.jsonl", 
             f".{RUN_FILE}.tmp", f".{HISTORY_FILE}.tmp")
 
 # these decide which data each step sees: a resumed run must keep them
-_DATA_SETTINGS = ("batch_size", "grad_accum", "seq_len", "seed", "tokenizer", "bpe_vocab", "val_works")
+_DATA_SETTINGS = ("batch_size", "grad_accum", "seq_len", "seed", "tokenizer", "bpe_vocab", "val_works", "data", "val_data",
+                  "val_fraction", "text_field", "skip_empty")
 
 T = TypeVar("T")
 
 
-def checkpoint_extra(cfg: LMTrainConfig, model_cfg: GPTConfig, tok: Tokenizer, run_id: str) -> dict:
-    """The ``extra`` every checkpoint of this run stores: what rebuilding and resuming need."""
-    return {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "dtype": cfg.dtype, "tokenizer": tok.to_dict(),
-            "train": cfg.to_dict(), "run_id": run_id}
+def checkpoint_extra(cfg: LMTrainConfig, model_cfg: GPTConfig, tok: Tokenizer, run_id: str,
+                     data: dict | None = None) -> dict:
+    """The ``extra`` every checkpoint of this run stores: what rebuilding and resuming need
+    (``data``: the fingerprints of one's own training and validation data)."""
+    extra = {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "dtype": cfg.dtype, "tokenizer": tok.to_dict(),
+             "train": cfg.to_dict(), "run_id": run_id}
+    return extra if data is None else {**extra, "data": data}
 
 
 def new_history(run_id: str) -> dict:
@@ -191,7 +195,10 @@ def _check_resumable(cfg: LMTrainConfig, path: Path, index: dict) -> None:
                          "resume=True continues a run of train_lm")
     # every message names the setting at fault first (the command line names its flag from it)
     saved, now_train = extra.get("train", {}), cfg.to_dict()
-    changed = {k: (saved.get(k), v) for k, v in now_train.items() if k in _DATA_SETTINGS and saved.get(k) != v}
+    # a checkpoint from before a setting existed had its default
+    defaults = {f.name: LMTrainConfig(out_dir=cfg.out_dir).to_dict()[f.name] for f in dataclasses.fields(LMTrainConfig)}
+    changed = {k: (saved.get(k, defaults[k]), v) for k, v in now_train.items()
+               if k in _DATA_SETTINGS and saved.get(k, defaults[k]) != v}
     if changed:
         raise ValueError(f"{_settings(changed)}: resume=True continues the checkpoint {path} on the data it was "
                          f"trained with ({', '.join(_DATA_SETTINGS)} as saved); give the saved values, or start a new "

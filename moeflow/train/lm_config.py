@@ -24,6 +24,22 @@ from moeflow.train.init_from import MODEL_OVERRIDES, init_checkpoint
 __all__ = ["LMTrainConfig"]
 
 
+def source_weight(source: str) -> tuple[str, float]:
+    """``(source, weight)`` of ``SOURCE`` or ``SOURCE@WEIGHT`` (weight 1 by default, > 0)."""
+    path, at, weight = source.rpartition("@")
+    if not at:
+        return source, 1.0
+    try:
+        w = float(weight)
+    except ValueError:
+        raise ValueError(f"data source {source!r}: the weight after '@' must be a number, got {weight!r}") from None
+    if not (w > 0 and w < float("inf")):
+        raise ValueError(f"data source {source!r}: the weight must be a positive finite number, got {weight}")
+    if not path:
+        raise ValueError(f"data source {source!r}: no source before '@'")
+    return path, w
+
+
 @dataclass(frozen=True, kw_only=True)
 class LMTrainConfig:
     """Everything a language-model training run needs; validated on construction.
@@ -75,6 +91,19 @@ class LMTrainConfig:
     ``skip_nonfinite`` > 0: then up to that many such steps are skipped (no update; recorded in
     the history's ``"skipped"``) and the next one stops the run. Every number must be finite.
 
+    Data: the Shakespeare corpus (``val_works`` held out) unless ``data`` names one's own
+    sources (``moeflow.train.sources``: text, JSONL/JSON, Parquet, datasets directories,
+    ``hf:NAME``; or a directory ``moeflow prepare-data`` wrote), each ``SOURCE`` or
+    ``SOURCE@WEIGHT`` (sequences drawn from the sources in proportion to their weights).
+    Validation: ``val_data`` (sources like ``data``), else the documents ``val_fraction`` of the
+    raw sources holds out (by document, deterministically), or a prepared source's own
+    validation split. Raw sources are tokenized once into ``out_dir/data`` (rank 0; every rank
+    then memory-maps it, ``mmap_window`` bytes of each shard at a time). ``tokenizer``: ``byte``
+    (UTF-8 bytes and an end-of-document token for one's own data), ``bpe`` (trained on the
+    training documents, ``bpe_vocab``), or a ``tokenizer.json`` / model directory; a prepared
+    source brings its own. ``text_field``: the JSON key or column of the text; ``skip_empty``:
+    skip empty documents (counted) instead of refusing them.
+
     ``n_layers``, ``dim``, ``n_heads`` and ``expert_hidden`` (like ``num_experts`` ... ``moe_every``)
     override the preset's fields (None: the preset's), validated by building the ``GPTConfig``.
     ``init_from`` (a checkpoint, or a run directory) starts the run from that model's weights
@@ -109,6 +138,12 @@ class LMTrainConfig:
     tokenizer: str = "byte"
     bpe_vocab: int = 1024
     val_works: tuple[str, ...] = DEFAULT_VAL_WORKS
+    data: tuple[str, ...] = ()
+    val_data: tuple[str, ...] = ()
+    val_fraction: float = 0.05
+    text_field: str = "text"
+    skip_empty: bool = False
+    mmap_window: int = 256 << 20
     steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
@@ -149,6 +184,21 @@ class LMTrainConfig:
                 raise ValueError(f"tuned={str(self.tuned)!r} fixes the auto-tuner's choices: it needs parallel or "
                                  "overlap_degree 'auto'")
         object.__setattr__(self, "val_works", tuple(self.val_works))
+        for name in ("data", "val_data"):
+            value = getattr(self, name)
+            if isinstance(value, (str, Path)) or not all(isinstance(v, (str, Path)) for v in value):
+                raise TypeError(f"{name} must be a list of sources (paths, hf:NAME), got {value!r}")
+            object.__setattr__(self, name, tuple(str(v) for v in value))
+        if self.val_data and not self.data:
+            raise ValueError(f"val_data={list(self.val_data)} goes with data (one's own training sources)")
+        _float("val_fraction", self.val_fraction)
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(f"text_field must be a non-empty string, got {self.text_field!r}")
+        _int("mmap_window", self.mmap_window, minimum=1 << 16)
+        for source in self.data:
+            source_weight(source)  # the weight's syntax, before any work
         if self.init_from is not None:
             object.__setattr__(self, "init_from", Path(self.init_from))
             given = [k for k in MODEL_OVERRIDES if getattr(self, k) is not None]
@@ -157,8 +207,9 @@ class LMTrainConfig:
                                  f"{', '.join(f'{k}={getattr(self, k)!r}' for k in given)} would change it")
         if self.preset not in GPT_PRESETS:
             raise ValueError(f"preset must be one of {sorted(GPT_PRESETS)}, got {self.preset!r}")
-        if self.tokenizer not in ("byte", "bpe"):
-            raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {self.tokenizer!r}")
+        if self.tokenizer not in ("byte", "bpe") and not (self.data and Path(self.tokenizer).exists()):
+            raise ValueError(f"tokenizer must be 'byte', 'bpe'" + (" or a tokenizer.json / model directory" if self.data
+                             else " (a tokenizer.json goes with data)") + f", got {self.tokenizer!r}")
         if self.dtype not in ("float32", "float64", "bfloat16"):
             raise ValueError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
         if self.amp not in ("auto", "bf16", "fp16", "off"):
@@ -244,6 +295,7 @@ class LMTrainConfig:
         d["tuned"] = None if self.tuned is None else str(self.tuned)
         d["init_from"] = None if self.init_from is None else str(self.init_from)
         d["val_works"] = list(self.val_works)
+        d["data"], d["val_data"] = list(self.data), list(self.val_data)
         return d
 
     @classmethod

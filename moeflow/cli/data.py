@@ -1,0 +1,91 @@
+"""``moeflow prepare-data``: tokenize a corpus once into memory-mappable token shards
+(``moeflow.train.tokens.prepare``), for ``moeflow train --data DIR``.
+
+    moeflow prepare-data corpus/ more.jsonl --tokenizer byte --out data/prepared --val-fraction 0.01
+    moeflow prepare-data books.parquet --tokenizer path/to/tokenizer.json --out data/books --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from moeflow.cli.errors import UsageError
+from moeflow.cli.flags import int_at_least
+
+__all__ = ["add_prepare_data"]
+
+
+def add_prepare_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare-data", help="tokenize your corpus once into token shards for `moeflow train --data`",
+        description="Read the documents of SOURCEs (text files or folders of them, .jsonl / .json with the text in "
+        "--text-field, .parquet, a datasets directory written by save_to_disk, hf:NAME from the local datasets "
+        "cache), tokenize them in parallel, each followed by an end-of-document token, and write flat token files "
+        "(uint16 when the vocabulary fits, else uint32) and index.json (tokenizer, counts, document ends, "
+        "checksums) into --out. `moeflow train --data OUT` memory-maps them.")
+    p.add_argument("sources", nargs="+", metavar="SOURCE")
+    p.add_argument("--out", type=Path, required=True, help="a new (or empty) folder for the shards")
+    p.add_argument("--tokenizer", default="byte", metavar="byte|bpe|PATH",
+                   help="UTF-8 bytes (and an end-of-document token), a BPE trained on these documents, or a Hugging "
+                   "Face tokenizer.json / model directory")
+    p.add_argument("--bpe-vocab", type=int_at_least(257), default=1024, help="with --tokenizer bpe: the vocabulary size")
+    p.add_argument("--text-field", default="text", help="the JSON key or column holding the text")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="documents held out into a validation split, chosen by document (deterministic)")
+    p.add_argument("--seed", type=int, default=0, help="which documents --val-fraction holds out")
+    p.add_argument("--workers", type=int_at_least(1), default=None, help="tokenizing processes (default: the CPUs; 1 for --tokenizer byte, which is faster in one)")
+    p.add_argument("--shard-tokens", type=int_at_least(1), default=1 << 28, help="tokens per shard file at most")
+    p.add_argument("--skip-empty", action="store_true", help="skip empty documents (counted) instead of refusing them")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(func=_run_prepare)
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    from moeflow.train.data import BPETokenizer, ByteTokenizer, load_tokenizer
+    from moeflow.train.sources import documents
+    from moeflow.train.tokens import prepare
+
+    if not 0 <= args.val_fraction < 1:
+        raise UsageError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    for source in args.sources:
+        if not source.startswith("hf:") and not Path(source).exists():
+            raise UsageError(f"{source}: no such file or folder")
+    if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        raise UsageError(f"--out {args.out}: exists and is not an empty folder (prepare into a new one)")
+    docs = documents(args.sources, text_field=args.text_field, skip_empty=args.skip_empty)
+    if args.tokenizer == "byte":
+        tok = ByteTokenizer(encoding="utf-8", eod=True)
+    elif args.tokenizer == "bpe":
+        tok = BPETokenizer.train((d.text for d in docs), args.bpe_vocab, eod=True)  # streamed
+    else:
+        tok = load_tokenizer(args.tokenizer)
+    bar = None
+    if args.progress and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(unit=" tok", unit_scale=True, desc="tokenizing", file=sys.stderr)
+    seen = [0]
+
+    def progress(n_docs: int, n_tokens: int) -> None:
+        if bar is not None:
+            bar.update(n_tokens - seen[0])
+            bar.set_postfix(documents=n_docs)
+        seen[0] = n_tokens
+
+    t0 = time.perf_counter()
+    index = prepare(docs, tok, args.out, val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
+                    shard_tokens=args.shard_tokens, progress=progress)
+    seconds = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    total = sum(v["tokens"] for v in index["splits"].values())
+    for name, split in index["splits"].items():
+        print(f"{name}: {split['documents']:,} documents, {split['tokens']:,} tokens, {len(split['shards'])} shard(s)")
+    if index["skipped_empty"]:
+        print(f"skipped {index['skipped_empty']:,} empty documents (--skip-empty)")
+    print(f"{total:,} tokens ({index['dtype']}, vocabulary {tok.vocab_size:,}) in {seconds:.1f} s "
+          f"({total / max(seconds, 1e-9):,.0f} tokens/s) -> {args.out}")
+    return 0

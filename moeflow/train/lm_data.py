@@ -1,0 +1,165 @@
+"""A training run's own data (``LMTrainConfig.data``): its tokenizer, token datasets and
+samplers, on every rank alike.
+
+- A source that is a prepared corpus (``moeflow prepare-data``: a folder with ``index.json``) is
+  opened as it is and brings its tokenizer.
+- Raw sources (files, folders, ``hf:NAME``) are tokenized once, each into
+  ``out_dir/data/<key>`` (``moeflow.train.tokens.prepare``, by rank 0, in worker processes;
+  the other ranks wait and then open it), where ``key`` hashes the source's files (paths, sizes,
+  modification times), the text field, the tokenizer and the validation fraction: a restarted or
+  resumed run finds its data prepared, and changed files get a new preparation (which the
+  checkpoint's data fingerprint then refuses to resume on).
+- The tokenizer: a prepared source's (every prepared source must agree); else ``byte`` (UTF-8
+  bytes and an end-of-document token), ``bpe`` (trained on the training documents by rank 0),
+  or a ``tokenizer.json`` / model directory (``load_tokenizer``); with ``init_from``, the
+  checkpoint's.
+- Validation: ``val_data`` (prepared or raw sources, all their documents), else every source's
+  validation split (raw sources: ``val_fraction`` of their documents, by document).
+
+Every rank memory-maps the same prepared files and reads only its own rows of each batch
+(``TokenSampler``), ``mmap_window`` bytes of a shard at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position, sync
+from moeflow.train.data import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_dict
+from moeflow.train.lm_checkpoint import on_rank0
+from moeflow.train.lm_config import LMTrainConfig, source_weight
+from moeflow.train.sources import DataError, documents, source_files
+from moeflow.train.tokens import INDEX, TokenDataset, TokenSampler, prepare
+
+__all__ = ["RunData", "open_run_data", "is_prepared"]
+
+
+@dataclass
+class RunData:
+    tokenizer: Tokenizer
+    train: TokenSampler
+    val: TokenSampler
+    fingerprint: dict
+    notes: list[str] = field(default_factory=list)  # what rank 0 reports (preparations, skipped documents)
+
+
+def is_prepared(source: str) -> bool:
+    """A folder ``moeflow prepare-data`` wrote (it holds ``index.json``)."""
+    return not source.startswith("hf:") and (Path(source) / INDEX).is_file()
+
+
+def _files_key(source: str) -> list:
+    if source.startswith("hf:"):
+        return [source]
+    out = []
+    for f in source_files(source):
+        st = f.stat() if f.is_file() else None
+        out.append([str(f.resolve()), st.st_size if st else None, st.st_mtime_ns if st else None])
+    return out
+
+
+def _tokenizer(cfg: LMTrainConfig, prepared: list[str], raw: list[str], group: ProcessGroup | None) -> Tokenizer:
+    if cfg.init_from is not None:
+        saved = cfg.init_extra().get("tokenizer")  # type: ignore[union-attr]
+        return ByteTokenizer() if saved is None else tokenizer_from_dict(saved)
+    if prepared:
+        descs = {json.dumps(TokenDataset(p, _first_split(p), verify=False).tokenizer, sort_keys=True): p
+                 for p in prepared}
+        if len(descs) > 1:
+            raise DataError(f"the prepared sources {sorted(descs.values())} were tokenized with different tokenizers")
+        if cfg.tokenizer != "byte":
+            raise DataError(f"tokenizer={cfg.tokenizer!r}: the prepared sources bring their own tokenizer (the one "
+                            f"they were tokenized with); prepare them with {cfg.tokenizer!r} instead")
+        return tokenizer_from_dict(json.loads(next(iter(descs))))
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer(encoding="utf-8", eod=True)
+    if cfg.tokenizer == "bpe":
+        rank, _ = process_position(group)
+        # trained once, on rank 0, and shared, so every rank encodes with the very same merges
+        desc = None
+        if rank == 0:
+            texts = (d.text for d in documents(raw, text_field=cfg.text_field, skip_empty=cfg.skip_empty))
+            desc = BPETokenizer.train(texts, cfg.bpe_vocab, eod=True).to_dict()  # streamed
+        return tokenizer_from_dict(gather_objects(desc, group)[0])  # type: ignore[arg-type]
+    return load_tokenizer(cfg.tokenizer)
+
+
+def _first_split(path: str) -> str:
+    index = json.loads((Path(path) / INDEX).read_text())
+    return "train" if "train" in index.get("splits", {}) else next(iter(index.get("splits", {"train": 0})))
+
+
+def _prepared_dir(cfg: LMTrainConfig, source: str, tok: Tokenizer, val_fraction: float,
+                  group: ProcessGroup | None, notes: list[str]) -> str:
+    """``source`` itself when prepared, else its preparation under ``out_dir/data`` (made by
+    rank 0 when missing)."""
+    if is_prepared(source):
+        return source
+    key = hashlib.sha256(json.dumps({"files": _files_key(source), "text_field": cfg.text_field,
+                                     "skip_empty": cfg.skip_empty, "tokenizer": tok.to_dict(),
+                                     "val_fraction": val_fraction, "seed": cfg.seed}, sort_keys=True).encode()
+                         ).hexdigest()[:16]
+    target = cfg.out_dir / "data" / key
+
+    def make() -> str | None:
+        if (target / INDEX).is_file():
+            return None
+        if target.exists():  # an unfinished preparation (killed): start it again
+            import shutil
+
+            shutil.rmtree(target)
+        docs = documents([source], text_field=cfg.text_field, skip_empty=cfg.skip_empty)
+        index = prepare(docs, tok, target, val_fraction=val_fraction, seed=cfg.seed)
+        counts = {k: (v["documents"], v["tokens"]) for k, v in index["splits"].items()}
+        skipped = f", {index['skipped_empty']} empty documents skipped" if index["skipped_empty"] else ""
+        return (f"data: {source} -> {target}: " + ", ".join(f"{k} {d} documents / {t} tokens"
+                                                            for k, (d, t) in counts.items()) + skipped)
+
+    note = on_rank0(make, group)
+    if note:
+        notes.append(note)
+    sync(group)
+    return str(target)
+
+
+def open_run_data(cfg: LMTrainConfig, group: ProcessGroup | None) -> RunData:
+    """The run's tokenizer, train and validation samplers (module docstring). Every rank of
+    ``group`` calls it. Bad data raises ``DataError`` (a ``ValueError``) naming the file."""
+    train_sources = [source_weight(s) for s in cfg.data]
+    val_sources = [source_weight(s) for s in cfg.val_data]
+    every = [s for s, _ in train_sources + val_sources]
+    prepared = [s for s in every if is_prepared(s)]
+    raw = [s for s, _ in train_sources if not is_prepared(s)]
+    for s in every:
+        if not s.startswith("hf:") and not Path(s).exists():
+            raise DataError(f"{s}: no such file or folder")
+    tok = _tokenizer(cfg, prepared, raw, group)
+    notes: list[str] = []
+    split_val = 0.0 if cfg.val_data else cfg.val_fraction
+    desc = tok.to_dict()
+
+    def opened(source: str, split: str, val_fraction: float) -> TokenDataset:
+        path = _prepared_dir(cfg, source, tok, val_fraction, group, notes)
+        return TokenDataset(path, split, window_bytes=cfg.mmap_window, tokenizer=desc)
+
+    train_ds = [opened(s, "train", split_val) for s, _ in train_sources]
+    if cfg.val_data:
+        val_ds = [opened(s, "train", 0.0) for s, _ in val_sources]
+        val_w = [w for _, w in val_sources]
+    else:
+        val_ds, val_w = [], []
+        for (s, w), ds in zip(train_sources, train_ds):
+            if "val" not in ds.index.get("splits", {"val": None}):
+                if is_prepared(s):
+                    raise DataError(f"{s}: prepared without a validation split; prepare it with --val-fraction, or "
+                                    "give --val-data")
+                raise DataError(f"{s}: val_fraction={cfg.val_fraction} held out none of its {ds.num_documents} "
+                                "documents; give --val-data, or a larger --val-fraction")
+            val_ds.append(TokenDataset(ds.path, "val", window_bytes=cfg.mmap_window, tokenizer=desc))
+            val_w.append(w)
+    train = TokenSampler(train_ds, [w for _, w in train_sources], cfg.seq_len, cfg.seed)
+    val = TokenSampler(val_ds, val_w, cfg.seq_len, cfg.seed + 1)
+    return RunData(tok, train, val, {"train": train.fingerprint, "val": val.fingerprint}, notes)

@@ -1,0 +1,602 @@
+"""Training on one's own data (``moeflow.train.sources``, ``moeflow.train.tokens``,
+``moeflow.train.lm_data``, ``moeflow prepare-data``, ``moeflow train --data``): every kind of
+source reads as documents and trains; bad data is refused naming the file (and line);
+prepared shards hold every document with its end-of-document token and are refused when
+damaged or tokenized otherwise; batches depend on the step alone (any world size, prefetched
+or not), so a run resumed on 2 gloo ranks, or on another world size, continues with the very
+batches of an uninterrupted run; tokenizers of one's own (a ``tokenizer.json``) train, generate
+and export."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moeflow.checkpoint import read_index
+from moeflow.cli.main import main
+from moeflow.train import LMTrainConfig, train_lm
+from moeflow.train.data import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_dict
+from moeflow.train.sources import DataError, documents
+from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler, prepare, split_of
+
+from helpers import run_until_checkpoint, spawn_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --------------------------------------------------------------------------- corpora the tests make
+
+
+def structured_docs(n: int, seed: int = 0) -> list[str]:
+    """Documents with structure a small model learns fast (counting, repeated phrases), and
+    a little non-ASCII text so UTF-8 matters: nothing like Shakespeare."""
+    rng = np.random.default_rng(seed)
+    names = ["ada", "bob", "cyd", "dee", "éva", "fen"]
+    docs = []
+    for i in range(n):
+        a = int(rng.integers(0, 50))
+        name = names[int(rng.integers(0, len(names)))]
+        count = " ".join(str(a + j) for j in range(6))
+        docs.append(f"{name} counts: {count}. {name} says done.\nitem {i}: {name} -> {a}\n")
+    return docs
+
+
+def write_source(kind: str, root: Path, docs: list[str]) -> Path:
+    """``docs`` as a source of ``kind`` under ``root``; returns the source's path."""
+    root.mkdir(parents=True, exist_ok=True)
+    if kind == "txt":
+        path = root / "book.txt"
+        path.write_text(docs[0], encoding="utf-8")
+    elif kind == "folder":
+        path = root / "texts"
+        (path / "nested").mkdir(parents=True)
+        (path / ".hidden").mkdir()
+        (path / ".hidden" / "skip.txt").write_text("never read", encoding="utf-8")
+        (path / "notes.bin").write_bytes(b"\xff\xfe not a data file")
+        for i, doc in enumerate(docs):
+            (path / ("nested" if i % 2 else ".") / f"doc{i:03d}.txt").write_text(doc, encoding="utf-8")
+    elif kind == "jsonl":
+        path = root / "docs.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)), encoding="utf-8")
+    elif kind == "json":
+        path = root / "docs.json"
+        path.write_text(json.dumps({"rows": [{"body": d} for d in docs]}), encoding="utf-8")
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = root / "docs.parquet"
+        pq.write_table(pa.table({"id": list(range(len(docs))), "body": docs}), path, row_group_size=7)
+    elif kind == "datasets":
+        import datasets
+
+        path = root / "saved"
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs})}).save_to_disk(str(path))
+    else:
+        raise AssertionError(kind)
+    return path
+
+
+KINDS = ("txt", "folder", "jsonl", "json", "parquet", "datasets")
+
+
+def _expected(kind: str, docs: list[str]) -> list[str]:
+    if kind == "txt":
+        return docs[:1]
+    if kind == "folder":  # sorted by path: the top-level files, then nested/
+        return [d for i, d in enumerate(docs) if i % 2 == 0] + [d for i, d in enumerate(docs) if i % 2]
+    return docs
+
+
+# --------------------------------------------------------------------------- sources (no model)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_source_reads_its_documents_in_order(tmp_path, kind: str) -> None:
+    docs = structured_docs(12)
+    source = write_source(kind, tmp_path, docs)
+    got = documents([source], text_field="body")
+    assert [d.text for d in got] == _expected(kind, docs)
+    assert got.skipped == 0 and got.files  # the files it read, for the log and the index
+
+
+@pytest.mark.unit
+def test_a_dataset_name_from_the_local_cache_reads_offline(tmp_path) -> None:
+    """``hf:NAME`` resolves a dataset from the local ``datasets`` cache without the network. The
+    cache is made here the way ``load_dataset`` leaves one (a prepared dataset under
+    ``NAME___`` in ``HF_DATASETS_CACHE``), then read by a fresh process in offline mode."""
+    docs = structured_docs(5)
+    home = tmp_path / "hf"
+    script = f"""
+import json, os, pathlib, shutil, sys
+os.environ["HF_HOME"] = {str(home)!r}
+import datasets
+rows = pathlib.Path({str(tmp_path)!r}) / "rows.jsonl"
+rows.write_text("".join(json.dumps({{"text": d}}) + "\\n" for d in {docs!r}))
+datasets.load_dataset("json", data_files={{"train": str(rows)}})
+cache = pathlib.Path(datasets.config.HF_DATASETS_CACHE)
+built = next((cache / "json").glob("default-*/0.0.0/*"))
+named = cache / "someone___tiny" / "default" / "0.0.0" / built.name
+shutil.copytree(built, named)
+(named / "json-train.arrow").rename(named / "tiny-train.arrow")
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=120)
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = tmp_path / "prep"
+    proc = subprocess.run([sys.executable, "-m", "moeflow", "prepare-data", "hf:someone/tiny", "--out", str(out),
+                           "--workers", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ds = TokenDataset(out)
+    assert ds.num_documents == 5 and ds.index["sources"] == ["hf:someone/tiny"]
+    assert ByteTokenizer(encoding="utf-8").decode(ds.read(0, ds.num_tokens).tolist()) == "".join(docs)
+    proc = subprocess.run([sys.executable, "-m", "moeflow", "prepare-data", "hf:someone/absent", "--out",
+                           str(tmp_path / "none")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "hf:someone/absent: not in the local datasets cache" in proc.stderr, proc.stderr
+
+
+def _bad(tmp_path: Path, name: str, content: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("name", "content", "match"),
+    [
+        ("empty.txt", b"", r"empty\.txt: the file is empty"),
+        ("empty.jsonl", b"", r"empty\.jsonl: the file is empty"),
+        ("latin.txt", "caf\xe9 au lait".encode("latin-1"), r"latin\.txt: invalid UTF-8 at byte 3"),
+        ("docs.jsonl", b'{"text": "a"}\n{"txt": "b"}\n', r"docs\.jsonl:2: no 'text' field \(fields: txt"),
+        ("docs.jsonl", b'{"text": "a"}\n\n{"text": "b"\n', r"docs\.jsonl:3: not JSON"),
+        ("docs.jsonl", b'{"text": "a"}\n{"text": 7}\n', r"docs\.jsonl:2: the 'text' field is int, not text"),
+        ("docs.jsonl", b'{"text": "a"}\n{"text": "\xff"}\n', r"docs\.jsonl:2: invalid UTF-8"),
+        ("docs.jsonl", b'{"text": "a"}\n{"text": ""}\n', r"docs\.jsonl:2: an empty document \(ask to skip empty"),
+        ("docs.json", b'{"a": 1, "b": 2}', r"docs\.json: expected a list of objects"),
+        ("docs.json", b"[]", r"docs\.json: an empty list of documents"),
+        ("broken.parquet", b"PAR1 not really", r"broken\.parquet: not a readable Parquet file"),
+    ],
+)
+def test_bad_data_is_refused_naming_the_file_and_line(tmp_path, name: str, content: bytes, match: str) -> None:
+    path = _bad(tmp_path, name, content)
+    with pytest.raises(DataError, match=match):
+        list(documents([path]))
+
+
+@pytest.mark.unit
+def test_bad_folders_columns_and_skipped_documents(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "x.bin").write_bytes(b"1")
+    with pytest.raises(DataError, match=r"empty: a folder without data files"):
+        list(documents([tmp_path / "empty"]))
+    with pytest.raises(DataError, match=r"absent: no such file or folder"):
+        list(documents([tmp_path / "absent"]))
+    pq_path = write_source("parquet", tmp_path / "pq", ["one", "two"])
+    with pytest.raises(DataError, match=r"docs\.parquet: no 'text' column \(columns: id, body"):
+        list(documents([pq_path]))
+    # empty documents: refused, or skipped when asked and then counted
+    jsonl = _bad(tmp_path, "gaps.jsonl", b'{"text": "a"}\n{"text": ""}\n{"text": "b"}\n{"text": ""}\n')
+    docs = documents([jsonl], skip_empty=True)
+    assert [d.text for d in docs] == ["a", "b"] and docs.skipped == 2
+    with pytest.raises(ValueError, match="text_field must be a non-empty string"):
+        documents([jsonl], text_field="")
+
+
+# --------------------------------------------------------------------------- prepared shards
+
+
+class _WideTokenizer(Tokenizer):
+    """A vocabulary wider than uint16 (ids past 65535), to check the shard dtype."""
+
+    vocab_size = 70_000
+    eod = 69_999
+
+    def encode(self, text: str) -> list[int]:
+        return [60_000 + (b % 9000) for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict:
+        return {"kind": "wide-test"}
+
+
+@pytest.mark.unit
+def test_prepare_writes_every_document_with_its_end_token_the_same_on_any_number_of_workers(tmp_path) -> None:
+    docs = structured_docs(300)
+    src = write_source("jsonl", tmp_path / "src", docs)
+    tok = ByteTokenizer(encoding="utf-8", eod=True)
+    one = prepare(documents([src], text_field="body"), tok, tmp_path / "one", val_fraction=0.2, seed=3, workers=1,
+                  shard_tokens=4000)
+    two = prepare(documents([src], text_field="body"), tok, tmp_path / "two", val_fraction=0.2, seed=3, workers=2,
+                  shard_tokens=4000)
+    assert one["splits"] == two["splits"] and one["dtype"] == "uint16" and one["eod"] == 256
+    for name in ("train", "val"):
+        files = [s["file"] for s in one["splits"][name]["shards"]]
+        assert [(tmp_path / "one" / f).read_bytes() for f in files] == [(tmp_path / "two" / f).read_bytes() for f in files]
+    assert len(one["splits"]["train"]["shards"]) > 3  # several shards: reads cross their ends
+    # the validation documents are the hashed choice, by document index, and all are there once
+    want = {"train": [d for i, d in enumerate(docs) if split_of(i, 3, 0.2) == "train"],
+            "val": [d for i, d in enumerate(docs) if split_of(i, 3, 0.2) == "val"]}
+    assert 30 < len(want["val"]) < 90
+    for name, texts in want.items():
+        ds = TokenDataset(tmp_path / "one", name)
+        ids = ds.read(0, ds.num_tokens)
+        ends = np.load(tmp_path / "one" / one["splits"][name]["doc_ends"])
+        assert ds.num_documents == len(texts) == len(ends) and ends[-1] == ds.num_tokens
+        assert (ids[ends - 1] == 256).all() and (ids == 256).sum() == len(texts)  # one end token per document
+        pieces = np.split(ids, ends[:-1])
+        assert [tok.decode(p.tolist()) for p in pieces] == texts
+    # a vocabulary past uint16 gets uint32 shards
+    wide = prepare(documents([src], text_field="body"), _WideTokenizer(), tmp_path / "wide", workers=1)
+    ds = TokenDataset(tmp_path / "wide")
+    assert wide["dtype"] == "uint32" and ds.read(0, 3).tolist() == _WideTokenizer().encode(docs[0][:3])
+    assert ds.read(len(docs[0].encode()), 1).tolist() == [69_999]
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        prepare(documents([src], text_field="body"), tok, tmp_path / "one")
+
+
+@pytest.mark.unit
+def test_reads_through_small_windows_equal_the_whole_corpus(tmp_path) -> None:
+    """Random reads, across shard ends, through windows far smaller than the shards, are the
+    corpus' tokens; each shard holds one window mapped at a time."""
+    src = write_source("jsonl", tmp_path / "src", structured_docs(400, seed=1))
+    prepare(documents([src], text_field="body"), ByteTokenizer(encoding="utf-8", eod=True), tmp_path / "p",
+            workers=1, shard_tokens=9000)
+    whole = TokenDataset(tmp_path / "p", window_bytes=1 << 30)
+    ref = whole.read(0, whole.num_tokens)
+    small = TokenDataset(tmp_path / "p", window_bytes=1)  # rounded up to the mmap granularity
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        length = int(rng.integers(1, 300))
+        start = int(rng.integers(0, whole.num_tokens - length))
+        np.testing.assert_array_equal(small.read(start, length), ref[start : start + length])
+    for w in small._windows:
+        assert w._map is None or w._end - w._start <= max(w.window, 600)
+    with pytest.raises(IndexError, match="outside"):
+        small.read(whole.num_tokens - 2, 5)
+
+
+@pytest.mark.unit
+def test_damaged_or_mismatched_shards_are_refused_by_file(tmp_path) -> None:
+    src = write_source("jsonl", tmp_path / "src", structured_docs(50))
+    prepare(documents([src], text_field="body"), ByteTokenizer(encoding="utf-8", eod=True), tmp_path / "p", workers=1)
+    shard = tmp_path / "p" / "train-00000.bin"
+    TokenDataset(tmp_path / "p")  # intact
+    with pytest.raises(DataError, match="no 'val' split"):
+        TokenDataset(tmp_path / "p", "val")
+    # another tokenizer than the shards'
+    with pytest.raises(DataError, match=r"p: the shards were tokenized with a byte tokenizer, not a bpe tokenizer"):
+        TokenDataset(tmp_path / "p", tokenizer={"kind": "bpe", "json": "{}"})
+    with pytest.raises(DataError, match="not a byte tokenizer|tokenized with"):
+        TokenDataset(tmp_path / "p", tokenizer=ByteTokenizer().to_dict())
+    # one changed byte: the checksum fails
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"train-00000\.bin: checksum mismatch"):
+        TokenDataset(tmp_path / "p")
+    shard.write_bytes(bytes(data[:-2]))
+    with pytest.raises(DataError, match=r"train-00000\.bin: \d+ bytes, the index says \d+ tokens"):
+        TokenDataset(tmp_path / "p")
+    shard.unlink()
+    with pytest.raises(DataError, match=r"train-00000\.bin: missing"):
+        TokenDataset(tmp_path / "p")
+    (tmp_path / "p" / "index.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"index\.json: not JSON"):
+        TokenDataset(tmp_path / "p")
+    (tmp_path / "p" / "index.json").unlink()  # an unfinished preparation
+    with pytest.raises(DataError, match="no index.json"):
+        TokenDataset(tmp_path / "p")
+    # a failed preparation leaves nothing behind (the next one starts clean)
+    bad = _bad(tmp_path, "bad.jsonl", b'{"text": "a"}\n{"nope": 1}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2"):
+        prepare(documents([bad]), ByteTokenizer(encoding="utf-8", eod=True), tmp_path / "q", workers=2)
+    assert not (tmp_path / "q").exists()
+
+
+# --------------------------------------------------------------------------- sampling by step
+
+
+def _datasets(tmp_path: Path) -> list[TokenDataset]:
+    out = []
+    for i, n in enumerate((120, 40)):
+        src = write_source("jsonl", tmp_path / f"src{i}", structured_docs(n, seed=i))
+        prepare(documents([src], text_field="body"), ByteTokenizer(encoding="utf-8", eod=True), tmp_path / f"p{i}",
+                workers=1, shard_tokens=2048)
+        out.append(TokenDataset(tmp_path / f"p{i}", window_bytes=1))
+    return out
+
+
+@pytest.mark.unit
+def test_batches_depend_on_the_step_alone_on_any_world_size_and_prefetched(tmp_path) -> None:
+    sets = _datasets(tmp_path)
+    sampler = TokenSampler(sets, [3.0, 1.0], seq_len=16, seed=5)
+    for step in (0, 1, 7):
+        x, y = sampler.batch(step, 8)
+        assert x.shape == (8, 16) and x.dtype == torch.long and torch.equal(x[:, 1:], y[:, :-1])
+        for world in (2, 4):  # each rank reads its own rows; together they are the global batch
+            parts = [sampler.batch(step, 8, rank=r, world=world) for r in range(world)]
+            assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+    assert not torch.equal(sampler.batch(0, 8)[0], sampler.batch(1, 8)[0])
+    # the mix follows the weights (3:1), over many steps
+    picks = torch.cat([sampler.starts(s, 8)[0] for s in range(400)])
+    assert 0.70 < (picks == 0).double().mean().item() < 0.80
+    # every window is a stretch of its source's tokens
+    source, start = sampler.starts(3, 8)
+    x, _ = sampler.batch(3, 8)
+    for row, (s, t) in enumerate(zip(source.tolist(), start.tolist())):
+        assert x[row].tolist() == sets[s].read(t, 16).tolist()
+    # prefetched: the same batches, in order or not
+    pre = Prefetcher(TokenSampler(sets, [3.0, 1.0], seq_len=16, seed=5))
+    for step in (0, 1, 2, 5, 6, 2):
+        got, want = pre.batch(step, 8, rank=1, world=2), sampler.batch(step, 8, rank=1, world=2)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    pre.close()
+    with pytest.raises(ValueError, match="batch_size=6 must be divisible by the number of ranks 4"):
+        sampler.batch(0, 6, world=4)
+    with pytest.raises(DataError, match=r"p0 \(train\): \d+ tokens, fewer than one sequence of seq_len\+1 = 100001"):
+        TokenSampler(sets, None, seq_len=100_000, seed=0)
+    with pytest.raises(ValueError, match="weights must be one positive number per dataset"):
+        TokenSampler(sets, [1.0, 0.0], seq_len=16, seed=0)
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def _hf_tokenizer_dir(tmp_path: Path, docs: list[str]) -> Path:
+    """A model directory holding a word-piece-free BPE ``tokenizer.json`` trained here and a
+    ``tokenizer_config.json`` naming its end-of-sequence token ``</s>``."""
+    from tokenizers import Tokenizer as Raw, models, pre_tokenizers, trainers, decoders
+
+    tok = Raw(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      show_progress=False))
+    out = tmp_path / "my-tokenizer"
+    out.mkdir()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return out
+
+
+@pytest.mark.unit
+def test_a_tokenizer_json_brings_its_end_of_sequence_token(tmp_path) -> None:
+    model_dir = _hf_tokenizer_dir(tmp_path, structured_docs(50))
+    tok = load_tokenizer(model_dir)
+    assert tok.eod == tok._tok.token_to_id("</s>") == 2 and tok.vocab_size <= 400
+    text = structured_docs(1, seed=9)[0]
+    assert tok.decode(tok.encode(text)) == text
+    again = tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
+    assert again.encode(text) == tok.encode(text) and again.eod == 2 and again.to_dict()["kind"] == "hf"
+    # the file alone: the usual end-of-sequence names are looked for
+    assert load_tokenizer(model_dir / "tokenizer.json").eod == 2
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(ValueError, match=r"tokenizer\.json: no end-of-sequence token \('<\|im_end\|>'"):
+        load_tokenizer(model_dir)
+    with pytest.raises(ValueError, match=r"nothing\.json: no such tokenizer file"):
+        load_tokenizer(tmp_path / "nothing.json")
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"junk\.json: not a tokenizers JSON"):
+        load_tokenizer(tmp_path / "junk.json")
+
+
+@pytest.mark.unit
+def test_the_utf8_byte_tokenizer_exports_to_an_equal_hugging_face_tokenizer() -> None:
+    """Every byte id maps to its own token and back; UTF-8 text of every lead and continuation
+    byte encodes to the same ids in the exported ``tokenizer.json`` as in moeflow; the
+    end-of-document token is its eos."""
+    from tokenizers import Tokenizer as Raw
+
+    from moeflow.convert.hf_files import tokenizer_files
+
+    ours = ByteTokenizer(encoding="utf-8", eod=True)
+    files = tokenizer_files(ours.to_dict(), 257, 128)
+    hf = Raw.from_str(files["tokenizer.json"])
+    assert hf.get_vocab_size() == 257 and json.loads(files["tokenizer_config.json"])["eos_token"] == "<|endoftext|>"
+    assert hf.token_to_id("<|endoftext|>") == 256
+    assert len({hf.id_to_token(i) for i in range(256)}) == 256
+    # code points at a stride that reaches every lead and continuation byte of valid UTF-8
+    text = "".join(chr(c) for c in [*range(1, 0x800), *range(0x800, 0x110000, 61)] if not 0xD800 <= c < 0xE000)
+    assert set(text.encode("utf-8")) == set(range(1, 0xC0)) | set(range(0xC2, 0xF5))
+    assert hf.encode(text).ids == ours.encode(text)
+    assert hf.decode(ours.encode(text)) == text == ours.decode(ours.encode(text) + [256])
+
+
+# --------------------------------------------------------------------------- the config
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("fields", "error", "match"),
+    [
+        (dict(data="corpus.txt"), TypeError, r"data must be a list of sources \(paths, hf:NAME\), got 'corpus.txt'"),
+        (dict(val_data=("v.txt",)), ValueError, r"val_data=\['v.txt'\] goes with data"),
+        (dict(data=("a.txt@x",)), ValueError, r"data source 'a.txt@x': the weight after '@' must be a number"),
+        (dict(data=("a.txt@-1",)), ValueError, r"data source 'a.txt@-1': the weight must be a positive finite"),
+        (dict(data=("a.txt",), val_fraction=1.0), ValueError, r"val_fraction must be in \[0, 1\), got 1.0"),
+        (dict(data=("a.txt",), mmap_window=10), ValueError, "mmap_window"),
+        (dict(data=("a.txt",), text_field=""), ValueError, "text_field must be a non-empty string"),
+        (dict(tokenizer="tok.json"), ValueError, r"a tokenizer\.json goes with data\), got 'tok.json'"),
+    ],
+)
+def test_data_settings_are_validated(tmp_path, fields: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        LMTrainConfig(out_dir=tmp_path, **fields)
+
+
+# --------------------------------------------------------------------------- training on it
+
+
+def _run_cfg(out: Path, **kw) -> LMTrainConfig:
+    base = dict(out_dir=out, steps=2, batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1,
+                progress=False, plot=False, n_layers=1, dim=32, n_heads=2, expert_hidden=32,
+                text_field="body", val_fraction=0.25)
+    return LMTrainConfig(**{**base, **kw})
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "txt"] + ["prepared", "mixed"])
+def test_each_kind_of_source_trains(tmp_path, kind: str) -> None:
+    torch.set_num_threads(2)
+    docs = structured_docs(40)
+    if kind == "prepared":
+        src = write_source("jsonl", tmp_path / "src", docs)
+        assert main(["prepare-data", str(src), "--text-field", "body", "--out", str(tmp_path / "prep"),
+                     "--val-fraction", "0.25", "--workers", "2", "--no-progress"]) == 0
+        data = (str(tmp_path / "prep"),)
+    elif kind == "mixed":  # two sources, one three times as likely, and held-out files of a third
+        data = (f"{write_source('jsonl', tmp_path / 'a', docs)}@3", str(write_source("parquet", tmp_path / "b", docs)))
+    else:
+        data = (str(write_source(kind, tmp_path / "src", docs)),)
+    val = (str(write_source("json", tmp_path / "val", structured_docs(8, seed=7))),) if kind == "mixed" else ()
+    hist = train_lm(_run_cfg(tmp_path / "run", data=data, val_data=val))
+    assert len(hist["train_loss"]) == 2 and all(np.isfinite(hist["train_loss"])) and np.isfinite(hist["val"][0][1])
+    extra = read_index(hist["checkpoint"])["extra"]
+    assert extra["tokenizer"] == {"kind": "byte", "encoding": "utf-8", "eod": 256}
+    assert extra["model"]["vocab_size"] == 257 and set(extra["data"]) == {"train", "val"}
+    assert 0 <= hist["data_share"] < 1 and hist["data_wait_s"] >= 0
+    if kind not in ("prepared",):  # raw sources were prepared once, into the run directory
+        assert len(list((tmp_path / "run" / "data").glob("*/index.json"))) == len(data) + len(val)
+
+
+@pytest.mark.e2e
+def test_loss_falls_on_a_corpus_that_is_not_shakespeare_and_the_model_generates_it(tmp_path, capsys) -> None:
+    torch.set_num_threads(2)
+    src = write_source("folder", tmp_path / "src", structured_docs(400))
+    out = tmp_path / "run"
+    assert main(["train", "--device", "cpu", "--data", str(src), "--out", str(out), "--steps", "60",
+                 "--batch-size", "16", "--seq-len", "64", "--warmup", "5", "--eval-every", "30", "--eval-batches", "4",
+                 "--no-progress", "--no-plot", "--sample-tokens", "0", "--dim", "64", "--layers", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "-> " in printed and "train 3" in printed  # the preparation's note: documents and tokens per split
+    hist = json.loads((out / "history.json").read_text())
+    before, after = hist["val"][0][1], hist["val"][-1][1]
+    assert before > 5.0 and after < 2.5, hist["val"]  # uniform over 257 tokens is 5.55; this text is learnable
+    # generate reads the run's tokenizer (UTF-8 bytes) and continues the corpus' pattern
+    assert main(["generate", str(out), "--max-new-tokens", "12", "--prompt", "éva counts:", "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("éva counts:") and len(text) > len("éva counts:")
+
+
+@pytest.mark.e2e
+def test_a_tokenizer_json_trains_generates_and_exports(tmp_path, capsys) -> None:
+    torch.set_num_threads(2)
+    docs = structured_docs(60)
+    model_dir = _hf_tokenizer_dir(tmp_path, docs)
+    src = write_source("jsonl", tmp_path / "src", docs)
+    out = tmp_path / "run"
+    hist = train_lm(_run_cfg(out, data=(str(src),), tokenizer=str(model_dir)))
+    saved = read_index(hist["checkpoint"])["extra"]["tokenizer"]
+    assert saved["kind"] == "hf" and saved["eod"] == 2
+    capsys.readouterr()
+    assert main(["generate", str(out), "--max-new-tokens", "4", "--prompt", "ada counts"]) == 0
+    assert capsys.readouterr().out.startswith("ada counts")
+    assert main(["convert", str(out), "--to-hf", str(tmp_path / "hf")]) == 0
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf.eos_token == "</s>" and hf.encode(docs[3]) == load_tokenizer(model_dir).encode(docs[3])
+    # shards of another tokenizer are refused by the run, naming them
+    assert main(["prepare-data", str(src), "--text-field", "body", "--out", str(tmp_path / "bytes"),
+                 "--val-fraction", "0.3", "--no-progress"]) == 0
+    with pytest.raises(DataError, match="bring their own tokenizer"):
+        train_lm(_run_cfg(tmp_path / "other", data=(str(tmp_path / "bytes"),), tokenizer=str(model_dir)))
+
+
+@pytest.mark.e2e
+def test_bad_data_stops_the_run_before_training_naming_the_file(tmp_path, capsys) -> None:
+    torch.set_num_threads(2)
+    short = _bad(tmp_path, "short.jsonl", b'{"body": "tiny"}\n{"body": "also tiny"}\n')
+    with pytest.raises(DataError, match=r"fewer than one sequence of seq_len\+1 = 33"):
+        train_lm(_run_cfg(tmp_path / "a", data=(str(short),), val_fraction=0.0, val_data=(str(short),)))
+    missing = _bad(tmp_path, "gap.jsonl", b'{"body": "a"}\n{"text": "b"}\n')
+    assert main(["train", "--device", "cpu", "--data", str(missing), "--text-field", "body", "--out",
+                 str(tmp_path / "b"), "--steps", "1", "--no-progress", "--no-plot"]) == 2
+    assert "gap.jsonl:2: no 'body' field" in capsys.readouterr().err
+    assert main(["train", "--device", "cpu", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c"),
+                 "--steps", "1"]) == 2
+    assert "--data " + str(tmp_path / "nowhere") + ": no such file or folder" in capsys.readouterr().err
+    one = write_source("txt", tmp_path / "one", structured_docs(1) * 30)
+    with pytest.raises(DataError, match=r"val_fraction=0.25 held out none of its 1 documents; give --val-data"):
+        train_lm(_run_cfg(tmp_path / "d", data=(str(one),)))
+
+
+@pytest.mark.e2e
+def test_resume_refuses_data_that_changed(tmp_path) -> None:
+    torch.set_num_threads(2)
+    src = write_source("jsonl", tmp_path / "src", structured_docs(40))
+    cfg = _run_cfg(tmp_path / "run", data=(str(src),), steps=3, checkpoint_every=1)
+    train_lm(cfg)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-00000003")
+    write_source("jsonl", tmp_path / "src2", structured_docs(41))
+    shutil.copy(tmp_path / "src2" / "docs.jsonl", src)  # the same path, other documents
+    with pytest.raises(ValueError, match="data: the training or validation data differs from the data the checkpoint"):
+        train_lm(dataclasses.replace(cfg, resume=True))
+    with pytest.raises(ValueError, match="text_field"):
+        train_lm(dataclasses.replace(cfg, resume=True, text_field="text"))
+
+
+# --------------------------------------------------------------------------- ranks and resumption
+
+
+def _prepared_corpus(root: Path) -> Path:
+    out = root / "prep"
+    if not (out / "index.json").is_file():
+        src = write_source("jsonl", root / "src", structured_docs(200))
+        prepare(documents([src], text_field="body"), ByteTokenizer(encoding="utf-8", eod=True), out,
+                val_fraction=0.1, workers=1, shard_tokens=3000)
+    return out
+
+
+_RESUME = dict(steps=6, batch_size=8, seq_len=32, checkpoint_every=3, dtype="float64", load_balance_coef=0.0)
+
+
+def _case_own_data(rank: int, world: int, out: str, data: str, stop: str) -> None:
+    """6 steps on a prepared corpus in one go (``stop`` 0), or stopped right after the
+    checkpoint of step ``stop`` and resumed."""
+    cfg = _run_cfg(Path(out), data=(data,), mmap_window=1 << 16, **_RESUME)
+    if int(stop):
+        run_until_checkpoint(int(stop), lambda: train_lm(cfg))
+    train_lm(dataclasses.replace(cfg, resume=bool(int(stop))))
+
+
+CASES = {"own_data": _case_own_data}
+
+
+@pytest.mark.distributed
+def test_a_resumed_run_on_two_ranks_sees_the_batches_of_an_uninterrupted_one(tmp_path) -> None:
+    """On 2 gloo ranks in fp64: a run stopped after step 3 and resumed equals the uninterrupted
+    run bit for bit (losses and parameters); resumed on 1 process from the 2-rank checkpoint it
+    continues with the same batches (equal up to the summation order of another world size)."""
+    data = str(_prepared_corpus(tmp_path))
+    spawn_ranks(2, __name__, "own_data", str(tmp_path / "whole"), data, "0")
+    spawn_ranks(2, __name__, "own_data", str(tmp_path / "resumed"), data, "3")
+    whole, resumed = (json.loads((tmp_path / n / "history.json").read_text()) for n in ("whole", "resumed"))
+    assert whole["world_size"] == 2 and resumed["step"] == list(range(1, 7))
+    assert resumed["train_loss"] == whole["train_loss"] and resumed["val"] == whole["val"]
+    from moeflow.train import build_from_checkpoint
+
+    ma, _, _ = build_from_checkpoint(tmp_path / "whole")
+    mb, _, _ = build_from_checkpoint(tmp_path / "resumed")
+    for (n, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    # the 2-rank run's step-3 checkpoint, resumed by one process
+    shutil.copytree(tmp_path / "resumed", tmp_path / "elastic")
+    for step in (4, 5, 6):
+        shutil.rmtree(tmp_path / "elastic" / "checkpoints" / f"step-{step:08d}", ignore_errors=True)
+    one = train_lm(dataclasses.replace(_run_cfg(tmp_path / "elastic", data=(data,), mmap_window=1 << 16, **_RESUME),
+                                       resume=True))
+    assert one["world_size"] == 1
+    torch.testing.assert_close(torch.tensor(one["train_loss"]), torch.tensor(whole["train_loss"]), rtol=1e-10, atol=0)
