@@ -4,6 +4,8 @@ path, the memory it saves, and the keywords that switch it on."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ def _operands(gen, gemm, activation, dtype):
 @pytest.mark.parametrize("gemm", ["bmm", "loop", "grouped_mm"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_lean_ffn_matches_reference(activation, gemm, recompute):
-    gen = torch.Generator().manual_seed(hash((activation, gemm, recompute)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{activation}-{gemm}-{recompute}".encode()))
     dtype = torch.float32 if gemm == "grouped_mm" else torch.float64  # F.grouped_mm: no fp64 on CPU
     tol = 1e-4 if dtype == torch.float32 else 1e-11
     x, w_in, w_out, offs = _operands(gen, gemm, activation, dtype)

@@ -5,6 +5,8 @@ input rows that backward overwrites with ``dx`` keeps a second backward loud."""
 
 from __future__ import annotations
 
+import zlib
+
 import itertools
 
 import pytest
@@ -35,7 +37,7 @@ def _operands(gen, gemm, activation, dtype):
 @pytest.mark.parametrize("activation", LEAN_ACTIVATIONS)
 @pytest.mark.parametrize("gemm", ["bmm", "loop"])
 def test_chunked_recompute_equals_the_default_path_bit_for_bit_fp64(activation, gemm):
-    gen = torch.Generator().manual_seed(hash((activation, gemm)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{activation}-{gemm}".encode()))
     x, w_in, w_out, offs = _operands(gen, gemm, activation, torch.float64)
     x_before = x.detach().clone()
     grad = torch.randn(x.shape, generator=gen, dtype=torch.float64)

@@ -123,6 +123,32 @@ def test_no_grad_grouped_ffn_equals_the_experts_module_and_the_loop(gen, activat
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize("weight_at", ["combine", "dispatch"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize(("T", "K"), [(1, 2), (7, 1), (33, 3)])
+def test_no_grad_dropless_layer_equals_the_loop_reference(gen, weight_at, activation, T, K, monkeypatch) -> None:
+    """Generation, ``moeflow infer`` and the transformers drop-in under ``no_grad`` run the
+    dispatcher's no-grad dropless path; in fp64 it gives the loop reference's output for either
+    place of the router weights (at ``"dispatch"`` the expert input is scaled before a
+    nonlinear FFN, so a path that forgets the weights there, or applies them twice, is off by
+    far more than rounding), and the path is the one taken."""
+    layer = make_layer(gen, dim=12, hidden=10, num_experts=5, top_k=K, capacity_factor=0.0,
+                       dispatch=moeflow.DispatchConfig(weight_at=weight_at),
+                       experts_cfg=moeflow.ExpertsConfig(activation=activation))
+    x_TD = rand(gen, T, 12)
+    taken = []
+    real = type(layer.dispatcher).run_dropless_no_grad
+    monkeypatch.setattr(type(layer.dispatcher), "run_dropless_no_grad",
+                        lambda self, *a, **k: (taken.append(1), real(self, *a, **k))[1])
+    with torch.no_grad():
+        routing = layer.router(x_TD, top_k=K)
+        y_TD = layer(x_TD)
+        ref_TD = loop_moe(layer, x_TD, routing=(routing.weights_TK, routing.ids_TK))
+    assert taken, "the no-grad dropless path was not taken"
+    torch.testing.assert_close(y_TD, ref_TD, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.reference
 def test_no_grad_grouped_ffn_is_not_taken_where_it_would_skip_something(gen, monkeypatch) -> None:
     x_RD = rand(gen, 6, 16, dtype=torch.float32)
     assert _direct(monkeypatch, _experts_layer(gen, "swiglu").experts, x_RD)

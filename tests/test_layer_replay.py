@@ -21,11 +21,22 @@ def gpt(**kw) -> MoEGPT:
 
 @pytest.mark.reference
 def test_replay_reproduces_the_recorded_forward(gen) -> None:
-    model = gpt().double().eval()
+    """After the recording, the routers' selection biases (aux-loss-free balancing: they move
+    the choice of experts, not the weights) are scrambled, so a free forward picks other experts
+    and gives another output; under replay the forward is the recorded one, bit for bit (a
+    replay that did nothing would give the free output)."""
+    model = gpt(router=moeflow.RouterConfig(bias_update_rate=1e-3)).double().eval()
     idx = torch.randint(0, 50, (3, 16), generator=gen)
     with moeflow.record_routing(model) as tape:
         ref = model(idx)
     assert sorted(tape.calls) == ["layers.0.ffn", "layers.1.ffn"] and tape.calls["layers.0.ffn"][0].shape == (48, 2)
+    with torch.no_grad():
+        for layer in moeflow.moe_layers(model):
+            layer.router.expert_bias.copy_(torch.randn(6, generator=gen, dtype=torch.float64) * 5)
+    with moeflow.record_routing(model) as free:
+        free_out = model(idx)
+    assert all(not torch.equal(a[0], b[0]) for a, b in zip(free.calls.values(), tape.calls.values()))
+    assert not torch.allclose(free_out, ref)
     with moeflow.replay_routing(model, tape):
         again = model(idx)
     assert torch.equal(again, ref)

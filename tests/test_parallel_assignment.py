@@ -4,7 +4,10 @@ per-rank exchange plans built from it, with W ranks simulated in one process.
 Properties, on random routings (hypothesis) over capacity modes, drop policies, hidden shards
 and load-aware placements with replicas:
 
-- every rank derives the same assignment from the gathered routing;
+- (every rank computes the assignment with this function from the same all-gathered routing;
+  that real ranks agree shows in the expert-parallel layer equalling the single process on 2 and
+  4 gloo ranks, ``tests/test_parallel_dispatcher.py``: calling it W times in one process here
+  could not fail, so it is not done);
 - the kept assignments and their positions are the single-process ones on the concatenated
   batch (``assign_slots`` + capacity), and every kept row lands in a slot holding its expert
   (or its hidden slice), inside capacity, replicas cut by their shares;
@@ -86,12 +89,7 @@ def test_group_assignment_is_the_single_process_assignment(scenario):  # type: i
     routings = _routings(W, E, K, tokens_W, gen)
     placement = _placement(W, E, n, extra, gen)
     kw = dict(num_experts=E, capacity_factor=cf, drop_policy=policy, placement=placement, hidden_shards=n)
-    groups = [assign_group(_gathered(routings, policy), **kw) for _ in range(W)]  # each rank on its own
-    g = groups[0]
-    for other in groups[1:]:
-        for name in ("order_G", "slot_G", "pos_G", "kept_G", "src_G", "dst_G"):
-            assert torch.equal(getattr(other, name), getattr(g, name)), name
-        assert other.counts_WW == g.counts_WW
+    g = assign_group(_gathered(routings, policy), **kw)
 
     # the single-process assignment on the concatenated batch
     T = sum(tokens_W)

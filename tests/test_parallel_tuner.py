@@ -91,10 +91,35 @@ def _case_tuner_ties(rank: int, world: int) -> None:
             ParallelTuner(None).fix([bad])
 
 
+def _case_tuner_uses_the_slowest_rank(rank: int, world: int) -> None:
+    """Each rank sees the other setting as the slow one: ``a`` is fast on rank 0 and slow on
+    rank 1, ``b`` the other way round but less so. The slowest rank sets a step's pace, so the
+    MAX over ranks decides (``b``: 1.3 against ``a``'s 1.5); a MIN (1.0 against 1.2) or a
+    rank's own times would pick ``a``, and on one rank only, so the ranks would disagree."""
+    from moeflow.parallel.tuner import ParallelTuner
+
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=3, max_trials=3, close=0.05, min_time_s=0.0))
+    key = (8, 2, 1.0, "auto", "auto")
+    a, b = ("expert", 1), ("expert", 2)
+    tuner._times[key] = {a: [], b: []}
+    seconds = {a: (1.0, 1.5), b: (1.3, 1.2)}  # (rank 0, rank 1)
+    for _ in range(4):  # warm-up + 3 trials each
+        for setting in (a, b):
+            tuner._pending.append((key, setting, seconds[setting][rank], {}, 1.0))
+            tuner._finish_trials(torch.device("cpu"))
+    assert tuner._times[key] == {a: [1.5] * 4, b: [1.3] * 4}, tuner._times[key]
+    assert tuner.choices == {key: b}
+
+
 CASES = {  # looked up by the spawned ranks
     "tuner_ties": _case_tuner_ties,
+    "tuner_slowest_rank": _case_tuner_uses_the_slowest_rank,
 }
 
 
 def test_tuner_times_near_ties_on():
     spawn_ranks(2, __name__, "tuner_ties")
+
+
+def test_tuner_decides_by_the_slowest_rank():
+    spawn_ranks(2, __name__, "tuner_slowest_rank")
