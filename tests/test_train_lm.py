@@ -408,14 +408,39 @@ def test_expert_parallel_training_equals_one_process(tmp_path, world: int) -> No
 
 
 @pytest.mark.distributed
-def test_first_step_loss_equals_one_process_with_balance_loss(tmp_path) -> None:
+def test_training_with_balance_loss_equals_one_process_accumulating_the_ranks_halves(tmp_path, monkeypatch) -> None:
+    """Balance losses are per rank (each on its rank's tokens), so 2-rank training with them is
+    not one process on the whole batch; it is one process that accumulates the ranks' halves as
+    two micro-batches, each with its own balance loss: the 1-process run here draws micro-batch
+    ``m`` of a step as rank ``m``'s half of that step's global batch. Then 4 fp64 steps (the
+    balance losses' gradients, the backward through the exchange, the gradient reduction and
+    the optimizer) give the same losses and parameters. And the balance loss is in the
+    objective: without it the same run goes elsewhere from step 2."""
+    from moeflow.train import build_from_checkpoint
+    from moeflow.train.data import TokenStream
+
     torch.set_num_threads(2)
-    # fp32, the dtype people train in
-    single = train_lm(_cfg(str(tmp_path / "one"), steps=1, load_balance_coef=0.01))
-    spawn_ranks(2, __name__, "train", str(tmp_path / "ep"), 0.01, 1, "float32")
+    steps, coef = 4, 0.05
+    spawn_ranks(2, __name__, "train", str(tmp_path / "ep"), coef, steps, "float64")
     ep = json.loads((tmp_path / "ep" / "history.json").read_text())
-    torch.testing.assert_close(ep["train_loss"][0], single["train_loss"][0], rtol=1e-5, atol=0)
-    torch.testing.assert_close(ep["val"][0][1], single["val"][0][1], rtol=1e-5, atol=0)
+    real = TokenStream.batch
+
+    def as_ranks(self, step, batch_size, *, rank=0, world=1):  # type: ignore[no-untyped-def]
+        if batch_size == 4 and world == 1:  # a micro-batch of 4 of the 1-process run (training)
+            return real(self, step // 2, 8, rank=step % 2, world=2)
+        return real(self, step, batch_size, rank=rank, world=world)  # validation: whole batches of 8
+
+    monkeypatch.setattr(TokenStream, "batch", as_ranks)
+    single = train_lm(_cfg(str(tmp_path / "one"), steps=steps, load_balance_coef=coef, dtype="float64", grad_accum=2))
+    plain = train_lm(_cfg(str(tmp_path / "plain"), steps=steps, load_balance_coef=0.0, dtype="float64", grad_accum=2))
+    torch.testing.assert_close(torch.tensor(ep["train_loss"]), torch.tensor(single["train_loss"]), rtol=1e-10, atol=0)
+    torch.testing.assert_close(torch.tensor([v for _, v in ep["val"]]), torch.tensor([v for _, v in single["val"]]),
+                               rtol=1e-10, atol=0)
+    (m1, _, _), (m2, _, _) = build_from_checkpoint(tmp_path / "one"), build_from_checkpoint(tmp_path / "ep")
+    for (n, p), (_, q) in zip(m1.named_parameters(), m2.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-8, atol=1e-10, msg=n)
+    assert plain["train_loss"][0] == single["train_loss"][0]  # the task loss before any update
+    assert abs(plain["train_loss"][1] - single["train_loss"][1]) > 1e-3  # the balance loss moved the weights
 
 
 @pytest.mark.distributed

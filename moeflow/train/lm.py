@@ -17,8 +17,9 @@ ranks per node, below the world size) or ``exchange="two-level"`` asks for it; t
 records which (``"exchange"``). Under torchrun, ``moeflow.train.worker`` runs it on every rank.
 
 Balance losses are per rank (on its own tokens), as in Switch/GShard; with W > 1 and a nonzero
-``load_balance_coef`` the training trajectory therefore differs slightly from one process (the
-task loss of the first step is identical).
+``load_balance_coef`` the training trajectory therefore differs slightly from one process on the
+whole batch (the task loss of the first step is identical); it is the trajectory of one process
+that accumulates the ranks' halves of each batch as micro-batches (tested in fp64).
 
 The run's settings are ``LMTrainConfig`` (``moeflow.train.lm_config``); the run directory (one
 run per ``out_dir``: refusing another run, resuming, what a checkpoint holds besides the weights)
