@@ -338,7 +338,8 @@ def test_init_from_a_converted_model(tmp_path, capsys) -> None:
     from moeflow.convert.mixtral import gpt_to_hf
     from moeflow.models import MoEGPT, gpt_config
     from moeflow.train import LMTrainConfig
-    from moeflow.train.data import ByteTokenizer, TokenStream, load_corpus
+    from moeflow.train.data import ByteTokenizer, load_corpus
+    from moeflow.train.tokens import TokenStream
     from moeflow.train.lm import evaluate
 
     torch.set_num_threads(2)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.train.data import BPETokenizer, ByteTokenizer, CorpusError, TokenStream, corpus_dir, load_corpus
+from moeflow.train.data import BPETokenizer, ByteTokenizer, CorpusError, corpus_dir, load_corpus
+from moeflow.train.tokens import TokenStream
 
 pytestmark = pytest.mark.e2e
 

@@ -417,7 +417,7 @@ def test_training_with_balance_loss_equals_one_process_accumulating_the_ranks_ha
     the optimizer) give the same losses and parameters. And the balance loss is in the
     objective: without it the same run goes elsewhere from step 2."""
     from moeflow.train import build_from_checkpoint
-    from moeflow.train.data import TokenStream
+    from moeflow.train.tokens import TokenStream
 
     torch.set_num_threads(2)
     steps, coef = 4, 0.05
@@ -529,7 +529,8 @@ def test_init_from_starts_at_the_checkpoint_model(tmp_path) -> None:
     model's on the same held-out batches), with the checkpoint's model config (set here through the
     n_layers/dim/n_heads/expert_hidden overrides) and BPE tokenizer; a new run (its own id, a
     fresh optimizer from step 0)."""
-    from moeflow.train.data import TokenStream, load_corpus
+    from moeflow.train.data import load_corpus
+    from moeflow.train.tokens import TokenStream
     from moeflow.train.init_from import MODEL_FAMILY
     from moeflow.train.lm_checkpoint import MODEL_FAMILY as WRITTEN
 

@@ -110,7 +110,7 @@ def summarize(history: dict, cfg, args: argparse.Namespace) -> None:  # type: ig
     print(f"validation loss ({held}) before training: {before:.4f} nats/token (perplexity {math.exp(before):.2f})")
     print(f"validation loss after {s1} steps:{' ' * (len(held) + 20 - len(str(s1)) - 13)}{after:.4f} nats/token "
           f"(perplexity {math.exp(after):.2f})")
-    if "data_share" in history:  # one's own data: how long the steps waited for their batch (read one ahead)
+    if "data_share" in history:  # how long the steps waited for their batch (read one ahead; not in older runs)
         print(f"data: the steps waited {history['data_wait_s']:.3f} s for their batches "
               f"({100 * history['data_share']:.2f}% of the training time)")
     ranks = history["world_size"]

@@ -11,9 +11,10 @@ own data reads UTF-8 and adds token 256 for it, a trained BPE adds ``<|endoftext
 ``tokenizer.json`` brings its own end-of-sequence token. Shakespeare's default tokenizers have
 none (their descriptions, and so their checkpoints, are unchanged).
 
-Batches are drawn by step number from a seeded generator, so a run can resume at any step and
-every rank of a data/expert-parallel job derives the same global batch and takes its own rows
-(``rank`` of ``world``): the global batch is independent of the world size.
+Batches are drawn by ``moeflow.train.tokens.TokenStream`` (the corpus' tokens in memory, the
+same sampler as one's own data): by step number from a seeded generator, so a run can resume at
+any step and every rank of a data/expert-parallel job derives the same global batch and takes
+its own rows (``rank`` of ``world``): the global batch is independent of the world size.
 
 Legend: ``B`` sequences in a batch, ``S`` tokens per sequence, ``N`` tokens in a split.
 """
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 __all__ = [
     "CorpusError",
@@ -42,7 +42,6 @@ __all__ = [
     "HFTokenizer",
     "load_tokenizer",
     "EOD_TEXT",
-    "TokenStream",
 ]
 
 EOD_TEXT = "<|endoftext|>"  # the end-of-document token moeflow's own BPE adds
@@ -242,30 +241,3 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
 
     raw = RawTokenizer.from_str(d["json"] if isinstance(d["json"], str) else json.dumps(d["json"]))
     return (HFTokenizer if d["kind"] == "hf" else BPETokenizer)(raw, d.get("eod"))
-
-
-class TokenStream:
-    """Random windows of a token sequence, drawn by step so any rank and any restart agrees."""
-
-    def __init__(self, ids_N: torch.Tensor, seq_len: int, seed: int) -> None:
-        if ids_N.dim() != 1 or ids_N.numel() <= seq_len + 1:
-            raise ValueError(f"need more than seq_len+1={seq_len + 1} tokens, got {ids_N.numel()}")
-        self.ids_N, self.seq_len, self.seed = ids_N, seq_len, seed
-
-    @classmethod
-    def from_text(cls, text: str, tokenizer: Tokenizer, seq_len: int, seed: int) -> "TokenStream":
-        # the corpus stays in host memory; the training loop moves each batch to its device
-        return cls(torch.tensor(tokenizer.encode(text), dtype=torch.int64, device="cpu"), seq_len, seed)
-
-    def batch(self, step: int, batch_size: int, *, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs [B/world, S], targets [B/world, S])``: this rank's rows of step ``step``'s
-        global batch of ``batch_size`` windows."""
-        if batch_size % world:
-            raise ValueError(f"batch_size={batch_size} must be divisible by the number of ranks {world}")
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts_B = torch.randint(0, self.ids_N.numel() - self.seq_len - 1, (batch_size,), generator=gen, device="cpu")
-        per = batch_size // world
-        starts_B = starts_B[rank * per : (rank + 1) * per]
-        window_BS = starts_B[:, None] + torch.arange(self.seq_len + 1, device=starts_B.device)
-        tokens = self.ids_N[window_BS]
-        return tokens[:, :-1], tokens[:, 1:]

@@ -67,12 +67,11 @@ from moeflow.train.data import (
     BPETokenizer,
     ByteTokenizer,
     Tokenizer,
-    TokenStream,
     load_corpus,
     tokenizer_from_dict,
 )
 from moeflow.train.lm_data import open_run_data
-from moeflow.train.tokens import Prefetcher
+from moeflow.train.tokens import Prefetcher, TokenSampler, TokenStream
 from moeflow.train.lm_checkpoint import (
     MODEL_FAMILY,
     build_from_checkpoint,
@@ -128,7 +127,7 @@ def _build_tokenizer(cfg: LMTrainConfig, train_text: str, group: ProcessGroup | 
 
 
 @torch.no_grad()
-def evaluate(model: MoEGPT, stream: TokenStream, cfg: LMTrainConfig, group: ProcessGroup | None,
+def evaluate(model: MoEGPT, stream: TokenSampler, cfg: LMTrainConfig, group: ProcessGroup | None,
              device: torch.device) -> float:
     """Mean validation cross-entropy over ``eval_batches`` fixed global batches."""
     rank, world = process_position(group)
@@ -245,18 +244,19 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     fingerprint = None
     if corpus is not None:
         tok = _build_tokenizer(cfg, corpus.train_text, group)
-        train = TokenStream.from_text(corpus.train_text, tok, cfg.seq_len, cfg.seed)
+        train_sampler = TokenStream.from_text(corpus.train_text, tok, cfg.seq_len, cfg.seed)
         val = TokenStream.from_text(corpus.val_text, tok, cfg.seq_len, cfg.seed + 1)
     else:  # one's own data: prepared (once) and memory-mapped, each rank reading its own rows
         own = open_run_data(cfg, group)
         tok, val, data_notes, fingerprint = own.tokenizer, own.val, own.notes, own.fingerprint
-        train = Prefetcher(own.train)  # the next batch is read while this step runs
+        train_sampler = own.train
         if run.checkpoint is not None:
             saved = read_index(run.checkpoint)["extra"].get("data")
             if saved is not None and saved != fingerprint:
                 raise ValueError(f"data: the training or validation data differs from the data the checkpoint "
                                  f"{run.checkpoint} was trained on (their tokens changed); resume=True continues a run "
                                  "on its own data: restore it, or start a new run (another out_dir, or overwrite=True)")
+    train = Prefetcher(train_sampler)  # the next batch is read while this step runs
 
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -394,10 +394,10 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     if bar is not None:
         bar.close()
     history["tokens_per_s"] = tokens_per_step * (cfg.steps - start) / max(elapsed, 1e-9)
-    if isinstance(train, Prefetcher):  # the time steps waited for their data (read one batch ahead)
-        history["data_wait_s"] = train.waited_s
-        history["data_share"] = train.waited_s / max(elapsed, 1e-9)
-        train.close()
+    # the time steps waited for their data (read one batch ahead)
+    history["data_wait_s"] = train.waited_s
+    history["data_share"] = train.waited_s / max(elapsed, 1e-9)
+    train.close()
     history["world_size"] = world
     history["exchange"], history["node_size"] = exchange, node_size
     tuned = tuned_settings(model) if world > 1 and "auto" in (cfg.parallel, cfg.overlap_degree) else None

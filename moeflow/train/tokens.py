@@ -26,7 +26,8 @@ array (small corpora tokenized at the start of a run).
 
 ``TokenSampler(datasets, weights, seq_len, seed)`` draws every step's global batch from a
 generator seeded with ``(seed, step)``: the source of each sequence (by ``weights``), then its
-start, uniform over the source. Rank ``r`` of ``W`` reads only its ``B/W`` rows. So a batch
+start, uniform over the source. Rank ``r`` of ``W`` reads only its ``B/W`` rows. ``TokenStream``
+is the sampler of one token sequence in memory (the built-in corpus). So a batch
 depends on the step alone: a run resumed or restarted at step ``s``, on any number of ranks,
 sees exactly the batches an uninterrupted run would (the data's position is the step, which the
 checkpoint holds, and the data's ``fingerprint``, which the checkpoint records). ``Prefetcher``
@@ -54,7 +55,8 @@ import torch
 from moeflow.train.data import ByteTokenizer, Tokenizer, tokenizer_from_dict
 from moeflow.train.sources import DataError, Document, Documents
 
-__all__ = ["FORMAT", "DataError", "prepare", "TokenDataset", "TokenSampler", "Prefetcher", "split_of", "token_dtype"]
+__all__ = ["FORMAT", "DataError", "prepare", "TokenDataset", "TokenSampler", "TokenStream", "Prefetcher", "split_of",
+           "token_dtype"]
 
 FORMAT = "moeflow-tokens/1"
 INDEX = "index.json"
@@ -405,6 +407,8 @@ class TokenSampler:
                                 f"seq_len+1 = {seq_len + 1}")
         self.datasets, self.seq_len, self.seed = datasets, seq_len, seed
         self.weights = torch.tensor(weights, dtype=torch.float64, device="cpu")
+        # the windows' possible starts per source: [0, span)
+        self.span = [ds.num_tokens - seq_len - 1 for ds in datasets]
         self.fingerprint = hashlib.sha256(json.dumps([[ds.fingerprint for ds in datasets], weights]).encode()).hexdigest()
 
     def starts(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,13 +416,11 @@ class TokenSampler:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         if len(self.datasets) == 1:
             source = torch.zeros(batch_size, dtype=torch.long, device="cpu")
-        else:
-            source = torch.multinomial(self.weights, batch_size, replacement=True, generator=gen)
+            return source, torch.randint(0, self.span[0], (batch_size,), generator=gen, device="cpu")
+        source = torch.multinomial(self.weights, batch_size, replacement=True, generator=gen)
         u = torch.rand(batch_size, generator=gen, dtype=torch.float64, device="cpu")
-        span = torch.tensor([ds.num_tokens - self.seq_len - 1 for ds in self.datasets], dtype=torch.float64,
-                            device="cpu")
-        start = (u * span[source]).floor().long()
-        return source, start
+        span = torch.tensor(self.span, dtype=torch.float64, device="cpu")
+        return source, (u * span[source]).floor().long()
 
     def batch(self, step: int, batch_size: int, *, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs [B/world, S], targets [B/world, S])``: this rank's rows of step ``step``'s
@@ -431,6 +433,22 @@ class TokenSampler:
                 for s, t in zip(source[rank * per : (rank + 1) * per], start[rank * per : (rank + 1) * per])]
         tokens = torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, self.seq_len + 1, dtype=torch.long, device="cpu")
         return tokens[:, :-1], tokens[:, 1:]
+
+
+class TokenStream(TokenSampler):
+    """Random windows of one token sequence held in memory (the built-in corpus): the sampler
+    over ``TokenDataset.in_memory``, so it draws the batches of every step as one's own data does."""
+
+    def __init__(self, ids_N: torch.Tensor, seq_len: int, seed: int) -> None:
+        if ids_N.dim() != 1 or ids_N.numel() <= seq_len + 1:
+            raise ValueError(f"need more than seq_len+1={seq_len + 1} tokens, got {ids_N.numel()}")
+        dataset = TokenDataset.in_memory(ids_N.numpy(), {}, eod=None, name="tokens in memory")
+        super().__init__([dataset], None, seq_len, seed)
+
+    @classmethod
+    def from_text(cls, text: str, tokenizer: Tokenizer, seq_len: int, seed: int) -> "TokenStream":
+        # the corpus stays in host memory; the training loop moves each batch to its device
+        return cls(torch.tensor(tokenizer.encode(text), dtype=torch.int64, device="cpu"), seq_len, seed)
 
 
 class Prefetcher:
