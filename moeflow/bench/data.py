@@ -187,12 +187,12 @@ def _train(prep: Path, out: Path, window: int, steps: int, batch: int, seq: int,
         ranks[rank]["samples"] = len(mine)
         # the first sample at or after each tenth of the steps: growth over the run, not just its ends
         marks = [max(2, steps * i // 10) for i in range(1, 11)]
-        ranks[rank]["timeline"] = [
-            {"step": done, **{k: s.get(k) for k in ("VmRSS", "RssFile", "RssAnon")}}
-            for mark in marks
-            for done, s in [next(((d, s) for d, r, s in samples if r == rank and d >= mark), (None, None))]
-            if done is not None
-        ]
+        timeline = []
+        for mark in marks:
+            hit = next(((d, s) for d, r, s in samples if r == rank and d >= mark), None)
+            if hit is not None:
+                timeline.append({"step": hit[0], **{k: hit[1].get(k) for k in ("VmRSS", "RssFile", "RssAnon")}})
+        ranks[rank]["timeline"] = timeline
     return {"steps": steps, "batch_size": batch, "seq_len": seq, "threads_per_rank": threads,
             "tokens_per_s": round(history["tokens_per_s"]), "data_wait_s": round(history["data_wait_s"], 4),
             "data_share": round(history["data_share"], 5), "wait_ms_per_step": round(1e3 * history["data_wait_s"] / steps, 3),

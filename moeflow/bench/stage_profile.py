@@ -192,6 +192,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, g: torch.Tensor,
+            losses_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    """One forward+backward of ``layer`` on ``x``: ``torch.autograd.grad`` of the output (with
+    gradient ``g``) and of ``layer.aux_loss()`` (computed inside ``losses_scope()``, gradient 1)
+    to ``x`` (when it requires grad) and the parameters; nothing accumulates into ``.grad``."""
+    inputs = ([x] if x.requires_grad else []) + [p for p in layer.parameters() if p.requires_grad]
+    y = layer(x)
+    with losses_scope():
+        aux = layer.aux_loss()
+    outs, grads = [y], [g]
+    if aux.requires_grad:
+        outs.append(aux)
+        grads.append(torch.ones_like(aux))
+    torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+
+
 def profile_stages(layer: torch.nn.Module, x: torch.Tensor, *, grad_out: torch.Tensor | None = None, warmup: int = 1,
                    steps: int = 1, trace_path: str | Path | None = None, keep_events: bool = False) -> dict:
     """Profile ``steps`` forward+backward passes of ``layer`` on ``x`` (after ``warmup``
@@ -208,17 +224,9 @@ def profile_stages(layer: torch.nn.Module, x: torch.Tensor, *, grad_out: torch.T
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     device = x.device
     g = torch.randn_like(x) if grad_out is None else grad_out
-    inputs = ([x] if x.requires_grad else []) + [p for p in layer.parameters() if p.requires_grad]
 
     def step() -> None:
-        y = layer(x)
-        with record_function(LABEL + "losses"):
-            aux = layer.aux_loss()
-        outs, grads = [y], [g]
-        if aux.requires_grad:
-            outs.append(aux)
-            grads.append(torch.ones_like(aux))
-        torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+        fwd_bwd(layer, x, g, lambda: record_function(LABEL + "losses"))
 
     for _ in range(warmup):
         step()

@@ -60,14 +60,14 @@ import contextlib
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from moeflow.bench.stage_profile import STAGES, stage_ranges
+from moeflow.bench.gpu_kernels import Shape
+from moeflow.bench.stage_profile import STAGES, fwd_bwd, stage_ranges
 
 __all__ = ["SHAPES", "TrafficShape", "op_bytes", "count_traffic", "compulsory", "traffic_report", "format_report", "main"]
 
@@ -224,37 +224,16 @@ def count_traffic(layer: torch.nn.Module, x: torch.Tensor, *, grad_out: torch.Te
     written), "ops": {(stage, phase, op): bytes}}``. A warm-up call runs first (lazy
     initialisation and caches stay out of the count)."""
     g = torch.randn_like(x) if grad_out is None else grad_out
-    inputs = [x] + [p for p in layer.parameters() if p.requires_grad]
-
-    def step(stages: _Stages | None) -> None:
-        y = layer(x)
-        with stages.label("losses") if stages is not None else contextlib.nullcontext():
-            aux = layer.aux_loss()
-        outs, grads = [y], [g]
-        if aux.requires_grad:
-            outs.append(aux)
-            grads.append(torch.ones_like(aux))
-        torch.autograd.grad(outs, inputs, grads, allow_unused=True)
-
-    step(None)
+    fwd_bwd(layer, x, g)
     stages = _Stages()
     with stage_ranges(layer, stages.label), _Counter(stages) as counter:
-        step(stages)
+        fwd_bwd(layer, x, g, lambda: stages.label("losses"))
     return {"bytes": {k: tuple(v) for k, v in counter.bytes.items()}, "gemm": tuple(counter.gemm), "ops": counter.ops}
 
 
-@dataclass(frozen=True)
-class TrafficShape:
-    """A layer shape for the count. The issue's shapes scaled down (T, and D and H together:
-    passes depend on ``H/D``, ``K`` and, a little, ``E/D``)."""
-
-    name: str
-    T: int
-    D: int
-    H: int
-    E: int
-    K: int
-
+# a layer shape for the count: the GPU benchmark's shapes, scaled down (T, and D and H together:
+# passes depend on ``H/D``, ``K`` and, a little, ``E/D``)
+TrafficShape = Shape
 
 SHAPES = {
     # Mixtral-like: D=4096, H=14336 (H/D 3.5), E=8, K=2
