@@ -170,6 +170,9 @@ def test_pytest_reports_are_read(tmp_path):
     out = "tests/test_kernels_triton.py: 11\ntests/test_storage.py: 4\n\n2 warnings\n"
     assert collected_counts(out) == {"tests/test_kernels_triton.py": 11, "tests/test_storage.py": 4}
     assert "tests/test_kernels_triton.py" in gpu_check.gpu_test_files()
+    # the deselected test exists (pytest ignores a --deselect that names nothing)
+    path, name = gpu_check.TRAINER_TEST.split("::")
+    assert path in gpu_check.gpu_test_files() and f"def {name}(" in (Path(__file__).parents[1] / path).read_text()
 
 
 @pytest.mark.unit

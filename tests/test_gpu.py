@@ -24,7 +24,6 @@ import pytest
 import torch
 
 import moeflow
-from moeflow import RouterConfig
 from moeflow.experts.ffn import grouped_ffn
 from moeflow.kernels import grouped_mm_loop, resolve_grouped_mm_backend
 
@@ -277,71 +276,7 @@ def _case_nccl_bf16(rank: int, world: int) -> None:
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ep.parameters())
 
 
-def _case_nccl_model(rank: int, world: int, root: str) -> None:
-    """An MoE GPT with expert and vocabulary parallelism on the GPU over NCCL: logits equal the
-    single process, a training step (global-norm clipping), expert moves with replicas, the
-    load counts' reduction, moeflow's checkpoint and DCP all run, and what they load gives
-    the same logits."""
-    import torch.distributed.checkpoint as dcp
-
-    from moeflow.checkpoint import load_checkpoint, save_checkpoint
-    from moeflow.models import GPTConfig, MoEGPT
-    from moeflow.parallel import (apply_placement, clip_grad_norm_, dcp_state_dict, expert_parallel,
-                                  load_dcp_state_dict, plan_placement, sync_load_counts, vocab_parallel)
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    E = 4 * world
-
-    def build() -> MoEGPT:
-        torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=41, dim=16, n_layers=2, n_heads=2, max_seq_len=8, num_experts=E, top_k=2,
-                        expert_hidden=12, router=RouterConfig(load_balance_coef=0.0, bias_update_rate=1e-3))
-        return MoEGPT(cfg, dtype=torch.float64, device=device)
-
-    def parallel(model: MoEGPT) -> MoEGPT:
-        expert_parallel(model)
-        vocab_parallel(model)
-        return model
-
-    gen = torch.Generator().manual_seed(10)
-    idx = torch.randint(0, 41, (2 * world, 8), generator=gen).to(device)
-    tgt = torch.randint(0, 41, (2 * world, 8), generator=gen).to(device)
-    mine = slice(2 * rank, 2 * rank + 2)
-    ref = build()
-    model = parallel(build())
-    with torch.no_grad():
-        torch.testing.assert_close(model(idx[mine]), ref(idx)[mine], rtol=1e-10, atol=1e-10)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model.train()
-    (model.loss(idx[mine], tgt[mine]) + moeflow.aux_loss(model)).backward()
-    norm = clip_grad_norm_(model, 1.0)
-    assert torch.isfinite(norm) and norm.device == device
-    opt.step()
-    sync_load_counts(model, None)
-    moeflow.update_expert_bias(model)
-    model.eval()
-    with torch.no_grad():
-        before = model(idx[mine])
-        layers = moeflow.moe_layers(model)
-        apply_placement(model, [plan_placement([1.0] * (E - 1) + [5.0], world=world, slots_per_rank=E // world + 1)]
-                        * len(layers), opt)
-        torch.testing.assert_close(model(idx[mine]), before, rtol=1e-10, atol=1e-10)
-    save_checkpoint(Path(root) / "moeflow", 1, model, opt)
-    loaded = parallel(build())
-    load_checkpoint(Path(root) / "moeflow", loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-2), restore_rng=False)
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(idx[mine]), before, rtol=1e-10, atol=1e-10)
-    dcp.save(dcp_state_dict(model, opt), checkpoint_id=f"{root}/dcp")
-    fresh = parallel(build())
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    state = dcp_state_dict(fresh, fresh_opt)
-    dcp.load(state, checkpoint_id=f"{root}/dcp")
-    load_dcp_state_dict(fresh, fresh_opt, state)
-    with torch.no_grad():
-        torch.testing.assert_close(fresh(idx[mine]), before, rtol=1e-10, atol=1e-10)
-
-
-CASES = {"nccl_layer": _case_nccl_layer, "nccl_bf16": _case_nccl_bf16, "nccl_model": _case_nccl_model}
+CASES = {"nccl_layer": _case_nccl_layer, "nccl_bf16": _case_nccl_bf16}
 
 
 @pytest.mark.distributed
@@ -356,7 +291,9 @@ def test_expert_parallel_bf16_fast_path_over_nccl():
 
 @pytest.mark.distributed
 def test_model_training_placement_and_checkpoints_over_nccl(tmp_path):
-    spawn_ranks(_nccl_world(), __name__, "nccl_model", str(tmp_path), backend="nccl")
+    """``test_parallel_dcp``'s model case (also run there on 2 gloo ranks on CPU, so it cannot rot
+    between GPU runs) on the GPUs over NCCL."""
+    spawn_ranks(_nccl_world(), "test_parallel_dcp", "model", str(tmp_path), "cuda", backend="nccl")
 
 
 # ------------------------------------------------------------------------------------------

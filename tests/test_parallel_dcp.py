@@ -213,7 +213,78 @@ def _case_load(rank: int, world: int, root: str, plans: list[tuple[str, str]]) -
         _check_forward(model, ref, rank, world)
 
 
-CASES = {"save": _case_save, "load": _case_load}
+def _case_model(rank: int, world: int, root: str, device_type: str) -> None:
+    """An MoE GPT with expert and vocabulary parallelism (on ``device_type``: ``"cuda"`` over NCCL
+    from test_gpu.py, ``"cpu"`` over gloo here): logits equal the
+    single process, a training step (global-norm clipping), expert moves with replicas, the
+    load counts' reduction, moeflow's checkpoint and DCP all run, and what they load gives
+    the same logits."""
+    import torch.distributed.checkpoint as dcp
+
+    from moeflow.checkpoint import load_checkpoint, save_checkpoint
+    from moeflow.models import GPTConfig, MoEGPT
+    from moeflow.parallel import (all_reduce_gradients, apply_placement, clip_grad_norm_, dcp_state_dict,
+                                  dense_parameters, expert_parallel, load_dcp_state_dict, plan_placement,
+                                  sync_load_counts, vocab_parallel)
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    E = 4 * world
+
+    def build() -> MoEGPT:
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=41, dim=16, n_layers=2, n_heads=2, max_seq_len=8, num_experts=E, top_k=2,
+                        expert_hidden=12, router=moeflow.RouterConfig(load_balance_coef=0.0, bias_update_rate=1e-3))
+        return MoEGPT(cfg, dtype=torch.float64, device=device)
+
+    def parallel(model: MoEGPT) -> MoEGPT:
+        expert_parallel(model)
+        vocab_parallel(model)
+        return model.eval()  # (training mode is set where the case trains)
+
+    gen = torch.Generator().manual_seed(10)
+    idx = torch.randint(0, 41, (2 * world, 8), generator=gen).to(device)
+    tgt = torch.randint(0, 41, (2 * world, 8), generator=gen).to(device)
+    mine = slice(2 * rank, 2 * rank + 2)
+    ref = build()
+    model = parallel(build())
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx[mine]), ref(idx)[mine], rtol=1e-10, atol=1e-10)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    (model.loss(idx[mine], tgt[mine]) + moeflow.aux_loss(model)).backward()
+    # the replicated (dense) parameters stay equal on every rank, as the trainer keeps them: a
+    # checkpoint holds one copy of them
+    all_reduce_gradients(dense_parameters(model), None)
+    norm = clip_grad_norm_(model, 1.0)
+    assert torch.isfinite(norm) and norm.device == device
+    opt.step()
+    sync_load_counts(model, None)
+    moeflow.update_expert_bias(model)
+    model.eval()
+    with torch.no_grad():
+        before = model(idx[mine])
+        layers = moeflow.moe_layers(model)
+        # one spare slot per rank holds a replica of the hot expert; one rank (a one-GPU machine)
+        # has no room for a replica, so its plan only reorders
+        apply_placement(model, [plan_placement([1.0] * (E - 1) + [5.0], world=world, slots_per_rank=min(E, E // world + 1))]
+                        * len(layers), opt)
+        torch.testing.assert_close(model(idx[mine]), before, rtol=1e-10, atol=1e-10)
+    save_checkpoint(Path(root) / "moeflow", 1, model, opt)
+    loaded = parallel(build())
+    load_checkpoint(Path(root) / "moeflow", loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-2), restore_rng=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx[mine]), before, rtol=1e-10, atol=1e-10)
+    dcp.save(dcp_state_dict(model, opt), checkpoint_id=f"{root}/dcp")
+    fresh = parallel(build())
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = dcp_state_dict(fresh, fresh_opt)
+    dcp.load(state, checkpoint_id=f"{root}/dcp")
+    load_dcp_state_dict(fresh, state, fresh_opt)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(idx[mine]), before, rtol=1e-10, atol=1e-10)
+
+
+CASES = {"save": _case_save, "load": _case_load, "model": _case_model}
 
 
 # ----------------------------------------------------------------------------- tests
@@ -316,6 +387,12 @@ def test_convert_cli(saved, tmp_path, capsys):
     assert "holds no moeflow-dcp/1 state" in capsys.readouterr().err
 
 
+def test_model_training_placement_and_checkpoints_on_2_ranks(tmp_path):
+    """The case test_gpu.py runs over NCCL, on 2 gloo ranks: expert and vocabulary parallel
+    logits equal one process, a step, a placement with a replica, moeflow's checkpoint and DCP."""
+    spawn_ranks(2, __name__, "model", str(tmp_path), "cpu")
+
+
 def test_fresh_optimizer_gets_state_without_moving_anything():
     model = _gpt(3)
     opt = _optimizer(model)
@@ -339,6 +416,13 @@ def test_load_refuses_another_model_or_format():
     model = _gpt(0)
     with pytest.raises(ValueError, match="no 'optim' entry"):
         load_dcp_state_dict(model, dcp_state_dict(model), _optimizer(model))
+    opt = _optimizer(model)
+    with pytest.raises(TypeError, match="state must be the dict .* got AdamW"):
+        load_dcp_state_dict(model, opt, dcp_state_dict(model, opt))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optimizer must be .* got dict"):
+        load_dcp_state_dict(model, {}, {})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="model must be an nn.Module, got AdamW"):
+        dcp_state_dict(opt)  # type: ignore[arg-type]
 
 
 def test_chunked_tensor_checks_its_chunks_and_has_no_data():

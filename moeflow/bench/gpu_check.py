@@ -11,8 +11,10 @@ Every stage runs in subprocesses of its own, with its own timeout, under one ove
 and the run goes on. Nothing needs moeflow installed: the subprocesses run ``sys.executable``
 with the repository root on ``PYTHONPATH``. Stages, in order:
 
-    gpu-tests  ``pytest -m gpu tests`` with compiled Triton kernels (``TRITON_INTERPRET`` removed
-               from the environment): passed / failed / skipped from its JUnit XML. Smoke:
+    gpu-tests  ``pytest -m gpu`` on the test files that mark a test ``gpu``, with compiled Triton
+               kernels (``TRITON_INTERPRET`` removed from the environment), less the torchrun
+               trainer test (``TRAINER_TEST``: the train and resume stages run its commands):
+               passed / failed / skipped from its JUnit XML. Smoke:
                ``--collect-only`` (the gpu tests still import; nothing to run without CUDA)
     kernels    ``moeflow.bench.gpu_kernels`` (dense mm TFLOP/s, copy GB/s, the layer per experts
                backend at the Mixtral-like and DeepSeek-like shapes, the bare FFN, permute, routing
@@ -252,14 +254,20 @@ def gpu_test_files() -> list[str]:
     return [f"tests/{p.name}" for p in sorted((REPO / "tests").glob("test_*.py")) if "mark.gpu" in p.read_text()]
 
 
+# the gpu test that runs ``torchrun -m moeflow train --device cuda`` and resumes it: the train and
+# resume stages run the same commands (40 s of the stage's 150 s on the H100, which the decode
+# stage needs)
+TRAINER_TEST = "tests/test_gpu.py::test_trainer_on_cuda_under_torchrun_trains_and_resumes"
+
+
 def stage_gpu_tests(ctx: Context, timeout_s: float) -> dict:
     def pytest(*args: str) -> list[str]:
         return _python("-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *args)
 
+    files = gpu_test_files()
+    if not files:
+        raise StageFailed("no test file under tests/ marks a test gpu")
     if ctx.device == "cpu":
-        files = gpu_test_files()
-        if not files:
-            raise StageFailed("no test file under tests/ marks a test gpu")
         done = run_command(ctx, "gpu-tests", pytest(*files, "--collect-only"), timeout_s)
         files = collected_counts(done.stdout)  # type: ignore[assignment]
         if not files:
@@ -269,7 +277,8 @@ def stage_gpu_tests(ctx: Context, timeout_s: float) -> dict:
     xml = ctx.out / "gpu-tests.xml"
     xml.unlink(missing_ok=True)
     try:
-        run_command(ctx, "gpu-tests", pytest("tests", "-rfEs", "--junitxml", str(xml)), timeout_s)
+        run_command(ctx, "gpu-tests", pytest(*files, "--deselect", TRAINER_TEST, "-rfEs", "--junitxml", str(xml)),
+                    timeout_s)
     except StageFailed as err:
         if not xml.exists():
             raise

@@ -108,9 +108,22 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 group["lr"] = lr
 
 
+def _check_types(model: object, optimizer: object, state: object = None) -> None:
+    """A ``TypeError`` naming the argument where one is swapped or of the wrong kind (an
+    optimizer passed as ``state`` fails here, not as an ``AttributeError`` deep inside)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if state is not None and not isinstance(state, dict):
+        raise TypeError(f"state must be the dict from dcp_state_dict(model, optimizer), got {type(state).__name__} "
+                        "(the order is load_dcp_state_dict(model, state, optimizer))")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+
+
 def dcp_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """The state of ``model`` (and ``optimizer``) for ``torch.distributed.checkpoint.save``,
     ``async_save`` and ``load``, on every rank (module docstring). No communication."""
+    _check_types(model, optimizer)
     views, experts = _views(model)
     state: dict = {"model": {}}
     for name, p in model.named_parameters():
@@ -157,6 +170,7 @@ def load_dcp_state_dict(model: nn.Module, state: dict, optimizer: torch.optim.Op
     """Finish loading ``state`` (``dcp_state_dict(model, optimizer)`` after ``dcp.load``): check
     the format and that the tensors were loaded in place, apply the optimizer's hyper-parameters
     and non-tensor state."""
+    _check_types(model, optimizer, {} if state is None else state)
     meta = json.loads(state["moeflow"]) if isinstance(state.get("moeflow"), str) else None
     if meta is None or meta.get("format") != FORMAT:
         raise ValueError(f"state['moeflow'] is not a {FORMAT} description (got {state.get('moeflow')!r}): load "
