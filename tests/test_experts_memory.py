@@ -6,8 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeflow import ExpertsConfig
 from moeflow.bench.activation import measure, measure_stack, saved_bytes
 from moeflow.bench.memory import LiveTensorBytes, peak_memory_bytes
+from moeflow.parallel import expert_parallel
+
+from helpers import seeded_layer, spawn_ranks
 
 
 @pytest.mark.unit
@@ -91,3 +95,26 @@ def test_a_later_micro_batch_adds_into_grad_and_peaks_lower():
     assert peak["recompute"] <= peak["moeflow"]  # (a tie at this size: the default's backward needs no temporary of h's width)
     fresh = measure(64, 64, 128, 8, 1, repeats=1)
     assert "no-fusion" not in fresh and fresh["moeflow"]["peak_mb"] > peak["moeflow"] + w_out_mb
+
+
+def _case_parallel_recompute(rank: int, world: int) -> None:
+    """Each expert-parallel mode that runs the FFN on gathered or sliced weights (data,
+    sharded, hybrid) honours ``ExpertsConfig.recompute``: it saves less for backward than the
+    same mode without it (the hidden activation is recomputed, not kept)."""
+    x = torch.randn(24, 8, generator=torch.Generator().manual_seed(100 + rank), dtype=torch.float64)
+    for mode in ("data", "sharded", "hybrid:2"):
+        saved = {}
+        for recompute in (False, True):
+            layer = expert_parallel(seeded_layer(4, 2, 0.0, "position", seed=3, hidden=32,
+                                                 experts=ExpertsConfig(recompute=recompute)))
+            xr = x.clone().requires_grad_(True)
+            saved[recompute] = saved_bytes(lambda: layer(xr, parallel=mode), [xr, *layer.parameters()])
+        assert saved[True] < 0.8 * saved[False], f"{mode} on rank {rank}: saved bytes {saved}"
+
+
+CASES = {"parallel_recompute": _case_parallel_recompute}
+
+
+@pytest.mark.distributed
+def test_parallel_modes_honour_expert_recompute():
+    spawn_ranks(2, __name__, "parallel_recompute")

@@ -223,12 +223,16 @@ class GroupedExperts(nn.Module):
             return torch.bmm(a_ECH, self.w_out)
         return torch.baddbmm(self.b_out.unsqueeze(1), a_ECH, self.w_out)
 
+    def ffn_options(self) -> dict[str, object]:
+        """The keyword arguments of ``grouped_ffn`` this module's config sets (activation,
+        backend, recompute and its chunks). The expert-parallel strategies run the same FFN on
+        weights they gather or slice, and take them from here so none is dropped on the way."""
+        return {"activation": self.config.activation, "backend": self.config.backend,
+                "recompute": self.config.recompute, "recompute_chunks": self.config.recompute_chunks}
+
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         x_RD, w_in, w_out, b_in, b_out = autocast_cast(x_RD, x_RD, self.w_in, self.w_out, self.b_in, self.b_out)
-        return grouped_ffn(
-            x_RD, counts_E, w_in, w_out, b_in, b_out, activation=self.config.activation, backend=self.config.backend,
-            recompute=self.config.recompute, recompute_chunks=self.config.recompute_chunks,
-        )
+        return grouped_ffn(x_RD, counts_E, w_in, w_out, b_in, b_out, **self.ffn_options())  # type: ignore[arg-type]
 
 
 def grouped_ffn(

@@ -36,6 +36,5 @@ class DataMode:
         weights = [None if w is None else all_gather_shards(w, where.group)
                    for w in (experts.w_in, experts.w_out, experts.b_in, experts.b_out)]
         rows_MD, *weights = autocast_cast(rows_MD, rows_MD, *weights)
-        out_MD = grouped_ffn(rows_MD, rows_per_slot, *weights, activation=experts.config.activation,
-                             backend=experts.config.backend)
+        out_MD = grouped_ffn(rows_MD, rows_per_slot, *weights, **experts.ffn_options())
         return combine_rows(out_MD, plan)

@@ -46,6 +46,5 @@ class HybridMode:
         rows = expert_in.reshape(-1, call.x_TD.shape[1]).to(w_in.dtype)
         # capacity layout: every slot of [e, C] is a row (padding rows are zero and ignored)
         counts_e = plan.counts_E if plan.capacity is None else torch.full_like(plan.counts_E, plan.capacity)
-        out = grouped_ffn(rows, counts_e, w_in, w_out, activation=experts.config.activation,
-                          backend=experts.config.backend)
+        out = grouped_ffn(rows, counts_e, w_in, w_out, **experts.ffn_options())
         return exchange_combine(where, out.view(expert_in.shape[:-1] + (out.shape[-1],)), plan)

@@ -49,7 +49,7 @@ class ShardedMode:
         group_rows, w_in, w_out, b_in = autocast_cast(group_rows, group_rows, w_in, w_out, b_in)
         out = grouped_ffn(permute_rows(group_rows, by_expert),
                           torch.bincount(expert_rows, minlength=where.placement.num_experts),
-                          w_in, w_out, b_in, None, activation=experts.config.activation, backend=experts.config.backend)
+                          w_in, w_out, b_in, None, **experts.ffn_options())
         out_rows = permute_rows(out, inverse_permutation(by_expert))
         if experts.b_out is not None:  # added once (by rank 0); every rank keeps it in its graph
             out_rows = out_rows + all_gather_shards(experts.b_out, where.group).to(out_rows.dtype)[expert_rows] * float(r == 0)
