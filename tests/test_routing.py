@@ -279,6 +279,13 @@ def test_importance_and_load_cv_squared(gen):
     assert load_loss(load).item() == pytest.approx(statistics.pvariance([3, 1, 4, 2]) / 2.5**2, rel=1e-9)
     assert cv_squared(torch.full((5,), 2.0)).item() == 0.0
     assert cv_squared(torch.tensor([3.0])).item() == 0.0
+    # two experts are enough for a spread; a zero mean with a spread is not "balanced" (> 0)
+    assert cv_squared(torch.tensor([1.0, 3.0], dtype=torch.float64)).item() == pytest.approx(0.25, rel=1e-9)
+    assert cv_squared(torch.tensor([1.0, -1.0], dtype=torch.float64)).item() > 1e9
+    # half precision is summed in fp32 (the loss of a bf16 model keeps fp32 resolution)
+    half = torch.tensor([3.0, 1.0, 4.0, 2.0], dtype=torch.bfloat16)
+    assert cv_squared(half).dtype == torch.float32
+    assert cv_squared(half).item() == pytest.approx(statistics.pvariance([3, 1, 4, 2]) / 2.5**2, rel=1e-6)
 
 
 def test_smooth_load_hand_formula(gen):
@@ -300,6 +307,15 @@ def test_smooth_load_hand_formula(gen):
     hard = smooth_load_E(clean.detach(), clean.detach(), 1e-9, k)
     counts = torch.bincount(clean.detach().topk(k, -1).indices.reshape(-1), minlength=E_).double()
     torch.testing.assert_close(hard, counts, rtol=0, atol=1e-12)
+    # k = E - 1: one expert is out per token, the threshold of the ones in is the last logit
+    k1 = E_ - 1
+    last = smooth_load_E(clean, noisy, sigma, k1)
+    expected = [0.0] * E_
+    for t in range(T_):
+        for e in range(E_):
+            others = sorted((noisy[t, j].item() for j in range(E_) if j != e), reverse=True)
+            expected[e] += phi((clean[t, e].item() - others[k1 - 1]) / sigma)
+    torch.testing.assert_close(last, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     # k >= E: every expert always in
     assert torch.equal(smooth_load_E(clean, noisy, sigma, E_), torch.full((E_,), float(T_), dtype=torch.float64))
 
