@@ -126,7 +126,8 @@ def test_two_chains_keep_the_stage_order(tmp_path):
             return {"summary": name}
         return run
 
-    stages = [Stage("b1", record("b1", 0.3), 9, 9), Stage("r1", record("r1", 0.0), 9, 9, "run"),
+    # margin: the run chain's two stages do nothing; b1's 1 s pause is what they must beat
+    stages = [Stage("b1", record("b1", 1.0), 9, 9), Stage("r1", record("r1", 0.0), 9, 9, "run"),
               Stage("r2", record("r2", 0.0), 9, 9, "run"), Stage("b2", record("b2", 0.0), 9, 9)]
     res = run_stages(stages, _ctx(tmp_path), 60, jobs=2, progress=lambda _: None)
     assert [r["name"] for r in res] == ["b1", "r1", "r2", "b2"]

@@ -257,6 +257,10 @@ def test_load_balance_hand_formula(gen):
     # fully collapsed routing: loss = E
     one_hot = F.one_hot(torch.zeros(T_, dtype=torch.long), E_).double()
     assert load_balance_loss(one_hot, torch.zeros(T_, 1, dtype=torch.long)).item() == pytest.approx(E_)
+    # counts given (the layer passes the routing's): they are used as given, not recounted
+    counts = torch.tensor([5, 0, 3, 4, 2])
+    given = E_ * sum(c / (T_ * K_) * pe for c, pe in zip(counts.tolist(), P))
+    assert load_balance_loss(probs, ids, counts).item() == pytest.approx(given, rel=1e-13)
 
 
 def test_z_loss_hand_formula(gen):
@@ -428,6 +432,21 @@ def test_update_bias_requires_rate(gen):
     moeflow.update_expert_bias(model)  # skips the layer without a rate, updates the other
     assert layer.router.expert_bias.abs().sum() == 0
     assert model[1].router.expert_bias.abs().sum() > 0
+
+
+def test_select_experts_group_defaults_are_one_group_by_max(gen):
+    """Without ``topk_groups`` and ``group_score``, grouped routing keeps the one best group by
+    its max score (``RouterConfig``'s defaults)."""
+    logits = rand(gen, 64, 16)
+    kw = dict(top_k=2, scoring="softmax", num_groups=4)
+    default = select_experts(logits, **kw)
+    explicit = select_experts(logits, **kw, topk_groups=1, group_score="max")
+    for a, b in zip(default, explicit):
+        assert torch.equal(a, b)
+    assert (default[1] // 4 == default[1][:, :1] // 4).all()  # both experts of a token in one group of 4
+    # the inputs tell the defaults from the alternatives
+    assert not torch.equal(default[1], select_experts(logits, **kw, group_score="top2_sum")[1])
+    assert not torch.equal(default[1], select_experts(logits, **kw, topk_groups=2)[1])
 
 
 def test_select_experts_rejects_unknown_scoring():
