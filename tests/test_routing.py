@@ -444,6 +444,9 @@ def test_select_experts_group_defaults_are_one_group_by_max(gen):
     for a, b in zip(default, explicit):
         assert torch.equal(a, b)
     assert (default[1] // 4 == default[1][:, :1] // 4).all()  # both experts of a token in one group of 4
+    # a scaling factor of 2 doubles the weights (the mutation run tried skipping exactly that one)
+    doubled = select_experts(logits, **kw, routed_scaling_factor=2.0)
+    torch.testing.assert_close(doubled[0], 2 * default[0], rtol=0, atol=0)
     # the inputs tell the defaults from the alternatives
     assert not torch.equal(default[1], select_experts(logits, **kw, group_score="top2_sum")[1])
     assert not torch.equal(default[1], select_experts(logits, **kw, topk_groups=2)[1])
