@@ -280,3 +280,16 @@ def test_dispatch_uses_input_dtype_for_weights():
     y = disp.combine(expert_in, plan)
     assert y.dtype == torch.float32 and expert_in.dtype == torch.float32
     torch.testing.assert_close(y, x * 1.0, rtol=1e-6, atol=1e-6)  # weights sum to 1 per token
+
+
+def test_sum_token_rows_weights_each_of_k_rows(gen):
+    """``sum_token_rows`` for K = 1 (its elementwise case) and K = 2, also where D is 1 (so the
+    K = 1 case is taken by K, not by another dimension of size 1)."""
+    from moeflow.dispatch.combine import sum_token_rows
+
+    for T, K, D in [(5, 1, 3), (5, 2, 1), (4, 3, 2)]:
+        rows = torch.randn(T, K, D, generator=gen, dtype=torch.float64)
+        w = torch.rand(T, K, generator=gen, dtype=torch.float64) + 0.1
+        expected = torch.stack([sum(w[t, k] * rows[t, k] for k in range(K)) for t in range(T)])
+        torch.testing.assert_close(sum_token_rows(rows, w, "combine"), expected, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(sum_token_rows(rows, w, "dispatch"), rows.sum(1), rtol=0, atol=0)

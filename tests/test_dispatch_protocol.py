@@ -60,6 +60,33 @@ def test_something_else_as_dispatcher_is_a_type_error():
     with pytest.raises(TypeError, match="dispatcher must implement moeflow.Dispatcher"):
         moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=object())
 
+    class OnlyDispatch:
+        def dispatch(self, x_TD, routing, *, capacity_factor):  # type: ignore[no-untyped-def]
+            raise AssertionError("never called")
+
+    class OnlyCombine:
+        def combine(self, expert_out, plan):  # type: ignore[no-untyped-def]
+            raise AssertionError("never called")
+
+    for half in (OnlyDispatch(), OnlyCombine()):  # half of the old pair is neither protocol
+        with pytest.raises(TypeError, match=f"got {type(half).__name__}"):
+            moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=half)
+
+
+def test_the_adapter_declares_what_the_old_dispatcher_did_and_the_warning_says_what_to_do():
+    old = _DispatchCombineOnly(4)
+    with pytest.warns(DeprecationWarning) as record:
+        layer = moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=old)
+    (message,) = [str(r.message) for r in record if issubclass(r.category, DeprecationWarning)]
+    assert message == ("_DispatchCombineOnly implements dispatch/combine only; the Dispatcher protocol is now "
+                       "run(x_TD, routing, experts, *, capacity_factor, overlap_degree, parallel) plus collective "
+                       "and layout (moeflow.dispatch.protocol). It is adapted for one release.")
+    adapter = layer.dispatcher
+    assert isinstance(adapter, DispatchCombineAdapter)
+    assert adapter.num_experts == 4 and adapter.collective is False and adapter.layout == ExpertLayout.whole(4)
+    old.collective = True  # an old dispatcher that said it was a collective stays one
+    assert DispatchCombineAdapter(old, 4).collective is True
+
 
 def test_expert_layout_reads_slots_and_refuses_mismatched_lengths():
     block = ExpertLayout(num_experts=8, slot_experts=(4, 5), slot_primary=(True, True))

@@ -149,6 +149,22 @@ def test_no_grad_dropless_layer_equals_the_loop_reference(gen, weight_at, activa
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize("weight_at", ["combine", "dispatch"])
+def test_no_grad_dropless_layer_in_bf16_matches_the_autograd_path(gen, weight_at) -> None:
+    """A bf16 layer routes in fp32 (the router's default): the no-grad dropless path casts the
+    router weights to the rows' dtype, so its output is bf16 and equals, to bf16 rounding, what
+    the autograd path gives."""
+    layer = make_layer(gen, dim=16, hidden=16, num_experts=4, top_k=2, capacity_factor=0.0, dtype=torch.bfloat16,
+                       dispatch=moeflow.DispatchConfig(weight_at=weight_at))
+    x_TD = rand(gen, 9, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y_TD = layer(x_TD)
+    ref_TD = layer(x_TD.clone().requires_grad_(True)).detach()
+    assert y_TD.dtype == torch.bfloat16
+    torch.testing.assert_close(y_TD, ref_TD, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.reference
 def test_no_grad_grouped_ffn_is_not_taken_where_it_would_skip_something(gen, monkeypatch) -> None:
     x_RD = rand(gen, 6, 16, dtype=torch.float32)
     assert _direct(monkeypatch, _experts_layer(gen, "swiglu").experts, x_RD)
