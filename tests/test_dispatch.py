@@ -293,3 +293,15 @@ def test_sum_token_rows_weights_each_of_k_rows(gen):
         expected = torch.stack([sum(w[t, k] * rows[t, k] for k in range(K)) for t in range(T)])
         torch.testing.assert_close(sum_token_rows(rows, w, "combine"), expected, rtol=1e-14, atol=1e-14)
         torch.testing.assert_close(sum_token_rows(rows, w, "dispatch"), rows.sum(1), rtol=0, atol=0)
+
+
+def test_renormalize_kept_rescales_to_the_total_and_zeroes_tokens_with_nothing_kept():
+    from moeflow.dispatch.combine import renormalize_kept
+
+    w = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.7, 0.2, 0.1]], dtype=torch.float64)
+    kept = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
+    out = renormalize_kept(w, kept)
+    # kept entries now sum to the token's total (1.0); a token with nothing kept has no weight
+    torch.testing.assert_close((out * kept).sum(1), torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64))
+    torch.testing.assert_close(out[0], w[0] / 0.7, rtol=1e-15, atol=0)
+    assert torch.equal(out[1], torch.zeros(3, dtype=torch.float64)) and torch.equal(out[2], w[2])

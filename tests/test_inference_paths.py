@@ -165,6 +165,20 @@ def test_no_grad_dropless_layer_in_bf16_matches_the_autograd_path(gen, weight_at
 
 
 @pytest.mark.reference
+def test_no_grad_dropless_layer_on_no_tokens_gives_no_rows(gen) -> None:
+    """An empty batch under ``no_grad`` (a decode step of a finished batch, an empty shard) gives
+    ``[0, D]``; the no-grad dropless path is not taken for it."""
+    layer = make_layer(gen, dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0.0)
+    with torch.no_grad():
+        y = layer(rand(gen, 0, 8))
+        # the dispatcher itself too (``forward_routed`` callers reach it with their own routing)
+        x = rand(gen, 0, 8)
+        y_direct = layer.dispatcher.run(x, layer.router(x, top_k=2), layer.experts, capacity_factor=0.0)
+    assert y.shape == (0, 8) and y.dtype == torch.float64
+    assert y_direct.shape == (0, 8)
+
+
+@pytest.mark.reference
 def test_no_grad_grouped_ffn_is_not_taken_where_it_would_skip_something(gen, monkeypatch) -> None:
     x_RD = rand(gen, 6, 16, dtype=torch.float32)
     assert _direct(monkeypatch, _experts_layer(gen, "swiglu").experts, x_RD)
