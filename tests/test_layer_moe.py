@@ -465,3 +465,23 @@ def test_deepcopy_after_forward():
     assert clone.aux_losses is None and layer.aux_losses is not None
     x = torch.randn(3, 8)
     assert torch.equal(clone(x), layer(x))
+
+
+@pytest.mark.parametrize("cf", [0.0, 1.0, -0.5])
+@pytest.mark.parametrize("weight_at", ["combine", "dispatch"])
+def test_every_tensor_the_layer_makes_names_its_device(gen, cf, weight_at):
+    """On a GPU a tensor built without a device lands on the CPU and fails there (or in an NCCL
+    collective). Here the default device is ``meta`` while the inputs and weights are on the
+    CPU: any constructor in the forward, the backward, the balance losses or the no-grad path
+    that does not name its device makes a meta tensor, and mixing it with the CPU tensors fails."""
+    layer = make_layer(gen, capacity_factor=cf, dispatch=DispatchConfig(weight_at=weight_at),
+                       router=RouterConfig(load_balance_coef=0.01, importance_coef=0.1, z_loss_coef=1e-3),
+                       eval_mode=False)
+    x = rand(gen, 7, layer.config.dim).requires_grad_(True)
+    with torch.device("meta"):
+        y = layer(x)
+        (y.sum() + moeflow.aux_loss(layer)).backward()
+        with torch.no_grad():
+            y_ng = layer.eval()(x)
+    assert y.device.type == y_ng.device.type == x.grad.device.type == "cpu"
+    assert all(p.grad is not None and p.grad.device.type == "cpu" for p in layer.parameters())

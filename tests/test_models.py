@@ -161,3 +161,24 @@ def test_vision_moe_shapes_and_gradients(gen, router: str) -> None:
     with pytest.raises(ValueError, match="images"):
         model(torch.rand(5, 3, 8, 8))
 
+
+
+@pytest.mark.reference
+def test_every_tensor_the_model_makes_names_its_device():
+    """As ``test_layer_moe``'s check for the layer, for the whole MoE GPT: training loss and
+    backward, then KV-cached generation of a left-padded batch, with ``meta`` as the default
+    device and everything real on the CPU (a constructor without a device would make a meta
+    tensor and fail against them)."""
+    from moeflow.models.generation import generate
+
+    torch.manual_seed(0)
+    model = small_gpt()
+    idx = torch.randint(0, 61, (2, 8))
+    with torch.device("meta"):
+        (model.loss(idx, idx) + moeflow.aux_loss(model)).backward()
+        model.eval()
+        out = model.generate(idx, max_new_tokens=3, temperature=0)
+        ragged = generate(model, [idx[0].tolist(), idx[1, :5].tolist()], 3, temperature=0)
+    assert out.device.type == "cpu" and out.shape == (2, 11)
+    assert ragged.tokens[0] == out[0, 8:].tolist() and len(ragged.tokens[1]) == 3
+    assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters() if p.requires_grad)
