@@ -485,3 +485,16 @@ def test_every_tensor_the_layer_makes_names_its_device(gen, cf, weight_at):
             y_ng = layer.eval()(x)
     assert y.device.type == y_ng.device.type == x.grad.device.type == "cpu"
     assert all(p.grad is not None and p.grad.device.type == "cpu" for p in layer.parameters())
+
+
+def test_one_expert_of_capacity_one_keeps_the_first_token_and_drops_the_rest(gen):
+    """The smallest capacity layout, one row in all: the kept token goes through the expert,
+    the dropped ones get zero output and gradient (their entries of the row map must not point
+    past the one row), against the loop reference with gradients."""
+    layer = make_layer(gen, num_experts=1, top_k=1, capacity_factor=1 / 3, eval_mode=False,
+                       router=RouterConfig(load_balance_coef=0.0))
+    x = rand(gen, 3, layer.config.dim)
+    compare_layer_with(layer, lambda x: loop_moe(layer, x), x, gen)
+    with torch.no_grad():
+        y = layer(x)
+    assert (y[0] != 0).any() and torch.equal(y[1:], torch.zeros_like(y[1:]))
