@@ -98,3 +98,16 @@ def test_autocast_bf16_dropless_and_capped():
         assert y.shape == x.shape and torch.isfinite(y.float()).all()
         ref = layer(x.float(), capacity_factor=cf)
         assert (y.float() - ref).abs().max() <= 5e-2 * ref.abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("cf", [0.0, 1.0])
+def test_the_plan_holds_the_combine_weights_in_the_input_dtype(gen, cf):
+    """``DispatchPlan.weights_TK`` is in the input dtype (types.py), whatever the router's (fp32
+    by default): what the combine multiplies the expert rows by."""
+    layer = make_layer(gen, dim=16, hidden=16, num_experts=4, top_k=2, dtype=torch.bfloat16, capacity_factor=cf)
+    x = torch.randn(6, 16, generator=gen).to(torch.bfloat16)
+    routing = layer.router(x, top_k=2)
+    assert routing.weights_TK.dtype == torch.float32
+    _, plan = layer.dispatcher.dispatch(x, routing, capacity_factor=cf)
+    assert plan.weights_TK.dtype == torch.bfloat16
+    torch.testing.assert_close(plan.weights_TK, routing.weights_TK.to(torch.bfloat16), rtol=0, atol=0)
