@@ -298,12 +298,17 @@ def test_smooth_load_hand_formula(gen):
     noisy = clean.detach() + sigma * rand(gen, T_, E_)
     load = smooth_load_E(clean, noisy, sigma, k)
     phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))  # noqa: E731
-    expected = [0.0] * E_
-    for t in range(T_):
-        for e in range(E_):
-            others = sorted((noisy[t, j].item() for j in range(E_) if j != e), reverse=True)
-            expected[e] += phi((clean[t, e].item() - others[k - 1]) / sigma)
-    torch.testing.assert_close(load, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+    def expected(k_: int) -> torch.Tensor:
+        """Per expert: P(its noisy logit beats the k-th best of the others), summed over tokens."""
+        out = [0.0] * E_
+        for t in range(T_):
+            for e in range(E_):
+                others = sorted((noisy[t, j].item() for j in range(E_) if j != e), reverse=True)
+                out[e] += phi((clean[t, e].item() - others[k_ - 1]) / sigma)
+        return torch.tensor(out, dtype=torch.float64)
+
+    torch.testing.assert_close(load, expected(k), rtol=1e-12, atol=1e-12)
     assert (load >= 0).all() and (load <= T_).all()
     (g,) = torch.autograd.grad(load_loss(load), [clean])
     assert torch.isfinite(g).all() and g.abs().max() > 0
@@ -312,14 +317,7 @@ def test_smooth_load_hand_formula(gen):
     counts = torch.bincount(clean.detach().topk(k, -1).indices.reshape(-1), minlength=E_).double()
     torch.testing.assert_close(hard, counts, rtol=0, atol=1e-12)
     # k = E - 1: one expert is out per token, the threshold of the ones in is the last logit
-    k1 = E_ - 1
-    last = smooth_load_E(clean, noisy, sigma, k1)
-    expected = [0.0] * E_
-    for t in range(T_):
-        for e in range(E_):
-            others = sorted((noisy[t, j].item() for j in range(E_) if j != e), reverse=True)
-            expected[e] += phi((clean[t, e].item() - others[k1 - 1]) / sigma)
-    torch.testing.assert_close(last, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(smooth_load_E(clean, noisy, sigma, E_ - 1), expected(E_ - 1), rtol=1e-12, atol=1e-12)
     # k >= E: every expert always in
     assert torch.equal(smooth_load_E(clean, noisy, sigma, E_), torch.full((E_,), float(T_), dtype=torch.float64))
 

@@ -31,6 +31,16 @@ NO_TESTS = {33, 5}
 SKIPPED = {34}
 
 
+def category(code: int | None) -> str:
+    """The report's column for one of mutmut's exit statuses."""
+    if code is None:
+        return "not run"
+    for name, codes in (("killed", KILLED), ("survived", SURVIVED), ("no test", NO_TESTS), ("skipped", SKIPPED)):
+        if code in codes:
+            return name
+    return "other"
+
+
 def package_of(mutant: str) -> str:
     """``moeflow.routing.scores.x_f__mutmut_3`` -> ``routing``; the three parallel modules
     are reported one by one (``parallel/tuner``)."""
@@ -69,20 +79,7 @@ def score_table(results: dict[str, int | None], equivalent: dict[str, str]) -> l
     for name, code in results.items():
         c = rows[package_of(name)]
         c["mutants"] += 1
-        if name in equivalent:
-            c["equivalent"] += 1
-        elif code is None:
-            c["not run"] += 1
-        elif code in KILLED:
-            c["killed"] += 1
-        elif code in SURVIVED:
-            c["survived"] += 1
-        elif code in NO_TESTS:
-            c["no test"] += 1
-        elif code in SKIPPED:
-            c["skipped"] += 1
-        else:
-            c["other"] += 1
+        c["equivalent" if name in equivalent else category(code)] += 1
     table = []
     for pkg in sorted(rows):
         c = rows[pkg]
