@@ -97,3 +97,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Fail collection on a test without exactly one tier; run the cheaper tiers first (stable)."""
     rank = {item.nodeid: TIERS.index(_tier(item)) for item in items}
     items.sort(key=lambda item: rank[item.nodeid])
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """End the pool of gloo ranks ``helpers.spawn_ranks`` keeps (if a test started one)."""
+    import helpers
+
+    helpers.close_rank_pool()

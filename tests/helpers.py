@@ -21,11 +21,13 @@ Fixtures live in ``conftest.py``; everything a test module imports by name lives
 
 from __future__ import annotations
 
+import atexit
 import copy
 import datetime
 import hashlib
 import importlib
 import os
+import queue
 import shutil
 import sys
 import tempfile
@@ -314,6 +316,14 @@ def _mutation_hits() -> list[str]:
     return sorted(state()._stats)
 
 
+def _clear_mutation_hits() -> None:
+    """Forget the hits reported so far (a pooled rank reports each case's own)."""
+    if os.environ.get("MUTANT_UNDER_TEST") == "stats" and "mutmut.state" in sys.modules:
+        from mutmut.state import state
+
+        state()._stats.clear()
+
+
 def _add_mutation_hits(hits: Sequence[str]) -> None:
     if hits and "mutmut.state" in sys.modules:
         from mutmut.state import state
@@ -357,7 +367,21 @@ def spawn_ranks(world: int, module: str, case: str, *args: object, backend: str 
 
     ``module`` is the test module's ``__name__``: each rank imports it by name (tests/ is on the
     spawned processes' sys.path too) and looks the case up in its ``CASES`` dict.
+
+    gloo cases run in a pool of ranks kept for the calls of one module with one world size
+    (``_RankPool``): starting a rank costs about 3 s of CPU (importing torch, moeflow and the
+    module), more than most cases, so a fresh set per call made up about a third of ``make
+    test``. Each case still starts from what a fresh rank has (see ``_RankPool``); a failed or
+    timed-out case ends the pool, and the next call starts a new one. nccl runs fresh ranks.
     """
+    if backend == "gloo":
+        _RankPool.for_module(world, module).run(case, args)
+        return
+    _spawn_fresh(world, module, case, args, backend)
+
+
+def _spawn_fresh(world: int, module: str, case: str, args: tuple, backend: str) -> None:
+    """One fresh process per rank for one case (the nccl ranks of the GPU tests)."""
     ctx = mp.get_context("spawn")
     errors, done, hits = ctx.SimpleQueue(), ctx.SimpleQueue(), ctx.SimpleQueue()
     store_dir = tempfile.mkdtemp(prefix="moeflow-rdzv-")
@@ -395,6 +419,162 @@ def spawn_ranks(world: int, module: str, case: str, *args: object, backend: str 
         raise AssertionError(f"{case} failed on {world} ranks: {err}\n" + "\n".join(msgs)) from None
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+# how long the pool waits for the other ranks' reports after one rank failed: a case that raises
+# on every rank (a refusal every rank must see) reports each; a rank left waiting in a collective
+# for the failed one never reports, and the pool is ended
+_FAILURE_GRACE_S = 3.0
+
+
+class _RankPool:
+    """``world`` gloo ranks (spawned processes, one process group) that run one module's cases.
+
+    Before each case a rank gets the state a freshly spawned rank had: the parent's environment
+    and working directory as they are at the call, one intra-op thread, fp32 as the default
+    dtype, no default device, gradients on, deterministic algorithms off, and the global RNG at
+    torch's start-up seed (a case that draws without seeding draws what it drew in a fresh
+    process). What a case leaves in its module's globals or in moeflow's caches stays: the pool
+    is kept for one module only, so only that module's own cases share a process. After a case
+    every rank passes a barrier (no rank runs ahead into the next one). A rank that fails reports
+    its traceback and exits, which ends the pool; so does a rank that dies or a case that runs
+    past TIMEOUT_S. A rank exits by itself when the process that started it is gone (a mutmut
+    worker ends with ``os._exit``, so no atexit handler of it runs).
+    """
+
+    _open: dict[int, _RankPool] = {}  # by world size; every pool of one module
+
+    def __init__(self, world: int, module: str) -> None:
+        self.world, self.module = world, module
+        ctx = mp.get_context("spawn")
+        self.store_dir = tempfile.mkdtemp(prefix="moeflow-rdzv-")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.procs = [
+            ctx.Process(target=_pool_rank, args=(rank, world, os.path.join(self.store_dir, "store"), module,
+                                                 self.tasks[rank], self.results, os.getpid()), daemon=False)
+            for rank in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    @classmethod
+    def for_module(cls, world: int, module: str) -> _RankPool:
+        """The pool for ``(world, module)``; the pools of another module are ended first (a
+        module's tests alternate world sizes, so its pools stay side by side)."""
+        if any(pool.module != module for pool in cls._open.values()):
+            close_rank_pool()
+        pool = cls._open.get(world)
+        if pool is None or not pool.alive():
+            if pool is not None:
+                pool.close()
+            pool = cls._open[world] = cls(world, module)
+        return pool
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, case: str, args: tuple) -> None:
+        """Run ``case`` on every rank; raise AssertionError (every failed rank's traceback, in the
+        order they came) or TimeoutError, ending the pool, unless every rank passed."""
+        task = (case, args, dict(os.environ), os.getcwd())
+        for q in self.tasks:
+            q.put(task)
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
+        passed: set[int] = set()
+        msgs: list[str] = []
+        failed_at: datetime.datetime | None = None
+        while len(passed) + len(msgs) < self.world:
+            now = datetime.datetime.now()
+            if failed_at is not None and (now - failed_at).total_seconds() > _FAILURE_GRACE_S:
+                break
+            if now > deadline:
+                self.close()
+                raise TimeoutError(f"{case} on {self.world} ranks did not finish in {TIMEOUT_S}s")
+            try:
+                rank, ok, payload = self.results.get(timeout=0.5)
+            except queue.Empty:
+                if failed_at is None and not self.alive():
+                    dead = [f"rank {r}: exit code {p.exitcode}" for r, p in enumerate(self.procs) if not p.is_alive()]
+                    msgs.append("died without a report: " + ", ".join(dead))
+                    failed_at = datetime.datetime.now()
+                continue
+            if ok:
+                passed.add(rank)
+                _add_mutation_hits(payload)
+            else:
+                msgs.append(payload)
+                failed_at = failed_at or datetime.datetime.now()
+        if msgs:
+            self.close()
+            raise AssertionError(f"{case} failed on {self.world} ranks\n" + "\n".join(msgs))
+
+    def close(self) -> None:
+        """End every rank (a clean stop when idle, else killed) and remove the rendezvous file."""
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for q in (*self.tasks, self.results):
+            q.close()
+            q.cancel_join_thread()
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+        if _RankPool._open.get(self.world) is self:
+            del _RankPool._open[self.world]
+
+
+def close_rank_pool() -> None:
+    """End the pools of gloo ranks that are running (conftest calls it when the session ends)."""
+    for pool in list(_RankPool._open.values()):
+        pool.close()
+
+
+atexit.register(close_rank_pool)
+
+
+def _pool_rank(rank: int, world: int, store_file: str, module: str, tasks, results, parent_pid: int) -> None:
+    """One rank of a ``_RankPool``: join the process group, then run cases until told to stop."""
+    torch.set_num_threads(1)
+    start_seed = torch.initial_seed()
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=90))
+    cases = getattr(importlib.import_module(module), "CASES")
+    while True:
+        try:
+            task = tasks.get(timeout=2)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # the parent is gone: nothing will come
+                os._exit(0)
+            continue
+        if task is None:
+            break
+        case, args, env, cwd = task
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        torch.set_num_threads(1)
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+        torch.set_grad_enabled(True)
+        torch.use_deterministic_algorithms(False)
+        torch.manual_seed(start_seed)
+        try:
+            cases[case](rank, world, *args)
+            dist.barrier()
+        except BaseException:  # noqa: BLE001 - reported to the parent, which ends the pool
+            results.put((rank, False, f"rank {rank}:\n{traceback.format_exc()}"))
+            results.close()
+            results.join_thread()
+            os._exit(1)  # a rank waiting for this one in a collective fails at once
+        results.put((rank, True, _mutation_hits()))
+        _clear_mutation_hits()
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- files
