@@ -4,6 +4,8 @@ groups. The Triton kernels: ``test_kernels_triton.py``."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -50,6 +52,41 @@ def test_grouped_mm_native_matches_loop(gen, E, R, D, F, empty, dtype):
     assert torch.all(gw[counts == 0] == 0)
 
 
+@pytest.mark.parametrize("layout", ["EDF", "EFD view", "EDF slice"])
+def test_grouped_mm_native_backward_in_each_weight_layout_and_with_one_side_frozen(gen, layout):
+    """The native backward against the loop for weights stored [E, D, F], for the transposed view
+    of an [E, F, D] tensor (a Hugging Face ``gate_up_proj``) and for a slice of a wider tensor; with only x
+    or only w requiring a gradient (frozen experts, frozen inputs) the other one is None. The
+    weight gradient leaves the backward in the transposed layout exactly for the transposed view
+    (it then reaches that parameter without a transposing copy), contiguous otherwise."""
+    if not native_grouped_mm_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("F.grouped_mm not available here")
+    E, R, D, F = 3, 17, 8, 12
+    offs = torch.cumsum(random_counts(gen, E, R, 1), 0)
+    x = torch.randn(R, D, generator=gen)
+    w = {"EDF": lambda: torch.randn(E, D, F, generator=gen),
+         "EFD view": lambda: torch.randn(E, F, D, generator=gen).transpose(1, 2),
+         "EDF slice": lambda: torch.randn(E, D, F + 4, generator=gen)[:, :, :F]}[layout]()
+    g = torch.randn(R, F, generator=gen)
+    x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
+    gx_ref, gw_ref = torch.autograd.grad(grouped_mm_loop(x_ref, w_ref, offs), (x_ref, w_ref), g)
+    for needs in ((True, True), (True, False), (False, True)):
+        xi, wi = x.clone().requires_grad_(needs[0]), w.detach().requires_grad_(needs[1])
+        y = GROUPED_MM_BACKENDS["grouped_mm"](xi, wi, offs)
+        wanted = [t for t, n in zip((xi, wi), needs) if n]
+        grads = dict(zip([id(t) for t in wanted], torch.autograd.grad(y, wanted, g)))
+        if needs[0]:
+            torch.testing.assert_close(grads[id(xi)], gx_ref, rtol=1e-5, atol=1e-5)
+        if needs[1]:
+            gw = grads[id(wi)]
+            torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-5)
+            assert gw.transpose(1, 2).is_contiguous() if layout == "EFD view" else gw.is_contiguous(), gw.stride()
+        xi.grad = wi.grad = None
+        y = GROUPED_MM_BACKENDS["grouped_mm"](xi, wi, offs)
+        y.backward(g)  # through backward(): the gradient that is not needed is None, not anything else
+        assert (xi.grad is None) == (not needs[0]) and (wi.grad is None) == (not needs[1])
+
+
 def test_grouped_mm_native_accepts_expanded_gradient(gen):
     if not native_grouped_mm_supported(torch.device("cpu"), torch.float32):
         pytest.skip("F.grouped_mm not available here")
@@ -78,6 +115,11 @@ def test_backend_resolution():
     x = torch.randn(3, 2, dtype=torch.float64)
     w = torch.randn(1, 2, 2, dtype=torch.float64)
     torch.testing.assert_close(grouped_mm(x, w, torch.tensor([3])), x @ w[0])
+    # "auto" checks the weights' own sizes: 3 fp32 inputs or 3 fp32 outputs per row (12 bytes)
+    # take the loop, whatever E (4 experts: 16 bytes, which must not be taken for a feature size)
+    for D, F in ((3, 8), (8, 3)):
+        x, w, offs = torch.randn(6, D), torch.randn(4, D, F), torch.tensor([1, 3, 3, 6])
+        torch.testing.assert_close(grouped_mm(x, w, offs), grouped_mm_loop(x, w, offs), rtol=1e-6, atol=1e-6)
 
 
 def _one_to_k_mapping(gen: torch.Generator, N: int, K: int, M: int, keep: float):
@@ -124,10 +166,48 @@ def test_gather_rows_masks_non_finite_sources(gen):
     assert torch.equal(out[1], src[1])
 
 
+@pytest.mark.parametrize("capability, native, expected", [
+    ((9, 0), True, "grouped_mm"),   # Hopper: torch's grouped GEMM (measured faster than the Triton FFN)
+    ((10, 0), True, "grouped_mm"),  # Blackwell
+    ((9, 0), False, "triton"),      # where torch's grouped GEMM does not run: Triton
+    ((8, 0), True, "triton"),       # Ampere: Triton (torch's grouped GEMM targets Hopper and later)
+])
+def test_auto_on_cuda_follows_the_gpu(monkeypatch, capability, native, expected):
+    """The decision on a CUDA machine (pretended: no tensor is created), per compute
+    capability and whether ``F.grouped_mm`` runs there; the capability is read from the device
+    named, or from the current one for a bare ``cuda``."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    registry = importlib.import_module("moeflow.kernels.grouped_mm")  # the module, not the function
+    monkeypatch.setattr(registry, "native_grouped_mm_supported", lambda *args: native)
+    asked: list[object] = []
+    monkeypatch.setattr(registry, "_cuda_capability", lambda index: asked.append(index) or capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert registry.auto_grouped_mm_backend(torch.device("cuda"), dtype, capability=capability) == expected
+        assert resolve_grouped_mm_backend("auto", torch.device("cuda:1"), dtype) == expected
+        assert resolve_grouped_mm_backend("auto", torch.device("cuda"), dtype) == expected
+        assert asked[-2:] == [1, 3], asked
+    # fp32 stays on the torch path unless asked for (the kernels' fp32 path is exact, not fast)
+    assert resolve_grouped_mm_backend("auto", torch.device("cuda"), torch.float32) == ("grouped_mm" if native else "loop")
+    assert resolve_grouped_mm_backend("triton", torch.device("cuda"), torch.float32) == "triton"
+    with pytest.raises(ValueError, match="backend='triton'.*float64"):
+        resolve_grouped_mm_backend("triton", torch.device("cuda"), torch.float64)
+
+
 def test_count_ids_matches_bincount():
     ids = torch.randint(0, 7, (50, 3))
     assert torch.equal(count_ids(ids, 7), torch.bincount(ids.reshape(-1), minlength=7))
     assert torch.equal(count_ids(torch.zeros(0, 2, dtype=torch.long), 3), torch.zeros(3, dtype=torch.long))
+
+
+def test_count_ids_keeps_the_ids_device_and_counts_in_int64():
+    """The counts live on the ids' device whatever the default device is (``meta`` here: a
+    tensor made without naming its device would land there), and are int64 for int64 ids."""
+    ids = torch.randint(0, 5, (40, 2))
+    with torch.device("meta"):
+        counts = count_ids(ids, 5)
+    assert counts.device == ids.device and counts.dtype == torch.long
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=5))
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}

@@ -96,29 +96,6 @@ def test_availability_and_registry():
         assert not mt.triton_available("cuda")
 
 
-@pytest.mark.parametrize("capability, native, expected", [
-    ((9, 0), True, "grouped_mm"),   # Hopper: torch's grouped GEMM (measured faster than the Triton FFN)
-    ((10, 0), True, "grouped_mm"),  # Blackwell
-    ((9, 0), False, "triton"),      # where torch's grouped GEMM does not run: Triton
-    ((8, 0), True, "triton"),       # Ampere: Triton (torch's grouped GEMM targets Hopper and later)
-])
-def test_auto_on_cuda_follows_the_gpu(monkeypatch, capability, native, expected):
-    """The decision on a CUDA machine (pretended: no tensor is created), per compute
-    capability and whether ``F.grouped_mm`` runs there."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    registry = importlib.import_module("moeflow.kernels.grouped_mm")  # the module, not the function
-    monkeypatch.setattr(registry, "native_grouped_mm_supported", lambda *args: native)
-    monkeypatch.setattr(registry, "_cuda_capability", lambda index: capability)
-    for dtype in (torch.bfloat16, torch.float16):
-        assert registry.auto_grouped_mm_backend(torch.device("cuda"), dtype, capability=capability) == expected
-        assert resolve_grouped_mm_backend("auto", torch.device("cuda:0"), dtype) == expected
-    # fp32 stays on the torch path unless asked for (the kernels' fp32 path is exact, not fast)
-    assert resolve_grouped_mm_backend("auto", torch.device("cuda"), torch.float32) == ("grouped_mm" if native else "loop")
-    assert resolve_grouped_mm_backend("triton", torch.device("cuda"), torch.float32) == "triton"
-    with pytest.raises(ValueError, match="backend='triton'.*float64"):
-        resolve_grouped_mm_backend("triton", torch.device("cuda"), torch.float64)
-
-
 def test_explicit_triton_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not mt.triton_available("cpu")
