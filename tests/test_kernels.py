@@ -194,6 +194,58 @@ def test_auto_on_cuda_follows_the_gpu(monkeypatch, capability, native, expected)
         resolve_grouped_mm_backend("triton", torch.device("cuda"), torch.float64)
 
 
+def test_native_probe_runs_on_the_device_asked_about(monkeypatch):
+    """``native_grouped_mm_supported`` probes the device type it is asked about (a CUDA answer
+    must come from a CUDA probe, not the CPU's), and a feature size whose rows are not 16-byte
+    aligned is refused before any probe."""
+    registry = importlib.import_module("moeflow.kernels.grouped_mm")
+    asked: list[object] = []
+    monkeypatch.setattr(registry, "_probe", lambda device_type, dtype: asked.append((device_type, dtype)) or True)
+    assert registry.native_grouped_mm_supported(torch.device("cuda", 1), torch.bfloat16, (16, 32))
+    assert registry.native_grouped_mm_supported("cpu", torch.float32)
+    assert not registry.native_grouped_mm_supported("cuda", torch.bfloat16, (16, 12))
+    assert asked == [("cuda", torch.bfloat16), ("cpu", torch.float32)]
+
+
+def test_activate_backward_refuses_bad_operands():
+    """The in-place activation backward refuses what it cannot overwrite row by row: a 3-D h
+    beside a 2-D da, rows that differ, and either operand not contiguous (each on its own)."""
+    from moeflow.kernels.activation import activate_backward_
+
+    h, da = torch.randn(4, 8), torch.randn(4, 4)
+    for bad_h, bad_da, match in (
+        (torch.randn(4, 2, 8), da, "2-D"),
+        (h, torch.randn(4, 2, 4), "2-D"),
+        (h, torch.randn(3, 4), "same rows"),
+        (torch.randn(8, 4).t(), da, "contiguous"),
+        (h, torch.randn(4, 4).t(), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            activate_backward_(bad_h, bad_da, "swiglu")
+
+
+def test_permute_rows_backward_with_no_rows_kept_and_any_value_in_unused_rev_entries(gen):
+    """``rev_TK`` entries that ``rev_valid_TK`` marks unused may hold any value (negative, past
+    the last row): the weighted backward still gives the reference gradients. With no row kept
+    at all (M = 0) every token's gradient is zero and the weights' gradient is empty."""
+    T, D, K = 5, 4, 2
+    x = torch.randn(T, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    index_M = torch.tensor([0, 2, 2, 4])
+    rev_TK = torch.tensor([[0, -7], [99, -1], [1, 2], [1000, 5], [3, -3]])
+    rev_valid_TK = torch.tensor([[True, False], [False, False], [True, True], [False, False], [True, False]])
+    w = torch.rand(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, D, generator=gen, dtype=torch.float64)
+    gx, gw = torch.autograd.grad(permute_rows(x, index_M, None, rev_TK, rev_valid_TK, weights_M=w), (x, w), g)
+    gx_ref, gw_ref = torch.autograd.grad(w[:, None] * x[index_M], (x, w), g)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-12, atol=1e-12)
+    empty = torch.zeros(0, dtype=torch.long)
+    w0 = torch.zeros(0, dtype=torch.float64, requires_grad=True)
+    y = permute_rows(x, empty, None, torch.full((T, K), 3), torch.zeros(T, K, dtype=torch.bool), weights_M=w0)
+    gx, gw = torch.autograd.grad(y.sum() + 0 * x.sum(), (x, w0), allow_unused=True)
+    assert y.shape == (0, D) and torch.equal(gx, torch.zeros_like(x)) and (gw is None or gw.shape == (0,))
+
+
 def test_count_ids_matches_bincount():
     ids = torch.randint(0, 7, (50, 3))
     assert torch.equal(count_ids(ids, 7), torch.bincount(ids.reshape(-1), minlength=7))
