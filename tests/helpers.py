@@ -489,7 +489,7 @@ class _RankPool:
             if failed_at is not None and (now - failed_at).total_seconds() > _FAILURE_GRACE_S:
                 break
             if now > deadline:
-                self.close()
+                self.close(kill=True)
                 raise TimeoutError(f"{case} on {self.world} ranks did not finish in {TIMEOUT_S}s")
             try:
                 rank, ok, payload = self.results.get(timeout=0.5)
@@ -506,18 +506,19 @@ class _RankPool:
                 msgs.append(payload)
                 failed_at = failed_at or datetime.datetime.now()
         if msgs:
-            self.close()
+            self.close(kill=True)  # a rank may be waiting for the failed one in a collective
             raise AssertionError(f"{case} failed on {self.world} ranks\n" + "\n".join(msgs))
 
-    def close(self) -> None:
-        """End every rank (a clean stop when idle, else killed) and remove the rendezvous file."""
+    def close(self, *, kill: bool = False) -> None:
+        """End every rank (told to stop when idle; killed when ``kill`` or when it does not stop)
+        and remove the rendezvous file."""
         for q in self.tasks:
             try:
                 q.put(None)
             except (OSError, ValueError):
                 pass
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=0 if kill else 5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
