@@ -246,6 +246,26 @@ def test_permute_rows_backward_with_no_rows_kept_and_any_value_in_unused_rev_ent
     assert y.shape == (0, D) and torch.equal(gx, torch.zeros_like(x)) and (gw is None or gw.shape == (0,))
 
 
+@pytest.mark.parametrize("N,J,D,M", [(5, 2, 1, 4), (5, 2, 3, 0), (0, 2, 3, 4), (5, 0, 3, 4), (5, 2, 0, 4)])
+def test_gather_dot_on_edge_sizes(gen, N, J, D, M):
+    """``gather_dot`` against its definition at one feature (D = 1), with nothing to gather from
+    (M = 0: every entry invalid), and with no rows, no entries per row or no features."""
+    from moeflow.kernels.permute import gather_dot
+
+    a = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    b = torch.randn(M, D, generator=gen, dtype=torch.float64)
+    index = torch.randint(0, max(M, 1), (N, J), generator=gen) + (7 if M == 0 else 0)
+    valid = torch.rand(N, J, generator=gen) < (0.7 if M else 0.0)
+    expected = torch.zeros(N, J, dtype=torch.float64)
+    for n in range(N):
+        for j in range(J):
+            if valid[n, j]:
+                expected[n, j] = a[n] @ b[index[n, j]]
+    out = gather_dot(a, b, index, valid, a)
+    assert out.shape == (N, J) and out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_count_ids_matches_bincount():
     ids = torch.randint(0, 7, (50, 3))
     assert torch.equal(count_ids(ids, 7), torch.bincount(ids.reshape(-1), minlength=7))
