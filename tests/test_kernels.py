@@ -266,6 +266,24 @@ def test_gather_dot_on_edge_sizes(gen, N, J, D, M):
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_gather_dot_answers_in_the_dtype_of_like_and_permute_saves_x_only_for_weights(gen):
+    """``gather_dot`` accumulates in fp32 but answers in ``like``'s dtype (bf16 here); and
+    ``permute_rows`` keeps ``x`` for backward only when there are weights to differentiate (the
+    unweighted backward needs the indices alone)."""
+    from moeflow.kernels.permute import gather_dot
+
+    a, b = torch.randn(3, 8, generator=gen).bfloat16(), torch.randn(4, 8, generator=gen).bfloat16()
+    out = gather_dot(a, b, torch.tensor([[0], [3], [1]]), None, a)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), (a.float() * b.float()[[0, 3, 1]]).sum(1, keepdim=True), rtol=2e-2, atol=2e-2)
+    x = torch.randn(4, 16, generator=gen, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        permute_rows(x, torch.tensor([0, 1, 3]), None, torch.tensor([[0], [1], [0], [2]]),
+                     torch.tensor([[True], [True], [False], [True]]))
+    assert all(t.shape != x.shape for t in saved), [tuple(t.shape) for t in saved]
+
+
 def test_count_ids_matches_bincount():
     ids = torch.randint(0, 7, (50, 3))
     assert torch.equal(count_ids(ids, 7), torch.bincount(ids.reshape(-1), minlength=7))
