@@ -303,7 +303,7 @@ def assert_offloaded_grads_equal(model: MoEGPT, offloaded: MoEGPT, store, idx: t
 TIMEOUT_S = 240
 
 
-def _mutation_hits() -> list[str]:
+def _mutation_hits(*, clear: bool = False) -> list[str]:
     """The library functions mutmut's trampolines saw run in this process during ``make
     mutation``'s coverage pass (``MUTANT_UNDER_TEST=stats``; empty otherwise). A spawned rank
     hands them to ``spawn_ranks``, which adds them to the test's own: without that, code that
@@ -313,15 +313,10 @@ def _mutation_hits() -> list[str]:
         return []
     from mutmut.state import state  # only under mutmut (the dev extra)
 
-    return sorted(state()._stats)
-
-
-def _clear_mutation_hits() -> None:
-    """Forget the hits reported so far (a pooled rank reports each case's own)."""
-    if os.environ.get("MUTANT_UNDER_TEST") == "stats" and "mutmut.state" in sys.modules:
-        from mutmut.state import state
-
+    seen = sorted(state()._stats)
+    if clear:  # a pooled rank reports each case's own
         state()._stats.clear()
+    return seen
 
 
 def _add_mutation_hits(hits: Sequence[str]) -> None:
@@ -331,8 +326,8 @@ def _add_mutation_hits(hits: Sequence[str]) -> None:
         state()._stats.update(hits)
 
 
-def _entry(rank: int, world: int, store_file: str, module: str, case: str, errors, args: tuple, done=None,
-           backend: str = "gloo", hits=None) -> None:
+def _join_group(rank: int, world: int, store_file: str, backend: str) -> None:
+    """A spawned rank's start: one intra-op thread, then the process group."""
     torch.set_num_threads(1)
     kw: dict[str, object] = {}
     if backend == "nccl":  # one GPU per rank, as moeflow.parallel.init_distributed does
@@ -343,6 +338,11 @@ def _entry(rank: int, world: int, store_file: str, module: str, case: str, error
         backend, init_method=f"file://{store_file}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=90), **kw,
     )
+
+
+def _entry(rank: int, world: int, store_file: str, module: str, case: str, errors, args: tuple, done=None,
+           backend: str = "gloo", hits=None) -> None:
+    _join_group(rank, world, store_file, backend)
     passed = False
     try:
         getattr(importlib.import_module(module), "CASES")[case](rank, world, *args)
@@ -541,10 +541,8 @@ atexit.register(close_rank_pool)
 
 def _pool_rank(rank: int, world: int, store_file: str, module: str, tasks, results, parent_pid: int) -> None:
     """One rank of a ``_RankPool``: join the process group, then run cases until told to stop."""
-    torch.set_num_threads(1)
     start_seed = torch.initial_seed()
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=90))
+    _join_group(rank, world, store_file, "gloo")
     cases = getattr(importlib.import_module(module), "CASES")
     while True:
         try:
@@ -573,8 +571,7 @@ def _pool_rank(rank: int, world: int, store_file: str, module: str, tasks, resul
             results.close()
             results.join_thread()
             os._exit(1)  # a rank waiting for this one in a collective fails at once
-        results.put((rank, True, _mutation_hits()))
-        _clear_mutation_hits()
+        results.put((rank, True, _mutation_hits(clear=True)))
     dist.destroy_process_group()
 
 
