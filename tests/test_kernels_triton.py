@@ -78,8 +78,13 @@ def distinct_ids(gen: torch.Generator, T: int, E: int, K: int, skip: int = 0) ->
 # selection and import hygiene
 
 
-def test_importing_moeflow_does_not_import_triton():
-    code = "import sys, moeflow, moeflow.kernels, moeflow.kernels.triton; assert 'triton' not in sys.modules"
+def test_importing_moeflow_does_not_import_triton_or_dcp():
+    """Every process that imports moeflow (each CLI command, each rank) would pay for these at
+    start: Triton about 0.1 s, torch.distributed.checkpoint (and DTensor, sympy) about 1 s."""
+    code = ("import sys, moeflow, moeflow.kernels, moeflow.kernels.triton, moeflow.parallel, moeflow.checkpoint, "
+            "moeflow.train, moeflow.cli.main\n"
+            "late = [m for m in ('triton', 'torch.distributed.checkpoint', 'torch.distributed.tensor') if m in sys.modules]\n"
+            "assert not late, late")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO)
 

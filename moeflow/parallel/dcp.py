@@ -44,7 +44,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moeflow.experts import GroupedExperts
 from moeflow.layer.moe import MoE
@@ -155,6 +154,8 @@ def dcp_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
 
 def _storage(t: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor  # here, not at the top: its import costs ~1 s at every start
+
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()  # FSDP2's dense DTensors
 
 

@@ -22,10 +22,13 @@ The tensor itself has no data: every other operation on it raises.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+if TYPE_CHECKING:  # DCP is imported where it calls in (importing it costs ~1 s of CPU at every start)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = ["ChunkedTensor"]
 
@@ -94,6 +97,9 @@ class ChunkedTensor(torch.Tensor):
     # ------------------------------------------------------------ DCP's checkpointable protocol
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(o)),
@@ -108,6 +114,8 @@ class ChunkedTensor(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape)
                 for o, t in zip(self._offsets, self._tensors)]
 
