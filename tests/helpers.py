@@ -368,14 +368,14 @@ def spawn_ranks(world: int, module: str, case: str, *args: object, backend: str 
     ``module`` is the test module's ``__name__``: each rank imports it by name (tests/ is on the
     spawned processes' sys.path too) and looks the case up in its ``CASES`` dict.
 
-    gloo cases run in a pool of ranks kept for the calls of one module with one world size
-    (``_RankPool``): starting a rank costs about 3 s of CPU (importing torch, moeflow and the
-    module), more than most cases, so a fresh set per call made up about a third of ``make
-    test``. Each case still starts from what a fresh rank has (see ``_RankPool``); a failed or
-    timed-out case ends the pool, and the next call starts a new one. nccl runs fresh ranks.
+    gloo cases run in a pool of ranks kept per world size for the whole session (``_RankPool``):
+    starting a rank costs about 3 s of CPU (importing torch and moeflow), more than most cases,
+    so a fresh set per call made up about a third of ``make test``. Each case still starts from
+    what a fresh rank has (see ``_RankPool``); a failed or timed-out case ends the pool, and the
+    next call starts a new one. nccl runs fresh ranks.
     """
     if backend == "gloo":
-        _RankPool.for_module(world, module).run(case, args)
+        _RankPool.for_world(world).run(module, case, args)
         return
     _spawn_fresh(world, module, case, args, backend)
 
@@ -428,30 +428,33 @@ _FAILURE_GRACE_S = 3.0
 
 
 class _RankPool:
-    """``world`` gloo ranks (spawned processes, one process group) that run one module's cases.
+    """``world`` gloo ranks (spawned processes, one process group) that run the cases of any
+    test module, one after another.
 
     Before each case a rank gets the state a freshly spawned rank had: the parent's environment
     and working directory as they are at the call, one intra-op thread, fp32 as the default
     dtype, no default device, gradients on, deterministic algorithms off, and the global RNG at
     torch's start-up seed (a case that draws without seeding draws what it drew in a fresh
-    process). What a case leaves in its module's globals or in moeflow's caches stays: the pool
-    is kept for one module only, so only that module's own cases share a process. After a case
-    every rank passes a barrier (no rank runs ahead into the next one). A rank that fails reports
-    its traceback and exits, which ends the pool; so does a rank that dies or a case that runs
-    past TIMEOUT_S. A rank exits by itself when the process that started it is gone (a mutmut
-    worker ends with ``os._exit``, so no atexit handler of it runs).
+    process). A module global of moeflow or of the tests that a case rebinds (a function
+    patched to fail, as the fault tests do) is bound back after it (``_module_globals``); what a
+    case leaves inside an object (moeflow's caches: the kernel backend probes, registered custom
+    ops, the same in every process) stays. After a case every rank passes a barrier (no rank
+    runs ahead into the next one). A rank that fails reports its
+    traceback and exits, which ends the pool; so does a rank that dies or a case that runs past
+    TIMEOUT_S. A rank exits by itself when the process that started it is gone (a mutmut worker
+    ends with ``os._exit``, so no atexit handler of it runs).
     """
 
-    _open: dict[int, _RankPool] = {}  # by world size; every pool of one module
+    _open: dict[int, _RankPool] = {}  # by world size
 
-    def __init__(self, world: int, module: str) -> None:
-        self.world, self.module = world, module
+    def __init__(self, world: int) -> None:
+        self.world = world
         ctx = mp.get_context("spawn")
         self.store_dir = tempfile.mkdtemp(prefix="moeflow-rdzv-")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.procs = [
-            ctx.Process(target=_pool_rank, args=(rank, world, os.path.join(self.store_dir, "store"), module,
+            ctx.Process(target=_pool_rank, args=(rank, world, os.path.join(self.store_dir, "store"),
                                                  self.tasks[rank], self.results, os.getpid()), daemon=False)
             for rank in range(world)
         ]
@@ -459,25 +462,23 @@ class _RankPool:
             p.start()
 
     @classmethod
-    def for_module(cls, world: int, module: str) -> _RankPool:
-        """The pool for ``(world, module)``; the pools of another module are ended first (a
-        module's tests alternate world sizes, so its pools stay side by side)."""
-        if any(pool.module != module for pool in cls._open.values()):
-            close_rank_pool()
+    def for_world(cls, world: int) -> _RankPool:
+        """The pool of ``world`` ranks, started when there is none or its last one ended."""
         pool = cls._open.get(world)
         if pool is None or not pool.alive():
             if pool is not None:
                 pool.close()
-            pool = cls._open[world] = cls(world, module)
+            pool = cls._open[world] = cls(world)
         return pool
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, case: str, args: tuple) -> None:
-        """Run ``case`` on every rank; raise AssertionError (every failed rank's traceback, in the
-        order they came) or TimeoutError, ending the pool, unless every rank passed."""
-        task = (case, args, dict(os.environ), os.getcwd())
+    def run(self, module: str, case: str, args: tuple) -> None:
+        """Run ``module.CASES[case]`` on every rank; raise AssertionError (every failed rank's
+        traceback, in the order they came) or TimeoutError, ending the pool, unless every rank
+        passed."""
+        task = (module, case, args, dict(os.environ), os.getcwd())
         for q in self.tasks:
             q.put(task)
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=TIMEOUT_S)
@@ -539,11 +540,31 @@ def close_rank_pool() -> None:
 atexit.register(close_rank_pool)
 
 
-def _pool_rank(rank: int, world: int, store_file: str, module: str, tasks, results, parent_pid: int) -> None:
+def _module_globals() -> dict[str, tuple[object, dict[str, object]]]:
+    """The globals of every loaded moeflow and test module (``helpers``, ``test_*``, ``conftest``),
+    to bind back after a case: ``{module name: (module, {global: object})}``."""
+    tests_dir = str(Path(__file__).resolve().parent)
+    return {name: (mod, dict(vars(mod))) for name, mod in list(sys.modules.items())
+            if name.split(".")[0] == "moeflow" or os.path.dirname(getattr(mod, "__file__", None) or "") == tests_dir}
+
+
+def _restore_module_globals(saved: dict[str, tuple[object, dict[str, object]]]) -> None:
+    """Bind back every global of ``saved`` that a case rebound or deleted (names a case added
+    stay: a submodule imported since is bound on its package, and must stay bound)."""
+    for mod, before in saved.values():
+        now = vars(mod)
+        for key, value in before.items():
+            if now.get(key, _MISSING) is not value:
+                now[key] = value
+
+
+_MISSING = object()
+
+
+def _pool_rank(rank: int, world: int, store_file: str, tasks, results, parent_pid: int) -> None:
     """One rank of a ``_RankPool``: join the process group, then run cases until told to stop."""
     start_seed = torch.initial_seed()
     _join_group(rank, world, store_file, "gloo")
-    cases = getattr(importlib.import_module(module), "CASES")
     while True:
         try:
             task = tasks.get(timeout=2)
@@ -553,7 +574,7 @@ def _pool_rank(rank: int, world: int, store_file: str, module: str, tasks, resul
             continue
         if task is None:
             break
-        case, args, env, cwd = task
+        module, case, args, env, cwd = task
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
@@ -564,7 +585,12 @@ def _pool_rank(rank: int, world: int, store_file: str, module: str, tasks, resul
         torch.use_deterministic_algorithms(False)
         torch.manual_seed(start_seed)
         try:
-            cases[case](rank, world, *args)
+            cases = getattr(importlib.import_module(module), "CASES")
+            saved = _module_globals()
+            try:
+                cases[case](rank, world, *args)
+            finally:
+                _restore_module_globals(saved)
             dist.barrier()
         except BaseException:  # noqa: BLE001 - reported to the parent, which ends the pool
             results.put((rank, False, f"rank {rank}:\n{traceback.format_exc()}"))

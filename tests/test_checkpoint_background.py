@@ -132,12 +132,16 @@ def _case_expert_parallel(rank: int, world: int, root: str) -> None:
     load_checkpoint(sync_path, ref)
     load_checkpoint(path, got)
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), got.state_dict().values()))
+    save_file = ckpt_io.save_file
     if rank == 1:
         ckpt_io.save_file = lambda *a, **k: (_ for _ in ()).throw(OSError(5, "I/O error"))  # type: ignore[assignment]
-    failing = save_checkpoint_async(f"{root}/async", 5, model, opt)
-    step(5)
-    with pytest.raises(CheckpointError, match="rank 1: OSError"):
-        failing.wait()
+    try:
+        failing = save_checkpoint_async(f"{root}/async", 5, model, opt)
+        step(5)
+        with pytest.raises(CheckpointError, match="rank 1: OSError"):
+            failing.wait()
+    finally:
+        ckpt_io.save_file = save_file
 
 
 CASES = {"expert_parallel": _case_expert_parallel}
