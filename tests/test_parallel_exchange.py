@@ -1,6 +1,8 @@
 """The row exchanges (``moeflow.parallel.exchange``): flat and two-level deliver the same rows in
 the same order and back, and the expert-parallel layer over the two-level exchange (2 nodes x 2
-ranks, pipelined too) gives the single-process result."""
+ranks, pipelined too) gives the single-process result. The two-level exchange's phase plan is
+also checked in one process on node shapes that 4 gloo ranks cannot make (3 x 2, 2 x 3, 1 x 3,
+3 x 1), by carrying every rank's rows through both phases by hand."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from types import SimpleNamespace
+
 from moeflow.parallel import FlatExchange, HierarchicalExchange, make_groups
+from moeflow.parallel.exchange import permute_blocks
 
 from helpers import check_equivalence, seeded_layer, spawn_ranks
-
-pytestmark = pytest.mark.distributed
 
 
 def _case_hierarchical(rank: int, world: int) -> None:
@@ -59,9 +62,77 @@ CASES = {  # looked up by the spawned ranks
 }
 
 
+@pytest.mark.distributed
 def test_hierarchical_exchange_matches_flat_on_2x2():
     spawn_ranks(4, __name__, "exchange")
 
 
+@pytest.mark.distributed
 def test_hierarchical_expert_parallel_matches_single_process_on_2x2():
     spawn_ranks(4, __name__, "hierarchical")
+
+
+def _phase_plan(rank: int, world: int, node_size: int) -> HierarchicalExchange:
+    """The exchange of ``rank`` without a process group: ``_phases`` reads only these fields."""
+    ex = HierarchicalExchange.__new__(HierarchicalExchange)
+    ex.rank, ex.world, ex.hierarchy = rank, world, SimpleNamespace(node_size=node_size)
+    return ex
+
+
+def _split(x_ND: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    assert x_ND.shape[0] == sum(sizes), (x_ND.shape, sizes)
+    return list(torch.split(x_ND, sizes))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("nodes,local", [(3, 2), (2, 3), (1, 3), (3, 1), (2, 2)])
+def test_two_level_phase_plan_delivers_every_row_in_source_order(nodes, local, gen):
+    """Each rank's rows, labelled (source, destination, position), go through phase 1 (inside
+    the node: rank (n, l) sends its blocks for local index l' to (n, l')) and phase 2 (across
+    nodes: (n, l) sends to (m, l)) as ``_phases`` plans them, with the all-to-alls done by
+    hand: every rank ends with exactly the rows bound for it, grouped by source rank in order,
+    and each phase's receive sizes are what its senders send."""
+    W, L = nodes * local, local
+    counts = torch.randint(0, 4, (W, W), generator=gen)
+    counts[0, :] = 0  # a rank that sends nothing
+    counts[:, W - 1] = 0  # a rank that receives nothing
+    counts = counts.tolist()
+    plans = [_phase_plan(r, W, L)._phases(counts) for r in range(W)]
+    x = [torch.tensor([[r, d, j] for d in range(W) for j in range(counts[r][d])], dtype=torch.float64).reshape(-1, 3)
+         for r in range(W)]
+    # phase 1: inside each node
+    x1 = [permute_blocks(x[r], counts[r], plans[r][0]) for r in range(W)]
+    out1 = [_split(x1[r], plans[r][1]) for r in range(W)]  # [r][l']: to local peer l'
+    y1 = []
+    for r in range(W):
+        n, l = divmod(r, L)
+        parts = [out1[n * L + ls][l] for ls in range(L)]
+        assert [p.shape[0] for p in parts] == plans[r][2], f"rank {r}: phase-1 receive sizes"
+        y1.append(torch.cat(parts))
+    # phase 2: across nodes, between the ranks with the same local index
+    x2 = [permute_blocks(y1[r], plans[r][3], plans[r][4]) for r in range(W)]
+    out2 = [_split(x2[r], plans[r][5]) for r in range(W)]  # [r][m]: to node m
+    for r in range(W):
+        n, l = divmod(r, L)
+        parts = [out2[m * L + l][n] for m in range(nodes)]
+        assert [p.shape[0] for p in parts] == plans[r][6], f"rank {r}: phase-2 receive sizes"
+        got = torch.cat(parts)
+        want = [[s, r, j] for s in range(W) for j in range(counts[s][r])]
+        assert got.tolist() == want, f"rank {r} of {nodes} x {local}: {got.tolist()} != {want}"
+
+
+@pytest.mark.reference
+def test_permute_blocks_reorders_blocks_and_back(gen):
+    """``permute_blocks`` puts block ``order[i]`` i-th (empty blocks too), and its gradient goes
+    back to the rows it came from."""
+    sizes, order = [2, 0, 3, 1], [3, 0, 2, 1]
+    x = torch.randn(6, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = permute_blocks(x, sizes, order)
+    starts = [0, 2, 2, 5]
+    want = torch.cat([x[starts[b]:starts[b] + sizes[b]] for b in order])
+    assert torch.equal(y, want)
+    g = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    (gx,) = torch.autograd.grad(y, x, g)
+    (gw,) = torch.autograd.grad(want, x, g)
+    assert torch.equal(gx, gw)
+    assert permute_blocks(x, sizes, [0, 1, 2, 3]) is x  # in order: no copy

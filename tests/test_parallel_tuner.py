@@ -1,20 +1,23 @@
 """The auto-tuner (``moeflow.parallel.tuner``): its decision rule on injected trial times (the MAX
 over 2 gloo ranks counts), its configuration through ``ParallelConfig`` and the JSON round trip of
-its choices. The tuner's choices on real calls: ``test_parallel_dispatcher.py`` ("pipelined")."""
+its choices; in one process (the reduction over ranks replaced by the identity, which is what it
+is on one rank) its rule in detail, and ``run`` on calls timed by a fake clock. The tuner's
+choices on real calls: ``test_parallel_dispatcher.py`` ("pipelined")."""
 
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import moeflow
 from moeflow.parallel import expert_parallel
+from moeflow.parallel import tuner as tuner_module
+from moeflow.parallel.tuner import ParallelTuner
 
 from helpers import spawn_ranks
-
-pytestmark = pytest.mark.distributed
 
 D = 8
 
@@ -117,9 +120,255 @@ CASES = {  # looked up by the spawned ranks
 }
 
 
+@pytest.mark.distributed
 def test_tuner_times_near_ties_on():
     spawn_ranks(2, __name__, "tuner_ties")
 
 
+@pytest.mark.distributed
 def test_tuner_decides_by_the_slowest_rank():
     spawn_ranks(2, __name__, "tuner_slowest_rank")
+
+
+# ------------------------------------------------------------------------------------------
+# one process: the reduction over ranks is the identity
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """The tuner in one process: its MAX over ranks leaves the times as they are."""
+    monkeypatch.setattr(tuner_module, "all_reduce_max", lambda t, group: t)
+
+
+KEY = (8, 2, 1.0, "auto", "auto")
+
+
+def _feed(tuner: ParallelTuner, setting, seconds: float, key=KEY) -> None:
+    tuner._pending.append((key, setting, seconds, {}, 1.0))
+    tuner._finish_trials(torch.device("cpu"))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode,degree", [("expert", 2), ("data", 1), ("sharded", 1), ("hybrid:2", 1)])
+def test_every_parallel_mode_round_trips_as_a_fixed_setting(mode, degree):
+    """``fix`` takes a recorded choice of each mode (hybrid too) for a call with ``"auto"`` in
+    either argument; a fixed choice survives ``reset`` and ``settings`` gives it back."""
+    for parallel, overlap in (("auto", "auto"), ("auto", degree), (mode, "auto")):
+        if parallel == mode and mode != "expert":
+            continue  # only expert parallelism has overlap degrees to tune
+        rec = {"tokens": 16, "top_k": 2, "capacity_factor": 1.25, "parallel": parallel, "overlap_degree": overlap,
+               "choice": {"parallel": mode, "overlap_degree": degree}}
+        tuner = ParallelTuner(None)
+        tuner.fix([rec])
+        assert tuner.choices == {(16, 2, 1.25, parallel, overlap): (mode, degree)}
+        tuner.reset()
+        assert tuner.settings() == [rec]
+    with pytest.raises(ValueError, match="parallel mode"):
+        ParallelTuner(None).fix([{**rec, "choice": {"parallel": "hybrid:1", "overlap_degree": 1}}])
+
+
+@pytest.mark.unit
+def test_reset_forgets_tuned_choices_and_trials_but_not_fixed_ones(one_rank):
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=1, min_time_s=0.0))
+    a, b = ("expert", 1), ("data", 1)
+    other = (4, 1, 1.0, "auto", 1)
+    tuner.fix([{"tokens": 4, "top_k": 1, "capacity_factor": 1.0, "parallel": "auto", "overlap_degree": 1,
+                "choice": {"parallel": "data", "overlap_degree": 1}}])
+    tuner._times[KEY] = {a: [], b: []}
+    for seconds in (1.0, 1.0):
+        _feed(tuner, a, seconds)
+        _feed(tuner, b, 2 * seconds)
+    assert tuner.choices == {other: b, KEY: a} and tuner._imbalance == {KEY: 1.0}
+    tuner._times[(9, 1, 1.0, "auto", "auto")] = {a: [1.0]}
+    tuner._open[(9, 1, 1.0, "auto", "auto")] = [a]
+    tuner._pending.append((KEY, a, 1.0, {}, 1.0))
+    tuner.reset()
+    assert tuner.choices == {other: b}
+    assert not tuner._times and not tuner._open and not tuner._pending and not tuner._imbalance
+
+
+@pytest.mark.unit
+def test_short_calls_are_timed_until_they_add_up_to_min_time(one_rank):
+    """``trials`` timed calls are enough only when they add up to ``min_time_s``; else a
+    candidate is timed on, up to ``max_trials``; the warm-up call never counts."""
+    a, b = ("expert", 1), ("expert", 2)
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=2, max_trials=5, close=0.1, min_time_s=1.0))
+    tuner._times[KEY] = {a: [], b: []}
+    for seconds in (9.0, 0.3, 0.3):  # warm-up (long: it must not count), then two short trials
+        _feed(tuner, a, seconds)
+        _feed(tuner, b, 2 * seconds)
+    assert not tuner.choices  # a: 0.6 s of trials < min_time_s
+    _feed(tuner, a, 0.3)
+    _feed(tuner, b, 0.6)  # b has 1.8 s: enough; a 0.9 s
+    assert not tuner.choices
+    _feed(tuner, a, 0.3)  # a: 1.2 s in 4 trials
+    assert tuner.choices == {KEY: a} and len(tuner._times[KEY][a]) == 5
+    # trials adding up to exactly min_time_s are enough
+    exact = ParallelTuner(None, moeflow.TunerConfig(trials=2, max_trials=5, close=0.1, min_time_s=1.0))
+    exact._times[KEY] = {a: [], b: []}
+    for seconds in (9.0, 0.5, 0.5):
+        _feed(exact, a, seconds)
+        _feed(exact, b, 4 * seconds)
+    assert exact.choices == {KEY: a}
+    # at max_trials a candidate is done whatever its sum
+    capped = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=2, close=0.1, min_time_s=100.0))
+    capped._times[KEY] = {a: [], b: []}
+    for seconds in (1.0, 1.0, 1.0):
+        _feed(capped, a, seconds)
+        _feed(capped, b, 3 * seconds)
+    assert capped.choices == {KEY: a}
+
+
+@pytest.mark.unit
+def test_equal_medians_prefer_expert_parallelism_then_the_lower_degree(one_rank):
+    """A tie of medians (after the near-tie trials) goes to the expert mode, then to the lower
+    overlap degree: the setting with the least to go wrong."""
+    for candidates, best in (([("data", 1), ("expert", 2), ("expert", 1)], ("expert", 1)),
+                             ([("data", 1), ("expert", 4)], ("expert", 4)),
+                             ([("expert", 3), ("expert", 2)], ("expert", 2))):
+        tuner = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=2, close=0.1, min_time_s=0.0))
+        tuner._times[KEY] = {c: [] for c in candidates}
+        for _ in range(3):
+            for c in candidates:
+                _feed(tuner, c, 1.0)
+        assert tuner.choices == {KEY: best}, candidates
+
+
+@pytest.mark.unit
+def test_a_median_exactly_close_behind_is_a_near_tie(one_rank):
+    """``close`` is inclusive: a median exactly ``1 + close`` times the best one's is timed on."""
+    a, b = ("expert", 1), ("expert", 2)
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=3, close=0.5, min_time_s=0.0))
+    tuner._times[KEY] = {a: [], b: []}
+    for _ in range(2):
+        _feed(tuner, a, 1.0)
+        _feed(tuner, b, 1.5)
+    assert not tuner.choices and tuner._open[KEY] == [a, b]
+
+
+@pytest.mark.unit
+def test_a_trial_of_a_key_already_chosen_or_forgotten_is_dropped(one_rank):
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=1, min_time_s=0.0))
+    a = ("expert", 1)
+    _feed(tuner, a, 1.0)  # no such key: nothing happens
+    assert not tuner._times and not tuner.choices and not tuner._pending
+    tuner._times[KEY] = {a: []}
+    _feed(tuner, a, 1.0)
+    _feed(tuner, a, 1.0)
+    assert tuner.choices == {KEY: a} and tuner._times[KEY][a] == [1.0, 1.0]
+    _feed(tuner, a, 5.0)  # chosen: later trials do not count
+    assert tuner._times[KEY][a] == [1.0, 1.0]
+
+
+class _Clock:
+    """``time.perf_counter`` for the tuner: each candidate's run advances it by its cost."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _call(ids_TK: torch.Tensor, E: int, *, requires_grad: bool = False):
+    T, K = ids_TK.shape
+    x_TD = torch.randn(T, 4, dtype=torch.float64, requires_grad=requires_grad)
+    routing = SimpleNamespace(logits_TE=torch.zeros(T, E, dtype=torch.float64))
+    group = SimpleNamespace(ids_TK=ids_TK, num_tokens=T, top_k=K)
+    return SimpleNamespace(x_TD=x_TD, routing=routing, group_routing=group, capacity_factor=1.0)
+
+
+@pytest.mark.unit
+def test_run_times_the_candidates_round_robin_then_keeps_the_fastest(one_rank, monkeypatch):
+    """On calls: one candidate per call in candidate order (warm-up, then trials), each timed
+    by its forward; once chosen every call runs the choice untimed; a routing whose imbalance
+    moves past ``retune_ratio`` is tuned again, one that stays within it keeps the choice."""
+    clock = _Clock()
+    monkeypatch.setattr(tuner_module, "time", clock)
+    cost = {("expert", 1): 2.0, ("expert", 2): 1.0, ("data", 1): 3.0}
+    ran = []
+
+    def run(setting, x_TD):
+        ran.append(setting)
+        clock.now += cost[setting]
+        return x_TD * 2
+
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=2, max_trials=4, close=0.1, min_time_s=0.0,
+                                                    retune_ratio=1.5))
+    even = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])  # every expert twice: imbalance 1
+    call = _call(even, 4)
+    key = (4, 2, 1.0, "auto", "auto")
+    for _ in range(9):
+        y = tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: list(cost), run=run)
+        assert torch.equal(y, call.x_TD * 2)
+    assert ran == list(cost) * 3  # warm-up + 2 trials each, round-robin
+    # the last trial is reduced at the start of the next call (a point every rank reaches)
+    assert tuner._times[key] == {c: [s] * (2 if c == ("data", 1) else 3) for c, s in cost.items()}
+    assert len(tuner._pending) == 1 and not tuner.choices
+    ran.clear()
+    tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: list(cost), run=run)
+    assert tuner.choices == {key: ("expert", 2)} and tuner._imbalance[key] == 1.0 and ran == [("expert", 2)]
+    assert not tuner._pending  # the chosen setting is not timed
+    # imbalance 1.33 (within 1.5 of 1): the choice stays
+    mild = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2]])
+    tuner.run(_call(mild, 4), parallel="auto", overlap_degree="auto", candidates=lambda: list(cost), run=run)
+    assert ran == [("expert", 2)] * 2 and tuner.choices == {key: ("expert", 2)}
+    # every token on expert 0 and 1 of 4: imbalance 2, past 1.5: tuned again from the first candidate
+    skewed = torch.tensor([[0, 1]] * 4)
+    tuner.run(_call(skewed, 4), parallel="auto", overlap_degree="auto", candidates=lambda: list(cost), run=run)
+    assert key not in tuner.choices and ran[-1] == ("expert", 1) and len(tuner._pending) == 1
+    assert tuner._times[key] == {c: [] for c in cost}
+    # a near tie: only the tied candidates are run on until each has max_trials
+    ran.clear()
+    cost.update({("expert", 1): 1.0, ("expert", 2): 1.05, ("data", 1): 3.0})
+    tie = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=3, close=0.1, min_time_s=0.0))
+    for _ in range(11):
+        tie.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: list(cost), run=run)
+    assert ran == list(cost) * 2 + [("expert", 1), ("expert", 2)] * 2 + [("expert", 1)]
+    assert tie.choices == {key: ("expert", 1)}
+    # a fixed choice runs without timing, whatever the imbalance
+    fixed = ParallelTuner(None)
+    fixed.fix([{"tokens": 4, "top_k": 2, "capacity_factor": 1.0, "parallel": "auto", "overlap_degree": "auto",
+                "choice": {"parallel": "data", "overlap_degree": 1}}])
+    fixed.run(_call(skewed, 4), parallel="auto", overlap_degree="auto", candidates=lambda: list(cost), run=run)
+    assert ran[-1] == ("data", 1) and not fixed._pending and not fixed._times
+
+
+@pytest.mark.unit
+def test_a_trial_counts_the_layers_backward(one_rank, monkeypatch):
+    """When the call is back-propagated, a trial's time is its forward plus this layer's
+    backward (from the output's gradient arriving to the input's leaving), not the backward of
+    what comes before or after it."""
+    clock = _Clock()
+    monkeypatch.setattr(tuner_module, "time", clock)
+
+    class Slow(torch.autograd.Function):  # the layer: its backward takes 5 s on the clock
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            clock.now += 5.0
+            return g * 3
+
+    def run(setting, x_TD):
+        clock.now += 1.0
+        return Slow.apply(x_TD)
+
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=1, min_time_s=0.0))
+    call = _call(torch.tensor([[0, 1], [2, 3]]), 4, requires_grad=True)
+    y = tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: [("expert", 1)], run=run)
+    clock.now += 50.0  # time spent between forward and backward (the rest of the model)
+    (y * 2).sum().backward()
+    clock.now += 50.0
+    assert torch.equal(call.x_TD.grad, torch.full_like(call.x_TD, 6.0))
+    tuner._finish_trials(torch.device("cpu"))
+    key = (2, 2, 1.0, "auto", "auto")
+    assert tuner._times[key] == {("expert", 1): [6.0]}  # 1 s forward + 5 s backward
+    # without grad: the forward alone, and no stamp nodes on the output
+    call = _call(torch.tensor([[0, 1], [2, 3]]), 4)
+    y = tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: [("expert", 1)], run=run)
+    assert y.grad_fn is None or "Stamp" not in type(y.grad_fn).__name__
+    tuner._finish_trials(torch.device("cpu"))
+    assert tuner.choices == {key: ("expert", 1)} and tuner._times[key][("expert", 1)] == [6.0, 1.0]
