@@ -6,6 +6,7 @@ choices on real calls: ``test_parallel_dispatcher.py`` ("pipelined")."""
 
 from __future__ import annotations
 
+import logging
 import re
 from types import SimpleNamespace
 
@@ -372,3 +373,36 @@ def test_a_trial_counts_the_layers_backward(one_rank, monkeypatch):
     assert y.grad_fn is None or "Stamp" not in type(y.grad_fn).__name__
     tuner._finish_trials(torch.device("cpu"))
     assert tuner.choices == {key: ("expert", 1)} and tuner._times[key][("expert", 1)] == [6.0, 1.0]
+
+
+@pytest.mark.unit
+def test_run_logs_its_choices_and_retunes_and_counts_on_the_calls_device(one_rank, monkeypatch, caplog):
+    """What a user reads on the ``moeflow.parallel`` logger: the choice with each candidate's
+    median, and a retune with the imbalance before and after. The trial times are reduced in a
+    tensor on the call's device (under NCCL a CPU tensor would crash the collective: here the
+    default device is ``meta``, so a tensor that does not name its device fails). The imbalance
+    of a batch with fewer assignments than experts is the busiest expert over the true mean."""
+    clock = _Clock()
+    monkeypatch.setattr(tuner_module, "time", clock)
+    cost = {("expert", 1): 2.0, ("data", 1): 3.0}
+
+    def run(setting, x_TD):
+        clock.now += cost[setting]
+        return x_TD
+
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=1, min_time_s=0.0, retune_ratio=1.5))
+    sparse = torch.tensor([[0, 1]])  # one token, two of eight experts: mean 0.25, busiest 1
+    call, busier = _call(sparse, 8), _call(torch.tensor([[0, 0]]), 8)
+    with caplog.at_level(logging.INFO, logger="moeflow.parallel"), torch.device("meta"):
+        for _ in range(5):
+            tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: list(cost), run=run)
+        key = (1, 2, 1.0, "auto", "auto")
+        assert tuner.choices == {key: ("expert", 1)} and tuner._imbalance[key] == 4.0
+        tuner.run(busier, parallel="auto", overlap_degree="auto", candidates=lambda: list(cost),
+                  run=run)  # busiest 2 over 0.25: 8, twice 4
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "moeflow tuner: chose parallel='expert' overlap_degree=1 for (1, 2, 1.0, 'auto', 'auto') "
+        "(median ms: {'expert/1': 2000.0, 'data/1': 3000.0})",
+        "moeflow tuner: routing imbalance moved 4.00 -> 8.00 for (1, 2, 1.0, 'auto', 'auto'); tuning again",
+    ]
