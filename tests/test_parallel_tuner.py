@@ -166,6 +166,12 @@ def test_every_parallel_mode_round_trips_as_a_fixed_setting(mode, degree):
         assert tuner.settings() == [rec]
     with pytest.raises(ValueError, match="parallel mode"):
         ParallelTuner(None).fix([{**rec, "choice": {"parallel": "hybrid:1", "overlap_degree": 1}}])
+    # an empty batch is a call too; a bool is no capacity factor; a choice says exactly two things
+    ParallelTuner(None).fix([{**rec, "tokens": 0}])
+    for bad, needle in (({**rec, "capacity_factor": True}, "capacity_factor"),
+                        ({**rec, "choice": {**rec["choice"], "why": "fast"}}, "exactly parallel and overlap_degree")):
+        with pytest.raises(ValueError, match=needle):
+            ParallelTuner(None).fix([bad])
 
 
 @pytest.mark.unit
@@ -406,3 +412,33 @@ def test_run_logs_its_choices_and_retunes_and_counts_on_the_calls_device(one_ran
         "(median ms: {'expert/1': 2000.0, 'data/1': 3000.0})",
         "moeflow tuner: routing imbalance moved 4.00 -> 8.00 for (1, 2, 1.0, 'auto', 'auto'); tuning again",
     ]
+
+
+@pytest.mark.unit
+def test_run_adds_no_autograd_node_without_grad_and_waits_for_a_cuda_call(one_rank, monkeypatch):
+    """Without gradients the candidate gets the call's own input and the caller its output (no
+    stamp nodes); a trial whose output is on a GPU is timed after ``torch.cuda.synchronize`` of
+    that GPU (kernels run asynchronously: without it a trial would time the launch only)."""
+    clock = _Clock()
+    monkeypatch.setattr(tuner_module, "time", clock)
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    call = _call(torch.tensor([[0, 1], [2, 3]]), 4)
+    outputs = []
+
+    def run(setting, x_TD):
+        assert x_TD is call.x_TD
+        outputs.append(x_TD + 1)
+        return outputs[-1]
+
+    tuner = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=1, min_time_s=0.0))
+    y = tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: [("expert", 1)], run=run)
+    assert y is outputs[-1] and synced == []
+
+    class OnGPU:  # what a candidate returns on cuda:1, as far as the tuner looks at it
+        device, requires_grad = torch.device("cuda", 1), False
+
+    gpu_y = OnGPU()
+    assert tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: [("expert", 1)],
+                     run=lambda setting, x_TD: gpu_y) is gpu_y
+    assert synced == [torch.device("cuda", 1)]
