@@ -442,3 +442,31 @@ def test_run_adds_no_autograd_node_without_grad_and_waits_for_a_cuda_call(one_ra
     assert tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: [("expert", 1)],
                      run=lambda setting, x_TD: gpu_y) is gpu_y
     assert synced == [torch.device("cuda", 1)]
+
+
+@pytest.mark.unit
+def test_pending_trials_are_reduced_together_over_the_tuners_own_group(monkeypatch):
+    """Every pending trial is reduced in one collective over the tuner's group (an expert group
+    smaller than the world reduces among its own ranks), a trial of a key already chosen or
+    forgotten is skipped, and the ones after it still count."""
+    group = object()
+    reduced = []
+
+    def all_reduce_max(t, g):
+        reduced.append((t.tolist(), g))
+        return t
+
+    monkeypatch.setattr(tuner_module, "all_reduce_max", all_reduce_max)
+    a, b = ("expert", 1), ("data", 1)
+    tuner = ParallelTuner(group, moeflow.TunerConfig(trials=1, max_trials=2, close=0.1, min_time_s=0.0))
+    done, tie, open_ = (2, 1, 1.0, "auto", "auto"), (4, 1, 1.0, "auto", "auto"), (3, 1, 1.0, "auto", "auto")
+    tuner.choices[done], tuner._times[done] = a, {a: [1.0, 1.0]}
+    tuner._times[tie] = {a: [1.0, 1.0], b: [1.0]}
+    tuner._times[open_] = {a: [1.0], b: []}
+    tuner._pending += [(done, a, 5.0, {}, 1.0), (("gone",), a, 6.0, {}, 1.0), (tie, b, 1.0, {}, 1.0),
+                       (open_, b, 7.0, {}, 1.0), (open_, a, 2.0, {}, 1.0)]
+    tuner._finish_trials(torch.device("cpu"))
+    assert reduced == [([5.0, 6.0, 1.0, 7.0, 2.0], group)]
+    assert tuner._times[done] == {a: [1.0, 1.0]} and tuner._times[open_] == {a: [1.0, 2.0], b: [7.0]}
+    assert tuner._open == {tie: [a, b]} and set(tuner.choices) == {done}  # the tie is timed on
+    assert not tuner._pending
