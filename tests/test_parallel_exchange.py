@@ -136,3 +136,9 @@ def test_permute_blocks_reorders_blocks_and_back(gen):
     (gw,) = torch.autograd.grad(want, x, g)
     assert torch.equal(gx, gw)
     assert permute_blocks(x, sizes, [0, 1, 2, 3]) is x  # in order: no copy
+    assert permute_blocks(x[:0], [], []).shape == (0, 4)  # no blocks
+    # every index it builds is on x's device (meta as the default device would catch one that is not)
+    with torch.device("meta"):
+        y = permute_blocks(x, sizes, order)
+        (gm,) = torch.autograd.grad(y, x, g)
+    assert y.device.type == "cpu" and torch.equal(y, want) and torch.equal(gm, gw)

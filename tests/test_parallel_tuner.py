@@ -160,6 +160,7 @@ def test_every_parallel_mode_round_trips_as_a_fixed_setting(mode, degree):
         rec = {"tokens": 16, "top_k": 2, "capacity_factor": 1.25, "parallel": parallel, "overlap_degree": overlap,
                "choice": {"parallel": mode, "overlap_degree": degree}}
         tuner = ParallelTuner(None)
+        assert tuner.config == moeflow.TunerConfig()  # the defaults without a config
         tuner.fix([rec])
         assert tuner.choices == {(16, 2, 1.25, parallel, overlap): (mode, degree)}
         tuner.reset()
@@ -390,7 +391,7 @@ def test_run_logs_its_choices_and_retunes_and_counts_on_the_calls_device(one_ran
     of a batch with fewer assignments than experts is the busiest expert over the true mean."""
     clock = _Clock()
     monkeypatch.setattr(tuner_module, "time", clock)
-    cost = {("expert", 1): 2.0, ("data", 1): 3.0}
+    cost = {("expert", 1): 0.0021234, ("data", 1): 0.003}  # s: logged in ms to 3 decimals
 
     def run(setting, x_TD):
         clock.now += cost[setting]
@@ -409,7 +410,7 @@ def test_run_logs_its_choices_and_retunes_and_counts_on_the_calls_device(one_ran
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "moeflow tuner: chose parallel='expert' overlap_degree=1 for (1, 2, 1.0, 'auto', 'auto') "
-        "(median ms: {'expert/1': 2000.0, 'data/1': 3000.0})",
+        "(median ms: {'expert/1': 2.123, 'data/1': 3.0})",
         "moeflow tuner: routing imbalance moved 4.00 -> 8.00 for (1, 2, 1.0, 'auto', 'auto'); tuning again",
     ]
 

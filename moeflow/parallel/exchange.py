@@ -38,8 +38,8 @@ def permute_blocks(x_ND: torch.Tensor, sizes: list[int], order: list[int]) -> to
     if order == sorted(order):
         return x_ND
     device = x_ND.device
-    pieces = [torch.arange(starts[b], starts[b] + sizes[b], device=device) for b in order]
-    index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=device)
+    # not in order, so at least two blocks: ``pieces`` is never empty
+    index = torch.cat([torch.arange(starts[b], starts[b] + sizes[b], device=device) for b in order])
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=device)
     return gather_rows(x_ND, index, None, inverse.view(-1, 1), None)
