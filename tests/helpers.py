@@ -540,6 +540,9 @@ def close_rank_pool() -> None:
 atexit.register(close_rank_pool)
 
 
+_MISSING = object()
+
+
 def _module_globals() -> dict[str, tuple[object, dict[str, object]]]:
     """The globals of every loaded moeflow and test module (``helpers``, ``test_*``, ``conftest``),
     to bind back after a case: ``{module name: (module, {global: object})}``."""
@@ -556,9 +559,6 @@ def _restore_module_globals(saved: dict[str, tuple[object, dict[str, object]]]) 
         for key, value in before.items():
             if now.get(key, _MISSING) is not value:
                 now[key] = value
-
-
-_MISSING = object()
 
 
 def _pool_rank(rank: int, world: int, store_file: str, tasks, results, parent_pid: int) -> None:

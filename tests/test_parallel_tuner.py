@@ -211,19 +211,20 @@ def test_short_calls_are_timed_until_they_add_up_to_min_time(one_rank):
     assert not tuner.choices
     _feed(tuner, a, 0.3)  # a: 1.2 s in 4 trials
     assert tuner.choices == {KEY: a} and len(tuner._times[KEY][a]) == 5
+    def race(config: moeflow.TunerConfig, trials: tuple[float, ...], slower: float) -> ParallelTuner:
+        """``a`` timed at ``trials`` (warm-up first), ``b`` at ``slower`` times those, in turn."""
+        tuner = ParallelTuner(None, config)
+        tuner._times[KEY] = {a: [], b: []}
+        for seconds in trials:
+            _feed(tuner, a, seconds)
+            _feed(tuner, b, slower * seconds)
+        return tuner
+
     # trials adding up to exactly min_time_s are enough
-    exact = ParallelTuner(None, moeflow.TunerConfig(trials=2, max_trials=5, close=0.1, min_time_s=1.0))
-    exact._times[KEY] = {a: [], b: []}
-    for seconds in (9.0, 0.5, 0.5):
-        _feed(exact, a, seconds)
-        _feed(exact, b, 4 * seconds)
+    exact = race(moeflow.TunerConfig(trials=2, max_trials=5, close=0.1, min_time_s=1.0), (9.0, 0.5, 0.5), 4)
     assert exact.choices == {KEY: a}
     # at max_trials a candidate is done whatever its sum
-    capped = ParallelTuner(None, moeflow.TunerConfig(trials=1, max_trials=2, close=0.1, min_time_s=100.0))
-    capped._times[KEY] = {a: [], b: []}
-    for seconds in (1.0, 1.0, 1.0):
-        _feed(capped, a, seconds)
-        _feed(capped, b, 3 * seconds)
+    capped = race(moeflow.TunerConfig(trials=1, max_trials=2, close=0.1, min_time_s=100.0), (1.0, 1.0, 1.0), 3)
     assert capped.choices == {KEY: a}
 
 
