@@ -2,7 +2,9 @@
 the same order and back, and the expert-parallel layer over the two-level exchange (2 nodes x 2
 ranks, pipelined too) gives the single-process result. The two-level exchange's phase plan is
 also checked in one process on node shapes that 4 gloo ranks cannot make (3 x 2, 2 x 3, 1 x 3,
-3 x 1), by carrying every rank's rows through both phases by hand."""
+3 x 1), by carrying every rank's rows through both phases by hand, and both exchanges (blocking
+and asynchronous) run on threads standing in for the ranks of an expert group that is not the
+world, which shows which group and timer every call is given."""
 
 from __future__ import annotations
 
@@ -142,3 +144,159 @@ def test_permute_blocks_reorders_blocks_and_back(gen):
         y = permute_blocks(x, sizes, order)
         (gm,) = torch.autograd.grad(y, x, g)
     assert y.device.type == "cpu" and torch.equal(y, want) and torch.equal(gm, gw)
+
+
+class _Group:
+    """A stand-in process group: ``members`` are global ranks, ``me`` this rank's index."""
+
+    def __init__(self, members: tuple[int, ...], me: int) -> None:
+        self.members, self.me = members, me
+
+
+class _Net:
+    """Collectives between threads, one thread per rank: what ``moeflow.parallel.exchange`` calls
+    (``dist.get_rank/get_world_size`` and the three row all-to-alls), each checking its splits.
+    Global ranks start at 10 in a world of 99 ranks, so a group of ``None`` (the world) gives a
+    rank and size no expert group has, and a mix-up shows. Every call is recorded per thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._boxes: dict = {}
+        self._barriers: dict = {}
+        self.calls: dict[int, list] = {}
+
+    @staticmethod
+    def get_rank(group: _Group | None) -> int:
+        import threading
+
+        return threading.current_thread().rank if group is None else group.me  # type: ignore[attr-defined]
+
+    @staticmethod
+    def get_world_size(group: _Group | None) -> int:
+        return 99 if group is None else len(group.members)
+
+    def _exchange(self, what: str, x_ND: torch.Tensor, send: list[int], recv: list[int], group: _Group, timer) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        import threading
+
+        assert isinstance(group, _Group), f"{what}: group {group!r}"
+        me_global = group.members[group.me]
+        self.calls.setdefault(me_global, []).append((what, group.members, list(send), list(recv), timer))
+        assert len(send) == len(recv) == len(group.members) and sum(send) == x_ND.shape[0], (what, send, recv)
+        with self._lock:
+            barrier = self._barriers.setdefault(group.members, threading.Barrier(len(group.members), timeout=20))
+            box = self._boxes.setdefault(group.members, {})
+        box[group.me] = torch.split(x_ND, list(send))
+        barrier.wait()
+        parts = [box[s][group.me] for s in range(len(group.members))]
+        barrier.wait()  # everyone has read before the next call of this group refills the box
+        assert [p.shape[0] for p in parts] == list(recv), f"{what}: received {[p.shape[0] for p in parts]}, expected {recv}"
+        return torch.cat(parts)
+
+    def all_to_all_rows(self, x_ND, send, recv, group, timer=None):  # type: ignore[no-untyped-def]
+        return self._exchange("blocking", x_ND, send, recv, group, timer)
+
+    def start_all_to_all_rows(self, x_ND, send, recv, group):  # type: ignore[no-untyped-def]
+        return self._exchange("start", x_ND, send, recv, group, None), ("pending", list(send), list(recv), group)
+
+    def wait_all_to_all_rows(self, out_MD, pending, send, recv, group):  # type: ignore[no-untyped-def]
+        assert pending == ("pending", list(send), list(recv), group), "wait with another start's splits or group"
+        return out_MD
+
+
+def _run_ranks(world: int, fn) -> list:  # type: ignore[no-untyped-def]
+    """``fn(r)`` on ``world`` threads (global rank 10 + r); the results, or the first error."""
+    import threading
+
+    out: list = [None] * world
+    errors: list = []
+
+    def body(r: int) -> None:
+        threading.current_thread().rank = 10 + r  # type: ignore[attr-defined]
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.fixture
+def net(monkeypatch):  # type: ignore[no-untyped-def]
+    from moeflow.parallel import exchange
+
+    n = _Net()
+    monkeypatch.setattr(exchange, "dist", n)
+    for name in ("all_to_all_rows", "start_all_to_all_rows", "wait_all_to_all_rows"):
+        monkeypatch.setattr(exchange, name, getattr(n, name))
+    return n
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("nodes,local", [(2, 2), (3, 2), (2, 3), (1, 3), (3, 1)])
+def test_exchanges_deliver_every_row_over_their_own_groups(net, nodes, local, gen):
+    """Flat and two-level exchanges, blocking and in the three asynchronous steps, on an expert
+    group that is not the world (threads stand in for ranks): each rank gets exactly the rows
+    bound for it in source order; the flat one talks over its group, the two-level one over the
+    node group then the cross-node group, each blocking call with the exchange's comm timer."""
+    W, L = nodes * local, local
+    members = tuple(10 + r for r in range(W))
+    counts = torch.randint(0, 4, (W, W), generator=gen)
+    counts[0, :] = 0  # a rank that sends nothing
+    counts = counts.tolist()
+    x = [torch.tensor([[r, d, j] for d in range(W) for j in range(counts[r][d])], dtype=torch.float64).reshape(-1, 3)
+         for r in range(W)]
+    want = [[[s, r, j] for s in range(W) for j in range(counts[s][r])] for r in range(W)]
+    timer = object()
+
+    def ranks(r: int):  # type: ignore[no-untyped-def]
+        group = _Group(members, r)
+        n, l = divmod(r, L)
+        hierarchy = SimpleNamespace(intra=_Group(tuple(10 + n * L + i for i in range(L)), l),
+                                    inter=_Group(tuple(10 + m * L + l for m in range(nodes)), n), node_size=L)
+        flat, two = FlatExchange(group), HierarchicalExchange(group, hierarchy)
+        assert (flat.rank, flat.world, two.rank, two.world) == (r, W, r, W)
+        flat.timer = two.timer = timer
+        got = [flat(x[r], counts), two(x[r], counts)]
+        for ex in (flat, two):
+            started = ex.start(x[r], counts)
+            got.append(ex.finish(ex.relay(started)))
+        got.append(two.finish(two.start(x[r], counts)))  # finish relays what is still in phase 1
+        return got
+
+    for r, got in enumerate(_run_ranks(W, ranks)):
+        for i, y in enumerate(got):
+            assert y.tolist() == want[r], f"rank {r}, exchange {i}: {y.tolist()} != {want[r]}"
+        n, l = divmod(r, L)
+        node, across = tuple(10 + n * L + i for i in range(L)), tuple(10 + m * L + l for m in range(nodes))
+        groups = [(what, g) for what, g, *_ in net.calls[10 + r]]
+        assert groups == [("blocking", members), ("blocking", node), ("blocking", across), ("start", members),
+                          ("start", node), ("start", across), ("start", node), ("start", across)], groups
+        assert [c[4] is timer for c in net.calls[10 + r] if c[0] == "blocking"] == [True] * 3
+
+
+@pytest.mark.reference
+def test_two_level_exchange_refuses_a_hierarchy_that_does_not_fit_its_group(net):
+    """``node_size`` must divide the group and the node groups must be L ranks x W/L nodes;
+    one rank per node is a valid hierarchy."""
+    group = _Group(tuple(range(10, 16)), 0)  # 6 ranks
+
+    def hierarchy(L: int, intra: int, inter: int) -> SimpleNamespace:
+        return SimpleNamespace(intra=_Group(tuple(range(intra)), 0), inter=_Group(tuple(range(inter)), 0), node_size=L)
+
+    for L, intra, inter in [(1, 1, 6), (2, 2, 3), (3, 3, 2), (6, 6, 1)]:
+        assert HierarchicalExchange(group, hierarchy(L, intra, inter)).hierarchy.node_size == L
+    for L in (0, -2, 4, 5, 12):
+        with pytest.raises(ValueError, match=f"node_size={L} must divide the expert-parallel group size 6"):
+            HierarchicalExchange(group, hierarchy(L, max(L, 1), 1))
+    for intra, inter in [(3, 3), (2, 2), (1, 3), (2, 6), (6, 1)]:
+        with pytest.raises(ValueError, match=f"hierarchy groups have sizes {intra} x {inter}, expected 2 ranks per node x 3"):
+            HierarchicalExchange(group, hierarchy(2, intra, inter))
