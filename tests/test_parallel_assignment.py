@@ -196,3 +196,34 @@ def test_call_arguments_travel_exactly(top_k, cf, parallel, degree):
     other = CallArguments(top_k=top_k + 1, capacity_factor=cf, parallel=parallel, overlap_degree=degree)
     with pytest.raises(ValueError, match=rf"top_k: rank 0 {top_k}, rank 1 {top_k + 1}, rank 2 {top_k}$"):
         CallArguments.check_agree([call.encode(), other.encode(), call.encode()])
+
+
+def _fields(obj) -> dict:  # type: ignore[no-untyped-def]
+    return {k: v for k, v in vars(obj).items() if isinstance(v, torch.Tensor) or v is None}
+
+
+@pytest.mark.parametrize("n,extra,cf", [(2, 0, 1.0), (1, 1, 1.25), (1, 0, 0.0), (1, 2, -0.8)])
+def test_group_assignment_builds_every_tensor_on_the_routing_device(n, extra, cf):  # type: ignore[no-untyped-def]
+    """With ``meta`` as the default device and the routing on the CPU, the assignment and both
+    sides of every rank are the CPU ones: a tensor built without naming its device would land
+    on ``meta`` and fail (on a GPU it would be a host tensor in the step: a copy or a crash)."""
+    W, E, K, tokens_W = 2, 4, 2, [6, 3]
+    gen = torch.Generator().manual_seed(5)
+    routings = _routings(W, E, K, tokens_W, gen)
+    kw = dict(num_experts=E, capacity_factor=cf, drop_policy="score", hidden_shards=n)
+    want = assign_group(_gathered(routings, "score"), placement=_placement(W, E, n, extra, torch.Generator().manual_seed(1)), **kw)
+    placement = _placement(W, E, n, extra, torch.Generator().manual_seed(1))  # its device tables not built yet
+    with torch.device("meta"):
+        got = assign_group(_gathered(routings, "score"), placement=placement, **kw)
+        sides = [(got.send_side(r), got.receive_side(r)) for r in range(W)]
+    pairs = [(_fields(got), _fields(want))]
+    pairs += [(_fields(s), _fields(want.send_side(r))) for r, (s, _) in enumerate(sides)]
+    pairs += [(_fields(q), _fields(want.receive_side(r))) for r, (_, q) in enumerate(sides)]
+    for got_fields, want_fields in pairs:
+        assert got_fields.keys() == want_fields.keys()
+        for name, value in got_fields.items():
+            if value is None:
+                assert want_fields[name] is None, name
+            else:
+                assert value.device.type == "cpu" and torch.equal(value, want_fields[name]), name
+    assert got.counts_WW == want.counts_WW
