@@ -227,3 +227,22 @@ def test_group_assignment_builds_every_tensor_on_the_routing_device(n, extra, cf
             else:
                 assert value.device.type == "cpu" and torch.equal(value, want_fields[name]), name
     assert got.counts_WW == want.counts_WW
+
+
+@pytest.mark.parametrize("cf", [0.0, -0.8])
+def test_dropless_expert_input_keeps_arrival_order_inside_each_slot(cf):  # type: ignore[no-untyped-def]
+    """Without a capacity layout the expert input is grouped by local slot and, inside a slot,
+    in arrival order (source rank, then the sender's order): enough rows (hundreds a rank) that
+    an unstable sort would reorder them."""
+    W, E, K, tokens_W = 2, 4, 2, [300, 260]
+    routings = _routings(W, E, K, tokens_W, torch.Generator().manual_seed(9))
+    g = assign_group(_gathered(routings, "score"), num_experts=E, capacity_factor=cf, drop_policy="score",
+                     placement=Placement.contiguous(E, W))
+    for d in range(W):
+        recv = g.receive_side(d)
+        assert torch.equal(recv.src_R, torch.sort(recv.src_R).values)  # arrival order: by source rank
+        starts = torch.cumsum(recv.counts_e, 0) - recv.counts_e
+        for slot in range(len(recv.counts_e)):
+            mine = recv.input_row_R[recv.local_R == slot]
+            assert mine.numel() > 100
+            assert torch.equal(mine, torch.arange(int(starts[slot]), int(starts[slot]) + mine.numel())), (d, slot)
