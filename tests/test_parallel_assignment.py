@@ -106,6 +106,9 @@ def test_group_assignment_is_the_single_process_assignment(scenario):  # type: i
     base_G = torch.div(g.order_G, n, rounding_mode="floor")
     assert g.order_G.numel() == T * K * n and torch.equal(torch.sort(g.order_G).values, torch.arange(T * K * n))
     assert torch.equal(g.kept_G, kept_A[base_G])
+    assert g.capacity == cap
+    if placement.is_contiguous:  # positions are the single-process ones (a replica's count from its cut)
+        assert torch.equal(g.pos_G[g.kept_G], pos_A[base_G][g.kept_G])
     part_G = g.order_G % n
     expert_of_slot = torch.tensor(placement.flat, dtype=torch.long)
     held = expert_of_slot[g.slot_G[g.kept_G]]  # the (virtual) expert each kept row's slot holds
@@ -246,3 +249,30 @@ def test_dropless_expert_input_keeps_arrival_order_inside_each_slot(cf):  # type
             mine = recv.input_row_R[recv.local_R == slot]
             assert mine.numel() > 100
             assert torch.equal(mine, torch.arange(int(starts[slot]), int(starts[slot]) + mine.numel())), (d, slot)
+
+
+@pytest.mark.parametrize("cf", [1.5, 1.0, 0.5, 0.0, -0.8])
+@pytest.mark.parametrize("tokens_W", [[1, 0], [0, 0], [0, 1, 0], [3, 2]])
+def test_capacity_is_the_single_process_capacity_of_the_group_batch(cf, tokens_W):  # type: ignore[no-untyped-def]
+    """C comes from the group's token count (at least one token), as the single process on the
+    concatenated batch: one token with cf=1.5 over 2 experts (top-1) has C = 1, two would have
+    2; over 3 experts (top-2) likewise."""
+    W = len(tokens_W)
+    E, K = W, W - 1
+    routings = _routings(W, E, K, tokens_W, torch.Generator().manual_seed(2))
+    g = assign_group(_gathered(routings, "position"), num_experts=E, capacity_factor=cf, drop_policy="position",
+                     placement=Placement.contiguous(E, W))
+    assert g.capacity == resolve_capacity(cf, num_tokens=max(sum(tokens_W), 1), top_k=K, num_experts=E)
+
+
+def test_hidden_shards_need_the_contiguous_placement():  # type: ignore[no-untyped-def]
+    """Hidden slices of an expert are cut for contiguous blocks of experts: a placement with
+    replicas or moved experts is refused for any ``hidden_shards > 1`` (2 included)."""
+    W, E = 2, 4
+    routing = _gathered(_routings(W, E, 2, [3, 2], torch.Generator().manual_seed(3)), "position")
+    for n in (2, 4):
+        moved = plan_placement([50.0] + [1.0] * (E * n - 1), world=W, slots_per_rank=E * n // W + 1)
+        assert not moved.is_contiguous
+        with pytest.raises(ValueError, match=f"hidden_shards={n} needs the contiguous placement"):
+            assign_group(routing, num_experts=E, capacity_factor=1.0, drop_policy="position", placement=moved,
+                         hidden_shards=n)
