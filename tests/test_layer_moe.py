@@ -499,3 +499,29 @@ def test_one_expert_of_capacity_one_keeps_the_first_token_and_drops_the_rest(gen
     with torch.no_grad():
         y = layer(x)
     assert (y[0] != 0).any() and torch.equal(y[1:], torch.zeros_like(y[1:]))
+
+
+def test_layout_accessors_and_repr_of_a_single_process_layer() -> None:
+    """Without expert parallelism a layer holds every whole expert: range (0, E), every slot
+    its own expert and saved, one hidden shard; a dispatcher whose slots are not a contiguous
+    block has no range. The reprs name the layer's and the router's settings, and the load
+    window reads zeros before any training call."""
+    from moeflow.dispatch import LocalDispatcher
+    from moeflow.types import ExpertLayout
+
+    layer = moeflow.MoE(dim=8, hidden=16, num_experts=4, top_k=2, capacity_factor=1.25, load_window=2)
+    assert layer.expert_range() == (0, 4)
+    assert layer.expert_slots() == ([0, 1, 2, 3], [True, True, True, True])
+    assert layer.hidden_shards() == (1, [0, 0, 0, 0])
+    r = repr(layer)
+    assert "dim=8, hidden=16, num_experts=4, top_k=2, capacity_factor=1.25" in r
+    assert "kind=linear, scoring=softmax, num_experts=4, groups=" in r
+    stats = layer.load_stats()
+    assert stats.dtype == torch.long and torch.equal(stats, torch.zeros(4, dtype=torch.long))
+
+    moved = LocalDispatcher(num_experts=4)
+    moved.layout = ExpertLayout(num_experts=4, slot_experts=(2, 0, 1, 3), slot_primary=(True,) * 4)
+    layer = moeflow.MoE(dim=8, hidden=16, num_experts=4, dispatcher=moved)
+    with pytest.raises(ValueError, match="non-contiguous placement"):
+        layer.expert_range()
+    assert layer.expert_slots() == ([2, 0, 1, 3], [True] * 4)

@@ -150,3 +150,38 @@ CASES = {"replay": _case_replay}  # looked up by the spawned ranks
 @pytest.mark.distributed
 def test_router_replay_under_expert_parallelism():
     spawn_ranks(2, __name__, "replay")
+
+
+@pytest.mark.reference
+def test_each_saved_tape_loads_its_own_calls(tmp_path, gen) -> None:
+    """Two different tapes saved to two files load back as themselves (a loader that read some
+    other file would give one of them wrong); a layer name with ``#`` in it survives the
+    ``<layer>#<call>`` keys; the repr counts layers and calls."""
+    a = moeflow.RoutingTape({"layers.0.ffn": [torch.randint(0, 6, (4, 2), generator=gen) for _ in range(3)],
+                             "odd#name": [torch.randint(0, 6, (2, 2), generator=gen)]})
+    b = moeflow.RoutingTape({"layers.1.ffn": [torch.randint(0, 6, (5, 2), generator=gen)]})
+    assert repr(a) == "RoutingTape(2 layers, 4 calls)" and repr(b) == "RoutingTape(1 layers, 1 calls)"
+    a.save(tmp_path / "a.safetensors")
+    b.save(tmp_path / "b.safetensors")
+    for tape, name in ((a, "a"), (b, "b")):
+        back = moeflow.RoutingTape.load(tmp_path / f"{name}.safetensors")
+        assert back.calls.keys() == tape.calls.keys()
+        for layer, calls in tape.calls.items():
+            assert len(back.calls[layer]) == len(calls) and all(torch.equal(x, y) for x, y in zip(back.calls[layer], calls))
+
+
+@pytest.mark.reference
+def test_replayed_ids_are_checked_one_rule_at_a_time(gen) -> None:
+    """Each rule of the replayed ids alone: int64 (an int32 tensor is refused), every id below
+    the expert count (E itself is refused), distinct within a row for top_k > 1."""
+    layer = moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2)
+    x = torch.randn(3, 8, generator=gen)
+    good = torch.tensor([[0, 1], [2, 3], [3, 0]])
+    cases = [(good.to(torch.int32), TypeError, "int64"), (torch.tensor([[0, 1], [4, 3], [3, 0]]), ValueError, r"in \[0, 4\)"),
+             (torch.tensor([[0, 1], [2, 2], [3, 0]]), ValueError, "repeat an expert")]
+    for ids, error, match in cases:
+        with moeflow.replay_routing(layer, moeflow.RoutingTape({"": [ids]})), pytest.raises(error, match=match):
+            layer(x)
+    with moeflow.replay_routing(layer, moeflow.RoutingTape({"": [good]})):
+        layer(x)
+    assert torch.equal(layer.last_counts_E, torch.bincount(good.flatten(), minlength=4))
