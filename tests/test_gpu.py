@@ -204,6 +204,21 @@ def test_fused_row_and_activation_ops_run_triton_on_cuda(dtype):
 
 
 @pytest.mark.reference
+def test_routing_tape_records_on_the_cpu_and_replays_on_the_gpu():
+    """A tape holds its calls as int64 CPU tensors whatever device the layer runs on (it is
+    saved and moved between runs), and a replay on the GPU gives the recorded forward."""
+    torch.manual_seed(0)
+    layer = moeflow.MoE(dim=64, hidden=128, num_experts=8, top_k=2).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    with moeflow.record_routing(layer) as tape:
+        ref = layer(x)
+    (ids,) = tape.calls[""]
+    assert ids.device.type == "cpu" and ids.dtype == torch.int64 and ids.shape == (32, 2)
+    with moeflow.replay_routing(layer, tape):
+        assert torch.equal(layer(x), ref)
+
+
+@pytest.mark.reference
 def test_default_experts_backend_is_the_measured_fastest_and_correct():
     """``backend="auto"`` on this GPU: torch's grouped GEMM on Hopper and later, Triton before
     (``moeflow.kernels.grouped_mm``); the default layer equals the per-expert loop."""

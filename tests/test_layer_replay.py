@@ -182,6 +182,28 @@ def test_replayed_ids_are_checked_one_rule_at_a_time(gen) -> None:
     for ids, error, match in cases:
         with moeflow.replay_routing(layer, moeflow.RoutingTape({"": [ids]})), pytest.raises(error, match=match):
             layer(x)
-    with moeflow.replay_routing(layer, moeflow.RoutingTape({"": [good]})):
+    # calls are replayed one after the other, none skipped
+    other = torch.tensor([[1, 2], [1, 3], [1, 0]])
+    with moeflow.replay_routing(layer, moeflow.RoutingTape({"": [good, other, good]})):
+        for ids in (good, other, good):
+            layer(x)
+            assert torch.equal(layer.last_counts_E, torch.bincount(ids.flatten(), minlength=4))
+
+
+@pytest.mark.reference
+def test_recording_appends_to_the_tape_it_is_given(gen) -> None:
+    """``record_routing(model, tape)`` appends to that tape (after what it already holds); the
+    tape keeps int64 copies (an int32 choice is stored as int64, a later change of the recorded
+    tensor does not reach the tape)."""
+    layer = moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2)
+    earlier = torch.tensor([[0, 1]])
+    tape = moeflow.RoutingTape({"": [earlier]})
+    x = torch.randn(3, 8, generator=gen)
+    with moeflow.record_routing(layer, tape) as got:
         layer(x)
-    assert torch.equal(layer.last_counts_E, torch.bincount(good.flatten(), minlength=4))
+    assert got is tape and len(tape.calls[""]) == 2 and torch.equal(tape.calls[""][0], earlier)
+    assert torch.equal(torch.bincount(tape.calls[""][1].flatten(), minlength=4), layer.last_counts_E)
+    ids = torch.tensor([[3, 2]], dtype=torch.int32)
+    tape.record("other", ids)
+    ids[0, 0] = 1
+    assert tape.calls["other"][0].dtype == torch.int64 and tape.calls["other"][0].tolist() == [[3, 2]]
