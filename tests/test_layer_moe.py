@@ -525,3 +525,18 @@ def test_layout_accessors_and_repr_of_a_single_process_layer() -> None:
     with pytest.raises(ValueError, match="non-contiguous placement"):
         layer.expert_range()
     assert layer.expert_slots() == ([2, 0, 1, 3], [True] * 4)
+
+
+def test_an_empty_batch_reports_the_same_losses_as_a_full_one(gen) -> None:
+    """A call with no tokens (possible on one rank) reports a zero under the name of every loss
+    a full call reports, and ``aux_loss()`` of a layer without losses is a zero in the router's
+    precision (at least fp32: fp64 for an fp64 layer)."""
+    router = RouterConfig(load_balance_coef=0.01, importance_coef=0.02, load_coef=0.03, z_loss_coef=0.04)
+    layer = moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, router=router).double()
+    layer(torch.randn(5, 8, generator=gen, dtype=torch.float64))
+    full = set(layer.aux_losses)
+    assert full == {"load_balance", "importance", "load", "z_loss"}
+    layer(torch.zeros(0, 8, dtype=torch.float64))
+    assert set(layer.aux_losses) == full and all(float(v.detach()) == 0.0 for v in layer.aux_losses.values())
+    layer(torch.randn(5, 8, generator=gen, dtype=torch.float64), losses=False)
+    assert layer.aux_loss().dtype == torch.float64 and float(layer.aux_loss().detach()) == 0.0

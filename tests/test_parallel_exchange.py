@@ -263,7 +263,7 @@ def test_exchanges_deliver_every_row_over_their_own_groups(net, nodes, local, ge
         hierarchy = SimpleNamespace(intra=_Group(tuple(10 + n * L + i for i in range(L)), l),
                                     inter=_Group(tuple(10 + m * L + l for m in range(nodes)), n), node_size=L)
         flat, two = FlatExchange(group), HierarchicalExchange(group, hierarchy)
-        assert (flat.rank, flat.world, two.rank, two.world) == (r, W, r, W)
+        assert (flat.rank, flat.world, two.rank, two.world) == (r, W, r, W) and flat.group is two.group is group
         flat.timer = two.timer = timer
         got = [flat(x[r], counts), two(x[r], counts)]
         for ex in (flat, two):
