@@ -485,3 +485,16 @@ def test_bias_update_precise_after_to_bf16():
     layer.router.update_bias(torch.tensor([10.0, 0.0]))
     assert layer.router.expert_bias.dtype == torch.float32
     assert layer.router.expert_bias.tolist() == pytest.approx([0.499, 0.501], abs=1e-6)
+
+
+def test_selection_bias_keeps_its_fp32_value_through_a_cast():
+    """``to(bfloat16)`` of a layer whose bias already holds fine values keeps them exactly (a
+    bias rounded to bf16 and widened again would lose the 1e-3 steps)."""
+    layer = moeflow.MoE(dim=D, hidden=8, num_experts=4, top_k=1, router=RouterConfig(bias_update_rate=1e-3))
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.tensor([0.501, -0.499, 0.123457, 1.001]))
+    before = layer.router.expert_bias.clone()
+    layer.to(torch.bfloat16)
+    assert layer.router.expert_bias.dtype == torch.float32 and torch.equal(layer.router.expert_bias, before)
+    layer.double()
+    assert layer.router.expert_bias.dtype == torch.float32 and torch.equal(layer.router.expert_bias, before)
