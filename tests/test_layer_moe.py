@@ -463,8 +463,19 @@ def test_deepcopy_after_forward():
     layer(torch.randn(5, 8))
     clone = copy.deepcopy(layer)
     assert clone.aux_losses is None and layer.aux_losses is not None
+    assert clone.last_counts_E is None and layer.last_counts_E is not None
     x = torch.randn(3, 8)
     assert torch.equal(clone(x), layer(x))
+    # a copy made while recording is not attached to the tape, and starts an empty load window
+    windowed = moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, load_window=3)
+    windowed(torch.randn(5, 8))
+    with moeflow.record_routing(windowed) as tape:
+        windowed(x)
+        clone = copy.deepcopy(windowed)
+    assert clone._routing_tape is None and windowed._routing_tape is None and len(tape.calls[""]) == 1
+    assert len(clone._load_window) == 0 and clone._load_window.maxlen == 3 and len(windowed._load_window) == 2
+    clone(x)
+    assert len(tape.calls[""]) == 1
 
 
 @pytest.mark.parametrize("cf", [0.0, 1.0, -0.5])

@@ -502,3 +502,6 @@ def test_selection_bias_keeps_its_fp32_value_through_a_cast():
     weight = layer.router.linear.weight.data_ptr()
     layer.router.to_empty(device="cpu", recurse=False)
     assert layer.router.linear.weight.data_ptr() == weight
+    # a device move takes the bias along (meta stands in for another device)
+    layer.to("meta")
+    assert layer.router.expert_bias.device.type == "meta" and layer.router.expert_bias.dtype == torch.float32
