@@ -551,3 +551,28 @@ def test_an_empty_batch_reports_the_same_losses_as_a_full_one(gen) -> None:
     assert set(layer.aux_losses) == full and all(float(v.detach()) == 0.0 for v in layer.aux_losses.values())
     layer(torch.randn(5, 8, generator=gen, dtype=torch.float64), losses=False)
     assert layer.aux_loss().dtype == torch.float64 and float(layer.aux_loss().detach()) == 0.0
+
+
+class _Scale(nn.Module):
+    """A parameter-free expert: ``x * factor``."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+def test_experts_without_parameters(gen) -> None:
+    """Experts that hold no parameters (fixed functions) run: there is no parameter to compare
+    the input's device and dtype with, and the output is the routed sum of the functions."""
+    from moeflow.experts import ModuleExperts
+
+    layer = moeflow.MoE(dim=8, hidden=8, num_experts=3, top_k=2, capacity_factor=0.0,
+                        experts_module=ModuleExperts([_Scale(1.0), _Scale(2.0), _Scale(-3.0)])).double()
+    x = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    y = layer(x)
+    routing = layer.router(x, top_k=2)
+    factor_TK = torch.tensor([1.0, 2.0, -3.0], dtype=torch.float64)[routing.ids_TK]
+    torch.testing.assert_close(y, x * (routing.weights_TK * factor_TK).sum(1, keepdim=True), rtol=1e-12, atol=1e-12)
