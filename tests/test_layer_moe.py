@@ -576,3 +576,30 @@ def test_experts_without_parameters(gen) -> None:
     routing = layer.router(x, top_k=2)
     factor_TK = torch.tensor([1.0, 2.0, -3.0], dtype=torch.float64)[routing.ids_TK]
     torch.testing.assert_close(y, x * (routing.weights_TK * factor_TK).sum(1, keepdim=True), rtol=1e-12, atol=1e-12)
+
+
+class _RowsOnly(nn.Module):
+    """Experts that cannot run on zero rows (as some custom kernels): ``x * w[e]``."""
+
+    def __init__(self, num_experts: int, dim: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w = nn.Parameter(torch.ones(num_experts, dim))
+
+    def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if expert_in.numel() == 0:
+            raise RuntimeError("called with no rows")
+        return expert_in * self.w.repeat_interleave(counts_E, dim=0, output_size=expert_in.shape[0])
+
+
+def test_an_empty_batch_does_not_call_the_experts(gen) -> None:
+    """A call with no tokens in a single process never reaches the experts module (custom
+    experts need not handle zero rows): the output is empty and every parameter still gets a
+    (zero) gradient."""
+    layer = moeflow.MoE(dim=8, hidden=8, num_experts=3, top_k=2, capacity_factor=0.0, experts_module=_RowsOnly(3, 8))
+    x = torch.randn(4, 8, generator=gen)
+    assert layer(x).shape == (4, 8)
+    y = layer(torch.zeros(2, 0, 8))
+    assert y.shape == (2, 0, 8)
+    y.sum().backward()
+    assert layer.experts.w.grad is not None and not layer.experts.w.grad.any()
