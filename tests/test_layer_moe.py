@@ -551,6 +551,15 @@ def test_an_empty_batch_reports_the_same_losses_as_a_full_one(gen) -> None:
     assert set(layer.aux_losses) == full and all(float(v.detach()) == 0.0 for v in layer.aux_losses.values())
     layer(torch.randn(5, 8, generator=gen, dtype=torch.float64), losses=False)
     assert layer.aux_loss().dtype == torch.float64 and float(layer.aux_loss().detach()) == 0.0
+    # only the losses with a coefficient, and the empty call's counts: int64 zeros on x's device
+    some = moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, router=RouterConfig(load_balance_coef=0.0, z_loss_coef=0.1))
+    some(torch.randn(5, 8, generator=gen))
+    assert set(some.aux_losses) == {"z_loss"}
+    with torch.device("meta"):  # the default device: a tensor that does not name x's lands there
+        some(torch.zeros(0, 8, device="cpu"))
+    assert set(some.aux_losses) == {"z_loss"}
+    counts = some.last_counts_E
+    assert counts.device.type == "cpu" and counts.dtype == torch.long and counts.tolist() == [0, 0, 0, 0]
 
 
 class _Scale(nn.Module):
