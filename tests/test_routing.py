@@ -505,3 +505,33 @@ def test_selection_bias_keeps_its_fp32_value_through_a_cast():
     # a device move takes the bias along (meta stands in for another device)
     layer.to("meta")
     assert layer.router.expert_bias.device.type == "meta" and layer.router.expert_bias.dtype == torch.float32
+
+
+def _one_dim_router(**cfg):  # type: ignore[no-untyped-def]
+    """A training router over D=1 with weights (1, 2) and no bias: ``logits[t] = x'[t] * (1, 2)``
+    shows what the router did to its input ``x'``."""
+    from moeflow.layer.router import Router
+
+    router = Router(dim=1, num_experts=2, config=RouterConfig(bias=False, **cfg)).double().train()
+    with torch.no_grad():
+        router.linear.weight.copy_(torch.tensor([[1.0], [2.0]]))
+    return router
+
+
+def test_router_input_jitter_and_dropout_are_the_configured_ones():
+    """Jitter multiplies the input by U(1 - eps, 1 + eps); input dropout zeroes a fraction p of
+    the inputs and scales the rest by 1/(1 - p); with every noise setting at 0 a training call
+    draws no random numbers (and the load loss stays finite)."""
+    x = torch.ones(4000, 1, dtype=torch.float64)
+    torch.manual_seed(0)
+    u = _one_dim_router(jitter_eps=0.5)(x, top_k=1).logits_TE[:, 0]
+    assert 0.5 <= u.min() < 0.52 and 1.48 < u.max() <= 1.5
+    d = _one_dim_router(input_dropout=0.1)(x, top_k=1).logits_TE[:, 0]
+    kept = d != 0
+    assert 0.08 < 1 - kept.double().mean() < 0.12
+    torch.testing.assert_close(d[kept], torch.full_like(d[kept], 1 / 0.9), rtol=1e-12, atol=0)
+    quiet = _one_dim_router(jitter_eps=0.0, input_dropout=0.0, noise_std=0.0, load_coef=0.1)
+    state = torch.get_rng_state()
+    out = quiet(x[:16], top_k=1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(out.logits_TE[:, 0], x[:16, 0]) and torch.isfinite(out.aux_losses["load"])
