@@ -8,6 +8,8 @@ world, which shows which group and timer every call is given."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -160,8 +162,6 @@ class _Net:
     rank and size no expert group has, and a mix-up shows. Every call is recorded per thread."""
 
     def __init__(self) -> None:
-        import threading
-
         self._lock = threading.Lock()
         self._boxes: dict = {}
         self._barriers: dict = {}
@@ -169,8 +169,6 @@ class _Net:
 
     @staticmethod
     def get_rank(group: _Group | None) -> int:
-        import threading
-
         return threading.current_thread().rank if group is None else group.me  # type: ignore[attr-defined]
 
     @staticmethod
@@ -178,8 +176,6 @@ class _Net:
         return 99 if group is None else len(group.members)
 
     def _exchange(self, what: str, x_ND: torch.Tensor, send: list[int], recv: list[int], group: _Group, timer) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        import threading
-
         assert isinstance(group, _Group), f"{what}: group {group!r}"
         me_global = group.members[group.me]
         self.calls.setdefault(me_global, []).append((what, group.members, list(send), list(recv), timer))
@@ -207,8 +203,6 @@ class _Net:
 
 def _run_ranks(world: int, fn) -> list:  # type: ignore[no-untyped-def]
     """``fn(r)`` on ``world`` threads (global rank 10 + r); the results, or the first error."""
-    import threading
-
     out: list = [None] * world
     errors: list = []
 

@@ -38,7 +38,7 @@ def permute_blocks(x_ND: torch.Tensor, sizes: list[int], order: list[int]) -> to
     if order == sorted(order):
         return x_ND
     device = x_ND.device
-    # not in order, so at least two blocks: ``pieces`` is never empty
+    # not in order, so at least two blocks: the list ``cat`` joins is never empty
     index = torch.cat([torch.arange(starts[b], starts[b] + sizes[b], device=device) for b in order])
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=device)
