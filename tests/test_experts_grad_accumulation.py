@@ -238,3 +238,56 @@ def test_the_parameter_is_found_when_the_saved_weight_is_a_copy(wrap, recompute,
     assert len(adds) == 2  # both weights, on the second micro-batch
     for g, r in zip(got[:2], want[:2]):
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("E", [4, 8, 16, 20])
+def test_grouped_adds_take_about_an_eighth_of_the_experts_at_a_time(E, monkeypatch):
+    """``add_weight_grad_("grouped_mm")`` adds ``ceil(E/8)`` experts per grouped GEMM (the
+    temporary is about 1/8 of the gradient), skips a chunk whose experts have no rows (a 0-row
+    grouped GEMM is not run), and sums what the per-expert loop sums."""
+    import moeflow.experts.weight_grads as wg
+
+    gen = torch.Generator().manual_seed(100 + E)
+    step = -(-E // 8)
+    counts = torch.randint(1, 6, (E,), generator=gen)
+    counts[step:2 * step] = 0  # the second chunk has no rows
+    offs = counts.cumsum(0)
+    x = torch.randn(int(offs[-1]), 8, generator=gen)
+    g = torch.randn(int(offs[-1]), 4, generator=gen)
+    start = torch.randn(E, 8, 4, generator=gen)
+    calls = []
+    real = wg.F.grouped_mm
+    monkeypatch.setattr(wg.F, "grouped_mm", lambda a, b, *, offs: (calls.append(len(offs)), real(a, b, offs=offs))[1])
+    got = start.clone()
+    wg.add_weight_grad_("grouped_mm", x, g, offs.to(torch.int32), got)
+    want = start.double().clone()
+    ends = offs.tolist()
+    for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
+        want[e] += x[s:t].double().t() @ g[s:t].double()
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    chunks = [(e0, min(E, e0 + step)) for e0 in range(0, E, step)]
+    assert calls == [e1 - e0 for e0, e1 in chunks if int(counts[e0:e1].sum()) > 0]
+
+
+@pytest.mark.parametrize("gemm", ["bmm", "loop"])
+def test_weight_grads_into_a_slice_allocate_nothing(gemm):
+    """``weight_grad_into`` writes ``x_e^T g_e`` straight into its slice of the gradient (the
+    recompute backward's chunks): with bmm and the per-expert loop, no temporary of the slice's
+    size; an expert without rows gets zeros over whatever the slice held."""
+    from moeflow.experts.weight_grads import weight_grad_into
+
+    gen = torch.Generator().manual_seed(12)
+    E, C, D, F_ = 4, 3, 32, 48
+    if gemm == "bmm":
+        x, g, offs = torch.randn(E, C, D, generator=gen), torch.randn(E, C, F_, generator=gen), None
+        want = torch.bmm(x.double().transpose(1, 2), g.double())
+    else:
+        offs = torch.tensor([3, 3, 7, 9])  # expert 1 has no rows
+        x, g = torch.randn(9, D, generator=gen), torch.randn(9, F_, generator=gen)
+        want = torch.stack([x[s:t].double().t() @ g[s:t].double() for s, t in ((0, 3), (3, 3), (3, 7), (7, 9))])
+    whole = torch.randn(E + 2, D, F_, generator=gen)
+    out = whole[1:E + 1]
+    with LiveTensorBytes() as mem:
+        weight_grad_into(gemm, x, g, offs, out)
+    assert mem.peak < out[0].numel() * out.element_size(), mem.peak
+    torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-5)

@@ -219,6 +219,39 @@ def test_routing_tape_records_on_the_cpu_and_replays_on_the_gpu():
 
 
 @pytest.mark.reference
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+@pytest.mark.parametrize("gemm", ["bmm", "loop", "grouped_mm"])
+def test_expert_weight_grads_add_into_dot_grad_on_the_gpu(gemm, recompute):
+    """The second micro-batch adds the expert weights' gradients into ``.grad`` and hands autograd
+    a zero tensor, which must be on the weight's device: a custom Function's backward runs without
+    Python's function modes, so the CPU tests' ``meta`` default device cannot see a tensor built
+    there without naming its device; on a GPU it lands on the CPU and autograd refuses it."""
+    from moeflow.experts.lean import lean_ffn
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    E, D, H = 4, 64, 64
+    kw = dict(device="cuda", generator=gen)
+    w_in, w_out = torch.randn(E, D, 2 * H, **kw), torch.randn(E, H, D, **kw)
+    if gemm == "bmm":
+        xs, offs = [torch.randn(E, 6, D, **kw) for _ in range(2)], None
+    else:
+        offs = torch.tensor([5, 5, 12, 20], device="cuda", dtype=torch.int32)  # expert 1 has no rows
+        xs = [torch.randn(20, D, **kw) for _ in range(2)]
+    grads = []
+    for hook in (False, True):  # a tensor hook keeps autograd's own accumulation: the reference
+        a, b = w_in.clone().requires_grad_(), w_out.clone().requires_grad_()
+        if hook:
+            a.register_hook(lambda g: g)
+            b.register_hook(lambda g: g)
+        for x in xs:
+            lean_ffn(x, a, b, offs, activation="swiglu", gemm=gemm, recompute=recompute).square().sum().backward()
+        grads.append((a.grad, b.grad))
+    for got, want in zip(*grads):
+        assert got.device == w_in.device and not got._is_zerotensor()
+        assert_kernel_close(got, want, torch.float32, "dW")
+
+
+@pytest.mark.reference
 def test_default_experts_backend_is_the_measured_fastest_and_correct():
     """``backend="auto"`` on this GPU: torch's grouped GEMM on Hopper and later, Triton before
     (``moeflow.kernels.grouped_mm``); the default layer equals the per-expert loop."""

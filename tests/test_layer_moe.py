@@ -484,8 +484,10 @@ def test_deepcopy_after_forward():
 def test_every_tensor_the_layer_makes_names_its_device(gen, cf, weight_at, policy):
     """On a GPU a tensor built without a device lands on the CPU and fails there (or in an NCCL
     collective). Here the default device is ``meta`` while the inputs and weights are on the
-    CPU: any constructor in the forward, the backward, the balance losses or the no-grad path
-    that does not name its device makes a meta tensor, and mixing it with the CPU tensors fails."""
+    CPU: any constructor in the forward, the balance losses or the no-grad path that does not
+    name its device makes a meta tensor, and mixing it with the CPU tensors fails. (Not inside a
+    custom autograd Function's ``backward``: autograd runs it without Python's function modes,
+    so the default device does not reach there; ``tests/test_gpu.py`` runs those on CUDA.)"""
     layer = make_layer(gen, capacity_factor=cf, dispatch=DispatchConfig(weight_at=weight_at, drop_policy=policy),
                        router=RouterConfig(load_balance_coef=0.01, importance_coef=0.1, z_loss_coef=1e-3),
                        eval_mode=False)

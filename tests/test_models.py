@@ -168,7 +168,8 @@ def test_every_tensor_the_model_makes_names_its_device():
     """As ``test_layer_moe``'s check for the layer, for the whole MoE GPT: training loss and
     backward, then KV-cached generation of a left-padded batch, with ``meta`` as the default
     device and everything real on the CPU (a constructor without a device would make a meta
-    tensor and fail against them)."""
+    tensor and fail against them; the custom autograd Functions' backwards are out of its
+    reach, as the layer's check says)."""
     from moeflow.models.generation import generate
 
     torch.manual_seed(0)
