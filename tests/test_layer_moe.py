@@ -116,6 +116,35 @@ def _hand_shared(layer: moeflow.MoE, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu"])
+def test_dense_ffn_on_its_own(gen, activation):
+    """``DenseFFN`` as a user builds it (it is public): by default no biases, no gate and
+    weights of std 0.02; with ``bias``, ``gate``, ``init_std`` and ``dtype`` given, zero biases
+    that are used, a bias-free gate of one output, and ``act(x W_in + b_in) W_out + b_out``
+    scaled by ``sigmoid(x g)``. Gated activations double ``proj_in``'s width."""
+    from moeflow.experts.ffn import DenseFFN, activate
+
+    torch.manual_seed(3)
+    width = 48 if activation == "gelu" else 96
+    plain = DenseFFN(dim=64, hidden=48, activation=activation)
+    assert plain.proj_in.weight.shape == (width, 64) and plain.proj_out.weight.shape == (64, 48)
+    assert plain.proj_in.bias is None and plain.proj_out.bias is None and plain.gate is None
+    assert all(0.018 < float(w.detach().std()) < 0.022 for w in (plain.proj_in.weight, plain.proj_out.weight))
+    full = DenseFFN(dim=64, hidden=48, activation=activation, bias=True, gate=True, init_std=0.3, dtype=torch.float64)
+    assert full.gate.weight.shape == (1, 64) and full.gate.bias is None
+    assert all(p.dtype == torch.float64 for p in full.parameters())
+    assert all(0.28 < float(w.detach().std()) < 0.32 for w in (full.proj_in.weight, full.proj_out.weight))
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in (full.proj_in.bias, full.proj_out.bias))
+    with torch.no_grad():
+        for b in (full.proj_in.bias, full.proj_out.bias):
+            b.copy_(rand(gen, *b.shape))
+    x = rand(gen, 5, 64)
+    a = activate(x @ full.proj_in.weight.t() + full.proj_in.bias, activation)
+    want = (a @ full.proj_out.weight.t() + full.proj_out.bias) * torch.sigmoid(x @ full.gate.weight.t())
+    with torch.no_grad():
+        torch.testing.assert_close(full(x), want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "shared",
     [
@@ -222,6 +251,21 @@ def test_module_experts(gen, cf, policy):
     assert isinstance(layer.experts, moeflow.ModuleExperts)
     assert all(getattr(p, "moeflow_expert", False) for p in layer.experts.parameters())
     compare_layer_with(layer, lambda x: loop_moe(layer, x), rand(gen, T, D), gen)
+
+
+@pytest.mark.parametrize("like_dtype", [torch.float64, torch.bfloat16])
+def test_graph_zero_is_an_exact_zero_in_the_input_dtype_with_zero_gradients(gen, like_dtype):
+    """``graph_zero`` (added where no expert computed anything, and under ``ModuleExperts``'
+    rows) is exactly 0 in ``like``'s dtype whatever the module's dtype, and hands every
+    parameter and ``like`` a zero gradient, not a NaN, on non-empty tensors too."""
+    from moeflow.experts.ffn import graph_zero
+
+    experts = _module_experts(D, H, 3).float()
+    like = (rand(gen, 5, D) + 1).to(like_dtype).requires_grad_(True)
+    zero = graph_zero(experts, like)
+    assert zero.dtype == like_dtype and zero.dim() == 0 and float(zero.detach()) == 0.0
+    grads = torch.autograd.grad(zero, [like, *experts.parameters()])
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

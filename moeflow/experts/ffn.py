@@ -143,7 +143,6 @@ class GroupedExperts(nn.Module):
             f"activation={self.config.activation}, bias={self.config.bias}, backend={self.config.backend}"
         )
 
-    @torch.no_grad()
     def shard(self, start: int, count: int) -> "GroupedExperts":
         """A new module holding copies of experts ``[start, start + count)`` (expert parallelism)."""
         if not 0 <= start < start + count <= self.num_experts:
@@ -152,11 +151,11 @@ class GroupedExperts(nn.Module):
             num_experts=count, dim=self.dim, hidden=self.hidden, config=self.config,
             device=self.w_in.device, dtype=self.w_in.dtype,
         )
-        for name, param in self.named_parameters():
-            getattr(part, name).copy_(param[start : start + count])
+        with torch.no_grad():  # (not a decorator: mutation testing leaves decorated functions alone)
+            for name, param in self.named_parameters():
+                getattr(part, name).copy_(param[start : start + count])
         return part
 
-    @torch.no_grad()
     def hidden_slices(self, r: int) -> "GroupedExperts":
         """A new module of ``E * r`` experts of hidden size ``H / r``: expert ``j * E + x``
         holds hidden units ``[j*H/r, (j+1)*H/r)`` of expert ``x`` (gate and up columns alike).
@@ -170,9 +169,10 @@ class GroupedExperts(nn.Module):
             raise ValueError("hidden slices need experts without biases (bias=False): b_out would be added r times")
         out = GroupedExperts(num_experts=self.num_experts * r, dim=self.dim, hidden=self.hidden // r,
                              config=self.config, device=self.w_in.device, dtype=self.w_in.dtype)
-        for name in ("w_in", "w_out"):  # slice j of all experts, for j = 0 .. r-1
-            full = getattr(self, name)
-            getattr(out, name).copy_(torch.cat([cut_hidden_slice(name, full, r, j, self.halves) for j in range(r)]))
+        with torch.no_grad():
+            for name in ("w_in", "w_out"):  # slice j of all experts, for j = 0 .. r-1
+                full = getattr(self, name)
+                getattr(out, name).copy_(torch.cat([cut_hidden_slice(name, full, r, j, self.halves) for j in range(r)]))
         return out
 
     @property
