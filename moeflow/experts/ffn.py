@@ -213,14 +213,10 @@ class GroupedExperts(nn.Module):
         return self._forward_padded_autograd(x_ECD)
 
     def _forward_padded_autograd(self, x_ECD: torch.Tensor) -> torch.Tensor:
-        """With biases: plain autograd (``recompute`` wraps it in ``torch.utils.checkpoint``)."""
-        if self.b_in is None:
-            h_ECF = torch.bmm(x_ECD, self.w_in)
-        else:
-            h_ECF = torch.baddbmm(self.b_in.unsqueeze(1), x_ECD, self.w_in)
+        """With biases (``config.bias`` makes both): plain autograd (``recompute`` wraps it in
+        ``torch.utils.checkpoint``)."""
+        h_ECF = torch.baddbmm(self.b_in.unsqueeze(1), x_ECD, self.w_in)
         a_ECH = activate(h_ECF, self.config.activation)
-        if self.b_out is None:
-            return torch.bmm(a_ECH, self.w_out)
         return torch.baddbmm(self.b_out.unsqueeze(1), a_ECH, self.w_out)
 
     def ffn_options(self) -> dict[str, object]:
