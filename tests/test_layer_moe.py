@@ -253,6 +253,30 @@ def test_module_experts(gen, cf, policy):
     compare_layer_with(layer, lambda x: loop_moe(layer, x), rand(gen, T, D), gen)
 
 
+@pytest.mark.parametrize("halves", [1, 2])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_hidden_slices_cut_and_join_by_hidden_unit(gen, halves, n):
+    """Slice ``j`` of ``n`` holds hidden units ``[j*H/n, (j+1)*H/n)``: those columns of every
+    half of ``w_in`` (gate, then up) and those rows of ``w_out``, leading dims kept;
+    ``join_hidden_slices`` puts one expert's slices back together exactly."""
+    from moeflow.experts.ffn import cut_hidden_slice, join_hidden_slices
+
+    E, D, H = 2, 4, 6
+    w_in, w_out = rand(gen, E, D, halves * H), rand(gen, E, H, D)
+    h = H // n
+    for j in range(n):
+        cols = [c for g in range(halves) for c in range(g * H + j * h, g * H + (j + 1) * h)]
+        assert torch.equal(cut_hidden_slice("w_in", w_in, n, j, halves), w_in[..., cols])
+        assert torch.equal(cut_hidden_slice("w_out", w_out, n, j, halves), w_out[:, j * h:(j + 1) * h])
+    for e in range(E):
+        for name, full in (("w_in", w_in[e]), ("w_out", w_out[e])):
+            parts = [cut_hidden_slice(name, full, n, j, halves) for j in range(n)]
+            assert torch.equal(join_hidden_slices(name, parts, halves), full)
+    for bad in (lambda: cut_hidden_slice("b_in", w_in, n, 0, halves), lambda: join_hidden_slices("b_in", [w_in[0]], halves)):
+        with pytest.raises(ValueError, match="'b_in'"):
+            bad()
+
+
 @pytest.mark.parametrize("like_dtype", [torch.float64, torch.bfloat16])
 def test_graph_zero_is_an_exact_zero_in_the_input_dtype_with_zero_gradients(gen, like_dtype):
     """``graph_zero`` (added where no expert computed anything, and under ``ModuleExperts``'

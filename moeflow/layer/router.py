@@ -179,7 +179,6 @@ class Router(nn.Module):
         c = self.config
         return [("load_balance", c.load_balance_coef), ("importance", c.importance_coef), ("load", c.load_coef), ("z_loss", c.z_loss_coef)]
 
-    @torch.no_grad()
     def update_bias(self, load_counts_E: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing step (DeepSeek-V3): ``bias += rate * sign(mean_load - load)``.
 
@@ -191,7 +190,8 @@ class Router(nn.Module):
         rate = self.config.bias_update_rate
         if rate <= 0:
             raise RuntimeError("update_bias() needs RouterConfig(bias_update_rate > 0)")
-        counts_E = (self.load_counts if load_counts_E is None else load_counts_E).to(torch.float64)
-        if counts_E.sum() > 0:
-            self.expert_bias += rate * torch.sign(counts_E.mean() - counts_E).to(self.expert_bias)
-        self.load_counts.zero_()
+        with torch.no_grad():  # (not a decorator: mutation testing leaves decorated functions alone)
+            counts_E = (self.load_counts if load_counts_E is None else load_counts_E).to(torch.float64)
+            if counts_E.sum() > 0:
+                self.expert_bias += rate * torch.sign(counts_E.mean() - counts_E).to(self.expert_bias)
+            self.load_counts.zero_()
