@@ -82,6 +82,26 @@ def test_only_the_weights_or_only_the_input_get_gradients():
     assert torch.equal(got_x, gx)
 
 
+@pytest.mark.parametrize("gemm", ["bmm", "loop"])
+@pytest.mark.parametrize("frozen", ["w_in", "w_out"])
+def test_a_frozen_weight_gets_no_gradient_buffer(gemm, frozen):
+    """The recompute backward allocates a weight's gradient only when the weight needs one: with
+    one weight frozen its peak stays below the other's gradient plus half the frozen weight's
+    bytes (weights much larger than the activations here)."""
+    from moeflow.bench.memory import LiveTensorBytes
+
+    x, w_in, w_out, offs = ffn_operands(torch.Generator().manual_seed(6), gemm, "swiglu", torch.float64,
+                                        E=8, C=3, D=64, H=64)
+    weights = {"w_in": w_in, "w_out": w_out}
+    weights[frozen] = weights[frozen].detach()
+    (trained,) = [w for w in weights.values() if w.requires_grad]
+    y = lean_ffn(x, weights["w_in"], weights["w_out"], offs, activation="swiglu", gemm=gemm, recompute=True)
+    with LiveTensorBytes() as mem:
+        torch.autograd.grad(y, [x, trained], torch.ones_like(y))
+    frozen_bytes = weights[frozen].numel() * weights[frozen].element_size()
+    assert mem.peak < trained.numel() * trained.element_size() + frozen_bytes // 2, mem.peak
+
+
 @given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=12), chunks=st.integers(1, 15))
 def test_expert_chunks_partition_experts_and_rows(counts, chunks):
     offs = torch.tensor(counts).cumsum(0)
