@@ -275,6 +275,27 @@ def test_hidden_slices_cut_and_join_by_hidden_unit(gen, halves, n):
     for bad in (lambda: cut_hidden_slice("b_in", w_in, n, 0, halves), lambda: join_hidden_slices("b_in", [w_in[0]], halves)):
         with pytest.raises(ValueError, match="'b_in'"):
             bad()
+    # GroupedExperts.hidden_slices: expert j*E + x is slice j of expert x, and the slices' outputs
+    # add up to the expert's (its E*n experts run on E*n copies of each expert's rows)
+    experts = moeflow.GroupedExperts(num_experts=E, dim=D, hidden=H, dtype=torch.float64,
+                                     config=ExpertsConfig(activation="swiglu" if halves == 2 else "gelu"))
+    sliced = experts.hidden_slices(n)
+    assert (sliced.num_experts, sliced.hidden, sliced.halves) == (E * n, h, halves)
+    assert all(p.is_leaf and p.requires_grad for p in sliced.parameters())
+    for j in range(n):
+        for e in range(E):
+            assert torch.equal(sliced.w_in[j * E + e], cut_hidden_slice("w_in", experts.w_in[e], n, j, halves))
+            assert torch.equal(sliced.w_out[j * E + e], cut_hidden_slice("w_out", experts.w_out[e], n, j, halves))
+    x = rand(gen, E, 3, D)
+    with torch.no_grad():
+        whole = experts(x, torch.full((E,), 3))
+        parts = sliced(x.repeat(n, 1, 1), torch.full((E * n,), 3)).unflatten(0, (n, E)).sum(0)
+    torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+    for r in (0, 4, 2.0):
+        with pytest.raises(ValueError, match="hidden slices"):
+            experts.hidden_slices(r)
+    with pytest.raises(ValueError, match="bias=False"):
+        moeflow.GroupedExperts(num_experts=E, dim=D, hidden=H, config=ExpertsConfig(bias=True)).hidden_slices(n)
 
 
 @pytest.mark.parametrize("like_dtype", [torch.float64, torch.bfloat16])
