@@ -144,6 +144,21 @@ def test_post_accumulate_grad_hooks_see_the_summed_gradient():
         torch.testing.assert_close(got, n * want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["default", "recompute"])
+def test_a_pre_hook_on_the_weights_accumulate_grad_node_gets_a_zero_tensor(recompute):
+    """Where the gradient was added into ``.grad``, the weight's ``AccumulateGrad`` node still
+    gets a gradient, a zero tensor that allocates nothing (module docstring), not None."""
+    x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 13)
+    fn = _lean("bmm", offs, "swiglu", recompute)
+    fn(x, w_in, w_out).sum().backward()
+    seen = []
+    nodes = [w.view_as(w).grad_fn.next_functions[0][0] for w in (w_in, w_out)]
+    for node in nodes:
+        node.register_prehook(lambda grads: seen.append(grads[0]))
+    fn(x, w_in, w_out).sum().backward()
+    assert len(seen) == 2 and all(g is not None and g._is_zerotensor() for g in seen)
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
 def test_create_graph_keeps_autograds_accumulation():
     x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 6)

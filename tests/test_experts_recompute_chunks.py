@@ -279,6 +279,33 @@ def test_chunks_of_experts_without_rows_compute_nothing_and_get_zero_gradients(g
     assert torch.equal(got[1][1:], torch.zeros_like(got[1][1:])) and torch.equal(got[2][1:], torch.zeros_like(got[2][1:]))
 
 
+@pytest.mark.parametrize("gemm", ["grouped_mm", "loop"])
+def test_chunks_without_rows_leave_an_existing_grad_and_a_frozen_weight_alone(gemm) -> None:
+    """Experts 1.. own no rows (chunks of their own). A later micro-batch adds into ``.grad``: their
+    part of it stays as the earlier micro-batches left it (not zeroed); and with ``w_in`` frozen
+    its gradient is not made at all (``w_out``'s is the reference's)."""
+    gen = torch.Generator().manual_seed(12)
+    dt, tol = (torch.float32, 1e-5) if gemm == "grouped_mm" else (torch.float64, 1e-12)
+    E, D, H = 4, 8, 8
+    offs = torch.tensor([10, 10, 10, 10])
+    offs = offs.to(torch.int32) if gemm == "grouped_mm" else offs
+    x = torch.randn(10, D, generator=gen, dtype=dt)
+    w_in = torch.randn(E, D, 2 * H, generator=gen, dtype=dt, requires_grad=True)
+    w_out = torch.randn(E, H, D, generator=gen, dtype=dt, requires_grad=True)
+    before = [torch.randn(w.shape, generator=gen, dtype=dt) for w in (w_in, w_out)]
+    w_in.grad, w_out.grad = before[0].clone(), before[1].clone()  # as earlier micro-batches left them
+    dy = torch.randn(10, D, generator=gen, dtype=dt)
+    lean_ffn(x, w_in, w_out, offs, activation="swiglu", gemm=gemm, recompute=True, chunks=E).backward(dy)
+    want = torch.autograd.grad(ffn_reference(x, w_in, w_out, offs.long(), activation="swiglu"), (w_in, w_out), dy)
+    for w, b, g in zip((w_in, w_out), before, want):
+        torch.testing.assert_close(w.grad, b + g, rtol=tol, atol=tol)
+        assert torch.equal(w.grad[1:], b[1:])
+    frozen = w_in.detach()
+    y = lean_ffn(x, frozen, w_out, offs, activation="swiglu", gemm=gemm, recompute=True, chunks=E)
+    (got,) = torch.autograd.grad(y, [w_out], dy)
+    torch.testing.assert_close(got, want[1], rtol=tol, atol=tol)
+
+
 def test_turning_recompute_off_drops_the_chunk_count() -> None:
     """``recompute_chunks`` applies with recompute only: switching recompute off on a module
     (the ``recompute`` setter) or a layer (``MoE(expert_recompute=False)``) drops it instead of
