@@ -294,8 +294,27 @@ def test_hidden_slices_cut_and_join_by_hidden_unit(gen, halves, n):
     for r in (0, 4, 2.0):
         with pytest.raises(ValueError, match="hidden slices"):
             experts.hidden_slices(r)
+    with torch.device("meta"):  # the default device: the copies must land on the weights' device
+        assert experts.hidden_slices(n).w_in.device.type == experts.shard(0, 1).w_in.device.type == "cpu"
     with pytest.raises(ValueError, match="bias=False"):
         moeflow.GroupedExperts(num_experts=E, dim=D, hidden=H, config=ExpertsConfig(bias=True)).hidden_slices(n)
+
+
+def test_grouped_experts_shard_copies_a_range_of_experts(gen):
+    """``shard(start, count)``: a module of experts ``[start, start + count)``, copies (not views)
+    of every parameter; an empty or out-of-range shard is refused."""
+    experts = moeflow.GroupedExperts(num_experts=4, dim=D, hidden=H, dtype=torch.float64,
+                                     config=ExpertsConfig(bias=True))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(rand(gen, *p.shape))
+    part = experts.shard(1, 2)
+    assert part.num_experts == 2 and part.config == experts.config
+    for (name, p), (_, q) in zip(experts.named_parameters(), part.named_parameters(), strict=True):
+        assert torch.equal(q, p[1:3]) and q.data_ptr() != p[1:3].data_ptr(), name
+    for start, count in ((0, 0), (3, 2), (-1, 1)):
+        with pytest.raises(ValueError, match="outside"):
+            experts.shard(start, count)
 
 
 @pytest.mark.parametrize("like_dtype", [torch.float64, torch.bfloat16])
