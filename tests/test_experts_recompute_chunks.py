@@ -77,9 +77,11 @@ def test_only_the_weights_or_only_the_input_get_gradients():
     y = lean_ffn(x.detach(), w_in.detach(), w_out, None, activation="swiglu", gemm="bmm", recompute=True, chunks=3)
     (got_w_out,) = torch.autograd.grad(y, [w_out], grad)
     assert torch.equal(got_w_out, gw_out)
+    x_before = x.detach().clone()
     y = lean_ffn(x, w_in.detach(), w_out.detach(), None, activation="swiglu", gemm="bmm", recompute=True, chunks=3)
     (got_x,) = torch.autograd.grad(y, [x], grad)
     assert torch.equal(got_x, gx)
+    assert torch.equal(x.detach(), x_before)  # dx went over the private copy, not over x
 
 
 @pytest.mark.parametrize("gemm", ["bmm", "loop"])
@@ -100,6 +102,29 @@ def test_a_frozen_weight_gets_no_gradient_buffer(gemm, frozen):
         torch.autograd.grad(y, [x, trained], torch.ones_like(y))
     frozen_bytes = weights[frozen].numel() * weights[frozen].element_size()
     assert mem.peak < trained.numel() * trained.element_size() + frozen_bytes // 2, mem.peak
+
+
+def test_the_layer_picks_its_chunks_from_the_width_of_h_and_copies_x_only_for_dx():
+    """Through ``lean_ffn`` (the Function's ctx is ``y.grad_fn``): with ``chunks`` None the
+    count follows the bytes of ``h`` (``[rows, F]``: 2 MiB here, two chunks; ``D`` in place of
+    ``F`` would make one), and the rows backward overwrites with ``dx`` are a private contiguous
+    copy when ``x`` needs a gradient, ``x`` itself (no copy) when it does not; the caller's
+    ``x`` is never written."""
+    gen = torch.Generator().manual_seed(13)
+    E, D, H, R = 4, 64, 128, 2048  # F = 2H = 256: h is R * F * 4 bytes = 2 MiB
+    offs = torch.tensor([512, 1024, 1536, 2048])
+    x = torch.randn(D, R, generator=gen).t().requires_grad_()  # not contiguous
+    w_in, w_out = torch.randn(E, D, 2 * H, generator=gen), torch.randn(E, H, D, generator=gen).requires_grad_()
+    x_before = x.detach().clone()
+    y = lean_ffn(x, w_in, w_out, offs, activation="swiglu", gemm="loop", recompute=True)
+    assert len(y.grad_fn.bounds) == 2
+    rows = y.grad_fn.saved_tensors[0]
+    assert rows.is_contiguous() and rows.data_ptr() != x.data_ptr()
+    y.backward(torch.randn(y.shape, generator=gen))
+    assert torch.equal(x.detach(), x_before)
+    x_frozen = x.detach()
+    y = lean_ffn(x_frozen, w_in, w_out, offs, activation="swiglu", gemm="loop", recompute=True)
+    assert y.grad_fn.saved_tensors[0].data_ptr() == x_frozen.data_ptr()
 
 
 @given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=12), chunks=st.integers(1, 15))
