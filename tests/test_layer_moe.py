@@ -300,6 +300,21 @@ def test_hidden_slices_cut_and_join_by_hidden_unit(gen, halves, n):
         moeflow.GroupedExperts(num_experts=E, dim=D, hidden=H, config=ExpertsConfig(bias=True)).hidden_slices(n)
 
 
+@pytest.mark.parametrize("dim", [8, 6], ids=["aligned", "odd-rows"])
+def test_grouped_ffn_default_backend_fits_the_feature_sizes(gen, dim):
+    """``grouped_ffn`` without a backend picks one that runs these sizes: torch's grouped GEMM
+    needs every row stride (D, F and H elements) a multiple of 16 bytes, so D = 6 in fp32 must
+    not go to it. The result is the per-expert loop's."""
+    from moeflow.experts.ffn import grouped_ffn
+
+    counts = torch.tensor([3, 0, 4])
+    x, w_in, w_out = rand(gen, 7, dim).float(), rand(gen, 3, dim, 16).float(), rand(gen, 3, 8, dim).float()
+    with torch.no_grad():
+        got = grouped_ffn(x, counts, w_in, w_out, activation="swiglu")
+        want = grouped_ffn(x, counts, w_in, w_out, activation="swiglu", backend="loop")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_grouped_experts_shard_copies_a_range_of_experts(gen):
     """``shard(start, count)``: a module of experts ``[start, start + count)``, copies (not views)
     of every parameter; an empty or out-of-range shard is refused."""
