@@ -472,6 +472,28 @@ def test_dact_fake_dtype_follows_the_gradient():
     assert fake.dtype == real.dtype == torch.float16 and fake.shape == real.shape
 
 
+@pytest.mark.parametrize("case", ["plain", "b_in", "b_out", "callable", "recompute"])
+def test_grouped_ffn_takes_the_fused_kernel_only_where_it_applies(gen, case, monkeypatch):
+    """``grouped_ffn(backend="triton")`` runs the whole FFN in ``grouped_ffn_triton`` only without
+    biases and with a named activation (with recompute, inside ``torch.utils.checkpoint``);
+    otherwise the Triton grouped GEMM with the rest in torch. The result is the loop's."""
+    fused = []
+    real = grouped_gemm.grouped_ffn_triton  # (grouped_ffn imports it from there when it runs)
+    monkeypatch.setattr(grouped_gemm, "grouped_ffn_triton", lambda *a, **k: (fused.append(1), real(*a, **k))[1])
+    E, D, H = 3, 16, 8
+    counts = torch.tensor([5, 0, 4])
+    x, w_in, w_out = torch.randn(9, D, generator=gen), torch.randn(E, D, 2 * H, generator=gen), torch.randn(E, H, D, generator=gen)
+    b_in = torch.randn(E, 2 * H, generator=gen) if case == "b_in" else None
+    b_out = torch.randn(E, D, generator=gen) if case == "b_out" else None
+    act = (lambda h: torch.nn.functional.silu(h[:, :H]) * h[:, H:]) if case == "callable" else "swiglu"
+    kw = dict(activation=act, recompute=case == "recompute")
+    with torch.no_grad():
+        got = grouped_ffn(x, counts, w_in, w_out, b_in, b_out, backend="triton", **kw)
+        want = grouped_ffn(x, counts, w_in, w_out, b_in, b_out, backend="loop", **kw)
+    assert_kernel_close(got, want, torch.float32, "y")
+    assert fused == ([1] if case in ("plain", "recompute") else [])
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "silu", "relu"])
 def test_grouped_ffn_matches_reference(gen, activation):
     E, D, H = 5, 24, 20
