@@ -315,6 +315,45 @@ def test_grouped_ffn_default_backend_fits_the_feature_sizes(gen, dim):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("trained", ["x", "w_in", "w_out"])
+def test_grouped_ffn_gives_a_gradient_to_whichever_operand_alone_needs_one(gen, trained):
+    """The no-grad shortcut of ``grouped_ffn`` (nothing for autograd to record) must not be taken
+    when any one of x, w_in, w_out requires a gradient (a frozen input and one frozen weight, as
+    in partial fine-tuning): the lean Functions run (autograd through the shortcut's ops would
+    save more), and that operand gets the loop reference's gradient."""
+    from moeflow.experts.ffn import grouped_ffn
+
+    counts = torch.tensor([3, 0, 4])
+    ops = {"x": rand(gen, 7, 8).float(), "w_in": rand(gen, 3, 8, 16).float(), "w_out": rand(gen, 3, 8, 8).float()}
+    ops[trained].requires_grad_(True)
+    g = rand(gen, 7, 8).float()
+    y = grouped_ffn(ops["x"], counts, ops["w_in"], ops["w_out"], activation="swiglu", backend="grouped_mm")
+    assert type(y.grad_fn).__name__ == "_ActSecondGEMMBackward"  # the lean backward, not autograd's
+    (got,) = torch.autograd.grad(y, [ops[trained]], g)
+    (want,) = torch.autograd.grad(grouped_ffn(ops["x"], counts, ops["w_in"], ops["w_out"], activation="swiglu",
+                                              backend="loop"), [ops[trained]], g)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_ffn_recompute_keeps_the_named_backend(gen, monkeypatch):
+    """With biases and ``recompute`` the FFN runs inside ``torch.utils.checkpoint`` with the
+    backend the caller named (``"loop"`` here), not the automatic choice."""
+    from moeflow.experts.ffn import grouped_ffn
+    from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS
+
+    def refuse(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("the native grouped GEMM ran where the loop was asked for")
+
+    monkeypatch.setitem(GROUPED_MM_BACKENDS, "grouped_mm", refuse)
+    counts = torch.tensor([3, 0, 4])
+    x = rand(gen, 7, 8).float().requires_grad_(True)
+    w_in, w_out = rand(gen, 3, 8, 16).float(), rand(gen, 3, 8, 8).float()
+    b_in, b_out = rand(gen, 3, 16).float(), rand(gen, 3, 8).float()
+    y = grouped_ffn(x, counts, w_in, w_out, b_in, b_out, activation="swiglu", backend="loop", recompute=True)
+    y.sum().backward()
+    assert x.grad is not None
+
+
 def test_grouped_experts_shard_copies_a_range_of_experts(gen):
     """``shard(start, count)``: a module of experts ``[start, start + count)``, copies (not views)
     of every parameter; an empty or out-of-range shard is refused."""
