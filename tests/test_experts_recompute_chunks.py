@@ -84,6 +84,36 @@ def test_only_the_weights_or_only_the_input_get_gradients():
     assert torch.equal(x.detach(), x_before)  # dx went over the private copy, not over x
 
 
+@pytest.mark.parametrize("frozen", ["x", "w_in", "w_out"])
+def test_the_two_node_backward_skips_the_work_a_frozen_operand_needs(frozen, monkeypatch):
+    """Without recompute (two autograd nodes): a frozen ``x`` costs no ``dx`` GEMM, a frozen
+    ``w_out`` no ``act(h)`` recompute in backward; the others still get the reference's
+    gradients (``x`` with ``w_in`` frozen too: its gradient must not hang on ``w_in``'s flag)."""
+    import moeflow.experts.lean as lean
+
+    x, w_in, w_out, _ = ffn_operands(torch.Generator().manual_seed(7), "bmm", "swiglu", torch.float64, E=3, C=4)
+    ops = {"x": x, "w_in": w_in, "w_out": w_out}
+    ops[frozen] = ops[frozen].detach()
+    if frozen == "w_out":
+        ops["w_in"] = ops["w_in"].detach()  # x alone needs its gradient
+    y = lean_ffn(ops["x"], ops["w_in"], ops["w_out"], None, activation="swiglu", gemm="bmm")
+    calls = {"_mm": 0, "_activate": 0}
+    for name in calls:
+        real = getattr(lean, name)
+        monkeypatch.setattr(lean, name, lambda *a, _r=real, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _r(*a))[1])
+    trained = [k for k, t in ops.items() if t.requires_grad]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    got = torch.autograd.grad(y, [ops[k] for k in trained], dy)
+    ref = ffn_reference(ops["x"], ops["w_in"], ops["w_out"], None, activation="swiglu")
+    want = torch.autograd.grad(ref, [ops[k] for k in trained], dy)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    if frozen == "x":
+        assert calls["_mm"] == 1  # da only: no dx = dh W_in^T
+    if frozen == "w_out":
+        assert calls["_activate"] == 0
+
+
 @pytest.mark.parametrize("gemm", ["bmm", "loop"])
 @pytest.mark.parametrize("frozen", ["w_in", "w_out"])
 def test_a_frozen_weight_gets_no_gradient_buffer(gemm, frozen):

@@ -354,6 +354,30 @@ def test_grouped_ffn_recompute_keeps_the_named_backend(gen, monkeypatch):
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("biases", ["b_in", "b_out", "both"])
+@pytest.mark.parametrize("act", ["gelu", "callable"])
+def test_grouped_ffn_with_either_bias_or_a_callable_activation(gen, biases, act):
+    """The torch path of ``grouped_ffn`` (biases or a custom activation): ``act(x W_in[e] +
+    b_in[e]) W_out[e] + b_out[e]`` per row's expert with either bias alone (expert parallelism's
+    hidden shards pass ``b_in`` only), written out by hand here; with ``meta`` as the default
+    device, so the rows' expert ids are built on x's device."""
+    from moeflow.experts.ffn import grouped_ffn
+
+    counts = torch.tensor([3, 0, 4])
+    x, w_in, w_out = rand(gen, 7, 8), rand(gen, 3, 8, 6), rand(gen, 3, 6, 8)
+    b_in = rand(gen, 3, 6) if biases in ("b_in", "both") else None
+    b_out = rand(gen, 3, 8) if biases in ("b_out", "both") else None
+    fn = torch.nn.functional.gelu if act == "gelu" else (lambda h: torch.tanh(h) * h)
+    expert = [0, 0, 0, 2, 2, 2, 2]
+    want = torch.stack([
+        fn(x[r] @ w_in[e] + (0 if b_in is None else b_in[e])) @ w_out[e] + (0 if b_out is None else b_out[e])
+        for r, e in enumerate(expert)])
+    with torch.device("meta"):
+        got = grouped_ffn(x, counts, w_in, w_out, b_in, b_out, activation="gelu" if act == "gelu" else fn,
+                          backend="loop")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_grouped_experts_shard_copies_a_range_of_experts(gen):
     """``shard(start, count)``: a module of experts ``[start, start + count)``, copies (not views)
     of every parameter; an empty or out-of-range shard is refused."""
