@@ -306,3 +306,22 @@ def test_weight_grads_into_a_slice_allocate_nothing(gemm):
         weight_grad_into(gemm, x, g, offs, out)
     assert mem.peak < out[0].numel() * out.element_size(), mem.peak
     torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_weight_gradient_comes_in_the_weights_layout():
+    """``mm_weight_grad("grouped_mm")`` returns ``dW`` in the layout of a transposed weight view
+    (the Hugging Face ``[E, F, D]`` parameter seen as ``[E, D, F]``), so adding it into that
+    parameter's ``.grad`` needs no transposing copy; for any other weight, contiguous. Same
+    values either way."""
+    from moeflow.experts.weight_grads import mm_weight_grad
+
+    gen = torch.Generator().manual_seed(14)
+    offs = torch.tensor([3, 3, 7], dtype=torch.int32)
+    x, g = torch.randn(7, 8, generator=gen), torch.randn(7, 12, generator=gen)
+    want = torch.stack([x[s:t].double().t() @ g[s:t].double() for s, t in ((0, 3), (3, 3), (3, 7))]).float()
+    transposed = torch.randn(3, 12, 8, generator=gen).transpose(1, 2)
+    sliced = torch.randn(3, 8, 16, generator=gen)[..., :12]
+    for like, layout in ((transposed, "transposed"), (sliced, "contiguous"), (sliced.contiguous(), "contiguous")):
+        dw = mm_weight_grad("grouped_mm", x, g, offs, like)
+        torch.testing.assert_close(dw, want, rtol=1e-5, atol=1e-5)
+        assert (dw.stride() == like.stride()) if layout == "transposed" else dw.is_contiguous(), layout
