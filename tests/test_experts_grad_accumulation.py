@@ -325,3 +325,18 @@ def test_grouped_weight_gradient_comes_in_the_weights_layout():
         dw = mm_weight_grad("grouped_mm", x, g, offs, like)
         torch.testing.assert_close(dw, want, rtol=1e-5, atol=1e-5)
         assert (dw.stride() == like.stride()) if layout == "transposed" else dw.is_contiguous(), layout
+
+
+def test_a_sparse_grad_keeps_autograds_accumulation():
+    """A sparse ``.grad`` is not added into in place: autograd accumulates as usual (a new
+    ``.grad``, the same sum) and the old tensor stays as it was."""
+    x, w_in, w_out, offs, _ = _operands("bmm", torch.float64, 15)
+    fn = _lean("bmm", offs, "swiglu", False)
+    want = torch.autograd.grad(ffn_reference(x, w_in, w_out, None, activation="swiglu").sum(), w_in)[0]
+    start = torch.randn(w_in.shape, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    old = start.to_sparse()
+    w_in.grad = old
+    fn(x, w_in, w_out).sum().backward()
+    assert w_in.grad is not old
+    torch.testing.assert_close(w_in.grad.to_dense(), start + want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(old.to_dense(), start, rtol=0, atol=0)
