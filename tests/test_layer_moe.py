@@ -378,6 +378,29 @@ def test_grouped_ffn_with_either_bias_or_a_callable_activation(gen, biases, act)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("layout", ["grouped", "padded"])
+def test_grouped_experts_without_rows_give_an_empty_output_and_zero_gradients(gen, layout):
+    """A rank whose experts got no rows (expert parallelism) calls them on an empty input: an
+    empty output of the input's shape, still in the graph, so every weight gets a zero gradient
+    and all ranks run the same backward. One row is not "no rows"."""
+    experts = moeflow.GroupedExperts(num_experts=3, dim=8, hidden=8, dtype=torch.float64)
+    for rows in (0, 1):
+        x = rand(gen, rows, 8) if layout == "grouped" else rand(gen, 3, rows, 8)
+        x.requires_grad_(True)
+        counts = torch.tensor([rows, 0, 0])
+        y = experts(x, counts)
+        assert y.shape == x.shape
+        grads = torch.autograd.grad(y.sum(), [x, *experts.parameters()], allow_unused=False)
+        if rows == 0:
+            assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+        else:
+            assert float(grads[1].abs().sum()) > 0
+    one = moeflow.GroupedExperts(num_experts=1, dim=1, hidden=4, dtype=torch.float64)  # one element: one row, D = 1
+    x1 = rand(gen, 1, 1) if layout == "grouped" else rand(gen, 1, 1, 1)
+    with torch.no_grad():
+        assert float(one(x1, torch.tensor([1])).abs().sum()) > 0
+
+
 def test_grouped_experts_shard_copies_a_range_of_experts(gen):
     """``shard(start, count)``: a module of experts ``[start, start + count)``, copies (not views)
     of every parameter; an empty or out-of-range shard is refused."""
