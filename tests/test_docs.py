@@ -230,10 +230,19 @@ def test_runner_tolerates_only_an_abort_after_every_rank_finished(tmp_path: Path
     message in the output."""
     runner = tmp_path / "run_page.py"
     runner.write_text(_RUNNER)
+    # rank 1 aborts at exit only once rank 0 has left its mark (or after 60 s): without the wait, a
+    # loaded machine let rank 1 abort first and torchrun end rank 0 before its mark, which is the
+    # other case (a rank that did not finish), and the first half failed
     abort_at_exit = textwrap.dedent('''
-        import atexit, os, sys
+        import atexit, os, sys, time
+        def _abort_once_rank_0_is_done(mark=__file__ + ".done.0"):
+            deadline = time.monotonic() + 60
+            while not os.path.exists(mark) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print("terminate called without an active exception", flush=True)
+            os.abort()
         if os.environ["RANK"] == "1":
-            atexit.register(lambda: (print("terminate called without an active exception", flush=True), os.abort()))
+            atexit.register(_abort_once_rank_0_is_done)
         ''')
     stop_early = abort_at_exit + 'if os.environ["RANK"] == "1":\n    sys.exit(3)\n'
     codes = {}

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["add_weight_grad_", "expert_row_ranges", "grad_buffer", "mm_weight_grad", "no_grad_to_add",
-           "note_grad_mode", "records_grad_mode", "weight_grad_into"]
+           "records_grad_mode", "weight_grad_into"]
 
 _GROUPS = 8  # grouped_mm adds: about 1/_GROUPS of the experts per temporary
 
@@ -53,16 +53,16 @@ def records_grad_mode(backward):
     """Decorates a Function's ``backward`` (outside ``once_differentiable``) to note in
     ``ctx.graph_recorded`` whether the backward records a graph (``create_graph``)."""
 
-    # the decorator runs at import, before mutmut picks a mutant: not mutated (``note_grad_mode``
+    # the decorator runs at import, before mutmut picks a mutant: not mutated (``_note_grad_mode``
     # is, and a broken wrapper fails every lean backward test)
     def wrapped(ctx, *grads):
-        note_grad_mode(ctx)  # pragma: no mutate
+        _note_grad_mode(ctx)  # pragma: no mutate
         return backward(ctx, *grads)  # pragma: no mutate
 
     return wrapped
 
 
-def note_grad_mode(ctx) -> None:
+def _note_grad_mode(ctx) -> None:
     """Sets ``ctx.graph_recorded``: whether the running backward records a graph. A function of
     its own, called in backward, so that coverage tools (mutation testing's too) see the tests
     that reach it; the decorator itself runs only at import."""
