@@ -418,6 +418,23 @@ def test_bias_update_details(gen):
     # no tokens since the last update: no change
     layer.router.update_bias()
     assert layer.router.expert_bias.tolist() == [0.0, 0.0, 0.25, -0.25, 0.0, 0.0, -0.25, 0.25]
+    # one token's one choice counts too: the seven experts below the mean move up
+    layer.router.update_bias(torch.tensor([1, 0, 0, 0, 0, 0, 0, 0]))
+    assert layer.router.expert_bias.tolist() == [-0.25, 0.25, 0.5, 0.0, 0.25, 0.25, 0.0, 0.5]
+
+
+def test_bias_update_is_arithmetic_in_the_bias_dtype(gen):
+    """The bias (fp32, also in a bf16 layer) steps by ``rate * sign`` in fp32, as a sum of fp32
+    tensors would: bias 1 and a rate just above 2**-24 (fp32 2**-24, half the spacing at 1)
+    round back to 1, where the sum taken in fp64 and rounded once is the next fp32 value up."""
+    rate = 2.0**-24 + 2.0**-50
+    layer = _bias_layer(gen, rate=rate).to(torch.bfloat16)
+    assert layer.router.expert_bias.dtype == torch.float32
+    with torch.no_grad():
+        layer.router.expert_bias.fill_(1.0)
+    layer.router.update_bias(torch.tensor([0, 8, 8, 8, 8, 8, 8, 8]))  # expert 0 below the mean
+    assert layer.router.expert_bias.tolist() == [1.0] + [1.0 - 2.0**-24] * (E - 1)
+    assert torch.tensor(1.0, dtype=torch.float64).add(rate).float().item() > 1.0  # what fp64 would give
 
 
 def test_update_bias_requires_rate(gen):

@@ -192,6 +192,7 @@ class Router(nn.Module):
             raise RuntimeError("update_bias() needs RouterConfig(bias_update_rate > 0)")
         with torch.no_grad():  # (not a decorator: mutation testing leaves decorated functions alone)
             counts_E = (self.load_counts if load_counts_E is None else load_counts_E).to(torch.float64)
-            if counts_E.sum() > 0:
-                self.expert_bias += rate * torch.sign(counts_E.mean() - counts_E).to(self.expert_bias)
+            # no tokens since the last update: every count is 0, so is every sign, and the bias
+            # stays (no branch on the counts: the step reads nothing back to the host)
+            self.expert_bias += rate * torch.sign(counts_E.mean() - counts_E).to(self.expert_bias)
             self.load_counts.zero_()
