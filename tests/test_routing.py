@@ -330,6 +330,30 @@ COEFS = {
 }
 
 
+def test_router_losses_of_one_token_and_of_none(gen):
+    """The router called alone: one token gets its losses from the loss functions like any
+    batch; an empty batch (one rank's share can be empty) gets every configured loss as an exact
+    zero that backward reaches (zero gradients, not None), not the NaN of a mean over nothing."""
+    cfg = RouterConfig(scoring="softmax", **COEFS["all"])
+    layer = make_layer(gen, dim=D, num_experts=E, top_k=2, router=cfg)
+    one = layer.router(rand(gen, 1, D), top_k=2)
+    expected = {
+        "load_balance": cfg.load_balance_coef * load_balance_loss(torch.softmax(one.logits_TE, -1), one.ids_TK),
+        "importance": cfg.importance_coef * importance_loss(one.weights_TK, one.ids_TK, E),
+        "load": cfg.load_coef * load_loss(torch.bincount(one.ids_TK.reshape(-1), minlength=E).double()),
+        "z_loss": cfg.z_loss_coef * router_z_loss(one.logits_TE),
+    }
+    assert set(one.aux_losses) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(one.aux_losses[name], value, rtol=1e-12, atol=0, msg=name)
+    assert one.aux_losses["z_loss"].item() > 0
+    none = layer.router(rand(gen, 0, D), top_k=2)
+    assert set(none.aux_losses) == set(expected)
+    assert all(v.item() == 0.0 for v in none.aux_losses.values()), none.aux_losses
+    (g,) = torch.autograd.grad(sum(none.aux_losses.values()), [layer.router.linear.weight])
+    assert torch.equal(g, torch.zeros_like(g))
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "topk_softmax"])
 @pytest.mark.parametrize("coefs", list(COEFS))
 @pytest.mark.parametrize("noisy", [False, True], ids=["clean", "noisy"])
