@@ -143,23 +143,24 @@ def train_vision(cfg: VisionTrainConfig, *, log=print) -> dict:  # type: ignore[
             (loss + aux).backward()
             grad_norm = torch.linalg.vector_norm(
                 torch.stack([p.grad.double().norm() for p in model.parameters() if p.grad is not None]))
-            if not step_is_finite(loss.item(), float(grad_norm)):
-                raise NonFiniteLossError(f"training stopped in epoch {epoch + 1}: the loss is {loss.item()} and the "
+            loss_value = loss.item()  # one read per step (the loss is logged four ways below)
+            if not step_is_finite(loss_value, float(grad_norm)):
+                raise NonFiniteLossError(f"training stopped in epoch {epoch + 1}: the loss is {loss_value} and the "
                                          f"gradient norm {float(grad_norm)}; the weights were not updated (lower --lr)")
             history["lr"].append(opt.param_groups[0]["lr"])
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
             step += 1
-            total += loss.item() * len(idx)
+            total += loss_value * len(idx)
             history["step"].append(step)
-            history["train_loss"].append(loss.item())
+            history["train_loss"].append(loss_value)
             tokens = int(step_counts_LE[0].sum()) // cfg.top_k  # patch tokens the MoE layers routed
-            metrics.append({"step": step, "loss": loss.item(), "aux_loss": float(aux),
+            metrics.append({"step": step, "loss": loss_value, "aux_loss": float(aux.detach()),
                             "tokens_per_s": tokens / max(time.perf_counter() - t_step, 1e-9)})
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
+                bar.set_postfix(epoch=epoch + 1, loss=f"{loss_value:.3f}")
         losses.append(total / len(y_tr))
         acc, test_loss = evaluate(model, x_te, y_te)
         history["val"].append([step, test_loss])
