@@ -352,6 +352,8 @@ def test_router_losses_of_one_token_and_of_none(gen):
     assert all(v.item() == 0.0 for v in none.aux_losses.values()), none.aux_losses
     (g,) = torch.autograd.grad(sum(none.aux_losses.values()), [layer.router.linear.weight])
     assert torch.equal(g, torch.zeros_like(g))
+    lb_only = make_layer(gen, dim=D, num_experts=E, top_k=2, router=RouterConfig(**COEFS["lb"]))
+    assert set(lb_only.router(rand(gen, 0, D), top_k=2).aux_losses) == {"load_balance"}  # only what is configured
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "topk_softmax"])
