@@ -281,6 +281,13 @@ def test_gather_dot_answers_in_the_dtype_of_like_and_permute_saves_x_only_for_we
         permute_rows(x, torch.tensor([0, 1, 3]), None, torch.tensor([[0], [1], [0], [2]]),
                      torch.tensor([[True], [True], [False], [True]]))
     assert all(t.shape != x.shape for t in saved), [tuple(t.shape) for t in saved]
+    # unpermute_rows likewise keeps the expert rows y only for the weight gradient
+    y = torch.randn(4, 16, generator=gen, requires_grad=True)
+    for weights, keeps_y in ((None, False), (torch.rand(2, 2, generator=gen, requires_grad=True), True)):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            unpermute_rows(y, torch.tensor([[0, 1], [2, 3]]), None, weights, torch.tensor([0, 1, 2, 3]), None)
+        assert any(t.shape == y.shape for t in saved) == keeps_y, [tuple(t.shape) for t in saved]
 
 
 def test_count_ids_matches_bincount():

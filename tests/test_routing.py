@@ -164,6 +164,25 @@ def test_router_dtype_fp64_and_explicit(gen):
     assert layer.router(rand(gen, 8, D, dtype=torch.bfloat16), top_k=2).logits_TE.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+def test_router_bias_is_cast_to_the_router_dtype(gen, kind):
+    """With ``bias=True`` in a bf16 layer the router computes in fp32 (the default router dtype):
+    weight and bias are both cast, and the logits are the fp32 computation from the bf16 values."""
+    cfg = RouterConfig(kind=kind, cosine_proj_dim=8, bias=True)
+    layer = make_layer(gen, dim=D, num_experts=4, dtype=torch.bfloat16, router=cfg)
+    x = rand(gen, 8, D, dtype=torch.bfloat16)
+    logits = layer.router.logits(x)
+    assert logits.dtype == torch.float32
+    lin = layer.router.linear if kind == "linear" else layer.router.proj
+    assert lin.bias is not None and lin.bias.dtype == torch.bfloat16 and lin.bias.abs().max() > 0
+    z = F.linear(x.float(), lin.weight.float(), lin.bias.float())
+    if kind == "cosine":
+        m = F.normalize(layer.router.expert_embed.float(), dim=-1)
+        scale = torch.clamp(layer.router.log_scale.float(), max=math.log(1 / cfg.cosine_min_temperature)).exp()
+        z = (F.normalize(z, dim=-1) @ m.t()) * scale
+    torch.testing.assert_close(logits, z, rtol=1e-6, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- cosine router
 
 
