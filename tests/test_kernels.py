@@ -5,6 +5,7 @@ groups. The Triton kernels: ``test_kernels_triton.py``."""
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -388,6 +389,42 @@ def test_permute_unpermute_match_reference(gen, T, E, K, cf, D, dtype):
     # without weights (weights applied at dispatch): a plain sum
     y_sum = unpermute_rows(y_MD, row_TK, kept_TK, None, plan.assign_M, plan.row_valid_M)
     assert_kernel_close(y_sum, unpermute_rows_reference(y_MD, row_TK, kept_TK, None, plan.assign_M, plan.row_valid_M), dtype, "sum")
+
+
+_I4 = torch.arange(4)
+_BAD_ROWS = [  # (function, arguments, error, the message's start: the function, the argument, the rule)
+    ("permute", (torch.randn(4), _I4, None, _I4.view(4, 1), None), ValueError, "permute_rows: x_TD must be a 2-D tensor"),
+    ("permute", (torch.ones(4, 3, dtype=torch.long), _I4, None, _I4.view(4, 1), None), TypeError,
+     "permute_rows: x_TD must be floating point"),
+    ("permute", (torch.randn(4, 3), _I4.view(2, 2), None, _I4.view(4, 1), None), ValueError, "permute_rows: index_M must be 1-D"),
+    ("permute", (torch.randn(4, 3), _I4, None, _I4, None), ValueError, "permute_rows: rev_TK must be 2-D"),
+    ("permute", (torch.randn(4, 3), _I4, None, _I4.view(4, 1).float(), None), TypeError,
+     "permute_rows: rev_TK must be int32 or int64"),
+    ("permute", (torch.randn(4, 3), _I4, None, _I4.view(4, 1), None, torch.rand(3)), ValueError,
+     "permute_rows: weights_M shape"),
+    ("unpermute", (torch.randn(4), _I4.view(2, 2), None, None, _I4, None), ValueError,
+     "unpermute_rows: y_MD must be a 2-D tensor"),
+    ("unpermute", (torch.ones(4, 3, dtype=torch.long), _I4.view(2, 2), None, None, _I4, None), TypeError,
+     "unpermute_rows: y_MD must be floating point"),
+    ("unpermute", (torch.randn(4, 3), _I4, None, None, _I4, None), ValueError, "unpermute_rows: row_TK must be 2-D"),
+    ("unpermute", (torch.randn(4, 3), _I4.view(2, 2).float(), None, None, _I4, None), TypeError,
+     "unpermute_rows: row_TK must be int32 or int64"),
+    ("unpermute", (torch.randn(4, 3), _I4.view(2, 2), None, None, _I4.view(4, 1), None), ValueError,
+     "unpermute_rows: assign_M must be 1-D"),
+    ("unpermute", (torch.randn(4, 3), _I4.view(2, 2), None, None, _I4.float(), None), TypeError,
+     "unpermute_rows: assign_M must be int32 or int64"),
+    ("unpermute", (torch.randn(4, 3), _I4.view(2, 2), None, None, _I4[:3], None), ValueError,
+     "unpermute_rows: assign_M has 3 entries, y_MD has 4 rows"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(_BAD_ROWS)))
+def test_permute_and_unpermute_name_the_bad_argument(case):
+    """Each check of the two row kernels' arguments, one at a time: the error names the
+    function, the argument and the rule (the message's start, matched literally)."""
+    fn, args, error, message = _BAD_ROWS[case]
+    with pytest.raises(error, match="^" + re.escape(message)):
+        (permute_rows if fn == "permute" else unpermute_rows)(*args)
 
 
 def test_permute_rejects_bad_arguments():
