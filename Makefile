@@ -29,13 +29,14 @@ test: $(STAMP)
 bench-targets: $(STAMP)
 	bash bench/core_targets.sh
 
-# mutation testing of the core (docs/testing.md; not part of `make test`): mutmut mutates the
-# modules [tool.mutmut] in pyproject.toml names into mutants/ and runs each mutant against the
-# tests that ran its function; then the score per package. One package or module:
-# make mutation MUTANTS='moeflow.routing.*'   (mutmut's results persist: a rerun continues)
+# mutation testing of the core (docs/testing.md; not part of `make test`): mutmut, one package at
+# a time in its own work directory mutants/<package>/, each package's mutants run against its own
+# test files (tests/tools/mutation_run.py: PACKAGES); then the score per package. Some packages or
+# functions (mutmut's results persist: a rerun continues):
+# make mutation PACKAGES='layer experts'     make mutation PACKAGES=layer MUTANTS='moeflow.layer.moe.*'
 mutation: $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[dev]'
-	$(VENV)/bin/mutmut run --max-children 2 $(MUTANTS)
+	$(VENV)/bin/python tests/tools/mutation_run.py $(PACKAGES) $(if $(MUTANTS),--mutants '$(MUTANTS)')
 	$(VENV)/bin/python tests/tools/mutation_report.py
 
 # the GPU acceptance run (docs/benchmarks.md): every GPU stage in one command, in a 540 s budget.

@@ -15,7 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import moeflow.models.gpt as gpt_module
-from moeflow.models.generation import STOP_CHECK_EVERY, _bucket, compiled_decoder, generate
+from moeflow.models.generation import (HEAD_LAYOUTS, STOP_CHECK_EVERY, HeadProduct, _bucket, compiled_decoder,
+                                       generate, head_product)
 
 from helpers import small_gpt
 
@@ -130,6 +131,71 @@ def test_static_step_traces_as_one_graph(model):
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
 
 
+@pytest.mark.reference
+def test_static_step_is_the_head_of_its_hidden_state(model):
+    """``decode_step`` is ``lm_head(decode_hidden)`` (the CPU's compiled decoder compiles the
+    second and multiplies the head itself); the step writes the same cache columns again."""
+    with torch.no_grad():
+        cache, logits, P = _prefilled(model, PROMPTS)
+        next_B, pos = logits.argmax(-1), torch.tensor(P)
+        logits = model.decode_step(next_B, pos, cache)
+        torch.testing.assert_close(model.lm_head(model.decode_hidden(next_B, pos, cache)), logits, rtol=0, atol=0)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_every_head_layout_gives_the_heads_logits(rows):
+    """``head_product`` in each layout against ``F.linear`` in fp64, on fresh random inputs;
+    the ``[D, V]`` layout needs its copy, an unknown layout is refused by name."""
+    gen = torch.Generator().manual_seed(rows)
+    w_VD = torch.randn(37, 16, generator=gen, dtype=torch.float64)
+    h_BD = torch.randn(rows, 16, generator=gen, dtype=torch.float64)
+    for layout in HEAD_LAYOUTS:
+        out = head_product(layout, h_BD, w_VD, w_VD.t().contiguous())
+        torch.testing.assert_close(out, h_BD @ w_VD.t(), rtol=1e-12, atol=1e-12)
+        assert out.shape == (rows, 37)
+    with pytest.raises(ValueError, match="needs weight_DV"):
+        head_product("dv", h_BD, w_VD)
+    with pytest.raises(ValueError, match="layout must be one of .* got 'dvx'"):
+        head_product("dvx", h_BD, w_VD)
+
+
+@pytest.mark.unit
+def test_head_product_tunes_each_row_count_by_median_and_copies_only_for_its_layout():
+    """``tune`` times every layout ``repeats`` times (a fake clock: ``linear`` 3, ``dv`` 2 with
+    one slow outlier of 100 a median ignores, ``vd`` 4 units) and keeps the least median;
+    ``begin`` tunes a row count once, then takes a fresh ``[D, V]`` copy per call, and only for
+    ``dv``; another row count is tuned on its own."""
+    cost = {"linear": [3.0] * 5, "dv": [2.0, 100.0, 2.0, 2.0, 2.0], "vd": [4.0] * 5}
+    ticks = []
+
+    def timer() -> float:  # calls alternate start/stop, layouts in HEAD_LAYOUTS order, repeat by repeat
+        n = len(ticks)
+        layout = HEAD_LAYOUTS[(n // 2) % len(HEAD_LAYOUTS)]
+        step = cost[layout][(n // (2 * len(HEAD_LAYOUTS))) % 5] if n % 2 else 0.0
+        ticks.append((ticks[-1] if ticks else 0.0) + step)
+        return ticks[-1]
+
+    head = HeadProduct(repeats=5, timer=timer)
+    w_VD = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+    head.begin(w_VD, 2)
+    assert head.choice == {2: "dv"} and len(ticks) == 2 * 5 * len(HEAD_LAYOUTS)
+    assert head.weight_DV is not None and torch.equal(head.weight_DV, w_VD.t()) and head.weight_DV.is_contiguous()
+    h_BD = torch.randn(2, 8, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(head(h_BD), h_BD @ w_VD.t())
+
+    w2_VD = w_VD + 1.0  # the weight changed between calls (an optimizer step): a new copy, no new timing
+    head.begin(w2_VD, 2)
+    assert len(ticks) == 30 and torch.equal(head.weight_DV, w2_VD.t())
+    torch.testing.assert_close(head(h_BD), h_BD @ w2_VD.t())
+
+    cost["dv"] = [5.0] * 5  # rows 4: linear is the fastest now, and no copy is taken
+    head.begin(w2_VD, 4)
+    assert head.choice == {2: "dv", 4: "linear"} and head.weight_DV is None and len(ticks) == 60
+    with pytest.raises(ValueError, match="repeats must be"):
+        HeadProduct(repeats=0)
+
+
 @pytest.mark.unit
 def test_cache_capacities_round_up_to_a_power_of_two_within_the_window():
     assert [_bucket(n, 512) for n in (1, 16, 17, 33, 300, 512)] == [16, 16, 32, 64, 512, 512]
@@ -177,6 +243,37 @@ def test_compiled_generation_gives_the_eager_tokens(model):
         assert generate(model, prompts, n, temperature=0, compile=True).tokens == \
             generate(model, prompts, n, temperature=0).tokens
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert decoder.compilations == 2
+
+
+@pytest.mark.e2e
+def test_compiled_generation_follows_a_head_changed_between_calls_in_every_layout(model):
+    """On the CPU the compiled decoder multiplies the head itself, in the layout it measured
+    fastest; each layout (forced here) gives the eager loop's tokens, and after the head's
+    weight changes in place (as an optimizer step changes it) the next compiled call gives the
+    eager loop's new tokens, not the old ones: the ``[D, V]`` copy is taken per call (the
+    shapes are those of the test above: no new compilation)."""
+    decoder = compiled_decoder(model)
+    assert decoder.head is not None
+    generate(model, PROMPTS, 12, temperature=0, compile=True)  # tunes 3 rows (17 columns: capacity 32)
+    before = generate(model, PROMPTS, 12, temperature=0).tokens
+    weight = model.lm_head.weight
+    saved = weight.detach().clone()
+    try:
+        for layout in HEAD_LAYOUTS:
+            decoder.head.choice[len(PROMPTS)] = layout
+            with torch.no_grad():
+                weight.copy_(saved)
+            assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == before
+            with torch.no_grad():
+                weight.copy_(saved.roll(7, dims=0) + 0.1 * torch.randn(saved.shape, generator=torch.Generator().manual_seed(3)))
+            eager = generate(model, PROMPTS, 12, temperature=0).tokens
+            assert eager != before
+            assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == eager, layout
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+        decoder.head.choice.pop(len(PROMPTS), None)
     assert decoder.compilations == 2
 
 

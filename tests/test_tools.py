@@ -1,5 +1,6 @@
-"""The test tools under ``tests/tools/``: the mutation report's reading and scoring (``make
-mutation``; docs/testing.md)."""
+"""The test tools under ``tests/tools/``: the mutation report's reading and scoring, and the
+runner that gives each package its own work directory and tests (``make mutation``;
+docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,57 @@ def test_scores_per_package_leave_out_equivalents_and_unrun(tmp_path):
     assert (r["mutants"], r["equivalent"], r["killed"], r["survived"], r["no test"], r["not run"]) == (6, 1, 2, 1, 1, 1)
     assert r["score"] == pytest.approx(2 / 4)  # a timeout counts as killed, no covering test as survived
     assert rows["parallel/tuner"]["score"] == 1.0
+
+
+def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path, monkeypatch):
+    """``mutation_run.py``: every package's test patterns match files (a renamed file would
+    leave mutants without tests), the packages together mutate what ``[tool.mutmut]`` names,
+    and a package's work directory gets the repository's mutmut settings with only its own
+    modules and test files, written again only when they change (mutmut reruns everything
+    then)."""
+    import tomllib
+
+    import mutation_run as run
+
+    root = Path(__file__).resolve().parents[1]
+    configured = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    assert sorted(m for mods, _ in run.PACKAGES.values() for m in mods) == sorted(configured["only_mutate"])
+    assert set(run.PACKAGES) == {"routing", "dispatch", "layer", "experts", "kernels", "parallel/assignment",
+                                 "parallel/exchange", "parallel/tuner"}
+    for package in run.PACKAGES:
+        files = run.test_files(package)
+        assert files and len(files) == len(set(files)) and all((root / f).is_file() for f in files), package
+        assert set(files) <= set(configured["pytest_add_cli_args_test_selection"]) | {
+            f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")}
+        work = tomllib.loads(run.work_config(package, (root / "pyproject.toml").read_text()))["tool"]["mutmut"]
+        assert work["only_mutate"] == run.PACKAGES[package][0]
+        assert work["pytest_add_cli_args_test_selection"] == files
+        assert {k: v for k, v in work.items() if k not in ("only_mutate", "pytest_add_cli_args_test_selection")} == \
+            {k: v for k, v in configured.items() if k not in ("only_mutate", "pytest_add_cli_args_test_selection")}
+    assert "tests/test_experts_recompute_chunks.py" in run.test_files("experts")  # globs expand
+
+    monkeypatch.setitem(run.PACKAGES, "nothing", (["moeflow/x/*"], ["test_no_such_*.py"]))
+    with pytest.raises(ValueError, match=r"PACKAGES\['nothing'\]: no test file matches 'test_no_such_\*.py'"):
+        run.test_files("nothing")
+
+    fake = tmp_path / "repo"
+    for name in ("moeflow", "tests"):
+        (fake / name).mkdir(parents=True)
+        (fake / name / "a.py").write_text("x = 1\n")
+    (fake / "tests" / "test_routing.py").write_text("")
+    (fake / "moeflow" / "__pycache__").mkdir()
+    (fake / "pyproject.toml").write_text((root / "pyproject.toml").read_text())
+    monkeypatch.setattr(run, "ROOT", fake)
+    monkeypatch.setitem(run.PACKAGES, "parallel/tuner", (["moeflow/parallel/tuner.py"], ["test_routing.py"]))
+    monkeypatch.setattr(run, "test_files", lambda package, tests=fake / "tests": ["tests/test_routing.py"])
+    work = run.prepare("parallel/tuner")
+    assert work == fake / "mutants" / "parallel-tuner"
+    assert (work / "moeflow" / "a.py").read_text() == "x = 1\n" and not (work / "moeflow" / "__pycache__").exists()
+    config = (work / "pyproject.toml").stat().st_mtime_ns
+    (fake / "moeflow" / "a.py").write_text("x = 2\n")
+    (work / "tests" / "stale.py").write_text("")
+    run.prepare("parallel/tuner")
+    assert (work / "moeflow" / "a.py").read_text() == "x = 2\n" and not (work / "tests" / "stale.py").exists()
+    assert (work / "pyproject.toml").stat().st_mtime_ns == config  # unchanged settings are not rewritten
+    with pytest.raises(SystemExit):
+        run.main(["no-such-package"])

@@ -389,11 +389,17 @@ class MoEGPT(nn.Module):
         ``forward_cached`` on a short cache, the price of one shape for every step. Equal to
         ``forward_cached`` up to rounding. The caller advances ``pos``; ``cache.length`` is not
         touched."""
+        return self.lm_head(self.decode_hidden(next_B, pos, cache))
+
+    def decode_hidden(self, next_B: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``decode_step`` without the head: the normed last hidden state ``[B, D]`` whose
+        ``lm_head`` is the step's logits (the CPU's compiled decoder multiplies the head itself,
+        in the layout fastest for its rows: ``moeflow.models.generation.HeadProduct``)."""
         step = static_step(cache, pos)
         x_BSD = self.embed(next_B.unsqueeze(1))
         for i, block in enumerate(self.layers):
             x_BSD = block(x_BSD, step, i)
-        return self.lm_head(self.norm(x_BSD[:, -1]))
+        return self.norm(x_BSD[:, -1])
 
     @torch.no_grad()
     def generate(self, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,

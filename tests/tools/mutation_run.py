@@ -1,0 +1,158 @@
+"""``make mutation``: mutmut over the core, one package at a time, each against its own tests.
+
+    python tests/tools/mutation_run.py                    # every package in PACKAGES, in order
+    python tests/tools/mutation_run.py layer experts      # these packages
+    python tests/tools/mutation_run.py layer --mutants 'moeflow.layer.moe.*'   # some functions
+    python tests/tools/mutation_report.py                 # the score per package, afterwards
+
+Why one run per package: mutmut runs each mutant against the tests that ran the mutated
+function in its coverage pass. Over all the core's test files, the functions every layer test
+reaches (``MoE.__init__``, ``Router.forward``, ``GroupedExperts.forward``, ...) have 1,200 to
+1,400 covering tests each, some of them gloo runs; one survivor then costs minutes, and a run
+over the whole core takes many hours on 2 cores (``docs/testing.md``). Each package's own test
+files (``PACKAGES``) still hold every test that kills its mutants, at a fraction of the cost.
+
+Each package runs in its own work directory, ``mutants/<package>/`` (git-ignored): a copy of
+``moeflow/`` and ``tests/`` and a ``pyproject.toml`` whose ``[tool.mutmut]`` is the repository's
+with ``only_mutate`` and ``pytest_add_cli_args_test_selection`` set to the package's. mutmut
+writes its results under ``mutants/<package>/mutants/``, where ``mutation_report.py`` finds
+them, and keeps them: a rerun continues, running again only what changed (a changed function's
+mutants; every mutant of the package when its test selection or a test it ran changed). The
+copy is refreshed before each run; git is kept out of the work directory
+(``GIT_CEILING_DIRECTORIES``), so mutmut notices changed files by their contents rather than by
+the repository's history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# package -> (modules mutmut mutates, the test files it runs them against). A test file that
+# kills a package's mutants belongs in its list; the lists are what keeps a run affordable.
+PACKAGES: dict[str, tuple[list[str], list[str]]] = {
+    "routing": (["moeflow/routing/*"],
+                ["test_routing.py", "test_layer_moe.py", "test_inference_paths.py", "test_layer_replay.py",
+                 "test_compat_tutel.py", "test_layer_moe_training.py"]),
+    "dispatch": (["moeflow/dispatch/*"],
+                 ["test_routing.py", "test_dispatch.py", "test_dispatch_capacity.py", "test_dispatch_protocol.py",
+                  "test_layer_moe.py", "test_inference_paths.py", "test_layer_replay.py", "test_layer_matrix.py"]),
+    "layer": (["moeflow/layer/*"],
+              ["test_layer_moe.py", "test_routing.py", "test_layer_replay.py", "test_inference_paths.py",
+               "test_config.py", "test_layer_matrix.py", "test_layer_moe_training.py", "test_experts_recompute.py",
+               "test_parallel_dispatcher.py"]),
+    "experts": (["moeflow/experts/*"],
+                ["test_experts_*.py", "test_kernels.py", "test_layer_matrix.py", "test_inference_paths.py",
+                 "test_config.py", "test_layer_moe.py"]),
+    "kernels": (["moeflow/kernels/*.py"],
+                ["test_kernels.py", "test_dispatch.py", "test_experts_grad_accumulation.py", "test_layer_matrix.py",
+                 "test_experts_recompute.py"]),
+    "parallel/assignment": (["moeflow/parallel/assignment.py"],
+                            ["test_parallel_assignment.py", "test_parallel_dispatcher.py", "test_layer_*.py",
+                             "test_inference_paths.py", "test_routing.py", "test_config.py", "test_compat_tutel.py",
+                             "test_parallel_exchange.py", "test_experts_*.py", "test_kernels.py"]),
+    "parallel/exchange": (["moeflow/parallel/exchange.py"],
+                          ["test_parallel_exchange.py", "test_parallel_tuner.py", "test_parallel_dispatcher.py",
+                           "test_parallel_assignment.py", "test_layer_matrix.py"]),
+    "parallel/tuner": (["moeflow/parallel/tuner.py"],
+                       ["test_parallel_tuner.py", "test_parallel_exchange.py", "test_parallel_dispatcher.py",
+                        "test_parallel_assignment.py", "test_layer_matrix.py"]),
+}
+
+
+def test_files(package: str, tests: Path = ROOT / "tests") -> list[str]:
+    """The package's test files as paths relative to the repository (globs expanded, sorted);
+    ``ValueError`` for a pattern that matches nothing (a renamed file would otherwise leave its
+    mutants without tests silently)."""
+    out: list[str] = []
+    for pattern in PACKAGES[package][1]:
+        found = sorted(p.relative_to(tests.parent).as_posix() for p in tests.glob(pattern))
+        if not found:
+            raise ValueError(f"PACKAGES[{package!r}]: no test file matches {pattern!r} in {tests}")
+        out += [f for f in found if f not in out]
+    return out
+
+
+def work_config(package: str, pyproject: str) -> str:
+    """``pyproject.toml`` for the package's work directory: the repository's ``[tool.mutmut]``
+    with the package's modules and test files, as TOML text."""
+    config = dict(tomllib.loads(pyproject)["tool"]["mutmut"])
+    config["only_mutate"] = PACKAGES[package][0]
+    config["pytest_add_cli_args_test_selection"] = test_files(package)
+    lines = ["[tool.mutmut]"]
+    for key, value in config.items():
+        lines.append(f"{key} = {_toml(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    raise TypeError(f"[tool.mutmut] value of type {type(value).__name__} is not supported: {value!r}")
+
+
+def work_dir(package: str) -> Path:
+    return ROOT / "mutants" / package.replace("/", "-")
+
+
+def prepare(package: str) -> Path:
+    """The package's work directory with fresh copies of ``moeflow/`` and ``tests/`` and its
+    ``pyproject.toml`` (rewritten only when it changed: mutmut reruns everything when it does)."""
+    work = work_dir(package)
+    work.mkdir(parents=True, exist_ok=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for name in ("moeflow", "tests"):
+        shutil.rmtree(work / name, ignore_errors=True)
+        shutil.copytree(ROOT / name, work / name, ignore=ignore)
+    config = work_config(package, (ROOT / "pyproject.toml").read_text())
+    target = work / "pyproject.toml"
+    if not target.exists() or target.read_text() != config:
+        target.write_text(config)
+    return work
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("packages", nargs="*", metavar="PACKAGE",
+                   help=f"packages to run (default: all, in this order): {', '.join(PACKAGES)}")
+    p.add_argument("--mutants", default=None, metavar="GLOB",
+                   help="only mutants whose names match, e.g. 'moeflow.layer.moe.*' (one package)")
+    p.add_argument("--max-children", type=int, default=2, help="mutants run at once (default: %(default)s)")
+    p.add_argument("--mutmut", default=str(Path(sys.executable).with_name("mutmut")), help="mutmut's executable")
+    args = p.parse_args(argv)
+    unknown = [pkg for pkg in args.packages if pkg not in PACKAGES]
+    if unknown:
+        p.error(f"unknown package(s) {', '.join(unknown)}; known: {', '.join(PACKAGES)}")
+    packages = args.packages or list(PACKAGES)
+    if args.mutants and len(packages) != 1:
+        p.error(f"--mutants {args.mutants!r} needs exactly one package, got {len(packages)}")
+    if args.max_children < 1:
+        p.error(f"--max-children must be >= 1, got {args.max_children}")
+    for package in packages:
+        work = prepare(package)
+        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work.parent)}
+        cmd = [args.mutmut, "run", "--max-children", str(args.max_children)] + ([args.mutants] if args.mutants else [])
+        print(f"== {package}: {' '.join(PACKAGES[package][0])} against {len(test_files(package))} test files "
+              f"(in {work.relative_to(ROOT)})", flush=True)
+        code = subprocess.run(cmd, cwd=work, env=env).returncode
+        if code != 0:
+            print(f"mutmut exited with {code} for {package}", file=sys.stderr)
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
