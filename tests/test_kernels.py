@@ -397,6 +397,9 @@ _BAD_ROWS = [  # (function, arguments, error, the message's start: the function,
     ("permute", (torch.ones(4, 3, dtype=torch.long), _I4, None, _I4.view(4, 1), None), TypeError,
      "permute_rows: x_TD must be floating point"),
     ("permute", (torch.randn(4, 3), _I4.view(2, 2), None, _I4.view(4, 1), None), ValueError, "permute_rows: index_M must be 1-D"),
+    ("permute", (torch.randn(4, 3), _I4.float(), None, _I4.view(4, 1), None), TypeError,
+     "permute_rows: index_M must be int32 or int64"),
+    ("permute", (torch.randn(4, 3), _I4, None, _I4[:2].view(2, 1), None), ValueError, "permute_rows: rev_TK has 2 rows, x_TD has 4"),
     ("permute", (torch.randn(4, 3), _I4, None, _I4, None), ValueError, "permute_rows: rev_TK must be 2-D"),
     ("permute", (torch.randn(4, 3), _I4, None, _I4.view(4, 1).float(), None), TypeError,
      "permute_rows: rev_TK must be int32 or int64"),
@@ -415,6 +418,8 @@ _BAD_ROWS = [  # (function, arguments, error, the message's start: the function,
      "unpermute_rows: assign_M must be int32 or int64"),
     ("unpermute", (torch.randn(4, 3), _I4.view(2, 2), None, None, _I4[:3], None), ValueError,
      "unpermute_rows: assign_M has 3 entries, y_MD has 4 rows"),
+    ("unpermute", (torch.randn(4, 3), _I4.view(2, 2), None, torch.rand(4, 1), _I4, None), ValueError,
+     "unpermute_rows: weights_TK shape (4, 1) != row_TK shape (2, 2)"),
 ]
 
 
@@ -425,14 +430,3 @@ def test_permute_and_unpermute_name_the_bad_argument(case):
     fn, args, error, message = _BAD_ROWS[case]
     with pytest.raises(error, match="^" + re.escape(message)):
         (permute_rows if fn == "permute" else unpermute_rows)(*args)
-
-
-def test_permute_rejects_bad_arguments():
-    x = torch.randn(4, 3)
-    idx = torch.arange(4)
-    with pytest.raises(TypeError, match="index_M must be int32 or int64"):
-        permute_rows(x, idx.float(), None, idx.view(4, 1), None)
-    with pytest.raises(ValueError, match="rev_TK has 2 rows"):
-        permute_rows(x, idx, None, idx[:2].view(2, 1), None)
-    with pytest.raises(ValueError, match="weights_TK shape"):
-        unpermute_rows(x, idx.view(2, 2), None, torch.rand(4, 1), idx, None)

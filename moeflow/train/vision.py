@@ -156,7 +156,7 @@ def train_vision(cfg: VisionTrainConfig, *, log=print) -> dict:  # type: ignore[
             history["step"].append(step)
             history["train_loss"].append(loss_value)
             tokens = int(step_counts_LE[0].sum()) // cfg.top_k  # patch tokens the MoE layers routed
-            metrics.append({"step": step, "loss": loss_value, "aux_loss": float(aux.detach()),
+            metrics.append({"step": step, "loss": loss_value, "aux_loss": aux.item(),
                             "tokens_per_s": tokens / max(time.perf_counter() - t_step, 1e-9)})
             if bar is not None:
                 bar.update(1)
