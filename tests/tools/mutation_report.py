@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--mutants {args.mutants} is not a directory: run `make mutation` (mutmut run) first")
     results = read_results(args.mutants)
     equivalent = read_equivalent()
-    unknown = sorted(set(equivalent) - set(results))
+    run_packages = {package_of(name) for name in results}  # a package never run says nothing of its names
+    unknown = sorted(n for n in set(equivalent) - set(results) if package_of(n) in run_packages)
     cols = ("mutants", "equivalent", "killed", "survived", "no test", "other", "not run")
     print(f"{'package':<22}" + "".join(f"{c:>11}" for c in cols) + f"{'score':>8}")
     for row in score_table(results, equivalent):
