@@ -198,6 +198,19 @@ def test_head_product_tunes_each_row_count_by_median_and_copies_only_for_its_lay
 
 
 @pytest.mark.unit
+def test_the_head_is_left_out_of_the_graph_only_for_a_plain_linear_head_on_the_cpu():
+    """A plain bias-free ``nn.Linear`` head on the CPU: the decoder multiplies it (a
+    ``HeadProduct``); a head with a bias (or any other module) stays in the compiled step, and
+    swapping the head makes a new decoder (nothing compiles until a call)."""
+    m = small_gpt(max_seq_len=MAX_SEQ)
+    first = compiled_decoder(m)
+    assert isinstance(first.head, HeadProduct) and compiled_decoder(m) is first
+    m.lm_head = torch.nn.Linear(m.config.dim, m.config.vocab_size, bias=True)
+    second = compiled_decoder(m)
+    assert second is not first and second.head is None and second.compilations == 0
+
+
+@pytest.mark.unit
 def test_cache_capacities_round_up_to_a_power_of_two_within_the_window():
     assert [_bucket(n, 512) for n in (1, 16, 17, 33, 300, 512)] == [16, 16, 32, 64, 512, 512]
     assert _bucket(40, 48) == 48  # never past max_seq_len

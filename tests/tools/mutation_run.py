@@ -46,7 +46,7 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
                   "test_layer_moe.py", "test_inference_paths.py", "test_layer_replay.py", "test_layer_matrix.py"]),
     "layer": (["moeflow/layer/*"],
               ["test_layer_moe.py", "test_routing.py", "test_layer_replay.py", "test_inference_paths.py",
-               "test_config.py", "test_layer_matrix.py", "test_layer_moe_training.py", "test_experts_recompute.py",
+               "test_config.py", "test_layer_matrix.py", "test_layer_moe_training.py", "test_experts_recompute*.py",
                "test_parallel_dispatcher.py"]),
     "experts": (["moeflow/experts/*"],
                 ["test_experts_*.py", "test_kernels.py", "test_layer_matrix.py", "test_inference_paths.py",
