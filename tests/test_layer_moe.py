@@ -162,6 +162,9 @@ def test_shared_experts(gen, shared, cf):
     width = layer.config.shared_width
     gated = layer.config.experts.gated
     assert layer.shared.proj_in.weight.shape == ((2 if gated else 1) * width, D)
+    # the shared FFN has biases exactly when the experts do
+    bias = layer.config.experts.bias
+    assert (layer.shared.proj_in.bias is not None, layer.shared.proj_out.bias is not None) == (bias, bias)
     x = rand(gen, T, D)
     compare_layer_with(layer, lambda x: loop_moe(layer, x), x, gen)
     # independent of loop_moe (which reuses layer.shared): routed part + the shared FFN by hand
@@ -171,6 +174,25 @@ def test_shared_experts(gen, shared, cf):
     with torch.no_grad():
         torch.testing.assert_close(layer(x), routed_only(x) + _hand_shared(layer, x), rtol=1e-12, atol=1e-12)
         assert _hand_shared(layer, x).abs().max() > 1e-3
+
+
+def test_a_new_layer_has_no_counts_or_losses_yet():
+    """Before its first call a layer reports nothing (None, which callers test for), not an
+    empty value."""
+    layer = moeflow.MoE(config=moeflow.MoEConfig(dim=8, hidden=8, num_experts=4, top_k=2))
+    assert layer.last_counts_E is None and layer.aux_losses is None and layer.shared is None
+
+
+def test_shared_experts_take_the_experts_init_std():
+    """The shared FFN is drawn with the experts' ``init_std`` (not ``DenseFFN``'s default),
+    as the routed experts are: 0.3 and 0.002, each far from the default 0.02."""
+    for std in (0.3, 0.002):
+        torch.manual_seed(5)
+        cfg = moeflow.MoEConfig(dim=64, hidden=96, num_experts=4, top_k=2, num_shared_experts=1,
+                        experts=ExpertsConfig(init_std=std))
+        layer = moeflow.MoE(config=cfg)
+        for w in (layer.shared.proj_in.weight, layer.shared.proj_out.weight, layer.experts.w_in):
+            assert abs(w.detach().std().item() / std - 1) < 0.1, (std, w.shape)
 
 
 @pytest.mark.parametrize(

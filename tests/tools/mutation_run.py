@@ -47,7 +47,7 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     "layer": (["moeflow/layer/*"],
               ["test_layer_moe.py", "test_routing.py", "test_layer_replay.py", "test_inference_paths.py",
                "test_config.py", "test_layer_matrix.py", "test_layer_moe_training.py", "test_experts_recompute*.py",
-               "test_parallel_dispatcher.py"]),
+               "test_parallel_dispatcher.py", "test_dispatch_protocol.py"]),
     "experts": (["moeflow/experts/*"],
                 ["test_experts_*.py", "test_kernels.py", "test_layer_matrix.py", "test_inference_paths.py",
                  "test_config.py", "test_layer_moe.py"]),
