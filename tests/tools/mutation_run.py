@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         work = prepare(package)
         env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work.parent)}
         cmd = [args.mutmut, "run", "--max-children", str(args.max_children)] + ([args.mutants] if args.mutants else [])
-        print(f"== {package}: {' '.join(PACKAGES[package][0])} against {len(test_files(package))} test files "
+        print(f"== {package}: {' '.join(PACKAGES[package][0])} against {len(PACKAGES[package][1])} test patterns "
               f"(in {work.relative_to(ROOT)})", flush=True)
         code = subprocess.run(cmd, cwd=work, env=env).returncode
         if code != 0:
