@@ -33,10 +33,10 @@ bench-targets: $(STAMP)
 # a time in its own work directory mutants/<package>/, each package's mutants run against its own
 # test files (tests/tools/mutation_run.py: PACKAGES); then the score per package. Some packages or
 # functions (mutmut's results persist: a rerun continues):
-# make mutation PACKAGES='layer experts'     make mutation PACKAGES=layer MUTANTS='moeflow.layer.moe.*'
+# make mutation PACKAGES='layer experts'     make mutation PACKAGES=layer MUTANTS="'moeflow.layer.moe.*' '*ǁRouterǁ__init__*'"
 mutation: $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[dev]'
-	$(VENV)/bin/python tests/tools/mutation_run.py $(PACKAGES) $(if $(MUTANTS),--mutants '$(MUTANTS)')
+	$(VENV)/bin/python tests/tools/mutation_run.py $(PACKAGES) $(if $(MUTANTS),--mutants $(MUTANTS))
 	$(VENV)/bin/python tests/tools/mutation_report.py
 
 # the GPU acceptance run (docs/benchmarks.md): every GPU stage in one command, in a 540 s budget.

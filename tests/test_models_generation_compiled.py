@@ -15,8 +15,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import moeflow.models.gpt as gpt_module
-from moeflow.models.generation import (HEAD_LAYOUTS, STOP_CHECK_EVERY, HeadProduct, _bucket, compiled_decoder,
-                                       generate, head_product)
+from moeflow.models.compiled_decode import (HEAD_LAYOUTS, STOP_CHECK_EVERY, HeadProduct, _bucket, compiled_decoder,
+                                            head_product)
+from moeflow.models.generation import generate
 
 from helpers import small_gpt
 

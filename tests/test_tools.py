@@ -99,3 +99,12 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     assert (work / "pyproject.toml").stat().st_mtime_ns == config  # unchanged settings are not rewritten
     with pytest.raises(SystemExit):
         run.main(["no-such-package"])
+    with pytest.raises(SystemExit):
+        run.main(["routing", "dispatch", "--mutants", "x*"])  # --mutants: one package
+    calls = []
+    monkeypatch.setattr(run.subprocess, "run", lambda cmd, **kw: calls.append((cmd, kw)) or
+                        type("Done", (), {"returncode": 0})())
+    assert run.main(["parallel/tuner", "--mutants", "a.*", "*ǁBǁc*", "--max-children", "3"]) == 0
+    (cmd, kw), = calls
+    assert cmd[1:] == ["run", "--max-children", "3", "a.*", "*ǁBǁc*"]  # every glob reaches mutmut
+    assert kw["cwd"] == work and kw["env"]["GIT_CEILING_DIRECTORIES"] == str(fake / "mutants")

@@ -2,7 +2,7 @@
 
     python tests/tools/mutation_run.py                    # every package in PACKAGES, in order
     python tests/tools/mutation_run.py layer experts      # these packages
-    python tests/tools/mutation_run.py layer --mutants 'moeflow.layer.moe.*'   # some functions
+    python tests/tools/mutation_run.py layer --mutants 'moeflow.layer.moe.*' '*ǁRouterǁ__init__*'   # some functions
     python tests/tools/mutation_report.py                 # the score per package, afterwards
 
 Why one run per package: mutmut runs each mutant against the tests that ran the mutated
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("packages", nargs="*", metavar="PACKAGE",
                    help=f"packages to run (default: all, in this order): {', '.join(PACKAGES)}")
-    p.add_argument("--mutants", default=None, metavar="GLOB",
-                   help="only mutants whose names match, e.g. 'moeflow.layer.moe.*' (one package)")
+    p.add_argument("--mutants", nargs="+", default=None, metavar="GLOB",
+                   help="only mutants whose names match one of these, e.g. 'moeflow.layer.moe.*' (one package)")
     p.add_argument("--max-children", type=int, default=2, help="mutants run at once (default: %(default)s)")
     p.add_argument("--mutmut", default=str(Path(sys.executable).with_name("mutmut")), help="mutmut's executable")
     args = p.parse_args(argv)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     for package in packages:
         work = prepare(package)
         env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work.parent)}
-        cmd = [args.mutmut, "run", "--max-children", str(args.max_children)] + ([args.mutants] if args.mutants else [])
+        cmd = [args.mutmut, "run", "--max-children", str(args.max_children), *(args.mutants or [])]
         print(f"== {package}: {' '.join(PACKAGES[package][0])} against {len(PACKAGES[package][1])} test patterns "
               f"(in {work.relative_to(ROOT)})", flush=True)
         code = subprocess.run(cmd, cwd=work, env=env).returncode
