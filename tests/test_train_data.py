@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.train.data import BPETokenizer, ByteTokenizer, CorpusError, corpus_dir, load_corpus
+from moeflow.train.data import EOD_TEXT, BPETokenizer, ByteTokenizer, CorpusError, HFTokenizer, corpus_dir, load_corpus
 from moeflow.train.tokens import TokenStream
 
 pytestmark = pytest.mark.e2e
@@ -38,6 +38,34 @@ def test_tokenizers_round_trip() -> None:
     bpe = BPETokenizer.train(load_corpus().train_text[:200_000], 300)
     assert bpe.vocab_size == 300 and bpe.decode(bpe.encode(text)) == text
     assert len(bpe.encode(text)) < len(text)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bpe_encodes_a_long_text_in_pieces_to_the_ids_of_the_whole(seed, monkeypatch) -> None:
+    """``BPETokenizer.encode`` cuts a long text where the pre-tokens of the whole break anyway:
+    the same ids as one ``encode`` of the whole text, on text made to sit on every edge (runs of
+    spaces, tabs and newlines before and after a cut, contractions and leading spaces after a
+    newline, digits, punctuation, latin-1 letters, the end-of-document token), in pieces of the
+    usual size and of a few characters (a cut at nearly every safe place)."""
+    gen = torch.Generator().manual_seed(seed)
+    atoms = ["word", "Romeo", "'s", "'ll", " thee", "  ", "\t", "\n", "\n\n", " \n", "\n ", "\t\n", "42", " 7",
+             "!?", ", ", ".", "é", " æther", EOD_TEXT, "\r\n", "x\ny", "a\n\nb"]
+    text = "".join(atoms[i] for i in torch.randint(len(atoms), (12_000,), generator=gen).tolist())
+    base = load_corpus().train_text[:100_000]
+    bpe = BPETokenizer.train([base, text[:20_000]], 400, eod=True)
+    whole = {id(sample): bpe._tok.encode(sample).ids for sample in (text, base)}
+    batches: list[int] = []
+    real = bpe._tok
+    bpe._tok = type("Spy", (), {"encode": lambda self, t: real.encode(t),  # counts the pieces of each batch
+                                "encode_batch": lambda self, pieces: batches.append(len(pieces)) or real.encode_batch(pieces)})()
+    for chunk_chars in (BPETokenizer.CHUNK_CHARS, 3):
+        bpe.CHUNK_CHARS = chunk_chars
+        for sample in (text, base):
+            assert bpe.encode(sample) == whole[id(sample)], (chunk_chars, len(sample))
+    assert len(batches) == 4 and min(batches[:2]) > 20 and min(batches[2:]) > 300, batches  # it did cut
+    assert bpe.encode("short text") == real.encode("short text").ids  # below 2 pieces: one encode
+    hf = HFTokenizer(real, bpe.eod)
+    assert hf.encode(text) == whole[id(text)]
 
 
 def test_batches_depend_on_step_not_world() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,8 +176,29 @@ class BPETokenizer(Tokenizer):
         tok.train_from_iterator(text.split("\n\n") if isinstance(text, str) else text, trainer=trainer)
         return cls(tok, tok.token_to_id(EOD_TEXT) if eod else None)
 
+    # Where a long text may be cut into pieces that encode to the same ids: after a newline that
+    # follows a non-space and precedes one. The byte-level pre-tokenizer (GPT-2's pattern, no
+    # prefix space, no lookbehind) then ends a piece there in the whole text too: no pattern takes
+    # a newline after a word or a word after a newline, and a lone "\n" is one piece whether a
+    # non-space or the end of the text follows it. BPE merges stay inside pieces.
+    _CUT = re.compile(r"(?<=\S\n)(?=\S)")
+    CHUNK_CHARS = 1024  # a cut is made at the first safe place past this many characters
+
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        """The ids of ``text``. A long text is encoded in pieces cut where the whole text's
+        pre-tokens break anyway (``_CUT``), through ``encode_batch`` (threads): the same ids,
+        several times faster (measured on the Shakespeare training text, 4.5 M characters, 2
+        cores: 9.0 s whole, 2.0 s in pieces of ~1 K characters; ``tokenizers`` slows down on
+        long strings even on one thread)."""
+        if len(text) <= 2 * self.CHUNK_CHARS:
+            return self._tok.encode(text).ids
+        pieces, start = [], 0
+        while start < len(text):
+            cut = self._CUT.search(text, start + self.CHUNK_CHARS) if start + self.CHUNK_CHARS < len(text) else None
+            end = len(text) if cut is None else cut.start()
+            pieces.append(text[start:end])
+            start = end
+        return [i for enc in self._tok.encode_batch(pieces) for i in enc.ids]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
@@ -189,6 +211,11 @@ class BPETokenizer(Tokenizer):
 class HFTokenizer(BPETokenizer):
     """Any Hugging Face ``tokenizers`` JSON (``tokenizer.json``), with its end-of-sequence token
     as the end-of-document token."""
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, in one piece: another pre-tokenizer or normalizer (a prefix
+        space per call, for one) may break where ``BPETokenizer._CUT`` cuts."""
+        return self._tok.encode(text).ids
 
     def to_dict(self) -> dict:
         return {"kind": "hf", "json": self._tok.to_str(), "eod": self.eod}
