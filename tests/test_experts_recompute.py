@@ -14,7 +14,7 @@ from moeflow.bench.activation import saved_bytes
 from moeflow.bench.memory import peak_memory_bytes
 from moeflow.config import ExpertsConfig
 from moeflow.experts import GroupedExperts
-from moeflow.experts.lean import LEAN_ACTIVATIONS, ffn_reference, lean_ffn
+from moeflow.experts.lean import LEAN_ACTIVATIONS, LEAN_GEMMS, ffn_reference, lean_ffn
 
 from helpers import ffn_operands
 
@@ -42,6 +42,36 @@ def test_lean_ffn_matches_reference(activation, gemm, recompute):
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
     for name, g, w in zip(("x", "w_in", "w_out"), got, want):
         torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m: f"grad {name}: {m}")
+
+
+@pytest.mark.parametrize("gemm", LEAN_GEMMS)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_each_lean_gemm_runs_its_own_kernel(gemm, recompute, monkeypatch):
+    """``gemm`` picks the products' kernel in forward and backward: ``bmm`` runs ``torch.bmm``,
+    ``grouped_mm`` the native ``F.grouped_mm`` and ``loop`` the reference loop, and none of
+    them another's (the loop gives the native kernel's results, only many times slower: a
+    fallback to it passes every comparison)."""
+    import moeflow.experts.lean as lean
+
+    calls = {"bmm": 0, "grouped_mm": 0, "loop": 0}
+
+    def counted(kind, fn):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[kind] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(torch, "bmm", counted("bmm", torch.bmm))
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", counted("grouped_mm", torch.nn.functional.grouped_mm))
+    monkeypatch.setattr(lean, "grouped_mm_loop", counted("loop", lean.grouped_mm_loop))
+    gen = torch.Generator().manual_seed(zlib.crc32(f"kernel-{gemm}-{recompute}".encode()))
+    x, w_in, w_out, offs = _operands(gen, gemm, "swiglu", torch.float32)
+    lean_offs = offs.to(torch.int32) if gemm == "grouped_mm" else offs
+    y = lean_ffn(x, w_in, w_out, lean_offs, activation="swiglu", gemm=gemm, recompute=recompute)
+    forward = dict(calls)
+    torch.autograd.grad(y, [x, w_in, w_out], torch.randn(y.shape, generator=gen))
+    assert forward[gemm] >= (1 if recompute else 2) and calls[gemm] > forward[gemm], (forward, calls)
+    assert all(n == 0 for kind, n in calls.items() if kind != gemm), calls
 
 
 @pytest.mark.parametrize("capacity_factor", [1.0, 0.0])
