@@ -322,7 +322,7 @@ def lean_ffn(
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"chunks must be a positive int or None, got {chunks!r}")
     if offs_E is None:
-        offs_E = x.new_empty(0, dtype=torch.int32)  # save_for_backward needs a tensor
+        offs_E = x.new_empty(0, dtype=torch.int32)  # a tensor in the saved slot (torch takes None too: same results)
     if recompute:
         return _RecomputeFFN.apply(x, w_in, w_out, offs_E, activation, gemm, chunks)
     h = _FirstGEMM.apply(x, w_in, offs_E, gemm)
