@@ -97,7 +97,7 @@ def _mm(gemm: str, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None) 
     return grouped_mm_loop(x, w, offs)
 
 
-def _weight_grad(ctx, edge: int, gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor,
+def _weight_grad(ctx, edge: int, gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor | None,
                  w: torch.Tensor) -> torch.Tensor | None:
     """The gradient a two-node backward returns for weight ``w`` (``edge``: its argument index):
     None if not needed; added into the parameter's ``.grad`` and a zero tensor returned where
@@ -170,7 +170,7 @@ class _ActSecondGEMM(torch.autograd.Function):
         return _act_second_gemm_backward(ctx, dy)
 
 
-def _expert_chunks(x: torch.Tensor, offs: torch.Tensor, E: int, F_: int, gemm: str,
+def _expert_chunks(x: torch.Tensor, offs: torch.Tensor | None, E: int, F_: int, gemm: str,
                    chunks: int | None) -> list[tuple[int, int, int, int]]:
     """``(e0, e1, r0, r1)`` per chunk: experts ``e0:e1`` own rows ``r0:r1`` (``bmm``: the first
     dim of ``x``). Boundaries between whole experts, at about equal rows; ``chunks`` None picks
@@ -321,8 +321,6 @@ def lean_ffn(
         raise TypeError(f"recompute must be a bool, got {recompute!r}")
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"chunks must be a positive int or None, got {chunks!r}")
-    if offs_E is None:
-        offs_E = x.new_empty(0, dtype=torch.int32)  # a tensor in the saved slot (torch takes None too: same results)
     if recompute:
         return _RecomputeFFN.apply(x, w_in, w_out, offs_E, activation, gemm, chunks)
     h = _FirstGEMM.apply(x, w_in, offs_E, gemm)
