@@ -183,6 +183,17 @@ def test_a_new_layer_has_no_counts_or_losses_yet():
     assert layer.last_counts_E is None and layer.aux_losses is None and layer.shared is None
 
 
+def test_a_router_without_a_config_takes_the_default_one():
+    """``Router(config=None)`` is ``RouterConfig()``: a linear top-k softmax router that routes."""
+    from moeflow.layer.router import Router
+
+    torch.manual_seed(3)
+    router = Router(dim=8, num_experts=4)
+    assert router.config == RouterConfig() and router.config is not None
+    result = router(torch.randn(5, 8), top_k=2)
+    assert result.ids_TK.shape == (5, 2) and torch.equal(router.expert_bias, torch.zeros(4))
+
+
 def test_shared_experts_take_the_experts_init_std():
     """The shared FFN is drawn with the experts' ``init_std`` (not ``DenseFFN``'s default),
     as the routed experts are: 0.3 and 0.002, each far from the default 0.02."""
