@@ -194,6 +194,22 @@ def test_a_router_without_a_config_takes_the_default_one():
     assert result.ids_TK.shape == (5, 2) and torch.equal(router.expert_bias, torch.zeros(4))
 
 
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_router_makes_its_parameters_as_configured(kind, bias):
+    """Every parameter of either router kind has the bias the config asks for and the device
+    and dtype the router was given (``meta`` and fp64 here, neither the default)."""
+    from moeflow.layer.router import Router
+
+    router = Router(dim=8, num_experts=4, config=RouterConfig(kind=kind, bias=bias), device="meta",
+                    dtype=torch.float64)
+    params = dict(router.named_parameters())
+    assert all(p.is_meta and p.dtype == torch.float64 for p in params.values()), params
+    assert (("linear.bias" if kind == "linear" else "proj.bias") in params) == bias
+    if kind == "cosine":
+        assert params["expert_embed"].shape == (4, router.config.cosine_proj_dim)
+
+
 def test_shared_experts_take_the_experts_init_std():
     """The shared FFN is drawn with the experts' ``init_std`` (not ``DenseFFN``'s default),
     as the routed experts are: 0.3 and 0.002, each far from the default 0.02."""
