@@ -208,6 +208,10 @@ def test_a_router_makes_its_parameters_as_configured(kind, bias):
     assert (("linear.bias" if kind == "linear" else "proj.bias") in params) == bias
     if kind == "cosine":
         assert params["expert_embed"].shape == (4, router.config.cosine_proj_dim)
+        # drawn at std 0.32 (X-MoE's gain): the logits normalise it away, but not its updates
+        torch.manual_seed(11)
+        embed = Router(dim=8, num_experts=4, config=RouterConfig(kind=kind, bias=bias)).expert_embed
+        assert 0.29 < float(embed.std()) < 0.35 and abs(float(embed.mean())) < 0.05
 
 
 def test_shared_experts_take_the_experts_init_std():
