@@ -206,6 +206,17 @@ def test_a_router_makes_its_parameters_as_configured(kind, bias):
     params = dict(router.named_parameters())
     assert all(p.is_meta and p.dtype == torch.float64 for p in params.values()), params
     assert (("linear.bias" if kind == "linear" else "proj.bias") in params) == bias
+    buffers = dict(router.named_buffers())  # the balancing state: fp32 bias, int64 counts, on the device
+    assert {name: (b.shape, b.dtype, b.is_meta) for name, b in buffers.items()} == {
+        "expert_bias": ((4,), torch.float32, True), "load_counts": ((4,), torch.int64, True)}
+    fresh = Router(dim=8, num_experts=4, config=RouterConfig(kind=kind, bias=bias))
+    assert not fresh.expert_bias.any() and not fresh.load_counts.any()
+    default = torch.get_default_dtype()
+    try:  # the bias is fp32 whatever the default dtype too
+        torch.set_default_dtype(torch.float64)
+        assert Router(dim=8, num_experts=4, config=RouterConfig(kind=kind, bias=bias)).expert_bias.dtype == torch.float32
+    finally:
+        torch.set_default_dtype(default)
     if kind == "cosine":
         assert params["expert_embed"].shape == (4, router.config.cosine_proj_dim)
         # drawn at std 0.32 (X-MoE's gain): the logits normalise it away, but not its updates
