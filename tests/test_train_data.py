@@ -41,7 +41,7 @@ def test_tokenizers_round_trip() -> None:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bpe_encodes_a_long_text_in_pieces_to_the_ids_of_the_whole(seed, monkeypatch) -> None:
+def test_bpe_encodes_a_long_text_in_pieces_to_the_ids_of_the_whole(seed) -> None:
     """``BPETokenizer.encode`` cuts a long text where the pre-tokens of the whole break anyway:
     the same ids as one ``encode`` of the whole text, on text made to sit on every edge (runs of
     spaces, tabs and newlines before and after a cut, contractions and leading spaces after a

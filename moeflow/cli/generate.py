@@ -248,7 +248,7 @@ def _rate(tokens: int, seconds: float) -> str:
 def seeded_generator(model, seed: int):  # type: ignore[no-untyped-def]
     """A ``torch.Generator`` seeded with ``seed`` on the device of ``model``'s logits (its output
     head's; with offloaded experts, the fast tier's), where ``sample_next`` then draws without
-    copying each step's probabilities (``moeflow.models.generation.draw_device``)."""
+    copying each step's probabilities (``moeflow.models.decoding.draw_device``)."""
     import torch
 
     return torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)

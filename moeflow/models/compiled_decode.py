@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.checks import _int
-from moeflow.models.decoding import Generation, SamplingConfig, _check_prompts, _prefill, sample_next
+from moeflow.models.decoding import Generation, SamplingConfig, _check_prompts, _left_padded, _prefill, sample_next
 
 __all__ = ["CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct", "head_product", "HEAD_LAYOUTS",
            "generate_compiled"]
@@ -246,10 +246,8 @@ def generate_compiled(model, prompts, max_new_tokens: int, sampling: SamplingCon
     prompt_tokens = sum(len(r) for r in rows)
     if max_new_tokens == 0:
         return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=0.0, decode_tokens=0, decode_s=0.0)
-    B, P, S = len(rows), max(len(r) for r in rows), model.config.max_seq_len
-    seq_BS = torch.zeros(B, P + max_new_tokens, dtype=torch.long, device=device)
-    seq_BS[:, :P] = torch.tensor([[0] * (P - len(r)) + r for r in rows], dtype=torch.long, device=device)
-    pad_B = torch.tensor([P - len(r) for r in rows], dtype=torch.long, device=device)
+    seq_BS, pad_B, P = _left_padded(rows, max_new_tokens, device)
+    B, S = len(rows), model.config.max_seq_len
     capacity = min(S, P + max_new_tokens - 1)  # columns ever fed, as in the eager loop
     start = max(0, P - S)  # a prompt longer than the window is cut to its last S columns
     decoder = compiled_decoder(model)

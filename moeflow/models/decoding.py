@@ -174,6 +174,17 @@ def _check_args(model, max_new_tokens: object, generator: object, **sampling: ob
     return config
 
 
+def _left_padded(rows: list[list[int]], max_new_tokens: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The token history of a generation: the prompts left-padded (pad id 0, never attended
+    to) to the longest, ``P``, with room for ``max_new_tokens`` more columns ``[B, P + n]``; the
+    padding of each row ``[B]``; and ``P``."""
+    P = max(len(r) for r in rows)
+    seq_BS = torch.zeros(len(rows), P + max_new_tokens, dtype=torch.long, device=device)
+    seq_BS[:, :P] = torch.tensor([[0] * (P - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    return seq_BS, torch.tensor([P - len(r) for r in rows], dtype=torch.long, device=device), P
+
+
 def _prefill(model, seq_BS: torch.Tensor, pad_B: torch.Tensor, capacity: int):
     """A new cache holding the last ``max_seq_len`` columns of ``seq_BS``, and the logits of the
     last column ``[B, V]``."""

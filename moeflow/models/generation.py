@@ -30,8 +30,8 @@ import torch
 
 from moeflow.models.compiled_decode import (HEAD_LAYOUTS, STOP_CHECK_EVERY, CompiledDecoder, HeadProduct,
                                             compiled_decoder, generate_compiled, head_product)
-from moeflow.models.decoding import (Generation, SamplingConfig, _check_args, _check_prompts, _prefill, draw_device,
-                                     sample_next)
+from moeflow.models.decoding import (Generation, SamplingConfig, _check_args, _check_prompts, _left_padded, _prefill,
+                                     draw_device, sample_next)
 
 __all__ = ["SamplingConfig", "Generation", "generate", "generate_uncached", "generate_tensor", "sample_next",
            "draw_device", "CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct", "head_product",
@@ -65,11 +65,7 @@ def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tok
     prompt_tokens = sum(len(r) for r in rows)
     if max_new_tokens == 0:
         return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=0.0, decode_tokens=0, decode_s=0.0)
-    P = max(len(r) for r in rows)
-    # the token history, left-padded (pad id 0, never attended to): the sliding window reads it
-    seq_BS = torch.zeros(len(rows), P + max_new_tokens, dtype=torch.long, device=device)
-    seq_BS[:, :P] = torch.tensor([[0] * (P - len(r)) + r for r in rows], dtype=torch.long, device=device)
-    pad_B = torch.tensor([P - len(r) for r in rows], dtype=torch.long, device=device)
+    seq_BS, pad_B, P = _left_padded(rows, max_new_tokens, device)  # the sliding window reads the history
     # columns ever fed: the prompt and every new token but the last
     capacity = min(model.config.max_seq_len, P + max_new_tokens - 1)
     live = list(range(len(rows)))  # the prompt of each cache row
