@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Iterator
 
 import torch  # noqa: E402  (importing torch does not import Triton)
 
@@ -48,8 +49,17 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-# Small matmuls on a 2-core machine: more threads only add overhead and run-to-run variation.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Threads: at most 2 (small matmuls on a 2-core machine: more only add overhead and run-to-run
+# variation), and under pytest-xdist (``make test`` runs 2 workers) the cores shared among the
+# workers: each worker, and through OMP_NUM_THREADS every process it starts that does not set its
+# own (the CLI and the ranks read it), gets cores // workers. Two workers at 2 threads each on 2
+# cores spend their time in OpenMP spin-waits: the layer, matrix, dispatch and recompute files
+# took 195 s under 2 workers at 2 threads and 73 s at 1 (EPYC VM, 2026-11-27).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, torch.get_num_threads(), len(os.sched_getaffinity(0)) // WORKERS))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
 
 
 def _test_seed(nodeid: str) -> int:
@@ -62,6 +72,14 @@ def _test_seed(nodeid: str) -> int:
 def gen(request: pytest.FixtureRequest) -> torch.Generator:
     """A seeded generator per test: reproducible, different for each test through its node id."""
     return torch.Generator().manual_seed(_test_seed(request.node.nodeid))
+
+
+@pytest.fixture(autouse=True)
+def _threads_back() -> Iterator[None]:
+    """Each test starts with ``THREADS`` threads, whatever the one before it set (the in-process
+    CLI sets its ``--threads``)."""
+    torch.set_num_threads(THREADS)
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -102,9 +102,14 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     with pytest.raises(SystemExit):
         run.main(["routing", "dispatch", "--mutants", "x*"])  # --mutants: one package
     calls = []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6})
     monkeypatch.setattr(run.subprocess, "run", lambda cmd, **kw: calls.append((cmd, kw)) or
                         type("Done", (), {"returncode": 0})())
     assert run.main(["parallel/tuner", "--mutants", "a.*", "*ǁBǁc*", "--max-children", "3"]) == 0
     (cmd, kw), = calls
     assert cmd[1:] == ["run", "--max-children", "3", "a.*", "*ǁBǁc*"]  # every glob reaches mutmut
     assert kw["cwd"] == work and kw["env"]["GIT_CEILING_DIRECTORIES"] == str(fake / "mutants")
+    assert kw["env"]["OMP_NUM_THREADS"] == "2"  # 7 cores shared by 3 children
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert run.main(["parallel/tuner"]) == 0 and calls[-1][1]["env"]["OMP_NUM_THREADS"] == "5"  # the caller's wins

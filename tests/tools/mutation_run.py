@@ -143,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-children must be >= 1, got {args.max_children}")
     for package in packages:
         work = prepare(package)
-        env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(work.parent)}
+        # mutmut forks its children from one process that has loaded the tests: each would keep
+        # that process's torch threads, and max_children of them at 2 threads each on 2 cores
+        # spend their time in OpenMP spin-waits; the cores are shared out (tests/conftest.py
+        # takes OMP_NUM_THREADS) unless the caller set OMP_NUM_THREADS
+        threads = max(1, len(os.sched_getaffinity(0)) // args.max_children)
+        env = {"OMP_NUM_THREADS": str(threads), **os.environ, "GIT_CEILING_DIRECTORIES": str(work.parent)}
         cmd = [args.mutmut, "run", "--max-children", str(args.max_children), *(args.mutants or [])]
         print(f"== {package}: {' '.join(PACKAGES[package][0])} against {len(PACKAGES[package][1])} test patterns "
               f"(in {work.relative_to(ROOT)})", flush=True)
