@@ -25,7 +25,6 @@ from helpers import file_states
 
 @pytest.mark.e2e
 def test_cli_generate_and_its_errors(tmp_path, capsys) -> None:
-    torch.set_num_threads(2)
     rc = main(["train", "--device", "cpu", "--out", str(tmp_path / "run"), "--steps", "3", "--batch-size", "4",
                "--seq-len", "32", "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "10"])
     out = capsys.readouterr().out
@@ -67,7 +66,6 @@ def test_cli_generate_and_its_errors(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_cli_out_holds_one_run(tmp_path, capsys, nproc: int) -> None:
     """One process and 2 torchrun ranks behave the same; every refusal comes before a rank starts."""
-    torch.set_num_threads(2)
     out = tmp_path / "run"
 
     def train(*flags: str) -> int:
@@ -211,7 +209,6 @@ def test_progress_lines_and_metrics_jsonl(tmp_path, capsys) -> None:
     before the first step's line; metrics.jsonl holds every step once, also after a resume."""
     from moeflow.train.metrics import read_metrics
 
-    torch.set_num_threads(2)
     out = tmp_path / "run"
     flags = ["train", "--device", "cpu", "--out", str(out), "--batch-size", "4", "--seq-len", "16",
              "--eval-batches", "1", "--eval-every", "2", "--log-every", "2", "--no-plot", "--sample-tokens", "0",
@@ -245,7 +242,6 @@ def test_tensorboard_logs_the_metrics_or_is_refused(tmp_path, capsys) -> None:
     package is installed; else refused before any work, saying what to install."""
     from moeflow.train.metrics import read_metrics, tensorboard_missing
 
-    torch.set_num_threads(2)
     out = tmp_path / "run"
     rc = main(["train", "--device", "cpu", "--out", str(out), "--steps", "3", "--batch-size", "2", "--seq-len", "8",
                "--eval-batches", "1", "--no-plot", "--sample-tokens", "0", "--warmup", "1", "--tensorboard"])
@@ -268,7 +264,6 @@ def test_tensorboard_logs_the_metrics_or_is_refused(tmp_path, capsys) -> None:
 def test_short_run_reaches_the_peak_lr_or_is_told(tmp_path, capsys) -> None:
     """The default --warmup 30 in a 5-step run is cut to a tenth of the run, with a note; an
     explicit --warmup above --steps is refused before any work."""
-    torch.set_num_threads(2)
     out = tmp_path / "run"
     flags = ["--batch-size", "2", "--seq-len", "8", "--eval-batches", "1", "--no-plot", "--sample-tokens", "0"]
     assert main(["train", "--device", "cpu", "--out", str(out), "--steps", "5", "--lr", "2e-3", *flags]) == 0
@@ -309,7 +304,6 @@ def test_help_states_every_default_and_version(capsys) -> None:
 def test_config_file_flags_override_it_and_the_run_writes_it_back(tmp_path, capsys) -> None:
     """--config run.toml sets the flags its keys name; the command line wins; the run writes its
     effective flags to --out/config.toml, which --config reads back to the same settings."""
-    torch.set_num_threads(2)
     config = tmp_path / "run.toml"
     config.write_text('steps = 2\nbatch_size = 4\nseq_len = 16\neval_batches = 1\nplot = false\nsample_tokens = 0\n'
                       'val_works = ["hamlet", "sonnets"]\nlr = 0.002\nwarmup_steps = 1\nnum_experts = 4\n')
@@ -342,7 +336,6 @@ def test_init_from_a_converted_model(tmp_path, capsys) -> None:
     from moeflow.train.tokens import TokenStream
     from moeflow.train.lm import evaluate
 
-    torch.set_num_threads(2)
     torch.manual_seed(3)
     model = MoEGPT(gpt_config("tiny", vocab_size=300, n_layers=1, dim=32, n_heads=2, expert_hidden=32,
                               num_experts=4, max_seq_len=64))
@@ -443,7 +436,6 @@ def test_train_refuses_more_ranks_than_gpus_before_starting_torchrun(tmp_path, m
 
 @pytest.mark.e2e
 def test_train_prints_its_device_first(tmp_path, capsys) -> None:
-    torch.set_num_threads(2)
     assert main(["train", "--out", str(tmp_path / "run"), "--device", "cpu", "--steps", "1", "--batch-size", "2",
                  "--seq-len", "8", "--eval-batches", "1", "--no-progress", "--no-plot", "--sample-tokens", "0"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "device: cpu (--device cpu)"

@@ -116,6 +116,10 @@ def test_load_stats_sum_the_last_training_calls(gen) -> None:
     assert int(layer.load_stats().sum()) == 2 * (6 + 7 + 8)
     layer.eval()(xs[0])  # evaluation calls are not training load
     assert torch.equal(layer.load_stats(), sum(seen[1:]))
+    one = moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, load_window=1)
+    for x in xs:
+        one(x)
+    assert int(one.load_stats().sum()) == 2 * 8  # the smallest window keeps the last call only
     with pytest.raises(RuntimeError, match="load_window"):
         moeflow.MoE(dim=8, hidden=8, num_experts=4).load_stats()
     with pytest.raises(ValueError, match="load_window"):

@@ -100,7 +100,6 @@ def test_two_torchrun_nodes_train_like_one_process(tmp_path) -> None:
     process on the same global batches (fp64, no balance loss: it is per rank)."""
     kw = dict(steps=3, batch_size=8, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, val_works=("sonnets",),
               load_balance_coef=0.0, dtype="float64", progress=False, plot=False)
-    torch.set_num_threads(2)
     single = train_lm(LMTrainConfig(out_dir=tmp_path / "one", **kw))
     flags = ["--steps", "3", "--batch-size", "8", "--seq-len", "32", "--warmup", "1", "--eval-every", "0",
              "--eval-batches", "1", "--val-works", "sonnets", "--load-balance-coef", "0", "--dtype", "float64",

@@ -70,7 +70,6 @@ def test_train_config_round_trips_through_json_dict(tmp_path) -> None:
 
 @pytest.mark.e2e
 def test_loss_falls_on_real_text_and_checkpoint_samples(tmp_path) -> None:
-    torch.set_num_threads(2)
     cfg = LMTrainConfig(out_dir=tmp_path, steps=40, batch_size=16, seq_len=64, warmup_steps=5, eval_every=20,
                         eval_batches=4, progress=False)
     hist = train_lm(cfg)
@@ -90,7 +89,6 @@ def test_expert_recompute_trains_the_same_run(tmp_path) -> None:
     (fp64), recorded in the saved model config, and a run resumes with it turned off."""
     import shutil
 
-    torch.set_num_threads(2)
     kw = dict(steps=4, batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False,
               plot=False, dtype="float64")
     plain = train_lm(LMTrainConfig(out_dir=tmp_path / "plain", **kw))
@@ -105,7 +103,6 @@ def test_expert_recompute_trains_the_same_run(tmp_path) -> None:
 
 @pytest.mark.e2e
 def test_resume_continues_the_same_run(tmp_path) -> None:
-    torch.set_num_threads(2)
     kw = dict(steps=6, batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False,
               plot=False, dtype="float64")
     full = train_lm(LMTrainConfig(out_dir=tmp_path / "full", **kw))
@@ -137,7 +134,6 @@ def test_out_dir_holds_one_run(tmp_path, monkeypatch) -> None:
     any work; resuming a finished run touches nothing; raising steps continues it exactly as an
     uninterrupted run (fp64, bit for bit), past a leftover temporary and a half-written step
     directory; the index stays small; overwrite replaces only the run's own files."""
-    torch.set_num_threads(2)
     # lr == min_lr: a flat schedule, so a 3-step run is the start of a 6-step one
     kw = dict(steps=3, batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False,
               plot=False, dtype="float64", lr=1e-3, min_lr=1e-3)
@@ -237,7 +233,6 @@ def test_nonfinite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pat
     nothing is saved after it, history.json stays strict JSON, and --resume continues from it."""
     from moeflow.cli.main import main
 
-    torch.set_num_threads(2)
     run = tmp_path / "run"
     argv = ["train", "--out", str(run), "--steps", "6", "--checkpoint-every", "2", "--batch-size", "4",
             "--seq-len", "32", "--eval-batches", "1", "--warmup", "1", "--no-progress", "--no-plot",
@@ -262,7 +257,6 @@ def test_skip_nonfinite_skips_the_step_without_touching_the_weights(tmp_path, mo
     """With skip_nonfinite=1 a step whose gradient (not its loss) is nan is skipped: the weights
     end exactly where a run without that last step ends (the warm-up keeps the learning rates of
     both runs equal); a second such step stops the run."""
-    torch.set_num_threads(2)
     kw = dict(batch_size=4, seq_len=32, warmup_steps=10, eval_every=0, eval_batches=1, progress=False, plot=False,
               dtype="float64")
     clean = train_lm(LMTrainConfig(out_dir=tmp_path / "clean", steps=2, **kw))
@@ -347,7 +341,6 @@ CASES = {"train": _case_train, "train_with": _case_train_with, "poisoned": _case
 def test_nonfinite_loss_on_one_rank_stops_every_rank(tmp_path) -> None:
     """The loss and gradient norm are reduced over the ranks before the optimizer step, so a nan
     on one rank stops all of them at the same step; the step-1 checkpoint is kept, finite."""
-    torch.set_num_threads(2)
     spawn_ranks(2, __name__, "poisoned", str(tmp_path / "ep"))
     assert sorted(p.name for p in (tmp_path / "ep" / "checkpoints").iterdir()) == ["step-00000001"]
     assert _all_finite(tmp_path / "ep")
@@ -388,7 +381,6 @@ def test_tuned_file_locks_the_auto_tuner(tmp_path) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_training_equals_one_process(tmp_path, world: int) -> None:
-    torch.set_num_threads(2)
     single = train_lm(_cfg(str(tmp_path / "one"), load_balance_coef=0.0, dtype="float64"))
     spawn_ranks(world, __name__, "train", str(tmp_path / "ep"), 0.0)  # fp64: exact up to summation order
     ep = json.loads((tmp_path / "ep" / "history.json").read_text())
@@ -419,7 +411,6 @@ def test_training_with_balance_loss_equals_one_process_accumulating_the_ranks_ha
     from moeflow.train import build_from_checkpoint
     from moeflow.train.tokens import TokenStream
 
-    torch.set_num_threads(2)
     steps, coef = 4, 0.05
     spawn_ranks(2, __name__, "train", str(tmp_path / "ep"), coef, steps, "float64")
     ep = json.loads((tmp_path / "ep" / "history.json").read_text())
@@ -482,7 +473,6 @@ CASES["train_placed"] = _case_train_placed
 def test_rebalanced_vocab_parallel_training_equals_one_process(tmp_path, world: int) -> None:
     """Experts moved (with replicas) every 2 steps and the vocabulary split over the ranks: the
     same trajectory and final parameters as one process (fp64)."""
-    torch.set_num_threads(2)
     single = train_lm(_cfg(str(tmp_path / "one"), load_balance_coef=0.0, steps=5, dtype="float64"))
     spawn_ranks(world, __name__, "train_placed", str(tmp_path / "ep"))
     ep = json.loads((tmp_path / "ep" / "history.json").read_text())
@@ -505,7 +495,6 @@ def test_out_dir_rules_hold_on_two_ranks(tmp_path) -> None:
     """The same rules when every rank calls train_lm: a refusal raises on every rank (none is left
     waiting), a finished run is left untouched, and raising steps continues the run like one
     process that went the whole way (fp64)."""
-    torch.set_num_threads(2)
     flat = {"lr": 1e-3, "min_lr": 1e-3}
     ep = tmp_path / "ep"
     spawn_ranks(2, __name__, "train_with", str(ep), json.dumps(flat))
@@ -535,7 +524,6 @@ def test_init_from_starts_at_the_checkpoint_model(tmp_path) -> None:
     from moeflow.train.lm_checkpoint import MODEL_FAMILY as WRITTEN
 
     assert MODEL_FAMILY == WRITTEN
-    torch.set_num_threads(2)
     kw = dict(batch_size=4, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, progress=False, plot=False,
               dtype="float64")
     first = train_lm(LMTrainConfig(out_dir=tmp_path / "a", steps=2, n_layers=2, dim=64, n_heads=2, expert_hidden=48,

@@ -449,7 +449,6 @@ def _run_cfg(out: Path, **kw) -> LMTrainConfig:
 @pytest.mark.e2e
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "txt"] + ["prepared", "mixed"])
 def test_each_kind_of_source_trains(tmp_path, kind: str) -> None:
-    torch.set_num_threads(2)
     docs = structured_docs(40)
     if kind == "prepared":
         src = write_source("jsonl", tmp_path / "src", docs)
@@ -473,7 +472,6 @@ def test_each_kind_of_source_trains(tmp_path, kind: str) -> None:
 
 @pytest.mark.e2e
 def test_loss_falls_on_a_corpus_that_is_not_shakespeare_and_the_model_generates_it(tmp_path, capsys) -> None:
-    torch.set_num_threads(2)
     src = write_source("folder", tmp_path / "src", structured_docs(400))
     out = tmp_path / "run"
     assert main(["train", "--device", "cpu", "--data", str(src), "--out", str(out), "--steps", "60",
@@ -492,7 +490,6 @@ def test_loss_falls_on_a_corpus_that_is_not_shakespeare_and_the_model_generates_
 
 @pytest.mark.e2e
 def test_a_tokenizer_json_trains_generates_and_exports(tmp_path, capsys) -> None:
-    torch.set_num_threads(2)
     docs = structured_docs(60)
     model_dir = _hf_tokenizer_dir(tmp_path, docs)
     src = write_source("jsonl", tmp_path / "src", docs)
@@ -517,7 +514,6 @@ def test_a_tokenizer_json_trains_generates_and_exports(tmp_path, capsys) -> None
 
 @pytest.mark.e2e
 def test_bad_data_stops_the_run_before_training_naming_the_file(tmp_path, capsys) -> None:
-    torch.set_num_threads(2)
     short = _bad(tmp_path, "short.jsonl", b'{"body": "tiny"}\n{"body": "also tiny"}\n')
     with pytest.raises(DataError, match=r"fewer than one sequence of seq_len\+1 = 33"):
         train_lm(_run_cfg(tmp_path / "a", data=(str(short),), val_fraction=0.0, val_data=(str(short),)))
@@ -535,7 +531,6 @@ def test_bad_data_stops_the_run_before_training_naming_the_file(tmp_path, capsys
 
 @pytest.mark.e2e
 def test_resume_refuses_data_that_changed(tmp_path) -> None:
-    torch.set_num_threads(2)
     src = write_source("jsonl", tmp_path / "src", structured_docs(40))
     cfg = _run_cfg(tmp_path / "run", data=(str(src),), steps=3, checkpoint_every=1)
     train_lm(cfg)

@@ -5,7 +5,6 @@ learns them."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moeflow.cli.main import main
 from moeflow.train import vision
@@ -35,7 +34,6 @@ def test_vision_train_config_rejects_nonfinite_and_negative_values(fields: dict,
 def test_nonfinite_loss_stops_vision_training(capsys) -> None:
     """A learning rate that overflows the weights: the next step's loss is not finite and the run
     stops there, exit 1 with one line, instead of training on nan."""
-    torch.set_num_threads(2)
     assert main(["train-vision", "--epochs", "1", "--lr", "1e30"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("moeflow train-vision: error: training stopped in epoch 1: the loss is ")
@@ -46,7 +44,6 @@ def test_nonfinite_loss_stops_vision_training(capsys) -> None:
 def test_vision_moe_learns_digits(monkeypatch) -> None:
     """``moeflow train-vision`` trains to > 60% held-out accuracy; the test reads the result dict
     the command gets from ``train_vision``, not the line it prints."""
-    torch.set_num_threads(2)
     results = []
 
     def recording(cfg, **kw):  # type: ignore[no-untyped-def]
@@ -69,7 +66,6 @@ def test_vision_run_writes_checkpoint_history_and_plot(tmp_path, capsys) -> None
     from moeflow.checkpoint import load_checkpoint
     from moeflow.models import VisionMoE
 
-    torch.set_num_threads(2)
     out = tmp_path / "vision"
     argv = ["train-vision", "--epochs", "2", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
