@@ -104,6 +104,11 @@ def _toml(value: object) -> str:
     raise TypeError(f"[tool.mutmut] value of type {type(value).__name__} is not supported: {value!r}")
 
 
+def cores() -> int:
+    """The cores this process may run on (all of the machine's where the OS cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def work_dir(package: str) -> Path:
     return ROOT / "mutants" / package.replace("/", "-")
 
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         # that process's torch threads, and max_children of them at 2 threads each on 2 cores
         # spend their time in OpenMP spin-waits; the cores are shared out (tests/conftest.py
         # takes OMP_NUM_THREADS) unless the caller set OMP_NUM_THREADS
-        threads = max(1, len(os.sched_getaffinity(0)) // args.max_children)
+        threads = max(1, cores() // args.max_children)
         env = {"OMP_NUM_THREADS": str(threads), **os.environ, "GIT_CEILING_DIRECTORIES": str(work.parent)}
         cmd = [args.mutmut, "run", "--max-children", str(args.max_children), *(args.mutants or [])]
         print(f"== {package}: {' '.join(PACKAGES[package][0])} against {len(PACKAGES[package][1])} test patterns "
