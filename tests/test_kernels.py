@@ -291,6 +291,40 @@ def test_gather_dot_answers_in_the_dtype_of_like_and_permute_saves_x_only_for_we
         assert any(t.shape == y.shape for t in saved) == keeps_y, [tuple(t.shape) for t in saved]
 
 
+def test_gather_reduce_answers_in_the_input_dtype_and_keeps_its_index_rules(gen):
+    """``gather_reduce`` in bf16 and fp16 sums (and weights) in fp32, rounds once and answers in
+    the input dtype: one entry per row with a weight, three with and without, eight at D = 1024. An invalid entry may hold any
+    index, also when the rows have no features (D = 0) or there is one row to gather from; without a valid mask every index must name
+    a row: a stray one fails instead of reading a clamped row."""
+    from moeflow.kernels.permute import gather_reduce
+
+    M, N, D = 5, 4, 6
+    for dtype in (torch.bfloat16, torch.float16):
+        src = torch.randn(M, D, generator=gen).to(dtype)
+        index = torch.randint(0, M, (N, 3), generator=gen)
+        w = torch.rand(N, 3, generator=gen).to(dtype)
+        for J, weights in ((3, None), (3, w), (1, w[:, :1])):
+            rows = src.float()[index[:, :J]]  # [N, J, D]
+            want = (rows if weights is None else rows * weights.float().unsqueeze(-1)).sum(1)
+            got = gather_reduce(src, index[:, :J].contiguous(), None, None if weights is None else weights.contiguous())
+            assert got.dtype == dtype, (dtype, J, weights is None)
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+    # rounded once: fp16's own bmm gives other roundings at these sizes on the CPUs we test on
+    src, index = torch.randn(64, 1024, generator=gen).half(), torch.randint(0, 64, (16, 8), generator=gen)
+    w = torch.rand(16, 8, generator=gen).half()
+    want = torch.bmm(w.float().unsqueeze(1), src.float()[index]).squeeze(1).half()
+    assert torch.equal(gather_reduce(src, index, None, w), want)
+    valid = torch.tensor([[True, False], [False, True]])
+    stray = torch.tensor([[0, 7], [-3, 2]])
+    out = gather_reduce(torch.randn(3, 0, generator=gen), stray, valid, None)
+    assert out.shape == (2, 0)
+    src = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(gather_reduce(src, stray, valid, None), src[[0, 2]], rtol=0, atol=0)
+    torch.testing.assert_close(gather_reduce(src[:1], torch.tensor([[0, 5]]), valid[:1], None), src[:1], rtol=0, atol=0)
+    with pytest.raises((IndexError, RuntimeError)):
+        gather_reduce(src, torch.tensor([[0, 3]]), None, None)
+
+
 def test_count_ids_matches_bincount():
     ids = torch.randint(0, 7, (50, 3))
     assert torch.equal(count_ids(ids, 7), torch.bincount(ids.reshape(-1), minlength=7))
