@@ -25,7 +25,7 @@ bench: $(STAMP)
 # workers (0: in this process; tests/conftest.py shares the cores among them). One tier:
 # $(VENV)/bin/python -m pytest -m "distributed and not slow" (tiers: pyproject.toml, tests/conftest.py)
 # compileall first: the suite starts a few hundred processes, and where PYTHONDONTWRITEBYTECODE is
-# set (as on the 2-core VMs we run CI on) each would otherwise compile moeflow's sources again (~0.4 s each).
+# set (as on this project's 2-core CI VMs) each would otherwise compile moeflow's sources again (~0.4 s each).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/python -m compileall -q moeflow tests bench > /dev/null

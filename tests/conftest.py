@@ -56,7 +56,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # cores spend their time in OpenMP spin-waits: the layer, matrix, dispatch and recompute files
 # took 195 s under 2 workers at 2 threads and 73 s at 1 (EPYC VM, 2026-11-27).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # (Linux only)
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # affinity: Linux
 THREADS = max(1, min(2, torch.get_num_threads(), CORES // WORKERS))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
