@@ -52,12 +52,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # Threads: at most 2 (small matmuls on a 2-core machine: more only add overhead and run-to-run
 # variation), and under pytest-xdist (``make test`` runs 2 workers) the cores shared among the
 # workers: each worker, and through OMP_NUM_THREADS every process it starts that does not set its
-# own (the CLI and the ranks read it), gets cores // workers. Two workers at 2 threads each on 2
-# cores spend their time in OpenMP spin-waits: the layer, matrix, dispatch and recompute files
-# took 195 s under 2 workers at 2 threads and 73 s at 1 (EPYC VM, 2026-11-27).
+# own (the CLI and the ranks read it), gets torch's thread count (the cores, or OMP_NUM_THREADS)
+# // workers. Two workers at 2 threads each on 2 cores spend their time in OpenMP spin-waits: the
+# layer, matrix, dispatch and recompute files took 195 s under 2 workers at 2 threads and 73 s at
+# 1 (EPYC VM, 2026-11-27).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # affinity: Linux
-THREADS = max(1, min(2, torch.get_num_threads(), CORES // WORKERS))
+THREADS = max(1, min(2, torch.get_num_threads() // WORKERS))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 torch.set_num_threads(THREADS)

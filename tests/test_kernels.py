@@ -293,9 +293,10 @@ def test_gather_dot_answers_in_the_dtype_of_like_and_permute_saves_x_only_for_we
 
 def test_gather_reduce_answers_in_the_input_dtype_and_keeps_its_index_rules(gen):
     """``gather_reduce`` in bf16 and fp16 sums (and weights) in fp32, rounds once and answers in
-    the input dtype: one entry per row with a weight, three with and without, eight at D = 1024. An invalid entry may hold any
-    index, also when the rows have no features (D = 0) or there is one row to gather from; without a valid mask every index must name
-    a row: a stray one fails instead of reading a clamped row."""
+    the input dtype: one entry per row with a weight, three with and without, eight at D = 1024.
+    An invalid entry may hold any index, also when the rows have no features (D = 0) or there is
+    one row to gather from; without a valid mask every index must name a row: a stray one fails
+    instead of reading a clamped row."""
     from moeflow.kernels.permute import gather_reduce
 
     M, N, D = 5, 4, 6
