@@ -1,7 +1,7 @@
 """``moeflow train`` under torchrun (``moeflow.train.worker``, ``moeflow.parallel.launch``): the
 flags are refused alike on every rank before any work (rank 0 says why); two torchrun agents (two
 "nodes" of 2 ranks on this machine, c10d rendezvous) train like one process, with the two-level
-exchange; and a rank killed with SIGKILL at a random moment (in a step or in a save) makes
+exchange (slow tier); and a rank killed with SIGKILL at a random moment (in a step or in a save) makes
 torchrun restart the ranks, which continue the run from its latest complete checkpoint by
 themselves and end bit for bit where an uninterrupted run ends (fp64); and the launcher of
 ``--nproc`` killed with SIGKILL takes its agent and ranks with it."""
@@ -26,7 +26,7 @@ from moeflow.cli.main import main
 from moeflow.parallel.launch import free_port, torchrun_job
 from moeflow.train import LMTrainConfig, build_from_checkpoint, train_lm
 
-from helpers import TORCHRUN_ENV, rank_pids, torchrun_cmd
+from helpers import TORCHRUN_ENV, rank_pids, spawn_ranks, torchrun_cmd
 
 _JOB = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "test", "TORCHELASTIC_RESTART_COUNT": "0"}
@@ -94,10 +94,14 @@ def test_launch_flags_are_refused_before_torchrun_starts(tmp_path, capsys, flags
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~48 s of CPU on 2 cores (6 processes); the default tier has both halves (below)
 def test_two_torchrun_nodes_train_like_one_process(tmp_path) -> None:
     """Two agents of a c10d rendezvous (``--nnodes 2``, 2 ranks each) run one 4-rank job; the
     ranks span two nodes, so the exchange is two-level; losses and final parameters equal one
-    process on the same global batches (fp64, no balance loss: it is per rank)."""
+    process on the same global batches (fp64, no balance loss: it is per rank). The default
+    tier runs the same two-node job from the parallel guide (``tests/test_docs.py``: the
+    two-level exchange chosen) and the same training on 4 gloo ranks as 2 nodes of 2 against one
+    process (``tests/test_train_lm.py::test_expert_parallel_training_equals_one_process``)."""
     kw = dict(steps=3, batch_size=8, seq_len=32, warmup_steps=1, eval_every=0, eval_batches=1, val_works=("sonnets",),
               load_balance_coef=0.0, dtype="float64", progress=False, plot=False)
     single = train_lm(LMTrainConfig(out_dir=tmp_path / "one", **kw))
@@ -129,6 +133,16 @@ def _flags(out: Path, steps: int) -> list[str]:
     return ["--steps", str(steps), "--batch-size", "4", "--seq-len", "16", "--warmup", "1", "--eval-every", "0",
             "--eval-batches", "1", "--dtype", "float64", "--checkpoint-every", "1", "--no-progress", "--no-plot",
             "--sample-tokens", "0", "--out", str(out)]
+
+
+def _case_uninterrupted(rank: int, world: int, out: str, steps: int) -> None:
+    """``_flags``' run as ``train_lm`` itself on a rank of a gloo group (what each torchrun rank
+    of ``moeflow train`` calls, with the same settings): the reference of the killed runs."""
+    train_lm(LMTrainConfig(out_dir=Path(out), steps=steps, batch_size=4, seq_len=16, warmup_steps=1, eval_every=0,
+                           eval_batches=1, dtype="float64", checkpoint_every=1, progress=False, plot=False))
+
+
+CASES = {"uninterrupted": _case_uninterrupted}
 
 
 def _wait(what: str, ready, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -190,14 +204,13 @@ def _kill_ranks(proc: subprocess.Popen, out: Path, kinds: list[str], rng: random
 
 
 def _killed_run_equals_uninterrupted(tmp_path: Path, kinds: list[str]) -> list[dict]:
-    """An uninterrupted 2-rank run (plain torchrun, ``-m moeflow.train``) and one through
-    ``moeflow train --nproc 2 --max-restarts N`` whose ranks are killed at random moments:
-    equal losses and parameters, bit for bit. Returns the kills (``_kill_ranks``)."""
+    """An uninterrupted run on 2 gloo ranks (``_case_uninterrupted``: bit for bit a torchrun job
+    of the same flags, without ~15 s of CPU for its three processes) and one through ``moeflow
+    train --nproc 2 --max-restarts N`` whose ranks are killed at random moments: equal losses
+    and parameters, bit for bit. Returns the kills (``_kill_ranks``)."""
     seed = zlib.crc32(",".join(kinds).encode())  # fixed per test, printed with every failure
     rng, steps = random.Random(seed), 3 * len(kinds) + 4  # a kill comes at most ~3 steps after a restart
-    reference = subprocess.run(torchrun_cmd("-m", "moeflow.train", *_flags(tmp_path / "ref", steps)),
-                               env=TORCHRUN_ENV, capture_output=True, text=True, timeout=300)
-    assert reference.returncode == 0, reference.stdout[-2000:] + reference.stderr[-3000:]
+    spawn_ranks(2, __name__, "uninterrupted", str(tmp_path / "ref"), steps)
     out = tmp_path / "run"
     log = tmp_path / "run.log"
     with open(log, "w") as sink:

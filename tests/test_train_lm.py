@@ -317,9 +317,10 @@ def _cfg(out: str, **kw) -> LMTrainConfig:
 
 
 def _case_train(rank: int, world: int, out: str, aux: float, steps: int = 3, dtype: str = "float64",
-                deterministic: bool = False) -> None:
+                deterministic: bool = False, node_size: int | None = None) -> None:
     torch.manual_seed(1234 + rank)  # train_lm must not depend on the ranks' RNG state before it
-    train_lm(_cfg(out, load_balance_coef=aux, steps=steps, dtype=dtype, deterministic=deterministic))
+    train_lm(_cfg(out, load_balance_coef=aux, steps=steps, dtype=dtype, deterministic=deterministic),
+             node_size=node_size)
 
 
 def _case_train_with(rank: int, world: int, out: str, kw: str) -> None:
@@ -379,12 +380,16 @@ def test_tuned_file_locks_the_auto_tuner(tmp_path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_training_equals_one_process(tmp_path, world: int) -> None:
+@pytest.mark.parametrize(("world", "node_size"), [(2, None), (4, None), (4, 2)], ids=["2", "4", "2x2-two-level"])
+def test_expert_parallel_training_equals_one_process(tmp_path, world: int, node_size: int | None) -> None:
+    """On 2 and 4 ranks with the flat exchange, and on 4 ranks as 2 "nodes" of 2 with the
+    two-level one (what torchrun on two machines gives: tests/test_train_launch.py runs that
+    job itself in the slow tier, the parallel guide in the default one)."""
     single = train_lm(_cfg(str(tmp_path / "one"), load_balance_coef=0.0, dtype="float64"))
-    spawn_ranks(world, __name__, "train", str(tmp_path / "ep"), 0.0)  # fp64: exact up to summation order
+    # fp64: exact up to summation order
+    spawn_ranks(world, __name__, "train", str(tmp_path / "ep"), 0.0, 3, "float64", False, node_size)
     ep = json.loads((tmp_path / "ep" / "history.json").read_text())
-    assert ep["world_size"] == world
+    assert (ep["world_size"], ep["exchange"]) == (world, "flat" if node_size is None else "two-level")
     # without balance losses (which are per rank) the whole trajectory is the same step
     torch.testing.assert_close(torch.tensor(ep["train_loss"]), torch.tensor(single["train_loss"]), rtol=1e-10, atol=0)
     torch.testing.assert_close(torch.tensor([v for _, v in ep["val"]]), torch.tensor([v for _, v in single["val"]]),
@@ -493,8 +498,9 @@ def test_rebalanced_vocab_parallel_training_equals_one_process(tmp_path, world: 
 @pytest.mark.distributed
 def test_out_dir_rules_hold_on_two_ranks(tmp_path) -> None:
     """The same rules when every rank calls train_lm: a refusal raises on every rank (none is left
-    waiting), a finished run is left untouched, and raising steps continues the run like one
-    process that went the whole way (fp64)."""
+    waiting), a finished run is left untouched, raising steps continues the run like one
+    process that went the whole way (fp64), and ``overwrite`` starts a new run in its place
+    (``moeflow train --nproc 2 --overwrite`` is this first attempt on torchrun's ranks)."""
     flat = {"lr": 1e-3, "min_lr": 1e-3}
     ep = tmp_path / "ep"
     spawn_ranks(2, __name__, "train_with", str(ep), json.dumps(flat))
@@ -509,6 +515,12 @@ def test_out_dir_rules_hold_on_two_ranks(tmp_path) -> None:
     assert resumed["step"] == list(range(1, 6)) and resumed["world_size"] == 2
     torch.testing.assert_close(torch.tensor(resumed["train_loss"]), torch.tensor(single["train_loss"]), rtol=1e-10,
                                atol=0)
+    (ep / "notes.txt").write_text("not moeflow's")
+    spawn_ranks(2, __name__, "train_with", str(ep), json.dumps({**flat, "steps": 1, "overwrite": True}))
+    fresh = json.loads((ep / "history.json").read_text())
+    assert fresh["run_id"] != resumed["run_id"] and (fresh["step"], fresh["world_size"]) == ([1], 2)
+    assert sorted(p.name for p in (ep / "checkpoints").iterdir()) == ["step-00000001"]
+    assert (ep / "notes.txt").read_text() == "not moeflow's"
 
 
 @pytest.mark.e2e
