@@ -12,9 +12,9 @@ synchronisation (``tests/test_models_generation_compiled.py`` checks it); sampli
 between steps. On the CPU the head's product runs after the compiled graph, in the layout
 measured fastest for the batch size on this machine (``HeadProduct``: the logits equal up to
 rounding), and inductor writes the graph's wrapper in C++ (``cpp_wrapper``: the kernels and
-the expert op are called without a Python line between them; 4-9% less time a batch-8 step on
-this project's 2-core VM, for ~30% longer compilation). Past ``max_seq_len`` the window slides as in the eager loop (those steps run
-eagerly: each re-runs the window).
+the expert op are called without a Python line between them; 3.5-8.5% less time a step on
+this project's 2-core VM, for ~30% longer compilation). Past ``max_seq_len`` the window
+slides as in the eager loop (those steps run eagerly: each re-runs the window).
 
 Legend: ``B`` rows, ``S`` columns, ``V`` vocabulary, ``D`` model width.
 """
