@@ -5,7 +5,8 @@ left-padded batch, stop tokens, a sliding window) with a bounded number of compi
 
 Compiling with inductor on this CPU takes tens of seconds a shape, so every compiled test
 shares one model and the shapes of two batch sizes (1 and 3 rows) and one cache capacity (32
-columns): ``compilations`` counts them.
+columns): ``compilations`` counts them (one test compiles the same shapes for a fresh copy:
+the recompile limit).
 """
 
 from __future__ import annotations
@@ -341,3 +342,21 @@ def test_compile_refuses_a_model_whose_step_cannot_be_one_graph(model):
         generate(own, ONE, 3, temperature=0, compile=True)
     with pytest.raises(ValueError, match="does not compile as one graph"):
         generate(copy.deepcopy(model).double(), ONE, 3, temperature=0, compile=True)
+
+
+@pytest.mark.e2e
+def test_compiled_decode_outlives_dynamos_recompile_limit(model):
+    """Every model, batch size and cache capacity is one more graph of the same function, and
+    dynamo keeps ``recompile_limit`` (8) of them, failing past it under ``fullgraph=True``: a
+    process decoding its ninth shape failed. The decoder raises the limit for its own warm-ups;
+    here the limit is 1 and a fresh copy of the model compiles two shapes (whatever this process
+    compiled before counts too)."""
+    import copy
+
+    fresh = copy.deepcopy(model)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        one = generate(fresh, ONE, 3, temperature=0, compile=True)
+        three = generate(fresh, PROMPTS, 3, temperature=0, compile=True)
+    assert compiled_decoder(fresh).compilations == 2
+    assert one.tokens == generate(model, ONE, 3, temperature=0).tokens
+    assert three.tokens == generate(model, PROMPTS, 3, temperature=0).tokens

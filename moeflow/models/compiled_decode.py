@@ -35,6 +35,7 @@ __all__ = ["CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProdu
            "generate_compiled"]
 
 STOP_CHECK_EVERY = 8  # compiled decode: steps between the host's looks at whether every row stopped
+_WARM_UPS = 0  # shapes warmed up by every CompiledDecoder of this process (each adds at most one graph)
 
 
 def _bucket(columns: int, max_seq_len: int) -> int:
@@ -176,11 +177,23 @@ class CompiledDecoder:
         return cache
 
     def _warm_up(self, cache, pad_B: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+        """Compile (where no graph of this shape exists yet) and run the step once per needed call.
+
+        Dynamo keeps at most ``recompile_limit`` (8) graphs of one function and, under
+        ``fullgraph=True``, fails past it; the step's function gets one graph per model, batch
+        size and capacity, so a process serving its ninth shape would fail. The limit is raised,
+        for these calls only, by the shapes every decoder of this process warmed up."""
+        global _WARM_UPS
+        _WARM_UPS += 1
         tokens_B = torch.zeros(cache.batch, dtype=torch.long, device=self.device)
         pos = torch.zeros((), dtype=torch.long, device=self.device)
-        for _ in range(3 if self.cuda else 1):  # CUDA graphs record on the second or third call
-            self.mark_step()
-            self.step(tokens_B, pos, cache)
+        config = torch._dynamo.config
+        limit = config.recompile_limit + _WARM_UPS
+        with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit,
+                                                                                  limit)):
+            for _ in range(3 if self.cuda else 1):  # CUDA graphs record on the second or third call
+                self.mark_step()
+                self.step(tokens_B, pos, cache)
         cache.reset(pad_B)
 
     def begin(self, model, rows: int) -> None:  # type: ignore[no-untyped-def]
