@@ -11,6 +11,8 @@ the recompile limit).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -330,8 +332,6 @@ def test_compile_refuses_a_model_whose_step_cannot_be_one_graph(model):
     """Experts of one's own (here ``ModuleExperts``, which read group sizes on the host) are
     refused up front, naming the layer; a step that fails to trace (fp64 runs the ``loop``
     experts backend, which reads them too) is a ``ValueError``, not a dynamo traceback."""
-    import copy
-
     from moeflow import ModuleExperts
     from moeflow.layer.moe import moe_layers
 
@@ -351,8 +351,6 @@ def test_compiled_decode_outlives_dynamos_recompile_limit(model):
     process decoding its ninth shape failed. The decoder raises the limit for its own warm-ups;
     here the limit is 1 and a fresh copy of the model compiles two shapes (whatever this process
     compiled before counts too)."""
-    import copy
-
     fresh = copy.deepcopy(model)
     with torch._dynamo.config.patch(recompile_limit=1):
         one = generate(fresh, ONE, 3, temperature=0, compile=True)
