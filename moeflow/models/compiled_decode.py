@@ -21,6 +21,7 @@ Legend: ``B`` rows, ``S`` columns, ``V`` vocabulary, ``D`` model width.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable
@@ -29,10 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from moeflow.checks import _int
+from moeflow.kernels.packed_cpu import pack_weight, packed_cpu_available, packs_in_use
 from moeflow.models.decoding import Generation, SamplingConfig, _check_prompts, _left_padded, _prefill, sample_next
 
 __all__ = ["CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct", "head_product", "HEAD_LAYOUTS",
-           "generate_compiled"]
+           "ExpertPacks", "generate_compiled"]
 
 STOP_CHECK_EVERY = 8  # compiled decode: steps between the host's looks at whether every row stopped
 _WARM_UPS = 0  # shapes warmed up by every CompiledDecoder of this process (each adds at most one graph)
@@ -119,6 +121,64 @@ class HeadProduct:
         return head_product(self.choice[h_BD.shape[0]], h_BD, self.weight_VD, self.weight_DV)
 
 
+class ExpertPacks:
+    """Packed copies of the expert weights of a CPU compiled decode step
+    (``moeflow.kernels.packed_cpu``): its experts multiply a few rows each by weights that come
+    from memory, which the BLAS runs far below the memory's rate and the packed few-row kernel
+    near it (``docs/benchmarks.md``). ``refresh`` packs every MoE layer whose experts take the
+    no-grad grouped path (``GroupedExperts``: fp32, no biases, a named activation, the
+    ``grouped_mm`` backend, no recompute) and packs again only weights that changed since (another
+    tensor, or an in-place update: its version counter), so the packs follow training between
+    calls; ``in_use`` is the context each step runs in. The packs cost those weights' memory once
+    more, for as long as the model's decoder lives."""
+
+    def __init__(self) -> None:
+        self.packs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.seen: dict[int, tuple[int, int, int, int]] = {}  # layer -> weights' (address, version) pairs
+
+    @staticmethod
+    def _packable(experts) -> bool:  # type: ignore[no-untyped-def]
+        from moeflow.experts import GroupedExperts
+        from moeflow.experts.lean import LEAN_ACTIVATIONS
+        from moeflow.kernels import resolve_grouped_mm_backend
+
+        if not isinstance(experts, GroupedExperts) or experts.b_in is not None or experts.b_out is not None:
+            return False
+        w_in, w_out, config = experts.w_in, experts.w_out, experts.config
+        dims = (w_in.shape[-2], w_in.shape[-1], w_out.shape[-2])
+        return (w_in.dtype == w_out.dtype == torch.float32 and w_in.device.type == "cpu"
+                and config.activation in LEAN_ACTIVATIONS and not config.recompute
+                and resolve_grouped_mm_backend(config.backend, w_in.device, w_in.dtype, dims) == "grouped_mm")
+
+    def refresh(self, model) -> None:  # type: ignore[no-untyped-def]
+        """Pack the experts of ``model``'s MoE layers whose weights are new or changed."""
+        from moeflow.layer.moe import moe_layers
+
+        layers = moe_layers(model)
+        for i in [i for i in self.packs if i >= len(layers)]:
+            del self.packs[i]
+        for i, layer in enumerate(layers):
+            experts = layer.experts
+            if not self._packable(experts):
+                self.packs.pop(i, None)
+                continue
+            w_in, w_out = experts.w_in.detach(), experts.w_out.detach()
+            seen = (w_in.data_ptr(), w_in._version, w_out.data_ptr(), w_out._version)
+            old = self.packs.get(i)
+            if old is not None and self.seen.get(i) == seen and old[0].shape == w_in.shape \
+                    and old[0].stride() == w_in.stride() and old[1].shape == w_out.shape \
+                    and old[1].stride() == w_out.stride():
+                continue
+            same = old is not None and old[0].shape == w_in.shape and old[1].shape == w_out.shape
+            self.packs[i] = (w_in, w_out, pack_weight(w_in, out=old[2] if same else None),
+                             pack_weight(w_out, out=old[3] if same else None))
+            self.seen[i] = seen
+
+    def in_use(self):  # type: ignore[no-untyped-def]
+        """The context a step runs in: the packs are found by the experts' no-grad products."""
+        return packs_in_use(self.packs.values())
+
+
 def _tunes_head(model) -> bool:  # type: ignore[no-untyped-def]
     """Whether the compiled step leaves the head to a ``HeadProduct`` (a plain bias-free
     ``nn.Linear`` head on the CPU; on CUDA the head stays inside the graph CUDA graphs replay)."""
@@ -145,6 +205,7 @@ class CompiledDecoder:
         self.device = model.embed.weight.device
         self.cuda = self.device.type == "cuda"
         self.head = HeadProduct() if _tunes_head(model) else None
+        self.experts = ExpertPacks() if self.device.type == "cpu" and packed_cpu_available() else None
         self.step = torch.compile(model.decode_step if self.head is None else model.decode_hidden,
                                   fullgraph=True, dynamic=False, mode="reduce-overhead" if self.cuda else None,
                                   options={"cpp_wrapper": True} if self.device.type == "cpu" else None)
@@ -197,9 +258,12 @@ class CompiledDecoder:
         cache.reset(pad_B)
 
     def begin(self, model, rows: int) -> None:  # type: ignore[no-untyped-def]
-        """Before a generation of ``rows`` rows: the head's weight as it is now (``HeadProduct``)."""
+        """Before a generation of ``rows`` rows: the head's weight as it is now (``HeadProduct``)
+        and the experts' packed weights as they are now (``ExpertPacks``, on the CPU)."""
         if self.head is not None:
             self.head.begin(model.lm_head.weight, rows)
+        if self.experts is not None:
+            self.experts.refresh(model)
 
     def run(self, next_B: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:  # type: ignore[no-untyped-def]
         """Logits ``[B, V]`` of one compiled step (and the head's product where the decoder
@@ -209,7 +273,8 @@ class CompiledDecoder:
         every input comes from ``cache`` and the generation loop: the same model, tensors of
         the compiled shapes, dtypes and devices."""
         self.mark_step()
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True), \
+                (self.experts.in_use() if self.experts is not None else contextlib.nullcontext()):
             out = self.step(next_B, pos, cache)
         return out if self.head is None else self.head(out)
 

@@ -1,0 +1,177 @@
+"""The CPU's few-row grouped product over packed weights: what the experts of a compiled decode
+step multiply with on the CPU (legend: moeflow.types; ``S`` strips of ``STRIP`` columns).
+
+``y_RN[rows of expert e] = x_RK[rows of expert e] @ w_EKN[e]``, as ``grouped_mm_loop`` (the
+readable reference the tests compare with) and ``F.grouped_mm`` compute it, but over a copy of
+the weight packed as ``[E, S, K, STRIP]`` (``pack_weight``): strip ``s`` holds columns
+``16s .. 16s+15`` of every row, so each strip is one contiguous run of memory.
+
+Why: a decode step multiplies a few rows per expert (16 rows over 8 experts at batch 8, top-2)
+by weights that come from memory, so the product is bound by how fast the weight streams. The
+BLAS packs its operand on every call at these shapes: on this project's 2-core AMD EPYC VM
+(fp32, cold weights, ``docs/benchmarks.md``) MKL ran ``[M, 256] x [256, 1024]`` at 2-4 GiB/s
+for 4-8 rows, the packed kernel at 7-11 GiB/s on one thread (1.2-2x faster at 2-8 rows, 1.7-3.3x
+on two threads). The copy costs the packed weights' memory once more; the caller keeps it
+(``moeflow.models.compiled_decode``: per model, refreshed when the weights change).
+
+The kernel is C++ (``csrc/packed_grouped_mm.cpp``), built on first use with the host's C++
+compiler (the one inductor needs on the CPU anyway) for this CPU (``-march=native``, OpenMP),
+cached by source, compiler, flags and CPU in ``KERNEL_CACHE`` and loaded through ``ctypes``.
+fp32 only; any other dtype is the caller's to send elsewhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import getpass
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+__all__ = ["STRIP", "KERNEL_CACHE", "MAX_ROWS_PER_EXPERT", "packed_cpu_available", "pack_weight",
+           "packed_grouped_mm", "packs_in_use", "packs_for"]
+
+STRIP = 16  # columns per strip of a packed weight (two 8-wide vectors of the kernel)
+SOURCE = Path(__file__).parent / "csrc" / "packed_grouped_mm.cpp"
+KERNEL_CACHE = Path(tempfile.gettempdir()) / f"moeflow_kernels_{getpass.getuser()}"
+_FLAGS = (("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
+          ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"))  # without OpenMP: one thread
+_COMPILERS = ("c++", "g++", "clang++")
+# ``packs_for`` answers None above this many rows per expert: there the products are no longer
+# few-row ones and the BLAS's own blocking pays (the packed kernel still led at 16 rows per expert
+# in the measurements of the module docstring)
+MAX_ROWS_PER_EXPERT = 16
+_IN_USE = threading.local()  # .packs: this thread's {(w_in address, w_out address): entry} of packs_in_use
+
+
+def _compiler() -> str | None:
+    for name in _COMPILERS:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    return None
+
+
+def packed_cpu_available() -> bool:
+    """Whether the kernel can be built here (a C++ compiler on the ``PATH``)."""
+    return _compiler() is not None
+
+
+@lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    """The built kernel, compiled once per source, compiler, flags and CPU (and cached on disk)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError(f"the packed CPU kernel needs a C++ compiler on the PATH (one of {list(_COMPILERS)})")
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in _FLAGS:
+        key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
+                                         platform.machine().encode(), platform.processor().encode(),
+                                         torch.backends.cpu.get_cpu_capability().encode()])).hexdigest()[:20]
+        path = KERNEL_CACHE / f"packed_grouped_mm_{key}.so"
+        if not path.exists():
+            KERNEL_CACHE.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=KERNEL_CACHE)
+            os.close(fd)
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            if done.returncode != 0:
+                os.unlink(tmp)
+                errors.append(f"{compiler} {' '.join(flags)}: {done.stderr.strip()[-2000:]}")
+                continue
+            os.replace(tmp, path)  # atomic: processes building at once each publish a whole file
+        lib = ctypes.CDLL(str(path))
+        lib.moeflow_packed_grouped_mm.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.moeflow_packed_grouped_mm.restype = None
+        return lib
+    raise RuntimeError("building the packed CPU kernel failed:\n" + "\n".join(errors))
+
+
+def pack_weight(w_EKN: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[E, S, K, STRIP]`` (``S = ceil(N / STRIP)``, missing columns zero) copy of ``w_EKN``
+    (fp32, CPU, any strides), into ``out`` when given (a former pack of the same shape)."""
+    if not isinstance(w_EKN, torch.Tensor) or w_EKN.dim() != 3:
+        raise ValueError(f"w_EKN must be a 3-d tensor [E, K, N], got {getattr(w_EKN, 'shape', w_EKN)!r}")
+    if w_EKN.dtype != torch.float32 or w_EKN.device.type != "cpu":
+        raise ValueError(f"w_EKN must be fp32 on the CPU, got {w_EKN.dtype} on {w_EKN.device}")
+    E, K, N = w_EKN.shape
+    S = -(-N // STRIP)
+    w = w_EKN.detach()
+    if S * STRIP != N:
+        w = torch.nn.functional.pad(w, (0, S * STRIP - N))
+    packed = w.reshape(E, K, S, STRIP).permute(0, 2, 1, 3)
+    if out is None:
+        return packed.contiguous()
+    if out.shape != (E, S, K, STRIP) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{E}, {S}, {K}, {STRIP}] tensor, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return out.copy_(packed)
+
+
+def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.Tensor, n: int) -> torch.Tensor:
+    """``[R, n]``: ``x_RK``'s rows of expert ``e`` (``counts_E[e]`` of them, in expert order)
+    times expert ``e``'s weight, packed by ``pack_weight`` from ``[E, K, n]``; rows past
+    ``counts_E.sum()`` are zeros. fp32 CPU tensors; the product itself runs outside torch, on
+    ``torch.get_num_threads()`` OpenMP threads."""
+    if x_RK.dtype != torch.float32 or x_RK.device.type != "cpu" or x_RK.dim() != 2:
+        raise ValueError(f"x_RK must be a 2-d fp32 CPU tensor, got {x_RK.dtype} {tuple(x_RK.shape)} on {x_RK.device}")
+    if w_ESKP.dim() != 4 or w_ESKP.shape[-1] != STRIP or w_ESKP.shape[2] != x_RK.shape[1] \
+            or w_ESKP.dtype != torch.float32 or not w_ESKP.is_contiguous():
+        raise ValueError(f"w_ESKP must be a contiguous fp32 [E, S, {x_RK.shape[1]}, {STRIP}] pack (pack_weight), "
+                         f"got {w_ESKP.dtype} {tuple(w_ESKP.shape)}")
+    E, S = w_ESKP.shape[:2]
+    if isinstance(n, bool) or not isinstance(n, int) or not (S - 1) * STRIP < n <= S * STRIP:
+        raise ValueError(f"n must be the packed weight's column count ({(S - 1) * STRIP + 1}..{S * STRIP}), got {n!r}")
+    if counts_E.shape != (E,) or counts_E.dtype.is_floating_point or counts_E.device.type != "cpu":
+        raise ValueError(f"counts_E must be an integer CPU tensor of shape ({E},), got {counts_E.dtype} "
+                         f"{tuple(counts_E.shape)} on {counts_E.device}")
+    x = x_RK.contiguous()
+    counts = counts_E.to(torch.int64).contiguous()
+    y_RN = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    if x.shape[0] and n:
+        _library().moeflow_packed_grouped_mm(x.data_ptr(), x.shape[0], x.shape[1], w_ESKP.data_ptr(), E, n,
+                                             counts.data_ptr(), y_RN.data_ptr(), torch.get_num_threads())
+    return y_RN
+
+
+@contextmanager
+def packs_in_use(packs: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """Within the block (in this thread), ``packs_for`` finds each ``(w_in, w_out, packed_in,
+    packed_out)`` of ``packs`` (packed by ``pack_weight`` from the weights as they are now: an
+    in-place change of a weight after this call hides its pack). What
+    ``moeflow.models.compiled_decode`` wraps each CPU decode step in; nothing else sees packs."""
+    before = getattr(_IN_USE, "packs", None)
+    _IN_USE.packs = {(w_in.data_ptr(), w_out.data_ptr()): (w_in, w_out, p_in, p_out, w_in._version, w_out._version)
+                     for w_in, w_out, p_in, p_out in packs}
+    try:
+        yield
+    finally:
+        _IN_USE.packs = before
+
+
+def packs_for(w_in: torch.Tensor, w_out: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The packed ``(w_in, w_out)`` of ``packs_in_use`` for these weights (the same memory, shapes,
+    strides and versions) when ``rows`` is at most ``MAX_ROWS_PER_EXPERT`` per expert; else None."""
+    packs = getattr(_IN_USE, "packs", None)
+    if not packs:
+        return None
+    entry = packs.get((w_in.data_ptr(), w_out.data_ptr()))
+    if entry is None or rows > MAX_ROWS_PER_EXPERT * w_in.shape[0]:
+        return None
+    k_in, k_out, p_in, p_out, v_in, v_out = entry
+    if (w_in.shape, w_in.stride(), w_in._version, w_out.shape, w_out.stride(), w_out._version) != (
+            k_in.shape, k_in.stride(), v_in, k_out.shape, k_out.stride(), v_out):
+        return None
+    return p_in, p_out
