@@ -14,7 +14,8 @@ import moeflow.experts.lean as lean
 import moeflow.kernels.packed_cpu as packed_cpu
 from moeflow.experts.ffn import grouped_ffn
 from moeflow.kernels.grouped_mm import grouped_mm_loop
-from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, STRIP, pack_weight, packed_grouped_mm, packs_for, packs_in_use
+from moeflow.kernels.packed_cpu import (MAX_ROWS_PER_EXPERT, STRIP, PackedExperts, pack_weight, packed_grouped_mm,
+                                        packs_for, packs_in_use)
 from moeflow.models.compiled_decode import ExpertPacks
 
 from helpers import random_counts, small_gpt
@@ -109,13 +110,13 @@ def _weights(seed: int = 0, E: int = 4, D: int = 16, H: int = 24):
 def test_packs_are_found_only_inside_the_block_for_the_weights_as_packed():
     """``packs_for``: None outside ``packs_in_use``, for other weights, for more than
     ``MAX_ROWS_PER_EXPERT`` rows per expert, for a view with other strides, and once a weight
-    changed in place (its version moved); the block restores what was there before."""
+    changed in place after packing (its version moved); the block restores what was there before."""
     w_in, w_out = _weights()
-    packs = (w_in, w_out, pack_weight(w_in), pack_weight(w_out))
+    packs = PackedExperts.of(w_in, w_out)
     assert packs_for(w_in, w_out, 8) is None
     with packs_in_use([packs]):
         found = packs_for(w_in, w_out, 8)
-        assert found is not None and found[0] is packs[2] and found[1] is packs[3]
+        assert found is not None and found[0] is packs.packed_in and found[1] is packs.packed_out
         assert packs_for(w_in, w_out, MAX_ROWS_PER_EXPERT * 4) is not None
         assert packs_for(w_in, w_out, MAX_ROWS_PER_EXPERT * 4 + 1) is None
         other_in, other_out = _weights(1)
@@ -127,6 +128,10 @@ def test_packs_are_found_only_inside_the_block_for_the_weights_as_packed():
         w_out.mul_(1.0)  # an in-place change: the pack no longer matches
         assert packs_for(w_in, w_out, 8) is None
     assert packs_for(w_in, w_out, 8) is None
+    stale = PackedExperts.of(w_in, w_out)
+    w_in.add_(1.0)  # changed after packing, before the block: refused too
+    with packs_in_use([stale]):
+        assert packs_for(w_in, w_out, 8) is None
 
 
 @needs_compiler
@@ -148,7 +153,7 @@ def test_no_grad_ffn_runs_the_packed_kernel_inside_the_block_and_equals_the_lean
     with torch.no_grad():
         outside = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="grouped_mm")
         assert calls == []
-        with packs_in_use([(w_in, w_out, pack_weight(w_in), pack_weight(w_out))]):
+        with packs_in_use([PackedExperts.of(w_in, w_out)]):
             inside = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="grouped_mm")
     assert len(calls) == 2
     torch.testing.assert_close(inside, outside, rtol=1e-5, atol=1e-6)
@@ -156,7 +161,7 @@ def test_no_grad_ffn_runs_the_packed_kernel_inside_the_block_and_equals_the_lean
     grads = []
     for packed in (False, True):
         wi, wo, xr = (t.clone().requires_grad_() for t in (w_in, w_out, x))
-        with packs_in_use([(wi, wo, pack_weight(wi), pack_weight(wo))] if packed else []):
+        with packs_in_use([PackedExperts.of(wi, wo)] if packed else []):
             y = grouped_ffn(xr, counts, wi, wo, activation=activation, backend="grouped_mm")
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9)))
         grads.append((y.detach(), xr.grad, wi.grad, wo.grad))
@@ -175,17 +180,57 @@ def test_expert_packs_pack_each_layer_once_and_again_after_a_change(monkeypatch)
     model = small_gpt(n_layers=4)  # MoE on blocks 1 and 3
     packed = []
     real = pack_weight
-    monkeypatch.setattr("moeflow.models.compiled_decode.pack_weight",
-                        lambda w, out=None: packed.append(w.shape) or real(w, out=out))
+    monkeypatch.setattr(packed_cpu, "pack_weight", lambda w, out=None: packed.append(w.shape) or real(w, out=out))
     packs = ExpertPacks()
     packs.refresh(model)
     assert len(packs.packs) == 2 and len(packed) == 4
     packs.refresh(model)
     assert len(packed) == 4
     layer = [m for m in model.modules() if hasattr(m, "experts")][1].experts
-    old = packs.packs[1][2]
+    old = packs.packs[1].packed_in
     with torch.no_grad():
         layer.w_in.add_(0.5)
     packs.refresh(model)
-    assert len(packed) == 6 and packs.packs[1][2] is old
-    assert torch.equal(packs.packs[1][2], real(layer.w_in.detach()))
+    assert len(packed) == 6 and packs.packs[1].packed_in is old
+    assert torch.equal(packs.packs[1].packed_in, real(layer.w_in.detach()))
+    layer.w_out = torch.nn.Parameter(layer.w_out.detach().clone())  # another tensor: packed again
+    packs.refresh(model)
+    assert len(packed) == 8
+
+
+@needs_compiler
+@pytest.mark.e2e
+def test_expert_products_bench_reports_both_candidates_on_the_same_outputs(tmp_path, capsys):
+    """A tiny run of bench/expert_products.py: a row per batch size with both candidates' times,
+    the weights read, and outputs that agree; bad flags are refused by name."""
+    import json
+
+    from moeflow.bench.expert_products import main as bench_main
+
+    out = tmp_path / "products.json"
+    assert bench_main(["--dim", "16", "--hidden", "24", "--experts", "4", "--layers", "2", "--batch-sizes", "1,3",
+                       "--repeats", "2", "--threads", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["batch"] for r in report["results"]] == [1, 3] and report["threads"] == 1
+    for r in report["results"]:
+        assert sum(r["counts"]) == r["rows"] == 2 * r["batch"]
+        assert r["grouped_mm_us"] > 0 and r["packed_us"] > 0 and r["max_abs_diff"] < 1e-5
+        assert r["weights_read_MiB"] == sum(c > 0 for c in r["counts"]) * (16 * 48 + 24 * 16) * 4 / 2**20
+    assert "ratio" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--top-k"):
+        bench_main(["--experts", "2", "--top-k", "3", "--json", str(out)])
+    with pytest.raises(SystemExit, match="--batch-sizes"):
+        bench_main(["--batch-sizes", "0", "--json", str(out)])
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not hasattr(__import__("os"), "getuid"), reason="POSIX permissions")
+def test_kernel_cache_must_be_this_users_alone(tmp_path, monkeypatch):
+    """The built library is loaded from the cache: a directory others may write is refused."""
+    cache = tmp_path / "kernels"
+    monkeypatch.setattr(packed_cpu, "KERNEL_CACHE", cache)
+    packed_cpu._check_cache_dir()
+    assert cache.is_dir() and cache.stat().st_mode & 0o777 == 0o700
+    cache.chmod(0o777)
+    with pytest.raises(RuntimeError, match="writable by nobody else"):
+        packed_cpu._check_cache_dir()

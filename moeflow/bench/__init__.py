@@ -1,7 +1,8 @@
 """Every benchmark of moeflow, each the candidate beside its baselines in one run: the layer
 (``layer``, ``moeflow bench``) and its memory (``memory``), expert parallelism (``parallel``,
 ``moeflow bench --nproc``), tiered storage (``storage``, ``moeflow infer --bench``), the Hugging
-Face blocks (``hf``), text generation against transformers' ``generate`` (``generate``), the
+Face blocks (``hf``), text generation against transformers' ``generate`` (``generate``) and its
+CPU expert products over packed weights (``expert_products``), the
 GPU kernels and overlap (``gpu_kernels``, ``gpu_overlap``), the all-to-all link model
 (``calibrate``), the per-stage profile of one layer (``stage_profile``) and the GPU acceptance
 run that runs all of a GPU machine's checks in one command (``gpu_check``). The ``bench/`` folder at the top of the repository holds

@@ -8,8 +8,10 @@ generate greedily from the same prompts (batch ``B`` rows of ``--prompt-len`` ra
 
     moeflow          MoEGPT.generate's loop (``moeflow.models.generation.generate``: KV cache)
     moeflow:compiled the same with ``compile=True``: the static decode step compiled with
-                     ``torch.compile(fullgraph=True)`` (CUDA graphs on CUDA); compiled and warmed
-                     up before the clock starts (``--no-compiled``: left out)
+                     ``torch.compile(fullgraph=True)`` (CUDA graphs on CUDA; on the CPU its
+                     experts multiply packed copies of their weights, ``moeflow.kernels.packed_cpu``,
+                     where a C++ compiler builds the kernel: ``compiled_experts`` in the report);
+                     compiled and warmed up before the clock starts (``--no-compiled``: left out)
     hf:<impl>        MixtralForCausalLM.generate (KV cache) with each experts implementation of
                      ``--hf-experts`` (transformers' ``set_experts_implementation``: ``eager``
                      per-expert loop, ``grouped_mm``, ``batched_mm``)
@@ -58,6 +60,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from moeflow.kernels.packed_cpu import packed_cpu_available
 
 __all__ = ["add_model_flags", "build_model", "load_hf", "main", "run_generate_bench", "take_turns", "write_report"]
 
@@ -272,6 +276,9 @@ def run_generate_bench(args: argparse.Namespace) -> dict:
         "device": str(args.device) + (f" ({torch.cuda.get_device_name(args.device)})"
                                       if torch.device(args.device).type == "cuda" else ""),
         "transformers": __import__("transformers").__version__, "args": {k: str(v) for k, v in vars(args).items()},
+        "compiled_experts": ("packed few-row kernel (moeflow.kernels.packed_cpu)"
+                             if torch.device(args.device).type == "cpu" and packed_cpu_available()
+                             else "the weights themselves (grouped GEMM)"),
         "results": rows, "layer": layer_rows,
     }
 

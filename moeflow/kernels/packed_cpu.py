@@ -8,11 +8,13 @@ the weight packed as ``[E, S, K, STRIP]`` (``pack_weight``): strip ``s`` holds c
 
 Why: a decode step multiplies a few rows per expert (16 rows over 8 experts at batch 8, top-2)
 by weights that come from memory, so the product is bound by how fast the weight streams. The
-BLAS packs its operand on every call at these shapes: on this project's 2-core AMD EPYC VM
-(fp32, cold weights, ``docs/benchmarks.md``) MKL ran ``[M, 256] x [256, 1024]`` at 2-4 GiB/s
-for 4-8 rows, the packed kernel at 7-11 GiB/s on one thread (1.2-2x faster at 2-8 rows, 1.7-3.3x
-on two threads). The copy costs the packed weights' memory once more; the caller keeps it
-(``moeflow.models.compiled_decode``: per model, refreshed when the weights change).
+BLAS packs its operand on every call at these shapes; this kernel holds a strip's 16 columns of
+up to 6 rows in registers over the whole of ``K``, so each weight streams past once. On this
+project's 2-core AMD EPYC VM (fp32, ``bench/expert_products.py``: a decode step's expert FFN
+over four layers of weights, ``docs/benchmarks.md``) MKL's grouped GEMM read the weights at
+2.8-6.6 GiB/s at batch 1-16, the packed kernel at 6.1-11.5 GiB/s: 1.2-2.5x faster on one
+thread, 1.7-3.3x on two. The copy costs the packed weights' memory once more; the caller keeps
+it (``moeflow.models.compiled_decode``: per model, refreshed when the weights change).
 
 The kernel is C++ (``csrc/packed_grouped_mm.cpp``), built on first use with the host's C++
 compiler (the one inductor needs on the CPU anyway) for this CPU (``-march=native``, OpenMP),
@@ -33,25 +35,36 @@ import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-__all__ = ["STRIP", "KERNEL_CACHE", "MAX_ROWS_PER_EXPERT", "packed_cpu_available", "pack_weight",
+__all__ = ["STRIP", "KERNEL_CACHE", "MAX_ROWS_PER_EXPERT", "PackedExperts", "packed_cpu_available", "pack_weight",
            "packed_grouped_mm", "packs_in_use", "packs_for"]
 
 STRIP = 16  # columns per strip of a packed weight (two 8-wide vectors of the kernel)
 SOURCE = Path(__file__).parent / "csrc" / "packed_grouped_mm.cpp"
-KERNEL_CACHE = Path(tempfile.gettempdir()) / f"moeflow_kernels_{getpass.getuser()}"
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (some containers)
+        return str(os.getuid()) if hasattr(os, "getuid") else "user"
+
+
+KERNEL_CACHE = Path(tempfile.gettempdir()) / f"moeflow_kernels_{_user()}"
 _FLAGS = (("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
           ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"))  # without OpenMP: one thread
 _COMPILERS = ("c++", "g++", "clang++")
-# ``packs_for`` answers None above this many rows per expert: there the products are no longer
-# few-row ones and the BLAS's own blocking pays (the packed kernel still led at 16 rows per expert
-# in the measurements of the module docstring)
-MAX_ROWS_PER_EXPERT = 16
-_IN_USE = threading.local()  # .packs: this thread's {(w_in address, w_out address): entry} of packs_in_use
+# ``packs_for`` answers None above this many rows per expert (batch 256 at top-2 of 8 experts):
+# the products are no longer few-row ones there. On the VM of the module docstring the packed
+# kernel still led at 64 rows per expert (1.3x on one thread, 1.7x on two) and at 128 (1.1x,
+# 1.3x); a BLAS's blocking can win at such sizes on other CPUs, so the limit keeps a margin
+MAX_ROWS_PER_EXPERT = 64
+_IN_USE = threading.local()  # .packs: this thread's {(w_in address, w_out address): PackedExperts}
 
 
 def _compiler() -> str | None:
@@ -67,6 +80,17 @@ def packed_cpu_available() -> bool:
     return _compiler() is not None
 
 
+def _check_cache_dir() -> None:
+    """Make ``KERNEL_CACHE`` (mode 700) or check it is this user's and nobody else's to write: a
+    library loaded from there runs in this process."""
+    KERNEL_CACHE.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if hasattr(os, "getuid"):
+        st = KERNEL_CACHE.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise RuntimeError(f"{KERNEL_CACHE} (the packed CPU kernel's cache) must belong to this user and be "
+                               f"writable by nobody else (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+
+
 @lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
     """The built kernel, compiled once per source, compiler, flags and CPU (and cached on disk)."""
@@ -80,8 +104,8 @@ def _library() -> ctypes.CDLL:
                                          platform.machine().encode(), platform.processor().encode(),
                                          torch.backends.cpu.get_cpu_capability().encode()])).hexdigest()[:20]
         path = KERNEL_CACHE / f"packed_grouped_mm_{key}.so"
+        _check_cache_dir()
         if not path.exists():
-            KERNEL_CACHE.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=KERNEL_CACHE)
             os.close(fd)
             done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
@@ -146,15 +170,41 @@ def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.
     return y_RN
 
 
+@dataclass(frozen=True)
+class PackedExperts:
+    """One expert FFN's weights (``w_in [E, D, F]``, ``w_out [E, H, D]``), their packs
+    (``pack_weight``) and the weights' versions when packed: ``matches`` tells whether given
+    weights are still these, unchanged (the same memory, shapes, strides and version counters:
+    an optimizer step or ``load_state_dict`` moves the version)."""
+
+    w_in: torch.Tensor
+    w_out: torch.Tensor
+    packed_in: torch.Tensor
+    packed_out: torch.Tensor
+    versions: tuple[int, int]
+
+    @staticmethod
+    def of(w_in: torch.Tensor, w_out: torch.Tensor, reuse: PackedExperts | None = None) -> PackedExperts:
+        """Pack both weights as they are now, into ``reuse``'s packs where the shapes allow."""
+        w_in, w_out = w_in.detach(), w_out.detach()
+        same = reuse is not None and reuse.w_in.shape == w_in.shape and reuse.w_out.shape == w_out.shape
+        return PackedExperts(w_in, w_out, pack_weight(w_in, out=reuse.packed_in if same else None),  # type: ignore[union-attr]
+                             pack_weight(w_out, out=reuse.packed_out if same else None),  # type: ignore[union-attr]
+                             (w_in._version, w_out._version))
+
+    def matches(self, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
+        return ((w_in.data_ptr(), w_out.data_ptr()) == (self.w_in.data_ptr(), self.w_out.data_ptr())
+                and (w_in.shape, w_in.stride(), w_out.shape, w_out.stride())
+                == (self.w_in.shape, self.w_in.stride(), self.w_out.shape, self.w_out.stride())
+                and (w_in._version, w_out._version) == self.versions)
+
+
 @contextmanager
-def packs_in_use(packs: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """Within the block (in this thread), ``packs_for`` finds each ``(w_in, w_out, packed_in,
-    packed_out)`` of ``packs`` (packed by ``pack_weight`` from the weights as they are now: an
-    in-place change of a weight after this call hides its pack). What
-    ``moeflow.models.compiled_decode`` wraps each CPU decode step in; nothing else sees packs."""
+def packs_in_use(packs: Iterable[PackedExperts]) -> Iterator[None]:
+    """Within the block (in this thread), ``packs_for`` finds the packs of ``packs``' weights.
+    What ``moeflow.models.compiled_decode`` wraps each CPU decode step in; nothing else sees packs."""
     before = getattr(_IN_USE, "packs", None)
-    _IN_USE.packs = {(w_in.data_ptr(), w_out.data_ptr()): (w_in, w_out, p_in, p_out, w_in._version, w_out._version)
-                     for w_in, w_out, p_in, p_out in packs}
+    _IN_USE.packs = {(p.w_in.data_ptr(), p.w_out.data_ptr()): p for p in packs}
     try:
         yield
     finally:
@@ -162,16 +212,13 @@ def packs_in_use(packs: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 def packs_for(w_in: torch.Tensor, w_out: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The packed ``(w_in, w_out)`` of ``packs_in_use`` for these weights (the same memory, shapes,
-    strides and versions) when ``rows`` is at most ``MAX_ROWS_PER_EXPERT`` per expert; else None."""
+    """The packs ``(packed_in, packed_out)`` of ``packs_in_use`` for these weights, when they
+    still match them (``PackedExperts.matches``) and ``rows`` is at most ``MAX_ROWS_PER_EXPERT``
+    per expert; else None."""
     packs = getattr(_IN_USE, "packs", None)
     if not packs:
         return None
     entry = packs.get((w_in.data_ptr(), w_out.data_ptr()))
-    if entry is None or rows > MAX_ROWS_PER_EXPERT * w_in.shape[0]:
+    if entry is None or rows > MAX_ROWS_PER_EXPERT * w_in.shape[0] or not entry.matches(w_in, w_out):
         return None
-    k_in, k_out, p_in, p_out, v_in, v_out = entry
-    if (w_in.shape, w_in.stride(), w_in._version, w_out.shape, w_out.stride(), w_out._version) != (
-            k_in.shape, k_in.stride(), v_in, k_out.shape, k_out.stride(), v_out):
-        return None
-    return p_in, p_out
+    return entry.packed_in, entry.packed_out

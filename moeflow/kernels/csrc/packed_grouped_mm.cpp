@@ -10,6 +10,7 @@
 // (AVX2 + FMA here, NEON on ARM).
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // aligned(4): unaligned loads
 
@@ -57,17 +58,19 @@ static void rows_of_strip(const float* x, int64_t rows, int64_t K, const float* 
 extern "C" void moeflow_packed_grouped_mm(const float* x, int64_t R, int64_t K, const float* Wp, int64_t E,
                                           int64_t N, const int64_t* counts, float* y, int threads) {
     const int64_t S = (N + kStrip - 1) / kStrip;
-    int64_t first[E + 1];
-    first[0] = 0;
+    std::vector<int64_t> first(E + 1, 0);
     for (int64_t e = 0; e < E; ++e) {
         const int64_t c = counts[e] < 0 ? 0 : counts[e];
         first[e + 1] = first[e] + c > R ? R : first[e] + c;  // never past the rows there are
     }
     if (first[E] < R) std::memset(y + first[E] * N, 0, sizeof(float) * (R - first[E]) * N);
+    std::vector<int64_t> busy;  // the experts with rows: the threads share out their strips evenly
+    for (int64_t e = 0; e < E; ++e)
+        if (first[e + 1] > first[e]) busy.push_back(e);
+    const int64_t jobs = (int64_t)busy.size() * S;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t job = 0; job < E * S; ++job) {
-        const int64_t e = job / S, s = job % S, rows = first[e + 1] - first[e];
-        if (rows == 0) continue;
+    for (int64_t job = 0; job < jobs; ++job) {
+        const int64_t e = busy[job / S], s = job % S, rows = first[e + 1] - first[e];
         rows_of_strip(x + first[e] * K, rows, K, Wp + (e * S + s) * K * kStrip, y + first[e] * N, N, s * kStrip);
     }
 }
