@@ -20,7 +20,8 @@ from moeflow.models.compiled_decode import ExpertPacks
 
 from helpers import random_counts, small_gpt
 
-needs_compiler = pytest.mark.skipif(not packed_cpu.packed_cpu_available(), reason="no C++ compiler on the PATH")
+# only a missing compiler skips: where one is, a kernel that does not build fails these tests
+needs_compiler = pytest.mark.skipif(packed_cpu._compiler() is None, reason="no C++ compiler on the PATH")
 
 
 def _case(seed: int, E: int, K: int, N: int, R: int, empty: int = 0):
@@ -234,3 +235,27 @@ def test_kernel_cache_must_be_this_users_alone(tmp_path, monkeypatch):
     cache.chmod(0o777)
     with pytest.raises(RuntimeError, match="writable by nobody else"):
         packed_cpu._check_cache_dir()
+
+
+@pytest.mark.unit
+def test_a_compiler_that_fails_is_an_error_naming_it_and_a_warning_for_the_decoder(tmp_path, monkeypatch):
+    """``_library`` raises with the compiler's own message when every flag set fails;
+    ``packed_cpu_available`` turns that into one ``RuntimeWarning`` and False (the decoder then
+    multiplies the weights themselves), never a crash in the middle of a generation."""
+    broken = tmp_path / "broken-c++"
+    broken.write_text("#!/bin/sh\necho 'no such luck' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(packed_cpu, "KERNEL_CACHE", tmp_path / "kernels")
+    monkeypatch.setattr(packed_cpu, "_compiler", lambda: str(broken))
+    packed_cpu._library.cache_clear()
+    packed_cpu.packed_cpu_available.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="no such luck"):
+            packed_cpu._library()
+        with pytest.warns(RuntimeWarning, match="(?s)did not build.*no such luck"):
+            assert packed_cpu.packed_cpu_available() is False
+        assert list((tmp_path / "kernels").iterdir()) == []  # no half-written library left behind
+    finally:
+        monkeypatch.undo()
+        packed_cpu._library.cache_clear()
+        packed_cpu.packed_cpu_available.cache_clear()

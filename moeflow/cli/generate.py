@@ -70,7 +70,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="decode with the compiled static step (torch.compile, CUDA graphs on CUDA): compiles once "
                    "per batch size and cache size (seconds to minutes), then runs each step without Python "
-                   "overhead; not with --offload")
+                   "overhead; on the CPU (fp32) the experts multiply packed copies of their weights (their "
+                   "memory once more); not with --offload")
     add_storage_flags(p, offload_help="hold the routed experts in host memory or on disk and stream them through "
                       "--fast-memory (default: none, the whole model in memory)", mode_default="cache")
     p.set_defaults(func=_run_generate)

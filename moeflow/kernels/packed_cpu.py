@@ -8,7 +8,7 @@ the weight packed as ``[E, S, K, STRIP]`` (``pack_weight``): strip ``s`` holds c
 
 Why: a decode step multiplies a few rows per expert (16 rows over 8 experts at batch 8, top-2)
 by weights that come from memory, so the product is bound by how fast the weight streams. The
-BLAS packs its operand on every call at these shapes; this kernel holds a strip's 16 columns of
+BLAS GEMM copies its operand into its own blocked layout on every call; this kernel holds a strip's 16 columns of
 up to 6 rows in registers over the whole of ``K``, so each weight streams past once. On this
 project's 2-core AMD EPYC VM (fp32, ``bench/expert_products.py``: a decode step's expert FFN
 over four layers of weights, ``docs/benchmarks.md``) MKL's grouped GEMM read the weights at
@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,7 +58,8 @@ def _user() -> str:
 
 KERNEL_CACHE = Path(tempfile.gettempdir()) / f"moeflow_kernels_{_user()}"
 _FLAGS = (("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
-          ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"))  # without OpenMP: one thread
+          ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"),  # without OpenMP: one thread
+          ("-O3", "-shared", "-fPIC", "-std=c++17"))  # a compiler without -march=native: the base ISA
 _COMPILERS = ("c++", "g++", "clang++")
 # ``packs_for`` answers None above this many rows per expert (batch 256 at top-2 of 8 experts):
 # the products are no longer few-row ones there. On the VM of the module docstring the packed
@@ -75,9 +77,33 @@ def _compiler() -> str | None:
     return None
 
 
+def _cpu_name() -> str:
+    """The CPU's model name where Linux tells it (``-march=native`` code is for this CPU only)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@lru_cache(maxsize=None)
 def packed_cpu_available() -> bool:
-    """Whether the kernel can be built here (a C++ compiler on the ``PATH``)."""
-    return _compiler() is not None
+    """Whether the kernel is built here (on the first call: a C++ compiler on the ``PATH`` builds
+    it, or a former build is loaded). A compiler that fails is reported once, as a
+    ``RuntimeWarning`` naming the error, and the answer is False: callers then multiply the
+    weights themselves (the same products)."""
+    if _compiler() is None:
+        return False
+    try:
+        _library()
+    except RuntimeError as err:
+        warnings.warn(f"moeflow: the packed CPU kernel did not build, so compiled decode on the CPU multiplies the "
+                      f"expert weights themselves: {err}", RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 def _check_cache_dir() -> None:
@@ -101,7 +127,7 @@ def _library() -> ctypes.CDLL:
     errors = []
     for flags in _FLAGS:
         key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
-                                         platform.machine().encode(), platform.processor().encode(),
+                                         platform.machine().encode(), _cpu_name().encode(),
                                          torch.backends.cpu.get_cpu_capability().encode()])).hexdigest()[:20]
         path = KERNEL_CACHE / f"packed_grouped_mm_{key}.so"
         _check_cache_dir()
