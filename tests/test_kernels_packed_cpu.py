@@ -92,6 +92,8 @@ def test_pack_layout_and_bad_input():
         packed_grouped_mm(x.double(), p, counts, 20)
     with pytest.raises(ValueError, match="w_ESKP"):
         packed_grouped_mm(torch.randn(4, 5), p, counts, 20)
+    with pytest.raises(ValueError, match="w_ESKP"):  # (a pointer the kernel must never be given)
+        packed_grouped_mm(x, p.to("meta"), counts, 20)
     with pytest.raises(ValueError, match="n must"):
         packed_grouped_mm(x, p, counts, 33)
     with pytest.raises(ValueError, match="n must"):
@@ -173,30 +175,41 @@ def test_no_grad_ffn_runs_the_packed_kernel_inside_the_block_and_equals_the_lean
 
 @needs_compiler
 @pytest.mark.reference
-def test_expert_packs_pack_each_layer_once_and_again_after_a_change(monkeypatch):
-    """``ExpertPacks.refresh`` packs every MoE layer's experts; a second refresh packs nothing;
-    after an in-place change of one layer's ``w_in`` (an optimizer step) only that layer's
-    weights are packed again, into the same pack tensors, and the pack equals the new weight's."""
+def test_expert_packs_repack_every_generation_into_the_same_memory(monkeypatch):
+    """``ExpertPacks.refresh`` packs every MoE layer's experts from the weights as they are, each
+    time, into the packs it made before: after a write through ``.data`` (no version moves) and an
+    in-place change the packs equal the new weights; a replaced parameter of the same shape
+    reuses the memory; a layer cast to bf16 is dropped; inference tensors (no version counter)
+    pack and are found; ``clear`` drops every pack."""
     torch.manual_seed(0)
     model = small_gpt(n_layers=4)  # MoE on blocks 1 and 3
-    packed = []
-    real = pack_weight
-    monkeypatch.setattr(packed_cpu, "pack_weight", lambda w, out=None: packed.append(w.shape) or real(w, out=out))
+    layers = [m.experts for m in model.modules() if hasattr(m, "experts")]
     packs = ExpertPacks()
     packs.refresh(model)
-    assert len(packs.packs) == 2 and len(packed) == 4
-    packs.refresh(model)
-    assert len(packed) == 4
-    layer = [m for m in model.modules() if hasattr(m, "experts")][1].experts
-    old = packs.packs[1].packed_in
+    assert sorted(packs.packs) == [0, 1]
+    first = packs.packs[1].packed_in
     with torch.no_grad():
-        layer.w_in.add_(0.5)
+        layers[1].w_in.data.mul_(-1.0)  # an EMA-style write: the version does not move
+        layers[1].w_out.add_(0.5)
     packs.refresh(model)
-    assert len(packed) == 6 and packs.packs[1].packed_in is old
-    assert torch.equal(packs.packs[1].packed_in, real(layer.w_in.detach()))
-    layer.w_out = torch.nn.Parameter(layer.w_out.detach().clone())  # another tensor: packed again
+    assert packs.packs[1].packed_in is first
+    assert torch.equal(packs.packs[1].packed_in, pack_weight(layers[1].w_in.detach()))
+    assert torch.equal(packs.packs[1].packed_out, pack_weight(layers[1].w_out.detach()))
+    layers[1].w_in = torch.nn.Parameter(layers[1].w_in.detach().clone())
     packs.refresh(model)
-    assert len(packed) == 8
+    assert packs.packs[1].packed_in is first and packs.packs[1].matches(layers[1].w_in, layers[1].w_out)
+    layers[0].to(torch.bfloat16)
+    packs.refresh(model)
+    assert sorted(packs.packs) == [1]
+    packs.clear()
+    assert packs.packs == {}
+
+    with torch.inference_mode():
+        frozen = small_gpt(n_layers=2)
+        packs.refresh(frozen)
+        experts = [m.experts for m in frozen.modules() if hasattr(m, "experts")][0]
+        with packs.in_use():
+            assert packs_for(experts.w_in, experts.w_out, 4) is not None
 
 
 @needs_compiler
@@ -209,15 +222,16 @@ def test_expert_products_bench_reports_both_candidates_on_the_same_outputs(tmp_p
     from moeflow.bench.expert_products import main as bench_main
 
     out = tmp_path / "products.json"
+    threads = torch.get_num_threads()
     assert bench_main(["--dim", "16", "--hidden", "24", "--experts", "4", "--layers", "2", "--batch-sizes", "1,3",
                        "--repeats", "2", "--threads", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [r["batch"] for r in report["results"]] == [1, 3] and report["threads"] == 1
     for r in report["results"]:
         assert sum(r["counts"]) == r["rows"] == 2 * r["batch"]
-        assert r["grouped_mm_us"] > 0 and r["packed_us"] > 0 and r["max_abs_diff"] < 1e-5
+        assert r["grouped_mm_us"] > 0 and r["packed_us"] > 0 and r["max_abs_diff"] < 1e-5 and r["packed_kernel_ran"]
         assert r["weights_read_MiB"] == sum(c > 0 for c in r["counts"]) * (16 * 48 + 24 * 16) * 4 / 2**20
-    assert "ratio" in capsys.readouterr().out
+    assert "ratio" in capsys.readouterr().out and torch.get_num_threads() == threads  # restored
     with pytest.raises(SystemExit, match="--top-k"):
         bench_main(["--experts", "2", "--top-k", "3", "--json", str(out)])
     with pytest.raises(SystemExit, match="--batch-sizes"):

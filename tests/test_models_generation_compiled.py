@@ -298,35 +298,35 @@ def test_compiled_generation_follows_a_head_changed_between_calls_in_every_layou
 def test_compiled_generation_multiplies_packed_experts_and_follows_experts_changed_between_calls(model, monkeypatch):
     """On the CPU the compiled step's experts multiply packed copies of their weights (the
     few-row kernel runs, twice per MoE layer and step) and give the eager loop's tokens; after
-    one layer's expert weights change in place (as an optimizer step changes them) the next
-    compiled call gives the eager loop's new tokens: the packs follow the weights (the shapes
-    are those of the tests above: no new compilation)."""
+    one layer's expert weights change through ``.data`` (as an EMA changes them: no version
+    moves) the next compiled call still runs the kernel and gives the eager loop's new tokens:
+    the packs are made again (the shapes are those of the tests above: no new compilation)."""
     import moeflow.experts.lean as lean
+    import moeflow.kernels.packed_cpu as packed_cpu
     from moeflow.layer.moe import moe_layers
 
-    decoder = compiled_decoder(model)
-    if decoder.experts is None:
+    if packed_cpu._compiler() is None:
         pytest.skip("no C++ compiler: the compiled step multiplies the weights themselves")
     calls = []
     real = lean.packed_grouped_mm
     monkeypatch.setattr(lean, "packed_grouped_mm", lambda *a: calls.append(1) or real(*a))
+    per_call = 2 * len(moe_layers(model)) * 11  # 11 compiled steps after the prefill
     before = generate(model, PROMPTS, 12, temperature=0).tokens
     assert calls == []  # the eager loop multiplies the weights themselves
     assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == before
-    assert len(calls) == 2 * len(moe_layers(model)) * 11  # 11 compiled steps after the prefill
+    assert len(calls) == per_call
     w_in = moe_layers(model)[-1].experts.w_in
     saved = w_in.detach().clone()
     try:
-        with torch.no_grad():
-            w_in.copy_(saved.roll(1, dims=0))  # the experts trade weights
+        w_in.data.copy_(saved.roll(1, dims=0))  # the experts trade weights
         eager = generate(model, PROMPTS, 12, temperature=0).tokens
         assert eager != before
         assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == eager
+        assert len(calls) == 2 * per_call  # the kernel ran on the new packs, not the weights themselves
     finally:
-        with torch.no_grad():
-            w_in.copy_(saved)
+        w_in.data.copy_(saved)
     assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == before
-    assert decoder.compilations == 2
+    assert compiled_decoder(model).compilations == 2
 
 
 @pytest.mark.e2e

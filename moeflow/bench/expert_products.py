@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from moeflow.experts.lean import lean_ffn_no_grad
-from moeflow.kernels.packed_cpu import PackedExperts, packed_cpu_available, packs_in_use
+from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, PackedExperts, packed_cpu_available, packs_for, packs_in_use
 
 __all__ = ["main", "run_expert_products_bench"]
 
@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_expert_products_bench(args: argparse.Namespace) -> dict:
     if not packed_cpu_available():
-        raise SystemExit("bench/expert_products.py: the packed kernel needs a C++ compiler on the PATH")
+        raise SystemExit("bench/expert_products.py: the packed kernel is not available here (no C++ compiler on the "
+                         "PATH, or its build failed: see the warning)")
     for name in ("dim", "hidden", "experts", "top_k", "layers", "repeats", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -58,7 +59,15 @@ def run_expert_products_bench(args: argparse.Namespace) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",") if b]
     if not batches or min(batches) < 1:
         raise SystemExit(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return _run(args, batches)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args: argparse.Namespace, batches: list[int]) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     E, D, H = args.experts, args.dim, args.hidden
     layers = [(torch.randn(E, D, 2 * H, generator=gen) * 0.05, torch.randn(E, H, D, generator=gen) * 0.05)
@@ -78,6 +87,8 @@ def run_expert_products_bench(args: argparse.Namespace) -> dict:
             with packs_in_use(packs):
                 return [lean_ffn_no_grad(x_RD, w_in, w_out, counts_E, activation="swiglu") for w_in, w_out in layers]
 
+        with packs_in_use(packs):  # more rows than packs_for takes: both candidates would be the same
+            packed_used = packs_for(layers[0][0], layers[0][1], B * args.top_k) is not None
         cands = {"grouped_mm": grouped, "packed": packed}
         times: dict[str, list[float]] = {name: [] for name in cands}
         outs = {name: run() for name, run in cands.items()}  # warm-up (and the kernel's build)
@@ -89,13 +100,15 @@ def run_expert_products_bench(args: argparse.Namespace) -> dict:
         med = {name: statistics.median(t) for name, t in times.items()}
         diff = max(float((a - b).abs().max()) for a, b in zip(outs["grouped_mm"], outs["packed"]))
         row = {"batch": B, "rows": B * args.top_k, "counts": counts_E.tolist(), "weights_read_MiB": touched / 2**20,
+               "packed_kernel_ran": packed_used,
                **{f"{n}_us": med[n] * 1e6 for n in cands},
                **{f"{n}_GiB_s": touched / med[n] / 2**30 for n in cands},
                "grouped_over_packed": med["grouped_mm"] / med["packed"], "max_abs_diff": diff}
         rows.append(row)
         print(f"B={B:3d} rows={row['rows']:3d} counts={row['counts']}: grouped_mm {row['grouped_mm_us']:8.1f} us "
               f"({row['grouped_mm_GiB_s']:5.1f} GiB/s)  packed {row['packed_us']:8.1f} us "
-              f"({row['packed_GiB_s']:5.1f} GiB/s)  ratio {row['grouped_over_packed']:.2f}x  max diff {diff:.1e}")
+              f"({row['packed_GiB_s']:5.1f} GiB/s)  ratio {row['grouped_over_packed']:.2f}x  max diff {diff:.1e}"
+              + ("" if packed_used else f"  (over {MAX_ROWS_PER_EXPERT} rows per expert: the packs are not used)"))
     return {"bench": "expert_products", "date": datetime.date.today().isoformat(),
             "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "dtype": "float32", "args": {k: str(v) for k, v in vars(args).items()},

@@ -14,7 +14,7 @@ project's 2-core AMD EPYC VM (fp32, ``bench/expert_products.py``: a decode step'
 over four layers of weights, ``docs/benchmarks.md``) MKL's grouped GEMM read the weights at
 2.8-6.6 GiB/s at batch 1-16, the packed kernel at 6.1-11.5 GiB/s: 1.2-2.5x faster on one
 thread, 1.7-3.3x on two. The copy costs the packed weights' memory once more; the caller keeps
-it (``moeflow.models.compiled_decode``: per model, refreshed when the weights change).
+it (``moeflow.models.compiled_decode``: per model, packed again at every generation).
 
 The kernel is C++ (``csrc/packed_grouped_mm.cpp``), built on first use with the host's C++
 compiler (the one inductor needs on the CPU anyway) for this CPU (``-march=native``, OpenMP),
@@ -60,7 +60,7 @@ KERNEL_CACHE = Path(tempfile.gettempdir()) / f"moeflow_kernels_{_user()}"
 _FLAGS = (("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
           ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"),  # without OpenMP: one thread
           ("-O3", "-shared", "-fPIC", "-std=c++17"))  # a compiler without -march=native: the base ISA
-_COMPILERS = ("c++", "g++", "clang++")
+_COMPILERS = ("g++", "c++", "clang++")  # GCC first: its OpenMP is the libgomp torch loads
 # ``packs_for`` answers None above this many rows per expert (batch 256 at top-2 of 8 experts):
 # the products are no longer few-row ones there. On the VM of the module docstring the packed
 # kernel still led at 64 rows per expert (1.3x on one thread, 1.7x on two) and at 128 (1.1x,
@@ -99,7 +99,7 @@ def packed_cpu_available() -> bool:
         return False
     try:
         _library()
-    except RuntimeError as err:
+    except (RuntimeError, OSError) as err:  # the compiler's error, or the cache's or the loader's
         warnings.warn(f"moeflow: the packed CPU kernel did not build, so compiled decode on the CPU multiplies the "
                       f"expert weights themselves: {err}", RuntimeWarning, stacklevel=2)
         return False
@@ -178,9 +178,9 @@ def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.
     if x_RK.dtype != torch.float32 or x_RK.device.type != "cpu" or x_RK.dim() != 2:
         raise ValueError(f"x_RK must be a 2-d fp32 CPU tensor, got {x_RK.dtype} {tuple(x_RK.shape)} on {x_RK.device}")
     if w_ESKP.dim() != 4 or w_ESKP.shape[-1] != STRIP or w_ESKP.shape[2] != x_RK.shape[1] \
-            or w_ESKP.dtype != torch.float32 or not w_ESKP.is_contiguous():
-        raise ValueError(f"w_ESKP must be a contiguous fp32 [E, S, {x_RK.shape[1]}, {STRIP}] pack (pack_weight), "
-                         f"got {w_ESKP.dtype} {tuple(w_ESKP.shape)}")
+            or w_ESKP.dtype != torch.float32 or not w_ESKP.is_contiguous() or w_ESKP.device.type != "cpu":
+        raise ValueError(f"w_ESKP must be a contiguous fp32 CPU [E, S, {x_RK.shape[1]}, {STRIP}] pack (pack_weight), "
+                         f"got {w_ESKP.dtype} {tuple(w_ESKP.shape)} on {w_ESKP.device}")
     E, S = w_ESKP.shape[:2]
     if isinstance(n, bool) or not isinstance(n, int) or not (S - 1) * STRIP < n <= S * STRIP:
         raise ValueError(f"n must be the packed weight's column count ({(S - 1) * STRIP + 1}..{S * STRIP}), got {n!r}")
@@ -196,33 +196,41 @@ def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.
     return y_RN
 
 
+def _identity(w: torch.Tensor) -> tuple:
+    """What tells a weight apart without holding it: address, shape, strides and version counter
+    (None for inference tensors, which keep none). A write through ``.data`` or numpy moves no
+    version, which is why ``ExpertPacks`` packs again on every generation."""
+    return (w.data_ptr(), tuple(w.shape), w.stride(), None if w.is_inference() else w._version)
+
+
 @dataclass(frozen=True)
 class PackedExperts:
-    """One expert FFN's weights (``w_in [E, D, F]``, ``w_out [E, H, D]``), their packs
-    (``pack_weight``) and the weights' versions when packed: ``matches`` tells whether given
-    weights are still these, unchanged (the same memory, shapes, strides and version counters:
-    an optimizer step or ``load_state_dict`` moves the version)."""
+    """The packs (``pack_weight``) of one expert FFN's weights (``w_in [E, D, F]``, ``w_out
+    [E, H, D]``) and what identifies those weights as they were packed (``_identity``): no
+    reference to the weights, so packs never keep a replaced or cast weight alive. ``matches``
+    tells whether given weights are these, unchanged as far as their version counters tell."""
 
-    w_in: torch.Tensor
-    w_out: torch.Tensor
     packed_in: torch.Tensor
     packed_out: torch.Tensor
-    versions: tuple[int, int]
+    identity: tuple[tuple, tuple]
 
     @staticmethod
     def of(w_in: torch.Tensor, w_out: torch.Tensor, reuse: PackedExperts | None = None) -> PackedExperts:
-        """Pack both weights as they are now, into ``reuse``'s packs where the shapes allow."""
+        """Pack both weights as they are now, into ``reuse``'s packs where the shapes allow (no
+        new memory: ~9 ms for the 48 MiB of the bench model's experts on this project's VM)."""
         w_in, w_out = w_in.detach(), w_out.detach()
-        same = reuse is not None and reuse.w_in.shape == w_in.shape and reuse.w_out.shape == w_out.shape
-        return PackedExperts(w_in, w_out, pack_weight(w_in, out=reuse.packed_in if same else None),  # type: ignore[union-attr]
-                             pack_weight(w_out, out=reuse.packed_out if same else None),  # type: ignore[union-attr]
-                             (w_in._version, w_out._version))
+        fits = reuse is not None and reuse.identity[0][1] == tuple(w_in.shape) \
+            and reuse.identity[1][1] == tuple(w_out.shape)
+        return PackedExperts(pack_weight(w_in, out=reuse.packed_in if fits else None),  # type: ignore[union-attr]
+                             pack_weight(w_out, out=reuse.packed_out if fits else None),  # type: ignore[union-attr]
+                             (_identity(w_in), _identity(w_out)))
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.identity[0][0], self.identity[1][0]
 
     def matches(self, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
-        return ((w_in.data_ptr(), w_out.data_ptr()) == (self.w_in.data_ptr(), self.w_out.data_ptr())
-                and (w_in.shape, w_in.stride(), w_out.shape, w_out.stride())
-                == (self.w_in.shape, self.w_in.stride(), self.w_out.shape, self.w_out.stride())
-                and (w_in._version, w_out._version) == self.versions)
+        return (_identity(w_in), _identity(w_out)) == self.identity
 
 
 @contextmanager
@@ -230,7 +238,7 @@ def packs_in_use(packs: Iterable[PackedExperts]) -> Iterator[None]:
     """Within the block (in this thread), ``packs_for`` finds the packs of ``packs``' weights.
     What ``moeflow.models.compiled_decode`` wraps each CPU decode step in; nothing else sees packs."""
     before = getattr(_IN_USE, "packs", None)
-    _IN_USE.packs = {(p.w_in.data_ptr(), p.w_out.data_ptr()): p for p in packs}
+    _IN_USE.packs = {p.key: p for p in packs}
     try:
         yield
     finally:
@@ -240,7 +248,7 @@ def packs_in_use(packs: Iterable[PackedExperts]) -> Iterator[None]:
 def packs_for(w_in: torch.Tensor, w_out: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The packs ``(packed_in, packed_out)`` of ``packs_in_use`` for these weights, when they
     still match them (``PackedExperts.matches``) and ``rows`` is at most ``MAX_ROWS_PER_EXPERT``
-    per expert; else None."""
+    times the experts (on average per expert); else None."""
     packs = getattr(_IN_USE, "packs", None)
     if not packs:
         return None

@@ -128,12 +128,16 @@ class ExpertPacks:
     """Packed copies of the expert weights of a CPU compiled decode step
     (``moeflow.kernels.packed_cpu``): its experts multiply a few rows each by weights that come
     from memory, which the BLAS runs far below the memory's rate and the packed few-row kernel
-    near it (``docs/benchmarks.md``). ``refresh`` packs every MoE layer whose experts take the
-    no-grad grouped path (``GroupedExperts``: fp32, no biases, a named activation, the
-    ``grouped_mm`` backend, no recompute) and packs again only weights that changed since (another
-    tensor, or an in-place update: its version counter), so the packs follow training between
-    calls; ``in_use`` is the context each step runs in. The packs cost those weights' memory once
-    more, for as long as the model's decoder lives."""
+    near it (``docs/benchmarks.md``). ``refresh`` (at the start of every compiled generation)
+    packs every MoE layer whose experts take the no-grad grouped path (``GroupedExperts``: fp32,
+    no biases, a named activation, the ``grouped_mm`` backend, no recompute) from the weights as
+    they are then, into the packs of the generation before where the shapes allow: always, since
+    a write through ``.data`` (an EMA, older training code) changes a weight without a trace;
+    about two passes over the expert weights (~9 ms for the bench model's 48 MiB on this
+    project's VM), counted in the prefill. ``in_use`` is the context each step runs in. The packs
+    cost those weights' memory once more while the model's decoder lives (``clear`` gives it back
+    until the next generation); they hold no reference to the weights. Where the kernel does not
+    build (``packed_cpu_available``), nothing is packed."""
 
     def __init__(self) -> None:
         self.packs: dict[int, PackedExperts] = {}  # MoE layer (its index in moe_layers) -> packs
@@ -148,25 +152,24 @@ class ExpertPacks:
             return False
         w_in, w_out, config = experts.w_in, experts.w_out, experts.config
         dims = (w_in.shape[-2], w_in.shape[-1], w_out.shape[-2])
-        return (w_in.dtype == w_out.dtype == torch.float32 and w_in.device.type == "cpu"
+        return (w_in.dtype == w_out.dtype == torch.float32 and w_in.device.type == w_out.device.type == "cpu"
                 and config.activation in LEAN_ACTIVATIONS and not config.recompute
                 and resolve_grouped_mm_backend(config.backend, w_in.device, w_in.dtype, dims) == "grouped_mm")
 
     def refresh(self, model) -> None:  # type: ignore[no-untyped-def]
-        """Pack the experts of ``model``'s MoE layers whose weights are new or changed."""
+        """Pack the experts of ``model``'s MoE layers as they are now (drop the packs of others)."""
         from moeflow.layer.moe import moe_layers
 
-        layers = moe_layers(model)
-        for i in [i for i in self.packs if i >= len(layers)]:
+        packable = {i: layer.experts for i, layer in enumerate(moe_layers(model)) if self._packable(layer.experts)}
+        for i in [i for i in self.packs if i not in packable]:
             del self.packs[i]
-        for i, layer in enumerate(layers):
-            experts = layer.experts
-            if not self._packable(experts):
-                self.packs.pop(i, None)
-                continue
-            old = self.packs.get(i)
-            if old is None or not old.matches(experts.w_in, experts.w_out):
-                self.packs[i] = PackedExperts.of(experts.w_in, experts.w_out, reuse=old)
+        if packable and packed_cpu_available():  # (the kernel is built on the first such call)
+            for i, experts in packable.items():
+                self.packs[i] = PackedExperts.of(experts.w_in, experts.w_out, reuse=self.packs.get(i))
+
+    def clear(self) -> None:
+        """Drop the packs (their memory) until the next ``refresh``."""
+        self.packs.clear()
 
     def in_use(self):  # type: ignore[no-untyped-def]
         """The context a step runs in: the packs are found by the experts' no-grad products."""
@@ -193,14 +196,13 @@ class CompiledDecoder:
     and the head's product runs after it through ``head`` (a ``HeadProduct``: the layout fastest
     for the rows on this machine); elsewhere the graph is the whole ``decode_step``. On the CPU
     the graph's wrapper is C++ (inductor's ``cpp_wrapper``) and the experts multiply packed
-    copies of their weights (``experts``: an ``ExpertPacks`` where a C++ compiler builds the
-    kernel, else None); on CUDA, CUDA graphs replay the step, so no wrapper code runs per step."""
+    copies of their weights (``experts``, an ``ExpertPacks``; None on CUDA); on CUDA, CUDA graphs replay the step, so no wrapper code runs per step."""
 
     def __init__(self, model, *, max_caches: int = 4) -> None:  # type: ignore[no-untyped-def]
         self.device = model.embed.weight.device
         self.cuda = self.device.type == "cuda"
         self.head = HeadProduct() if _tunes_head(model) else None
-        self.experts = ExpertPacks() if self.device.type == "cpu" and packed_cpu_available() else None
+        self.experts = ExpertPacks() if self.device.type == "cpu" else None
         self.step = torch.compile(model.decode_step if self.head is None else model.decode_hidden,
                                   fullgraph=True, dynamic=False, mode="reduce-overhead" if self.cuda else None,
                                   options={"cpp_wrapper": True} if self.device.type == "cpu" else None)
