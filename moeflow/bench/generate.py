@@ -277,7 +277,8 @@ def run_generate_bench(args: argparse.Namespace) -> dict:
                                       if torch.device(args.device).type == "cuda" else ""),
         "transformers": __import__("transformers").__version__, "args": {k: str(v) for k, v in vars(args).items()},
         "compiled_experts": ("packed few-row kernel (moeflow.kernels.packed_cpu)"
-                             if torch.device(args.device).type == "cpu" and packed_cpu_available()
+                             if torch.device(args.device).type == "cpu" and args.dtype == "float32"
+                             and packed_cpu_available()
                              else "the weights themselves (grouped GEMM)"),
         "results": rows, "layer": layer_rows,
     }

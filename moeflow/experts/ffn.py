@@ -26,7 +26,7 @@ from moeflow.experts.lean import LEAN_ACTIVATIONS, lean_ffn, lean_ffn_no_grad
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
 __all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero",
-           "cut_hidden_slice", "join_hidden_slices", "autocast_cast"]
+           "cut_hidden_slice", "join_hidden_slices", "autocast_cast", "lean_no_grad_applies"]
 
 
 @runtime_checkable
@@ -219,6 +219,15 @@ class GroupedExperts(nn.Module):
         a_ECH = activate(h_ECF, self.config.activation)
         return torch.baddbmm(self.b_out.unsqueeze(1), a_ECH, self.w_out)
 
+    def takes_lean_no_grad(self) -> bool:
+        """Whether this module's grouped calls that autograd records nothing for (a decode step)
+        run ``lean_ffn_no_grad`` (``grouped_ffn``'s rule, ``lean_no_grad_applies``, for this
+        module's config, biases and the backend its weights resolve to)."""
+        dims = (self.w_in.shape[-2], self.w_in.shape[-1], self.w_out.shape[-2])
+        name = resolve_grouped_mm_backend(self.config.backend, self.w_in.device, self.w_in.dtype, dims)
+        return lean_no_grad_applies(name, self.config.activation, recompute=self.config.recompute,
+                                    biased=self.b_in is not None or self.b_out is not None)
+
     def ffn_options(self) -> dict[str, object]:
         """The keyword arguments of ``grouped_ffn`` this module's config sets (activation,
         backend, recompute and its chunks). The expert-parallel strategies run the same FFN on
@@ -229,6 +238,13 @@ class GroupedExperts(nn.Module):
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         x_RD, w_in, w_out, b_in, b_out = autocast_cast(x_RD, x_RD, self.w_in, self.w_out, self.b_in, self.b_out)
         return grouped_ffn(x_RD, counts_E, w_in, w_out, b_in, b_out, **self.ffn_options())  # type: ignore[arg-type]
+
+
+def lean_no_grad_applies(backend: str, activation: object, *, recompute: bool, biased: bool) -> bool:
+    """Whether ``grouped_ffn`` sends a call that autograd records nothing for (and not under
+    autocast) to ``lean_ffn_no_grad``: the resolved ``backend`` is ``"grouped_mm"``, no biases,
+    a named lean activation, no recompute."""
+    return backend == "grouped_mm" and not biased and activation in LEAN_ACTIVATIONS and not recompute
 
 
 def grouped_ffn(
@@ -269,11 +285,12 @@ def grouped_ffn(
         from moeflow.kernels.triton.grouped_gemm import grouped_ffn_triton
 
         return grouped_ffn_triton(x_RD, counts_E, w_in_EDF, w_out_EHD, activation=activation)
-    if (name == "grouped_mm" and b_in_EF is None and b_out_ED is None and activation in LEAN_ACTIVATIONS
-            and not recompute and not torch.is_autocast_enabled(x_RD.device.type)  # (lean turns it off inside)
+    biased = b_in_EF is not None or b_out_ED is not None
+    if (lean_no_grad_applies(name, activation, recompute=recompute, biased=biased)
+            and not torch.is_autocast_enabled(x_RD.device.type)  # (lean turns it off inside)
             and not (torch.is_grad_enabled() and (x_RD.requires_grad or w_in_EDF.requires_grad or w_out_EHD.requires_grad))):
         return lean_ffn_no_grad(x_RD, w_in_EDF, w_out_EHD, counts_E, activation=activation)  # nothing to record
-    if b_in_EF is None and b_out_ED is None and activation in LEAN_ACTIVATIONS and name in ("grouped_mm", "loop"):
+    if not biased and activation in LEAN_ACTIVATIONS and name in ("grouped_mm", "loop"):
         offs_E = torch.cumsum(counts_E, 0)
         return lean_ffn(x_RD, w_in_EDF, w_out_EHD, offs_E.to(torch.int32) if name == "grouped_mm" else offs_E,
                         activation=activation, gemm=name, recompute=recompute,

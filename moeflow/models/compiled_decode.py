@@ -129,8 +129,8 @@ class ExpertPacks:
     (``moeflow.kernels.packed_cpu``): its experts multiply a few rows each by weights that come
     from memory, which the BLAS runs far below the memory's rate and the packed few-row kernel
     near it (``docs/benchmarks.md``). ``refresh`` (at the start of every compiled generation)
-    packs every MoE layer whose experts take the no-grad grouped path (``GroupedExperts``: fp32,
-    no biases, a named activation, the ``grouped_mm`` backend, no recompute) from the weights as
+    packs every MoE layer whose experts take the no-grad grouped path in fp32
+    (``GroupedExperts.takes_lean_no_grad``) from the weights as
     they are then, into the packs of the generation before where the shapes allow: always, since
     a write through ``.data`` (an EMA, older training code) changes a weight without a trace;
     about two passes over the expert weights (~9 ms for the bench model's 48 MiB on this
@@ -144,17 +144,12 @@ class ExpertPacks:
 
     @staticmethod
     def _packable(experts) -> bool:  # type: ignore[no-untyped-def]
+        """The experts' no-grad calls run ``lean_ffn_no_grad``, on fp32 CPU weights (the kernel's)."""
         from moeflow.experts import GroupedExperts
-        from moeflow.experts.lean import LEAN_ACTIVATIONS
-        from moeflow.kernels import resolve_grouped_mm_backend
 
-        if not isinstance(experts, GroupedExperts) or experts.b_in is not None or experts.b_out is not None:
-            return False
-        w_in, w_out, config = experts.w_in, experts.w_out, experts.config
-        dims = (w_in.shape[-2], w_in.shape[-1], w_out.shape[-2])
-        return (w_in.dtype == w_out.dtype == torch.float32 and w_in.device.type == w_out.device.type == "cpu"
-                and config.activation in LEAN_ACTIVATIONS and not config.recompute
-                and resolve_grouped_mm_backend(config.backend, w_in.device, w_in.dtype, dims) == "grouped_mm")
+        return (isinstance(experts, GroupedExperts) and experts.takes_lean_no_grad()
+                and experts.w_in.dtype == experts.w_out.dtype == torch.float32
+                and experts.w_in.device.type == experts.w_out.device.type == "cpu")
 
     def refresh(self, model) -> None:  # type: ignore[no-untyped-def]
         """Pack the experts of ``model``'s MoE layers as they are now (drop the packs of others)."""
@@ -196,7 +191,8 @@ class CompiledDecoder:
     and the head's product runs after it through ``head`` (a ``HeadProduct``: the layout fastest
     for the rows on this machine); elsewhere the graph is the whole ``decode_step``. On the CPU
     the graph's wrapper is C++ (inductor's ``cpp_wrapper``) and the experts multiply packed
-    copies of their weights (``experts``, an ``ExpertPacks``; None on CUDA); on CUDA, CUDA graphs replay the step, so no wrapper code runs per step."""
+    copies of their weights (``experts``, an ``ExpertPacks``; None on CUDA); on CUDA, CUDA
+    graphs replay the step, so no wrapper code runs per step."""
 
     def __init__(self, model, *, max_caches: int = 4) -> None:  # type: ignore[no-untyped-def]
         self.device = model.embed.weight.device
