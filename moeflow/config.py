@@ -24,6 +24,7 @@ from moeflow.checks import (  # noqa: F401  (re-exported: importers use moeflow.
     check_top_k,
     hybrid_shards,
 )
+from moeflow.kernels.activation import GATED, Activation  # the one vocabulary of activation names
 
 __all__ = [
     "RouterConfig",
@@ -43,10 +44,7 @@ Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 DropPolicy = Literal["position", "score", "bpr"]
 WeightAt = Literal["combine", "dispatch"]
-Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
 ExpertsBackend = Literal["auto", "grouped_mm", "loop", "triton"]
-
-GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,7 +316,7 @@ class ExpertsConfig:
 
     @property
     def gated(self) -> bool:
-        return self.activation in GATED_ACTIVATIONS
+        return self.activation in GATED
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -305,3 +305,33 @@ def test_check_finite(bad):
     y = off(x)
     assert y.shape == x.shape
     assert torch.isfinite(y[:3]).all() and torch.isfinite(y[4:]).all()
+
+
+def test_one_vocabulary_of_activations():
+    """The activation names are spelled once (``moeflow.kernels.activation_names``, re-exported by
+    ``moeflow.kernels.activation``): the config's ``Literal`` is that one, ``ExpertsConfig``
+    takes exactly those names (gated exactly for ``GATED``), and the CLI's ``--activation``
+    choices and the Triton kernels' tables cover exactly them."""
+    import argparse
+    import typing
+
+    import moeflow.config
+    from moeflow.cli.main import build_parser
+    from moeflow.kernels.activation import ACTIVATIONS, GATED, Activation
+
+    assert moeflow.config.Activation is Activation and typing.get_args(Activation) == ACTIVATIONS
+    assert set(GATED) < set(ACTIVATIONS) and len(set(ACTIVATIONS)) == len(ACTIVATIONS) == 5
+    for name in ACTIVATIONS:
+        assert ExpertsConfig(activation=name).gated == (name in GATED)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    choices = next(a.choices for a in sub.choices["bench"]._actions if "--activation" in a.option_strings)
+    assert tuple(choices) == ACTIVATIONS
+    pytest.importorskip("triton")
+    from moeflow.kernels.triton.activation import ACT_CODES
+    from moeflow.kernels.triton.grouped_gemm_kernels import TRITON_ACTIVATIONS
+
+    assert ACT_CODES is TRITON_ACTIVATIONS and tuple(TRITON_ACTIVATIONS) == ACTIVATIONS
+    assert {name for name, (_, gated) in TRITON_ACTIVATIONS.items() if gated} == GATED
+    # the kernels' codes of the elementwise functions: a gated kind shares its function's code
+    assert TRITON_ACTIVATIONS["swiglu"][0] == TRITON_ACTIVATIONS["silu"][0]
+    assert TRITON_ACTIVATIONS["geglu"][0] == TRITON_ACTIVATIONS["gelu"][0]

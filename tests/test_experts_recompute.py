@@ -14,7 +14,8 @@ from moeflow.bench.activation import saved_bytes
 from moeflow.bench.memory import peak_memory_bytes
 from moeflow.config import ExpertsConfig
 from moeflow.experts import GroupedExperts
-from moeflow.experts.lean import LEAN_ACTIVATIONS, LEAN_GEMMS, ffn_reference, lean_ffn
+from moeflow.experts.lean import LEAN_GEMMS, ffn_reference, lean_ffn
+from moeflow.kernels.activation import ACTIVATIONS
 
 from helpers import ffn_operands
 
@@ -25,7 +26,7 @@ def _operands(gen, gemm, activation, dtype):
     return ffn_operands(gen, gemm, activation, dtype, E=5, C=7)
 
 
-@pytest.mark.parametrize("activation", LEAN_ACTIVATIONS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("gemm", ["bmm", "loop", "grouped_mm"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_lean_ffn_matches_reference(activation, gemm, recompute):

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from moeflow.bench.memory import peak_memory_bytes
 from moeflow.experts.lean import (
-    LEAN_ACTIVATIONS,
     _expert_chunks,
     ffn_reference,
     lean_ffn,
 )
+from moeflow.kernels.activation import ACTIVATIONS
 
 from helpers import ffn_operands
 
@@ -34,7 +34,7 @@ def _operands(gen, gemm, activation, dtype):
     return x, w_in, w_out, offs.to(torch.int32) if gemm == "grouped_mm" else offs
 
 
-@pytest.mark.parametrize("activation", LEAN_ACTIVATIONS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("gemm", ["bmm", "loop"])
 def test_chunked_recompute_equals_the_default_path_bit_for_bit_fp64(activation, gemm):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{activation}-{gemm}".encode()))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from moeflow.cli.flags import DEVICE_HELP, check_device, choose_device, config_from_flags, float_at_least
+from moeflow.kernels.activation import ACTIVATIONS
 
 __all__ = ["add_bench", "add_a2a_model"]
 
@@ -28,7 +29,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--capacity-factor", type=float, default=1.0, help="cf: >0 fixed capacity, 0 dropless, <0 dropless capped (default 1.0)"
     )
-    p.add_argument("--activation", default="swiglu", choices=["relu", "gelu", "silu", "swiglu", "geglu"])
+    p.add_argument("--activation", default="swiglu", choices=ACTIVATIONS)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help=f"{DEVICE_HELP}; not with --nproc")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (default 2; 1 with --nproc)")

@@ -17,12 +17,13 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moeflow.config import ExpertsConfig
-from moeflow.experts.lean import LEAN_ACTIVATIONS, lean_ffn, lean_ffn_no_grad
+from moeflow.experts.lean import lean_ffn, lean_ffn_no_grad
+from moeflow.kernels.activation import ACTIVATIONS, GATED
+from moeflow.kernels.activation import activate_reference as activate  # (a module-level name: stage_profile labels it)
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
 __all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero",
@@ -51,23 +52,6 @@ def autocast_cast(like: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[to
         return tensors
     dt = torch.get_autocast_dtype(device_type)
     return tuple(None if t is None else t.to(dt) for t in tensors)
-
-
-def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """Apply ``activation``; gated kinds split the last dim into (gate, up) halves."""
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    if activation == "geglu":
-        gate, up = h.chunk(2, dim=-1)
-        return F.gelu(gate) * up
-    if activation == "relu":
-        return F.relu(h)
-    if activation == "gelu":
-        return F.gelu(h)
-    if activation == "silu":
-        return F.silu(h)
-    raise ValueError(f"unknown activation {activation!r}")
 
 
 def graph_zero(module: nn.Module, like: torch.Tensor) -> torch.Tensor:
@@ -244,7 +228,7 @@ def lean_no_grad_applies(backend: str, activation: object, *, recompute: bool, b
     """Whether ``grouped_ffn`` sends a call that autograd records nothing for (and not under
     autocast) to ``lean_ffn_no_grad``: the resolved ``backend`` is ``"grouped_mm"``, no biases,
     a named lean activation, no recompute."""
-    return backend == "grouped_mm" and not biased and activation in LEAN_ACTIVATIONS and not recompute
+    return backend == "grouped_mm" and not biased and activation in ACTIVATIONS and not recompute
 
 
 def grouped_ffn(
@@ -290,7 +274,7 @@ def grouped_ffn(
             and not torch.is_autocast_enabled(x_RD.device.type)  # (lean turns it off inside)
             and not (torch.is_grad_enabled() and (x_RD.requires_grad or w_in_EDF.requires_grad or w_out_EHD.requires_grad))):
         return lean_ffn_no_grad(x_RD, w_in_EDF, w_out_EHD, counts_E, activation=activation)  # nothing to record
-    if not biased and activation in LEAN_ACTIVATIONS and name in ("grouped_mm", "loop"):
+    if not biased and activation in ACTIVATIONS and name in ("grouped_mm", "loop"):
         offs_E = torch.cumsum(counts_E, 0)
         return lean_ffn(x_RD, w_in_EDF, w_out_EHD, offs_E.to(torch.int32) if name == "grouped_mm" else offs_E,
                         activation=activation, gemm=name, recompute=recompute,
@@ -370,7 +354,7 @@ class DenseFFN(nn.Module):
     ) -> None:
         super().__init__()
         self.activation = activation
-        width = 2 * hidden if activation in ("swiglu", "geglu") else hidden
+        width = 2 * hidden if activation in GATED else hidden
         kw = {"device": device, "dtype": dtype}
         self.proj_in = nn.Linear(dim, width, bias=bias, **kw)
         self.proj_out = nn.Linear(hidden, dim, bias=bias, **kw)

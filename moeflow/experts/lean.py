@@ -61,13 +61,12 @@ from torch.autograd.function import once_differentiable
 
 from moeflow.experts.weight_grads import (add_weight_grad_, expert_row_ranges, grad_buffer, mm_weight_grad,
                                           no_grad_to_add, records_grad_mode, weight_grad_into)
-from moeflow.kernels.activation import activate, activate_backward_, activate_reference
+from moeflow.kernels.activation import ACTIVATIONS, activate, activate_backward_, activate_reference
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 from moeflow.kernels.packed_cpu import packed_grouped_mm, packs_for
 
-__all__ = ["LEAN_ACTIVATIONS", "LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
+__all__ = ["LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
 
-LEAN_ACTIVATIONS = ("swiglu", "geglu", "relu", "gelu", "silu")
 LEAN_GEMMS = ("bmm", "grouped_mm", "loop")  # padded layout; grouped native; grouped reference
 # Each ATen op is a parallel region, and on a busy machine every region waits for its slowest
 # thread (measured on a loaded 2-core VM: a 64-expert FFN run in 64 one-expert chunks was 9x
@@ -308,14 +307,14 @@ def lean_ffn(
         w_in: ``[E, D, F]``; w_out: ``[E, H, D]`` (any strides for the grouped GEMMs).
         offs_E: inclusive cumulative row counts (grouped layouts; int32 for ``"grouped_mm"``),
             None for ``"bmm"``.
-        activation: one of ``LEAN_ACTIVATIONS``; gemm: one of ``LEAN_GEMMS``.
+        activation: one of ``moeflow.kernels.activation.ACTIVATIONS``; gemm: one of ``LEAN_GEMMS``.
         recompute: save only (a copy of) ``x`` and recompute ``h = x W_in`` in backward, over
             expert chunks.
         chunks: with ``recompute``, at most this many expert chunks in backward (None: from the
             size of ``h``, see the module docstring); the gradients do not depend on it.
     """
-    if activation not in LEAN_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {list(LEAN_ACTIVATIONS)}, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
     if gemm not in LEAN_GEMMS:
         raise ValueError(f"gemm must be one of {list(LEAN_GEMMS)}, got {gemm!r}")
     if not isinstance(recompute, bool):
@@ -372,8 +371,6 @@ def ffn_reference(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, offs
                   activation: str) -> torch.Tensor:
     """The same FFN through plain autograd (``bmm`` for ``[E, C, D]``, a loop over groups for
     ``[R, D]``): what ``lean_ffn`` must match, outputs and gradients."""
-    from moeflow.experts.ffn import activate
-
     if x.dim() == 3:
-        return torch.bmm(activate(torch.bmm(x, w_in), activation), w_out)
-    return grouped_mm_loop(activate(grouped_mm_loop(x, w_in, offs_E), activation), w_out, offs_E)
+        return torch.bmm(activate_reference(torch.bmm(x, w_in), activation), w_out)
+    return grouped_mm_loop(activate_reference(grouped_mm_loop(x, w_in, offs_E), activation), w_out, offs_E)

@@ -4,7 +4,9 @@
     a_NH = activate(h_NF, activation)               # act(h), or act(gate) * up for swiglu / geglu
     activate_backward_(h_NF, da_NH, activation)     # h_NF := d act(h) / dh * da, in place
 
-``activation``: ``swiglu``, ``geglu``, ``silu``, ``gelu`` (exact, erf), ``relu``.
+``activation``: one of ``ACTIVATIONS`` (``swiglu``, ``geglu``, ``silu``, ``gelu`` (exact, erf),
+``relu``), the one vocabulary of activation names (``moeflow.kernels.activation_names``,
+re-exported here: configs, experts and the CLI import it from this module).
 
 Why ops: written in torch, a SwiGLU forward is two passes over the rows (``silu``, then the
 product) and its backward five; the GPU needs one each, reading ``h`` (and ``da``) once and
@@ -26,30 +28,36 @@ import math
 import torch
 import torch.nn.functional as F
 
+from moeflow.kernels.activation_names import ACTIVATIONS, ELEMENTWISE, GATED, Activation
 from moeflow.kernels.triton import triton_available
 
-__all__ = ["ACTIVATIONS", "activate", "activate_backward_", "activate_reference", "activate_backward_reference_"]
+__all__ = ["Activation", "ACTIVATIONS", "GATED", "check_activation", "activate", "activate_backward_",
+           "activate_reference", "activate_backward_reference_"]
 
-ACTIVATIONS = ("swiglu", "geglu", "relu", "gelu", "silu")
-GATED = ("swiglu", "geglu")
+_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}  # ELEMENTWISE's functions
 # Each ATen op is a parallel region, and on a busy machine every region waits for its slowest
 # thread (measured on a loaded 2-core VM), so the reference backward takes few, large steps.
 _ROW_CHUNKS = 2  # h in this many row steps (temporaries: two [N/2, H])
 _MIN_ROW_STEP = 1 << 20  # ... of at least this many elements
 
 
-def _check(activation: str) -> None:
+def check_activation(activation: object) -> None:
+    """``ValueError`` naming ``activation`` unless it is one of ``ACTIVATIONS``."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
 
 
 def activate_reference(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """``a = act(h)`` in torch ops (gated: ``act(gate) * up`` on the two halves of the last dim)."""
-    if activation in GATED:
-        gate, up = h.chunk(2, dim=-1)
-        a = F.silu(gate) if activation == "swiglu" else F.gelu(gate)
-        return a.mul_(up)
-    return {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[activation](h)
+    """``a = act(h)`` in torch ops (gated: ``act(gate) * up`` on the two halves of the last dim);
+    differentiable, the gradients of plain autograd. Where autograd records the call the gate's
+    product is a new tensor; where it does not (inference, the lean experts' own backward) it is
+    taken in place, one ``[..., H]`` buffer fewer: the same values either way."""
+    check_activation(activation)
+    if activation not in GATED:
+        return _FUNCTIONS[activation](h)
+    gate, up = h.chunk(2, dim=-1)
+    a = _FUNCTIONS[ELEMENTWISE[activation]](gate)
+    return a * up if torch.is_grad_enabled() and h.requires_grad else a.mul_(up)
 
 
 def _slope_times(grad: torch.Tensor, z: torch.Tensor, kind: str, out: torch.Tensor) -> torch.Tensor:
@@ -69,7 +77,7 @@ def activate_backward_reference_(h_NF: torch.Tensor, da_NH: torch.Tensor, activa
     N, F_ = h_NF.shape
     step = max(1, math.ceil(N / _ROW_CHUNKS), _MIN_ROW_STEP // max(F_, 1))
     gated = activation in GATED
-    kind = {"swiglu": "silu", "geglu": "gelu"}.get(activation, activation)
+    kind = ELEMENTWISE[activation]
     for r in range(0, N, step):
         h, da = h_NF[r : r + step], da_NH[r : r + step]
         if gated:
@@ -128,14 +136,14 @@ def _(h_NF, da_NH, activation):  # type: ignore[no-untyped-def]
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     """``a = act(h)`` as one op (module docstring); ``h [..., F]`` -> ``[..., F/2]`` gated, else
     ``[..., F]``. Not differentiable (the lean experts differentiate it themselves)."""
-    _check(activation)
+    check_activation(activation)
     return _activate_op(h, activation)
 
 
 def activate_backward_(h: torch.Tensor, da: torch.Tensor, activation: str) -> torch.Tensor:
     """Overwrite ``h [N, F]`` with ``d act(h) / dh * da`` (``da [N, F/2]`` gated, else
     ``[N, F]``) as one op; returns ``h``."""
-    _check(activation)
+    check_activation(activation)
     if h.dim() != 2 or da.dim() != 2 or h.shape[0] != da.shape[0]:
         raise ValueError(f"activate_backward_: h and da must be 2-D with the same rows, got {tuple(h.shape)} and "
                          f"{tuple(da.shape)}")

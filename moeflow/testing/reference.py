@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from moeflow.dispatch.capacity import capacity_rows
 from moeflow.experts import GroupedExperts, ModuleExperts
+from moeflow.kernels.activation import ACTIVATIONS, GATED
 from moeflow.layer.moe import MoE
 from moeflow.layer.router import router_compute_dtype
 
@@ -98,7 +99,7 @@ def _expert_ffn(layer: MoE, e: int, rows_ND: torch.Tensor) -> torch.Tensor:
     if experts.b_in is not None:
         h = h + experts.b_in[e]
     act = experts.config.activation
-    if act in ("swiglu", "geglu"):
+    if act in GATED:
         H = h.shape[-1] // 2
         gate, up = h[:, :H], h[:, H:]
         a = (gate * torch.sigmoid(gate) if act == "swiglu" else F.gelu(gate)) * up
@@ -106,8 +107,10 @@ def _expert_ffn(layer: MoE, e: int, rows_ND: torch.Tensor) -> torch.Tensor:
         a = torch.clamp_min(h, 0)
     elif act == "silu":
         a = h * torch.sigmoid(h)
-    else:
+    elif act == "gelu":
         a = F.gelu(h)
+    else:
+        raise ValueError(f"the references know the activations {list(ACTIVATIONS)}, got {act!r}")
     out = a @ experts.w_out[e]
     if experts.b_out is not None:
         out = out + experts.b_out[e]

@@ -14,12 +14,12 @@ import triton
 import triton.language as tl
 
 from moeflow.kernels.triton import check_triton_tensors, device_guard
-from moeflow.kernels.triton.grouped_gemm_kernels import _act, _act_grad
+from moeflow.kernels.triton.grouped_gemm_kernels import TRITON_ACTIVATIONS, _act, _act_grad
 
 __all__ = ["launch_activate", "launch_activate_backward_", "ACT_CODES"]
 
-# activation -> (the epilogue helpers' code, gated)
-ACT_CODES = {"gelu": (1, False), "silu": (2, False), "relu": (3, False), "geglu": (1, True), "swiglu": (2, True)}
+# activation -> (the epilogue helpers' code, gated): the grouped GEMM's table, one vocabulary
+ACT_CODES = TRITON_ACTIVATIONS
 _BLOCK_N = 8
 _BLOCK_C = 256
 

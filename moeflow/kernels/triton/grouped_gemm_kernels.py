@@ -26,15 +26,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moeflow.kernels.activation_names import ACTIVATIONS, ELEMENTWISE, GATED
+
 __all__ = ["TRITON_ACTIVATIONS", "MODE_PLAIN", "MODE_ACT", "MODE_DACT", "gmm_kernel", "gmm_wgrad_kernel"]
 
-# name -> (elementwise activation code of ``_act``, gated)
+# the elementwise functions ``_act`` and ``_act_grad`` compute, by their ``ACT`` code
+_FUNCTION_CODES = {"gelu": 1, "silu": 2, "relu": 3}
+# activation name (``moeflow.kernels.activation_names``, the one vocabulary) -> (``ACT`` code, gated)
 TRITON_ACTIVATIONS: dict[str, tuple[int, bool]] = {
-    "gelu": (1, False),
-    "silu": (2, False),
-    "relu": (3, False),
-    "geglu": (1, True),
-    "swiglu": (2, True),
+    name: (_FUNCTION_CODES[ELEMENTWISE[name]], name in GATED) for name in ACTIVATIONS
 }
 # the epilogues of ``gmm_kernel`` (its ``MODE``)
 MODE_PLAIN, MODE_ACT, MODE_DACT = 0, 1, 2
