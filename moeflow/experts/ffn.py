@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moeflow.config import ExpertsConfig
 from moeflow.experts.lean import lean_ffn, lean_ffn_no_grad
+from moeflow.experts.slices import cut_hidden_slice, join_hidden_slices  # (re-exported: importers use this module)
 from moeflow.kernels.activation import ACTIVATIONS, GATED
 from moeflow.kernels.activation import activate_reference as activate  # (a module-level name: stage_profile labels it)
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
@@ -101,6 +102,7 @@ class GroupedExperts(nn.Module):
         if recompute is not None:
             self.recompute = recompute
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
+        self._backends: dict[tuple, str] = {}  # grouped_backend's answers
         width = 2 * hidden if self.config.gated else hidden
         kw = {"device": device, "dtype": dtype}
         self.w_in = nn.Parameter(torch.empty(num_experts, dim, width, **kw))
@@ -203,13 +205,27 @@ class GroupedExperts(nn.Module):
         a_ECH = activate(h_ECF, self.config.activation)
         return torch.baddbmm(self.b_out.unsqueeze(1), a_ECH, self.w_out)
 
+    def grouped_backend(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The grouped GEMM ``config.backend`` stands for with operands of ``dtype`` on ``device``
+        and this module's weight shapes (``resolve_grouped_mm_backend``): resolved once per
+        backend, device, dtype and shapes, and kept, so a grouped call resolves nothing (under
+        ``torch.compile`` the answer is taken at trace time)."""
+        dims = (self.w_in.shape[-2], self.w_in.shape[-1], self.w_out.shape[-2])
+        if torch.compiler.is_compiling():
+            return resolve_grouped_mm_backend(self.config.backend, device, dtype, dims)
+        key = (self.config.backend, device, dtype, dims)
+        answers = self.__dict__.setdefault("_backends", {})  # (a module pickled before it kept them has none)
+        name = answers.get(key)
+        if name is None:
+            name = answers[key] = resolve_grouped_mm_backend(self.config.backend, device, dtype, dims)
+        return name
+
     def takes_lean_no_grad(self) -> bool:
         """Whether this module's grouped calls that autograd records nothing for (a decode step)
         run ``lean_ffn_no_grad`` (``grouped_ffn``'s rule, ``lean_no_grad_applies``, for this
         module's config, biases and the backend its weights resolve to)."""
-        dims = (self.w_in.shape[-2], self.w_in.shape[-1], self.w_out.shape[-2])
-        name = resolve_grouped_mm_backend(self.config.backend, self.w_in.device, self.w_in.dtype, dims)
-        return lean_no_grad_applies(name, self.config.activation, recompute=self.config.recompute,
+        return lean_no_grad_applies(self.grouped_backend(self.w_in.device, self.w_in.dtype), self.config.activation,
+                                    recompute=self.config.recompute,
                                     biased=self.b_in is not None or self.b_out is not None)
 
     def ffn_options(self) -> dict[str, object]:
@@ -221,7 +237,9 @@ class GroupedExperts(nn.Module):
 
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         x_RD, w_in, w_out, b_in, b_out = autocast_cast(x_RD, x_RD, self.w_in, self.w_out, self.b_in, self.b_out)
-        return grouped_ffn(x_RD, counts_E, w_in, w_out, b_in, b_out, **self.ffn_options())  # type: ignore[arg-type]
+        cfg = self.config
+        return _grouped_ffn(self.grouped_backend(x_RD.device, x_RD.dtype), x_RD, counts_E, w_in, w_out,  # type: ignore[arg-type]
+                            b_in, b_out, cfg.activation, cfg.recompute, cfg.recompute_chunks)
 
 
 def lean_no_grad_applies(backend: str, activation: object, *, recompute: bool, biased: bool) -> bool:
@@ -264,6 +282,16 @@ def grouped_ffn(
     """
     dims = (w_in_EDF.shape[-2], w_in_EDF.shape[-1], w_out_EHD.shape[-2])
     name = resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype, dims)
+    return _grouped_ffn(name, x_RD, counts_E, w_in_EDF, w_out_EHD, b_in_EF, b_out_ED, activation, recompute,
+                        recompute_chunks)
+
+
+def _grouped_ffn(name: str, x_RD: torch.Tensor, counts_E: torch.Tensor, w_in_EDF: torch.Tensor,
+                 w_out_EHD: torch.Tensor, b_in_EF: torch.Tensor | None, b_out_ED: torch.Tensor | None,
+                 activation: str | Callable[[torch.Tensor], torch.Tensor], recompute: bool,
+                 recompute_chunks: int | None) -> torch.Tensor:
+    """``grouped_ffn`` once ``backend`` is resolved to ``name`` (``GroupedExperts`` resolves its
+    own once: ``grouped_backend``)."""
     if name == "triton" and b_in_EF is None and b_out_ED is None and isinstance(activation, str) and not recompute:
         # both GEMMs and the activation (and its backward) in fused Triton kernels
         from moeflow.kernels.triton.grouped_gemm import grouped_ffn_triton
@@ -280,8 +308,8 @@ def grouped_ffn(
                         activation=activation, gemm=name, recompute=recompute,
                         chunks=recompute_chunks if recompute else None)
     if recompute:
-        return checkpoint(grouped_ffn, x_RD, counts_E, w_in_EDF, w_out_EHD, b_in_EF, b_out_ED,
-                          activation=activation, backend=name, use_reentrant=False)
+        return checkpoint(_grouped_ffn, name, x_RD, counts_E, w_in_EDF, w_out_EHD, b_in_EF, b_out_ED, activation,
+                          False, None, use_reentrant=False)
     mm = GROUPED_MM_BACKENDS[name]
     offs_E = torch.cumsum(counts_E, 0)
     h_RF = mm(x_RD, w_in_EDF, offs_E)
@@ -369,29 +397,3 @@ class DenseFFN(nn.Module):
         if self.gate is not None:
             y_TD = torch.sigmoid(self.gate(x_TD)) * y_TD
         return y_TD
-
-
-def cut_hidden_slice(name: str, full: torch.Tensor, n: int, j: int, halves: int) -> torch.Tensor:
-    """Slice ``j`` of ``n`` of an expert tensor ``name``: ``"w_in"`` ``[..., D, halves*H]`` (the
-    gate and up columns of hidden units ``[j*H/n, (j+1)*H/n)``) or ``"w_out"`` ``[..., H, D]``
-    (those rows), or anything shaped like them (optimizer moments); leading dims (experts) are
-    kept. The one definition of the slice layout (``GroupedExperts.hidden_slices`` uses it);
-    ``join_hidden_slices`` inverts it."""
-    if name == "w_in":
-        F = full.shape[-1]
-        return full.unflatten(-1, (halves, n, F // (halves * n)))[..., j, :].flatten(-2)
-    if name == "w_out":
-        return full.unflatten(-2, (n, full.shape[-2] // n))[..., j, :, :]
-    raise ValueError(f"hidden slices exist for 'w_in' and 'w_out' only, got {name!r}")
-
-
-def join_hidden_slices(name: str, slices: Sequence[torch.Tensor], halves: int) -> torch.Tensor:
-    """One expert's whole tensor ``name`` from its ``n`` hidden slices in order (the inverse of
-    ``cut_hidden_slice``)."""
-    if name == "w_in":
-        D, f = slices[0].shape
-        parts = torch.stack([t.unflatten(-1, (halves, f // halves)) for t in slices], dim=2)  # [D, halves, n, h]
-        return parts.reshape(D, halves * len(slices) * (f // halves))
-    if name == "w_out":
-        return torch.cat(list(slices), dim=0)
-    raise ValueError(f"hidden slices exist for 'w_in' and 'w_out' only, got {name!r}")
