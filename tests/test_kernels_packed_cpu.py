@@ -1,22 +1,32 @@
-"""The CPU's few-row grouped product over packed weights (``moeflow.kernels.packed_cpu``): equal
-to the reference ``grouped_mm_loop`` on fresh random inputs (odd sizes, partial strips, empty
-experts, rows past the counts, one and two threads, strided weights); found by the experts'
-no-grad products only inside ``packs_in_use`` and only for the weights as they were packed;
-never on a path that records gradients; and the compiled decoder's ``ExpertPacks`` pack each
-layer once and again only after a change."""
+"""The CPU's few-row grouped product over packed weights (``moeflow.kernels.packed_cpu``) and the
+experts that use it (``moeflow.experts.packed``): the product equals the reference
+``grouped_mm_loop`` on fresh random inputs (odd sizes, partial strips, empty experts, rows past
+the counts, one and two threads, strided weights); ``packable`` is the one rule of which experts
+a stand-in replaces; a ``PackedCPUExperts`` equals the experts it stands in for and sends them
+every call the kernel is not for (gradients, many rows, autocast, the padded layout); it repacks
+into the same memory after any change; the compiled decoder swaps stand-ins in for a generation
+and always back; and the kernel's build (``torch.utils.cpp_extension`` in a child process)
+tries every flag set, is bounded in time and leaves nothing behind when it fails."""
 
 from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import time
 
 import pytest
 import torch
 
-import moeflow.experts.lean as lean
+import moeflow.experts.packed as packed
 import moeflow.kernels.packed_cpu as packed_cpu
-from moeflow.experts.ffn import grouped_ffn
+from moeflow import ExpertsConfig, GroupedExperts, ModuleExperts
+from moeflow.compat.tutel.experts import TutelLlamaExperts
+from moeflow.experts.packed import PackedCPUExperts, packable, packed_ffn
 from moeflow.kernels.grouped_mm import grouped_mm_loop
-from moeflow.kernels.packed_cpu import (MAX_ROWS_PER_EXPERT, STRIP, PackedExperts, pack_weight, packed_grouped_mm,
-                                        packs_for, packs_in_use)
-from moeflow.models.compiled_decode import ExpertPacks
+from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, STRIP, pack_weight, packed_grouped_mm
+from moeflow.layer.moe import moe_layers
+from moeflow.models.compiled_decode import CompiledDecoder
 
 from helpers import random_counts, small_gpt
 
@@ -104,112 +114,263 @@ def test_pack_layout_and_bad_input():
         packed_grouped_mm(x, p, torch.tensor([4]), 20)
 
 
-def _weights(seed: int = 0, E: int = 4, D: int = 16, H: int = 24):
+def _experts(seed: int = 0, *, activation: str = "swiglu", E: int = 4, D: int = 16, H: int = 24, **kw) -> GroupedExperts:
+    """Built-in experts with weights drawn N(0, 0.2^2) from ``seed``."""
+    torch.manual_seed(seed)
+    experts = GroupedExperts(num_experts=E, dim=D, hidden=H, config=ExpertsConfig(activation=activation, **kw))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.2)
+    return experts
+
+
+def _rows(seed: int, E: int, R: int, D: int = 16, empty: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(E, D, 2 * H, generator=gen) * 0.2, torch.randn(E, H, D, generator=gen) * 0.2
+    return torch.randn(R, D, generator=gen), random_counts(gen, E, R, empty)
 
 
 @pytest.mark.unit
-def test_packs_are_found_only_inside_the_block_for_the_weights_as_packed():
-    """``packs_for``: None outside ``packs_in_use``, for other weights, for more than
-    ``MAX_ROWS_PER_EXPERT`` rows per expert, for a view with other strides, and once a weight
-    changed in place after packing (its version moved); the block restores what was there before."""
-    w_in, w_out = _weights()
-    packs = PackedExperts.of(w_in, w_out)
-    assert packs_for(w_in, w_out, 8) is None
-    with packs_in_use([packs]):
-        found = packs_for(w_in, w_out, 8)
-        assert found is not None and found[0] is packs.packed_in and found[1] is packs.packed_out
-        assert packs_for(w_in, w_out, MAX_ROWS_PER_EXPERT * 4) is not None
-        assert packs_for(w_in, w_out, MAX_ROWS_PER_EXPERT * 4 + 1) is None
-        other_in, other_out = _weights(1)
-        assert packs_for(other_in, w_out, 8) is None and packs_for(other_in, other_out, 8) is None
-        assert packs_for(w_in.as_strided(w_in.shape, (1, 4 * 48, 4)), w_out, 8) is None
-        with packs_in_use([]):
-            assert packs_for(w_in, w_out, 8) is None
-        assert packs_for(w_in, w_out, 8) is not None
-        w_out.mul_(1.0)  # an in-place change: the pack no longer matches
-        assert packs_for(w_in, w_out, 8) is None
-    assert packs_for(w_in, w_out, 8) is None
-    stale = PackedExperts.of(w_in, w_out)
-    w_in.add_(1.0)  # changed after packing, before the block: refused too
-    with packs_in_use([stale]):
-        assert packs_for(w_in, w_out, 8) is None
+def test_packable_is_the_one_rule_of_which_experts_are_packed():
+    """fp32 CPU built-in experts without biases or recompute whose backend resolves to
+    ``grouped_mm``: yes; biases, recompute, another dtype, the ``loop`` backend (chosen, or
+    what ``auto`` resolves to where ``F.grouped_mm`` cannot take the shapes), a subclass that
+    computes something else, experts of one's own: no."""
+    assert packable(_experts())
+    assert packable(_experts(activation="gelu"))
+    assert not packable(_experts(bias=True))
+    assert not packable(_experts(recompute=True))
+    assert not packable(_experts().to(torch.bfloat16)) and not packable(_experts().double())
+    assert not packable(_experts(backend="loop"))
+    assert not packable(_experts(D=18))  # rows of 72 bytes: F.grouped_mm refuses them, auto is "loop"
+    tutel = TutelLlamaExperts(num_experts=4, model_dim=16, hidden_size_per_expert=24, activation_fn=torch.tanh)
+    assert not packable(tutel)
+    assert not packable(ModuleExperts([torch.nn.Linear(16, 16) for _ in range(4)]))
+    assert not packable(torch.nn.Linear(16, 16))
+    with pytest.raises(ValueError, match="packable"):
+        PackedCPUExperts(_experts(bias=True))
 
 
 @needs_compiler
 @pytest.mark.reference
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_no_grad_ffn_runs_the_packed_kernel_inside_the_block_and_equals_the_lean_path(activation, monkeypatch):
-    """Inside ``packs_in_use`` the experts' no-grad FFN goes through ``packed_grouped_mm`` (twice:
-    both products) and equals the same FFN outside the block up to rounding; a call that
-    records gradients takes the lean autograd path there, with the same gradients as outside."""
-    gen = torch.Generator().manual_seed(5)
-    E, D, H = 4, 16, 24
-    w_in = torch.randn(E, D, 2 * H if activation == "swiglu" else H, generator=gen) * 0.2
-    w_out = torch.randn(E, H, D, generator=gen) * 0.2
-    x = torch.randn(10, D, generator=gen)
-    counts = random_counts(gen, E, 10, 1)
+def test_stand_in_equals_its_experts_and_sends_them_what_the_kernel_is_not_for(activation, monkeypatch):
+    """No-grad grouped calls of a ``PackedCPUExperts`` run the kernel (twice: both products,
+    eagerly and as the ``moeflow::packed_ffn`` op) and equal its experts' own output up to
+    rounding, on fresh random rows with an empty expert; calls in grad mode (with the experts'
+    gradients, exactly), under autocast, of more than ``MAX_ROWS_PER_EXPERT`` rows per expert,
+    of no rows or in the padded layout go to the experts themselves, unchanged."""
+    experts = _experts(activation=activation)
+    stand_in = PackedCPUExperts(experts)
+    assert stand_in.num_experts == 4 and stand_in.source is experts
+    assert list(stand_in.parameters()) == [] and stand_in.state_dict() == {}  # no second copy of the model's weights
     calls = []
-    real = lean.packed_grouped_mm
-    monkeypatch.setattr(lean, "packed_grouped_mm", lambda *a: calls.append(a[1].shape) or real(*a))
+    real = packed.packed_grouped_mm
+    monkeypatch.setattr(packed, "packed_grouped_mm", lambda *a: calls.append(a[1].shape) or real(*a))
+    x, counts = _rows(5, 4, 10)
     with torch.no_grad():
-        outside = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="grouped_mm")
-        assert calls == []
-        with packs_in_use([PackedExperts.of(w_in, w_out)]):
-            inside = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="grouped_mm")
-    assert len(calls) == 2
-    torch.testing.assert_close(inside, outside, rtol=1e-5, atol=1e-6)
+        ref = experts(x, counts)
+        torch.testing.assert_close(stand_in(x, counts), ref, rtol=1e-5, atol=1e-6)
+        assert len(calls) == 2
+        op = torch.ops.moeflow.packed_ffn(x, stand_in.packed_in, stand_in.packed_out, counts, activation,
+                                          stand_in.width_in, stand_in.width_out)
+        torch.testing.assert_close(op, ref, rtol=1e-5, atol=1e-6)
+        assert len(calls) == 4
+        many, many_counts = _rows(6, 4, MAX_ROWS_PER_EXPERT * 4 + 1, empty=0)
+        assert torch.equal(stand_in(many, many_counts), experts(many, many_counts))
+        x_ECD = torch.randn(4, 3, 16, generator=torch.Generator().manual_seed(7))
+        assert torch.equal(stand_in(x_ECD, torch.tensor([3, 1, 0, 2])), experts(x_ECD, torch.tensor([3, 1, 0, 2])))
+        assert stand_in(x[:0], counts * 0).shape == (0, 16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(stand_in(x, counts), experts(x, counts))
+    assert len(calls) == 4
 
     grads = []
-    for packed in (False, True):
-        wi, wo, xr = (t.clone().requires_grad_() for t in (w_in, w_out, x))
-        with packs_in_use([PackedExperts.of(wi, wo)] if packed else []):
-            y = grouped_ffn(xr, counts, wi, wo, activation=activation, backend="grouped_mm")
+    for module in (experts, stand_in):
+        xr = x.clone().requires_grad_()
+        experts.zero_grad()
+        y = module(xr, counts)
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(9)))
-        grads.append((y.detach(), xr.grad, wi.grad, wo.grad))
-    assert len(calls) == 2  # the gradient-recording calls never reached the kernel
+        grads.append((y.detach(), xr.grad, experts.w_in.grad.clone(), experts.w_out.grad.clone()))
+    assert len(calls) == 4  # the gradient-recording calls never reached the kernel
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert torch.equal(a, b)
 
 
 @needs_compiler
 @pytest.mark.reference
-def test_expert_packs_repack_every_generation_into_the_same_memory(monkeypatch):
-    """``ExpertPacks.refresh`` packs every MoE layer's experts from the weights as they are, each
-    time, into the packs it made before: after a write through ``.data`` (no version moves) and an
-    in-place change the packs equal the new weights; a replaced parameter of the same shape
-    reuses the memory; a layer cast to bf16 is dropped; inference tensors (no version counter)
-    pack and are found; ``clear`` drops every pack."""
-    torch.manual_seed(0)
-    model = small_gpt(n_layers=4)  # MoE on blocks 1 and 3
-    layers = [m.experts for m in model.modules() if hasattr(m, "experts")]
-    packs = ExpertPacks()
-    packs.refresh(model)
-    assert sorted(packs.packs) == [0, 1]
-    first = packs.packs[1].packed_in
+def test_stand_in_repacks_into_the_same_memory_after_any_change():
+    """``repack`` packs the weights as they are, each time, into the packs of before: after a
+    write through ``.data`` (no version moves) and an in-place change the packs equal the new
+    weights and the outputs follow; replaced parameters of the same shape reuse the memory;
+    experts of another shape get new packs; experts of inference tensors (no version counter)
+    pack; experts that are not packable are refused by name."""
+    experts = _experts()
+    stand_in = PackedCPUExperts(experts)
+    first_in, first_out = stand_in.packed_in, stand_in.packed_out
+    x, counts = _rows(3, 4, 8)
     with torch.no_grad():
-        layers[1].w_in.data.mul_(-1.0)  # an EMA-style write: the version does not move
-        layers[1].w_out.add_(0.5)
-    packs.refresh(model)
-    assert packs.packs[1].packed_in is first
-    assert torch.equal(packs.packs[1].packed_in, pack_weight(layers[1].w_in.detach()))
-    assert torch.equal(packs.packs[1].packed_out, pack_weight(layers[1].w_out.detach()))
-    layers[1].w_in = torch.nn.Parameter(layers[1].w_in.detach().clone())
-    packs.refresh(model)
-    assert packs.packs[1].packed_in is first and packs.packs[1].matches(layers[1].w_in, layers[1].w_out)
-    layers[0].to(torch.bfloat16)
-    packs.refresh(model)
-    assert sorted(packs.packs) == [1]
-    packs.clear()
-    assert packs.packs == {}
-
+        experts.w_in.data.mul_(-1.0)  # an EMA-style write: the version does not move
+        experts.w_out.add_(0.5)
+        stand_in.repack(experts)
+        assert stand_in.packed_in is first_in and stand_in.packed_out is first_out
+        assert torch.equal(stand_in.packed_in, pack_weight(experts.w_in)) and torch.equal(
+            stand_in.packed_out, pack_weight(experts.w_out))
+        torch.testing.assert_close(stand_in(x, counts), experts(x, counts), rtol=1e-5, atol=1e-6)
+        experts.w_in = torch.nn.Parameter(experts.w_in.detach().clone() + 1.0)
+        stand_in.repack(experts)
+        assert stand_in.packed_in is first_in and torch.equal(first_in, pack_weight(experts.w_in))
+        wider = _experts(1, H=40)
+        stand_in.repack(wider)
+        assert stand_in.source is wider and stand_in.packed_in is not first_in
+        torch.testing.assert_close(stand_in(x, counts), wider(x, counts), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not packable"):
+        stand_in.repack(_experts().to(torch.bfloat16))
     with torch.inference_mode():
-        frozen = small_gpt(n_layers=2)
-        packs.refresh(frozen)
-        experts = [m.experts for m in frozen.modules() if hasattr(m, "experts")][0]
-        with packs.in_use():
-            assert packs_for(experts.w_in, experts.w_out, 4) is not None
+        frozen = _experts(2)
+        frozen_in = PackedCPUExperts(frozen)
+        torch.testing.assert_close(frozen_in(x, counts), frozen(x, counts), rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.reference
+def test_the_decoder_swaps_stand_ins_in_for_a_generation_and_always_back():
+    """``CompiledDecoder.generation`` puts a ``PackedCPUExperts`` in place of every packable MoE
+    layer's experts (a layer cast to bf16 keeps its own), the same stand-in object generation
+    after generation (a compiled step reads its buffers), and puts every layer's experts back on
+    the way out, also when the generation fails; a layer no longer packable loses its stand-in."""
+    model = small_gpt(n_layers=4)  # MoE on blocks 1 and 3
+    layers = moe_layers(model)
+    experts = [layer.experts for layer in layers]
+    decoder = CompiledDecoder(model)  # (nothing compiles before a step runs)
+    with torch.no_grad():
+        with decoder.generation(model):
+            assert all(isinstance(layer.experts, PackedCPUExperts) for layer in layers)
+            assert [layer.experts.source for layer in layers] == experts
+            assert decoder.head is not None and decoder.head.weight_DV is not None
+            stand_ins = dict(decoder.stand_ins)
+        assert [layer.experts for layer in layers] == experts and decoder.head.weight_DV is None
+        layers[0].experts.to(torch.bfloat16)
+        with pytest.raises(RuntimeError, match="inside"), decoder.generation(model):
+            assert layers[0].experts is experts[0] and layers[1].experts is stand_ins[1]
+            raise RuntimeError("a failure inside the generation")
+        assert [layer.experts for layer in layers] == experts and list(decoder.stand_ins) == [1]
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not hasattr(__import__("os"), "getuid"), reason="POSIX permissions")
+def test_kernel_cache_must_be_this_users_alone(tmp_path, monkeypatch):
+    """The built library is loaded from the cache: a directory others may write is refused."""
+    cache = tmp_path / "kernels"
+    monkeypatch.setattr(packed_cpu, "KERNEL_CACHE", cache)
+    packed_cpu._check_cache_dir()
+    assert cache.is_dir() and cache.stat().st_mode & 0o777 == 0o700
+    cache.chmod(0o777)
+    with pytest.raises(RuntimeError, match="writable by nobody else"):
+        packed_cpu._check_cache_dir()
+
+
+def _fake_compiler(path, on_compile: str):  # type: ignore[no-untyped-def]
+    """A shell script at ``path`` that answers ``cpp_extension``'s questions about the compiler
+    (``--version``, ``-v``) as the host's g++ does and runs ``on_compile`` instead of compiling
+    the kernel's source (linking is never reached)."""
+    real = packed_cpu.shutil.which("g++") or packed_cpu.shutil.which("c++")
+    if real is None:
+        pytest.skip("no C++ compiler to stand in for")
+    path.write_text(f"#!/bin/sh\ncase \"$*\" in *packed_grouped_mm.cpp*) {on_compile};; esac\nexec {real} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+@contextlib.contextmanager
+def _fresh_build(monkeypatch, tmp_path, compiler: str):  # type: ignore[no-untyped-def]
+    """A build of the kernel from scratch with ``compiler``, in a cache under ``tmp_path``."""
+    monkeypatch.setattr(packed_cpu, "KERNEL_CACHE", tmp_path / "kernels")
+    monkeypatch.setattr(packed_cpu, "_compiler", lambda: compiler)
+    packed_cpu._library.cache_clear()
+    packed_cpu.packed_cpu_available.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        packed_cpu._library.cache_clear()
+        packed_cpu.packed_cpu_available.cache_clear()
+
+
+@pytest.mark.e2e
+def test_a_compiler_that_fails_is_an_error_naming_it_and_a_warning_for_the_decoder(tmp_path, monkeypatch):
+    """``_library`` raises with the compiler's own message when every flag set fails (each one
+    tried: the build runs ``torch.utils.cpp_extension`` in a child process); ``packed_cpu_available``
+    turns that into one ``RuntimeWarning`` and False (the decoder then multiplies the weights
+    themselves), never a crash in the middle of a generation; nothing is left in the cache."""
+    broken = _fake_compiler(tmp_path / "broken-c++", f"echo x >> {tmp_path / 'tries'}; echo 'no such luck' >&2; exit 1")
+    tries = tmp_path / "tries"
+    with _fresh_build(monkeypatch, tmp_path, str(broken)):
+        with pytest.raises(RuntimeError, match="no such luck"):
+            packed_cpu._library()
+        assert len(tries.read_text().split()) == len(packed_cpu._FLAG_SETS)  # every flag set was compiled
+        with pytest.warns(RuntimeWarning, match="(?s)did not build.*no such luck"):
+            assert packed_cpu.packed_cpu_available() is False
+        assert list((tmp_path / "kernels").iterdir()) == []  # no half-written build left behind
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not hasattr(os, "killpg") or not os.path.exists("/proc/self/stat"), reason="POSIX process groups, /proc")
+def test_a_compiler_that_hangs_is_killed_after_the_build_timeout(tmp_path, monkeypatch):
+    """``cpp_extension`` has no time limit: the child process building the kernel is killed,
+    with the compiler it started, once ``BUILD_TIMEOUT_S`` (every flag set together) is spent;
+    the error says so and nothing is left in the cache."""
+    pids = tmp_path / "pids"
+    hanging = _fake_compiler(tmp_path / "hanging-c++", f"echo $$ >> {pids}; sleep 600; exit 1")
+    with _fresh_build(monkeypatch, tmp_path, str(hanging)):
+        monkeypatch.setattr(packed_cpu, "BUILD_TIMEOUT_S", 20.0)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not finish within the 20 s of BUILD_TIMEOUT_S"):
+            packed_cpu._library()
+        assert time.monotonic() - t0 < 60
+        assert list((tmp_path / "kernels").iterdir()) == []
+        for pid in map(int, pids.read_text().split()):  # the compiler went with its build
+            assert _dead(pid)
+
+
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (killed, not yet reaped), within 5 s."""
+    for _ in range(50):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.unit
+def test_every_flag_set_is_tried_when_building_or_loading_fails(tmp_path, monkeypatch):
+    """The first flag set whose library both builds and loads is the kernel: a set that fails to
+    build and a set whose library fails to load (an ``ImportError``, as an unresolved symbol
+    gives) are each followed by the next one, and their directories are removed."""
+    built, loaded = [], []
+
+    def build(compiler, name, directory, cflags, ldflags, deadline):  # type: ignore[no-untyped-def]
+        built.append(cflags)
+        if len(built) == 1:
+            raise RuntimeError("the compiler refused these flags")
+        (directory / f"{name}.so").write_bytes(b"not a library")
+
+    def load(name, path):  # type: ignore[no-untyped-def]
+        loaded.append(path.parent)
+        if len(loaded) == 1:
+            raise ImportError(f"{path}: undefined symbol")
+        return "the module"
+
+    with _fresh_build(monkeypatch, tmp_path, "/bin/true"):
+        monkeypatch.setattr(packed_cpu, "_build_in_child", build)
+        monkeypatch.setattr(packed_cpu, "_load", load)
+        assert packed_cpu._library() == "the module"
+        assert built == [flags for flags, _ in packed_cpu._FLAG_SETS]
+        assert [p.exists() for p in loaded] == [False, True]  # the library that did not load was removed
+        assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [loaded[1].name]
 
 
 @needs_compiler
@@ -238,38 +399,3 @@ def test_expert_products_bench_reports_both_candidates_on_the_same_outputs(tmp_p
         bench_main(["--batch-sizes", "0", "--json", str(out)])
 
 
-@pytest.mark.unit
-@pytest.mark.skipif(not hasattr(__import__("os"), "getuid"), reason="POSIX permissions")
-def test_kernel_cache_must_be_this_users_alone(tmp_path, monkeypatch):
-    """The built library is loaded from the cache: a directory others may write is refused."""
-    cache = tmp_path / "kernels"
-    monkeypatch.setattr(packed_cpu, "KERNEL_CACHE", cache)
-    packed_cpu._check_cache_dir()
-    assert cache.is_dir() and cache.stat().st_mode & 0o777 == 0o700
-    cache.chmod(0o777)
-    with pytest.raises(RuntimeError, match="writable by nobody else"):
-        packed_cpu._check_cache_dir()
-
-
-@pytest.mark.unit
-def test_a_compiler_that_fails_is_an_error_naming_it_and_a_warning_for_the_decoder(tmp_path, monkeypatch):
-    """``_library`` raises with the compiler's own message when every flag set fails;
-    ``packed_cpu_available`` turns that into one ``RuntimeWarning`` and False (the decoder then
-    multiplies the weights themselves), never a crash in the middle of a generation."""
-    broken = tmp_path / "broken-c++"
-    broken.write_text("#!/bin/sh\necho 'no such luck' >&2\nexit 1\n")
-    broken.chmod(0o755)
-    monkeypatch.setattr(packed_cpu, "KERNEL_CACHE", tmp_path / "kernels")
-    monkeypatch.setattr(packed_cpu, "_compiler", lambda: str(broken))
-    packed_cpu._library.cache_clear()
-    packed_cpu.packed_cpu_available.cache_clear()
-    try:
-        with pytest.raises(RuntimeError, match="no such luck"):
-            packed_cpu._library()
-        with pytest.warns(RuntimeWarning, match="(?s)did not build.*no such luck"):
-            assert packed_cpu.packed_cpu_available() is False
-        assert list((tmp_path / "kernels").iterdir()) == []  # no half-written library left behind
-    finally:
-        monkeypatch.undo()
-        packed_cpu._library.cache_clear()
-        packed_cpu.packed_cpu_available.cache_clear()

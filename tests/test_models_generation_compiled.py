@@ -1,12 +1,13 @@
 """Compiled decode (``generate(..., compile=True)``): the static step ``MoEGPT.decode_step``
 traces as one graph with no host synchronisation, equals the eager cached step, and compiled
 generation gives the eager loop's tokens (greedy and seeded sampling, one row and a
-left-padded batch, stop tokens, a sliding window) with a bounded number of compilations.
+left-padded batch, stop tokens, a sliding window) with a bounded number of
+compilations, also after the model's dtype or mode changed between calls.
 
 Compiling with inductor on this CPU takes tens of seconds a shape, so every compiled test
 shares one model and the shapes of two batch sizes (1 and 3 rows) and one cache capacity (32
 columns): ``compilations`` counts them (one test compiles the same shapes for a fresh copy:
-the recompile limit).
+the recompile limit; one compiles a model in three dtypes and modes).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import moeflow.models.gpt as gpt_module
-from moeflow.models.compiled_decode import (HEAD_LAYOUTS, STOP_CHECK_EVERY, HeadProduct, _bucket, compiled_decoder,
-                                            head_product)
+from moeflow import RouterConfig
+from moeflow.experts.packed import PackedCPUExperts
+from moeflow.kernels import packed_cpu
+from moeflow.layer.moe import moe_layers
+from moeflow.models.compiled_decode import STOP_CHECK_EVERY, HeadProduct, _bucket, compiled_decoder
 from moeflow.models.generation import generate
 
 from helpers import small_gpt
@@ -148,57 +152,27 @@ def test_static_step_is_the_head_of_its_hidden_state(model):
 
 @pytest.mark.reference
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_every_head_layout_gives_the_heads_logits(rows):
-    """``head_product`` in each layout against ``F.linear`` in fp64, on fresh random inputs;
-    the ``[D, V]`` layout needs its copy, an unknown layout is refused by name."""
+def test_the_head_product_gives_the_heads_logits_in_one_fixed_layout(rows):
+    """``HeadProduct`` against ``F.linear`` in fp64 on fresh random inputs, at every row count
+    the same layout (its ``[D, V]`` copy; no timing anywhere, so nothing but the inputs decides
+    the logits: the same bits on every call); ``begin`` takes the weight as it is then, ``end``
+    drops the copy, and a call outside them is an error."""
     gen = torch.Generator().manual_seed(rows)
     w_VD = torch.randn(37, 16, generator=gen, dtype=torch.float64)
     h_BD = torch.randn(rows, 16, generator=gen, dtype=torch.float64)
-    for layout in HEAD_LAYOUTS:
-        out = head_product(layout, h_BD, w_VD, w_VD.t().contiguous())
-        torch.testing.assert_close(out, h_BD @ w_VD.t(), rtol=1e-12, atol=1e-12)
-        assert out.shape == (rows, 37)
-    with pytest.raises(ValueError, match="needs weight_DV"):
-        head_product("dv", h_BD, w_VD)
-    with pytest.raises(ValueError, match="layout must be one of .* got 'dvx'"):
-        head_product("dvx", h_BD, w_VD)
-
-
-@pytest.mark.unit
-def test_head_product_tunes_each_row_count_by_median_and_copies_only_for_its_layout():
-    """``tune`` times every layout ``repeats`` times (a fake clock: ``linear`` 3, ``dv`` 2 with
-    one slow outlier of 100 a median ignores, ``vd`` 4 units) and keeps the least median;
-    ``begin`` tunes a row count once, then takes a fresh ``[D, V]`` copy per call, and only for
-    ``dv``; another row count is tuned on its own."""
-    cost = {"linear": [3.0] * 5, "dv": [2.0, 100.0, 2.0, 2.0, 2.0], "vd": [4.0] * 5}
-    ticks = []
-
-    def timer() -> float:  # calls alternate start/stop, layouts in HEAD_LAYOUTS order, repeat by repeat
-        n = len(ticks)
-        layout = HEAD_LAYOUTS[(n // 2) % len(HEAD_LAYOUTS)]
-        step = cost[layout][(n // (2 * len(HEAD_LAYOUTS))) % 5] if n % 2 else 0.0
-        ticks.append((ticks[-1] if ticks else 0.0) + step)
-        return ticks[-1]
-
-    head = HeadProduct(repeats=5, timer=timer)
-    head.FLUSH_BYTES = 1 << 12  # (the fake clock needs no cold cache)
-    w_VD = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
-    head.begin(w_VD, 2)
-    assert head.choice == {2: "dv"} and len(ticks) == 2 * 5 * len(HEAD_LAYOUTS)
-    assert head.weight_DV is not None and torch.equal(head.weight_DV, w_VD.t()) and head.weight_DV.is_contiguous()
-    h_BD = torch.randn(2, 8, generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(head(h_BD), h_BD @ w_VD.t())
-
-    w2_VD = w_VD + 1.0  # the weight changed between calls (an optimizer step): a new copy, no new timing
-    head.begin(w2_VD, 2)
-    assert len(ticks) == 30 and torch.equal(head.weight_DV, w2_VD.t())
-    torch.testing.assert_close(head(h_BD), h_BD @ w2_VD.t())
-
-    cost["dv"] = [5.0] * 5  # rows 4: linear is the fastest now, and no copy is taken
-    head.begin(w2_VD, 4)
-    assert head.choice == {2: "dv", 4: "linear"} and head.weight_DV is None and len(ticks) == 60
-    with pytest.raises(ValueError, match="repeats must be"):
-        HeadProduct(repeats=0)
+    head = HeadProduct()
+    with pytest.raises(RuntimeError, match="begin comes first"):
+        head(h_BD)
+    head.begin(w_VD)
+    assert head.weight_DV.is_contiguous() and torch.equal(head.weight_DV, w_VD.t())
+    out = head(h_BD)
+    torch.testing.assert_close(out, torch.nn.functional.linear(h_BD, w_VD), rtol=1e-12, atol=1e-12)
+    assert out.shape == (rows, 37) and all(torch.equal(head(h_BD), out) for _ in range(3))
+    w2_VD = w_VD + 1.0  # the weight changed between calls (an optimizer step): the next begin follows it
+    head.begin(w2_VD)
+    torch.testing.assert_close(head(h_BD), h_BD @ w2_VD.t(), rtol=1e-12, atol=1e-12)
+    head.end()
+    assert head.weight_DV is None
 
 
 @pytest.mark.unit
@@ -265,57 +239,56 @@ def test_compiled_generation_gives_the_eager_tokens(model):
 
 
 @pytest.mark.e2e
-def test_compiled_generation_follows_a_head_changed_between_calls_in_every_layout(model):
-    """On the CPU the compiled decoder multiplies the head itself, in the layout it measured
-    fastest; each layout (forced here) gives the eager loop's tokens, and after the head's
-    weight changes in place (as an optimizer step changes it) the next compiled call gives the
-    eager loop's new tokens, not the old ones: the ``[D, V]`` copy is taken per call (the
-    shapes are those of the test above: no new compilation)."""
+def test_compiled_generation_follows_a_head_changed_between_calls(model):
+    """On the CPU the compiled decoder multiplies the head itself (``HeadProduct``): it gives the
+    eager loop's tokens, and after the head's weight changes in place (as an optimizer step
+    changes it) the next compiled call gives the eager loop's new tokens, not the old ones: the
+    ``[D, V]`` copy is taken per call (the shapes are those of the test above: no new
+    compilation)."""
     decoder = compiled_decoder(model)
     assert decoder.head is not None
     before = generate(model, PROMPTS, 12, temperature=0).tokens  # 17 columns: capacity 32
     weight = model.lm_head.weight
     saved = weight.detach().clone()
     try:
-        for n, layout in enumerate(HEAD_LAYOUTS):
-            decoder.head.choice[len(PROMPTS)] = layout  # (as tuned: begin keeps a known row count's layout)
-            with torch.no_grad():
-                weight.copy_(saved)
-            assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == before, layout
+        assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == before
+        for n in range(2):
             with torch.no_grad():  # another head each time: the copy must follow every change
                 weight.copy_(saved.roll(7 + n, dims=0) + 0.1 * torch.randn(saved.shape, generator=torch.Generator().manual_seed(n)))
             eager = generate(model, PROMPTS, 12, temperature=0).tokens
             assert eager != before
-            assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == eager, layout
+            assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == eager
     finally:
         with torch.no_grad():
             weight.copy_(saved)
-        decoder.head.choice.pop(len(PROMPTS), None)
+    assert decoder.head.weight_DV is None  # dropped after each generation
     assert decoder.compilations == 2
 
 
 @pytest.mark.e2e
 def test_compiled_generation_multiplies_packed_experts_and_follows_experts_changed_between_calls(model, monkeypatch):
-    """On the CPU the compiled step's experts multiply packed copies of their weights (the
-    few-row kernel runs, twice per MoE layer and step) and give the eager loop's tokens; after
-    one layer's expert weights change through ``.data`` (as an EMA changes them: no version
-    moves) the next compiled call still runs the kernel and gives the eager loop's new tokens:
-    the packs are made again (the shapes are those of the tests above: no new compilation)."""
-    import moeflow.experts.lean as lean
-    import moeflow.kernels.packed_cpu as packed_cpu
-    from moeflow.layer.moe import moe_layers
+    """On the CPU a compiled generation's MoE layers compute with ``PackedCPUExperts`` in place
+    of their experts (the few-row kernel runs twice per MoE layer in the prefill and in every
+    step) and give the eager loop's tokens, and the experts are back afterwards; after one
+    layer's expert weights change through ``.data`` (as an EMA changes them: no version moves)
+    the next compiled call still runs the kernel and gives the eager loop's new tokens: the
+    packs are made again (the shapes are those of the tests above: no new compilation)."""
+    import moeflow.experts.packed as packed
 
     if packed_cpu._compiler() is None:
         pytest.skip("no C++ compiler: the compiled step multiplies the weights themselves")
     calls = []
-    real = lean.packed_grouped_mm
-    monkeypatch.setattr(lean, "packed_grouped_mm", lambda *a: calls.append(1) or real(*a))
-    per_call = 2 * len(moe_layers(model)) * 11  # 11 compiled steps after the prefill
+    real = packed.packed_grouped_mm
+    monkeypatch.setattr(packed, "packed_grouped_mm", lambda *a: calls.append(1) or real(*a))
+    experts = [layer.experts for layer in moe_layers(model)]
+    per_call = 2 * len(experts) * (1 + 11)  # the prefill (36 rows: few enough) and 11 compiled steps
     before = generate(model, PROMPTS, 12, temperature=0).tokens
     assert calls == []  # the eager loop multiplies the weights themselves
     assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == before
     assert len(calls) == per_call
-    w_in = moe_layers(model)[-1].experts.w_in
+    assert [layer.experts for layer in moe_layers(model)] == experts  # (the same objects, back in place)
+    assert all(isinstance(s, PackedCPUExperts) for s in compiled_decoder(model).stand_ins.values())
+    w_in = experts[-1].w_in
     saved = w_in.detach().clone()
     try:
         w_in.data.copy_(saved.roll(1, dims=0))  # the experts trade weights
@@ -393,3 +366,50 @@ def test_compiled_decode_outlives_dynamos_recompile_limit(model):
     assert compiled_decoder(fresh).compilations == 2
     assert one.tokens == generate(model, ONE, 3, temperature=0).tokens
     assert three.tokens == generate(model, PROMPTS, 3, temperature=0).tokens
+
+
+@pytest.mark.e2e
+def test_compiled_generation_follows_the_models_dtype_and_mode_between_calls():
+    """A compiled step is traced for the model's dtype and its modules' ``training`` flags,
+    which its inputs do not carry, and runs with dynamo's guards skipped: a compiled call after
+    ``model.to(dtype)`` failed ("Expected query, key, and value to have the same dtype": the
+    cache of the former dtype was reused), and one after ``model.train()`` replayed the eval
+    graph. One model (with an aux-loss-free router, whose balance counters ``load_counts`` grow
+    in training mode only) generates compiled in bf16, then after ``.float()`` (the eager fp32
+    tokens), then after ``.train()`` (the eager training-mode tokens and counts; the step's
+    warm-up leaves the counters alone), then in eval mode again (no new compilation); in fp64,
+    whose step cannot be one graph (the experts' loop backend reads counts on the host), it is
+    a clear error, not a dtype clash."""
+    torch.manual_seed(1)
+    m = small_gpt(max_seq_len=MAX_SEQ, router=RouterConfig(bias_update_rate=0.01)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else None
+    counters = [layer.router.load_counts for layer in moe_layers(m)]
+    n = 12  # PROMPTS: 17 columns, capacity 32
+    m.to(torch.bfloat16)
+    bf16 = generate(m, PROMPTS, n, temperature=0, compile=True).tokens
+    assert [len(r) for r in bf16] == [n] * 3
+    m.float()
+    assert generate(m, PROMPTS, n, temperature=0, compile=True).tokens == generate(m, PROMPTS, n, temperature=0).tokens
+
+    m.train()
+    runs = []
+    for compile in (False, True):
+        for c in counters:
+            c.zero_()
+        runs.append((generate(m, PROMPTS, n, temperature=0, compile=compile).tokens, [c.clone() for c in counters]))
+    (eager, eager_counts), (compiled, compiled_counts) = runs
+    assert compiled == eager
+    real = sum(len(r) for r in PROMPTS) + len(PROMPTS) * (n - 1)  # the prompts' tokens, then 3 rows a step
+    assert all(int(c.sum()) == 2 * real for c in eager_counts)  # each real token's k = 2 choices
+    assert all(torch.equal(a, b) for a, b in zip(compiled_counts, eager_counts))
+    decoder = compiled_decoder(m)
+    assert decoder.compilations == 3  # bf16, fp32, fp32 training: one shape each
+
+    m.eval()
+    assert generate(m, PROMPTS, n, temperature=0, compile=True).tokens == generate(m, PROMPTS, n, temperature=0).tokens
+    assert decoder.compilations == 3
+    m.double()
+    with pytest.raises(ValueError, match="does not compile as one graph"):
+        generate(m, PROMPTS, n, temperature=0, compile=True)

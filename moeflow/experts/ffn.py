@@ -28,7 +28,7 @@ from moeflow.kernels.activation import activate_reference as activate  # (a modu
 from moeflow.kernels.grouped_mm import GROUPED_MM_BACKENDS, resolve_grouped_mm_backend
 
 __all__ = ["Experts", "GroupedExperts", "ModuleExperts", "DenseFFN", "activate", "grouped_ffn", "mark_expert_parameters", "graph_zero",
-           "cut_hidden_slice", "join_hidden_slices", "autocast_cast", "lean_no_grad_applies"]
+           "cut_hidden_slice", "join_hidden_slices", "autocast_cast"]
 
 
 @runtime_checkable
@@ -220,14 +220,6 @@ class GroupedExperts(nn.Module):
             name = answers[key] = resolve_grouped_mm_backend(self.config.backend, device, dtype, dims)
         return name
 
-    def takes_lean_no_grad(self) -> bool:
-        """Whether this module's grouped calls that autograd records nothing for (a decode step)
-        run ``lean_ffn_no_grad`` (``grouped_ffn``'s rule, ``lean_no_grad_applies``, for this
-        module's config, biases and the backend its weights resolve to)."""
-        return lean_no_grad_applies(self.grouped_backend(self.w_in.device, self.w_in.dtype), self.config.activation,
-                                    recompute=self.config.recompute,
-                                    biased=self.b_in is not None or self.b_out is not None)
-
     def ffn_options(self) -> dict[str, object]:
         """The keyword arguments of ``grouped_ffn`` this module's config sets (activation,
         backend, recompute and its chunks). The expert-parallel strategies run the same FFN on
@@ -240,13 +232,6 @@ class GroupedExperts(nn.Module):
         cfg = self.config
         return _grouped_ffn(self.grouped_backend(x_RD.device, x_RD.dtype), x_RD, counts_E, w_in, w_out,  # type: ignore[arg-type]
                             b_in, b_out, cfg.activation, cfg.recompute, cfg.recompute_chunks)
-
-
-def lean_no_grad_applies(backend: str, activation: object, *, recompute: bool, biased: bool) -> bool:
-    """Whether ``grouped_ffn`` sends a call that autograd records nothing for (and not under
-    autocast) to ``lean_ffn_no_grad``: the resolved ``backend`` is ``"grouped_mm"``, no biases,
-    a named lean activation, no recompute."""
-    return backend == "grouped_mm" and not biased and activation in ACTIVATIONS and not recompute
 
 
 def grouped_ffn(
@@ -298,7 +283,8 @@ def _grouped_ffn(name: str, x_RD: torch.Tensor, counts_E: torch.Tensor, w_in_EDF
 
         return grouped_ffn_triton(x_RD, counts_E, w_in_EDF, w_out_EHD, activation=activation)
     biased = b_in_EF is not None or b_out_ED is not None
-    if (lean_no_grad_applies(name, activation, recompute=recompute, biased=biased)
+    # lean_ffn_no_grad: the two grouped products alone, where autograd has nothing to record
+    if (name == "grouped_mm" and not biased and activation in ACTIVATIONS and not recompute
             and not torch.is_autocast_enabled(x_RD.device.type)  # (lean turns it off inside)
             and not (torch.is_grad_enabled() and (x_RD.requires_grad or w_in_EDF.requires_grad or w_out_EHD.requires_grad))):
         return lean_ffn_no_grad(x_RD, w_in_EDF, w_out_EHD, counts_E, activation=activation)  # nothing to record

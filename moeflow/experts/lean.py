@@ -63,7 +63,6 @@ from moeflow.experts.weight_grads import (add_weight_grad_, expert_row_ranges, g
                                           no_grad_to_add, records_grad_mode, weight_grad_into)
 from moeflow.kernels.activation import ACTIVATIONS, activate, activate_backward_, activate_reference
 from moeflow.kernels.grouped_mm import grouped_mm_loop
-from moeflow.kernels.packed_cpu import packed_grouped_mm, packs_for
 
 __all__ = ["LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
 
@@ -336,9 +335,8 @@ def lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
     Under ``torch.compile`` it is one opaque op (``moeflow::lean_ffn_no_grad``, output
     ``[R, D]``): torch's fake implementation of ``F.grouped_mm`` accepts bf16 only, so a traced
     fp32 or fp16 call would fail; eager calls skip the op's dispatch (microseconds a decode
-    step pays per MoE block). Inside ``moeflow.kernels.packed_cpu.packs_in_use`` (the CPU's
-    compiled decode step) weights with packed copies there go through the few-row kernel
-    ``packed_grouped_mm`` instead: the same products, equal up to rounding (tests compare)."""
+    step pays per MoE block). (The CPU's compiled decode puts ``moeflow.experts.packed``'s
+    experts in place of the built-in ones for a generation; nothing here knows of them.)"""
     if torch.compiler.is_compiling():
         return _lean_ffn_no_grad_op(x_RD, w_in, w_out, counts_E, activation)
     return _lean_ffn_no_grad(x_RD, w_in, w_out, counts_E, activation)
@@ -346,10 +344,6 @@ def lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
 
 def _lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, counts_E: torch.Tensor,
                       activation: str) -> torch.Tensor:
-    packs = packs_for(w_in, w_out, x_RD.shape[0])
-    if packs is not None:  # a CPU compiled decode step: the few-row kernel over packed copies
-        h_RF = packed_grouped_mm(x_RD, packs[0], counts_E, w_in.shape[-1])
-        return packed_grouped_mm(activate_reference(h_RF, activation), packs[1], counts_E, w_out.shape[-1])
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     # the torch ops themselves: a decode step's few rows gain nothing from one more op's dispatch
     return F.grouped_mm(activate_reference(F.grouped_mm(x_RD, w_in, offs=offs_E), activation), w_out, offs=offs_E)

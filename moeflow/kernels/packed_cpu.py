@@ -8,45 +8,54 @@ the weight packed as ``[E, S, K, STRIP]`` (``pack_weight``): strip ``s`` holds c
 
 Why: a decode step multiplies a few rows per expert (16 rows over 8 experts at batch 8, top-2)
 by weights that come from memory, so the product is bound by how fast the weight streams. The
-BLAS GEMM copies its operand into its own blocked layout on every call; this kernel holds a strip's 16 columns of
-up to 6 rows in registers over the whole of ``K``, so each weight streams past once. On this
-project's 2-core AMD EPYC VM (fp32, ``bench/expert_products.py``: a decode step's expert FFN
-over four layers of weights, ``docs/benchmarks.md``) MKL's grouped GEMM read the weights at
-2.8-6.6 GiB/s at batch 1-16, the packed kernel at 6.1-11.5 GiB/s: 1.2-2.5x faster on one
-thread, 1.7-3.3x on two. The copy costs the packed weights' memory once more; the caller keeps
-it (``moeflow.models.compiled_decode``: per model, packed again at every generation).
+BLAS GEMM copies its operand into its own blocked layout on every call; this kernel holds a
+strip's 16 columns of up to 6 rows in registers over the whole of ``K``, so each weight streams
+past once (the measurements: ``docs/benchmarks.md``, ``bench/expert_products.py``). The copy
+costs the packed weights' memory once more; the caller keeps it
+(``moeflow.experts.packed.PackedCPUExperts``, packed again at every compiled generation).
 
-The kernel is C++ (``csrc/packed_grouped_mm.cpp``), built on first use with the host's C++
-compiler (the one inductor needs on the CPU anyway) for this CPU (``-march=native``, OpenMP),
-cached by source, compiler, flags and CPU in ``KERNEL_CACHE`` and loaded through ``ctypes``.
-fp32 only; any other dtype is the caller's to send elsewhere.
+The kernel is C++ (``csrc/packed_grouped_mm.cpp``, with a pybind11 binding), built on first use
+by ``torch.utils.cpp_extension.load`` with the host's C++ compiler (the one inductor needs on the
+CPU anyway) for this CPU (``-march=native``, OpenMP), in a directory of ``KERNEL_CACHE`` per
+source, compiler, flags, CPU, torch and Python (``cpp_extension``'s lock and ninja's up-to-date
+check make a second build, also by another process, a no-op). ``cpp_extension`` has no time
+limit, so the build runs in a child process that is killed with its compiler after
+``BUILD_TIMEOUT_S`` (all flag sets together); the parent loads the built module itself. Flag
+sets are tried in turn (``_FLAG_SETS``) until one both builds and loads; a directory whose build
+or load failed is removed. fp32 only; any other dtype is the caller's to send elsewhere.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import getpass
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
-import threading
+import time
+import types
 import warnings
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-__all__ = ["STRIP", "KERNEL_CACHE", "MAX_ROWS_PER_EXPERT", "PackedExperts", "packed_cpu_available", "pack_weight",
-           "packed_grouped_mm", "packs_in_use", "packs_for"]
+__all__ = ["STRIP", "KERNEL_CACHE", "BUILD_TIMEOUT_S", "MAX_ROWS_PER_EXPERT", "packed_cpu_available", "pack_weight",
+           "packed_grouped_mm"]
 
 STRIP = 16  # columns per strip of a packed weight (two 8-wide vectors of the kernel)
 SOURCE = Path(__file__).parent / "csrc" / "packed_grouped_mm.cpp"
+BUILD_TIMEOUT_S = 300.0  # the whole build, every flag set together: a compiler slower than that is stuck
+# ``moeflow.experts.packed`` sends calls of more rows per expert (on average) to the weights
+# themselves: the products are no longer few-row ones there (batch 256 at top-2 of 8 experts),
+# and a BLAS's blocking can win at such sizes on some CPUs (docs/benchmarks.md)
+MAX_ROWS_PER_EXPERT = 64
 
 
 def _user() -> str:
@@ -57,16 +66,15 @@ def _user() -> str:
 
 
 KERNEL_CACHE = Path(tempfile.gettempdir()) / f"moeflow_kernels_{_user()}"
-_FLAGS = (("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
-          ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17"),  # without OpenMP: one thread
-          ("-O3", "-shared", "-fPIC", "-std=c++17"))  # a compiler without -march=native: the base ISA
+# (compiler flags, linker flags), tried in this order until one set builds and loads
+_FLAG_SETS = ((("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),
+              (("-O3", "-march=native"), ()),  # without OpenMP: one thread
+              (("-O3",), ()))  # a compiler without -march=native: the base ISA
 _COMPILERS = ("g++", "c++", "clang++")  # GCC first: its OpenMP is the libgomp torch loads
-# ``packs_for`` answers None above this many rows per expert (batch 256 at top-2 of 8 experts):
-# the products are no longer few-row ones there. On the VM of the module docstring the packed
-# kernel still led at 64 rows per expert (1.3x on one thread, 1.7x on two) and at 128 (1.1x,
-# 1.3x); a BLAS's blocking can win at such sizes on other CPUs, so the limit keeps a margin
-MAX_ROWS_PER_EXPERT = 64
-_IN_USE = threading.local()  # .packs: this thread's {(w_in address, w_out address): PackedExperts}
+# what the child process runs: cpp_extension's build (its lock, ninja), argv: name source directory cflags ldflags
+_BUILD = ("import sys\nfrom torch.utils.cpp_extension import load\n"
+          "load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3], extra_cflags=sys.argv[4].split(),"
+          " extra_ldflags=sys.argv[5].split())\n")
 
 
 def _compiler() -> str | None:
@@ -92,14 +100,14 @@ def _cpu_name() -> str:
 @lru_cache(maxsize=None)
 def packed_cpu_available() -> bool:
     """Whether the kernel is built here (on the first call: a C++ compiler on the ``PATH`` builds
-    it, or a former build is loaded). A compiler that fails is reported once, as a
-    ``RuntimeWarning`` naming the error, and the answer is False: callers then multiply the
-    weights themselves (the same products)."""
+    it, or a former build is loaded). When no flag set builds and loads, that is reported once,
+    as a ``RuntimeWarning`` naming the errors, and the answer is False: callers then multiply the
+    weights themselves (``F.grouped_mm``: the same products)."""
     if _compiler() is None:
         return False
     try:
         _library()
-    except (RuntimeError, OSError) as err:  # the compiler's error, or the cache's or the loader's
+    except (RuntimeError, OSError) as err:  # the compiler's errors, the loader's, or the cache's
         warnings.warn(f"moeflow: the packed CPU kernel did not build, so compiled decode on the CPU multiplies the "
                       f"expert weights themselves: {err}", RuntimeWarning, stacklevel=2)
         return False
@@ -117,35 +125,101 @@ def _check_cache_dir() -> None:
                                f"writable by nobody else (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
 
 
+def _name(compiler: str, cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:
+    """The module's name, and its build directory's: one per source, compiler, flags, CPU
+    (``-march=native``), torch and Python (the binding links both)."""
+    parts = [SOURCE.read_bytes(), compiler.encode(), " ".join(cflags).encode(), " ".join(ldflags).encode(),
+             platform.machine().encode(), _cpu_name().encode(), torch.backends.cpu.get_cpu_capability().encode(),
+             torch.__version__.encode(), sys.version.encode()]
+    return "moeflow_packed_" + hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+
+
+def _build_in_child(compiler: str, name: str, directory: Path, cflags: tuple[str, ...], ldflags: tuple[str, ...],
+                    deadline: float) -> None:
+    """Run ``cpp_extension.load`` in a child process (its own session, so that its ninja and
+    compiler can be killed with it), for at most until ``deadline`` (``time.monotonic``)."""
+    cmd = [sys.executable, "-c", _BUILD, name, str(SOURCE), str(directory), " ".join(cflags), " ".join(ldflags)]
+    child = subprocess.Popen(cmd, env={**os.environ, "CXX": compiler}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = child.communicate(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        _kill_group(child)
+        raise RuntimeError(f"{compiler} {' '.join(cflags)}: the build did not finish within the "
+                           f"{BUILD_TIMEOUT_S:g} s of BUILD_TIMEOUT_S (killed)") from None
+    if child.returncode != 0:
+        raise RuntimeError(f"{compiler} {' '.join(cflags)}: {out.strip()[-2000:]}")
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """Kill ``child`` and everything it started, then reap it. ninja runs each command in a
+    process group of its own (so the child's group does not hold the compiler) and stops them
+    when signalled: the group gets ``SIGTERM``, then ``SIGKILL``, and on Linux whatever of the
+    child's session is left (the compiler's group) gets ``SIGKILL`` too."""
+    if not hasattr(os, "killpg"):
+        child.kill()
+        child.communicate()
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
+    for pid in _session(child.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    child.communicate()
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (Linux ``/proc``; elsewhere none are found)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = entry.read_text().rsplit(")", 1)[1].split()  # (after the command's name)
+            if int(fields[3]) == sid:
+                found.append(int(entry.parent.name))
+    return found
+
+
+def _load(name: str, path: Path) -> types.ModuleType:
+    """Import the built extension module at ``path``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a loadable extension module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @lru_cache(maxsize=None)
-def _library() -> ctypes.CDLL:
-    """The built kernel, compiled once per source, compiler, flags and CPU (and cached on disk)."""
+def _library() -> types.ModuleType:
+    """The built kernel's module: the first flag set that builds and loads (module docstring)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError(f"the packed CPU kernel needs a C++ compiler on the PATH (one of {list(_COMPILERS)})")
-    source = SOURCE.read_bytes()
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
     errors = []
-    for flags in _FLAGS:
-        key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
-                                         platform.machine().encode(), _cpu_name().encode(),
-                                         torch.backends.cpu.get_cpu_capability().encode()])).hexdigest()[:20]
-        path = KERNEL_CACHE / f"packed_grouped_mm_{key}.so"
-        _check_cache_dir()
-        if not path.exists():
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=KERNEL_CACHE)
-            os.close(fd)
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-            if done.returncode != 0:
-                os.unlink(tmp)
-                errors.append(f"{compiler} {' '.join(flags)}: {done.stderr.strip()[-2000:]}")
-                continue
-            os.replace(tmp, path)  # atomic: processes building at once each publish a whole file
-        lib = ctypes.CDLL(str(path))
-        lib.moeflow_packed_grouped_mm.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        lib.moeflow_packed_grouped_mm.restype = None
-        return lib
+    for cflags, ldflags in _FLAG_SETS:
+        name = _name(compiler, cflags, ldflags)
+        directory = KERNEL_CACHE / name
+        library = directory / f"{name}.so"
+        try:
+            _check_cache_dir()
+            # built before, and no build under way (cpp_extension's lock): load it; else build
+            # (the child waits on the lock of a build under way, then finds it done)
+            if not library.exists() or (directory / "lock").exists():
+                directory.mkdir(mode=0o700, exist_ok=True)
+                _build_in_child(compiler, name, directory, cflags, ldflags, deadline)
+            return _load(name, library)
+        except (RuntimeError, ImportError, OSError) as err:
+            errors.append(str(err))
+            if directory.exists():  # a failed build or a library that does not load is not kept
+                shutil.rmtree(directory, ignore_errors=True)
+            if time.monotonic() >= deadline:
+                break
     raise RuntimeError("building the packed CPU kernel failed:\n" + "\n".join(errors))
 
 
@@ -174,7 +248,7 @@ def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.
     """``[R, n]``: ``x_RK``'s rows of expert ``e`` (``counts_E[e]`` of them, in expert order)
     times expert ``e``'s weight, packed by ``pack_weight`` from ``[E, K, n]``; rows past
     ``counts_E.sum()`` are zeros. fp32 CPU tensors; the product itself runs outside torch, on
-    ``torch.get_num_threads()`` OpenMP threads."""
+    ``torch.get_num_threads()`` OpenMP threads (the kernel is built on the first call)."""
     if x_RK.dtype != torch.float32 or x_RK.device.type != "cpu" or x_RK.dim() != 2:
         raise ValueError(f"x_RK must be a 2-d fp32 CPU tensor, got {x_RK.dtype} {tuple(x_RK.shape)} on {x_RK.device}")
     if w_ESKP.dim() != 4 or w_ESKP.shape[-1] != STRIP or w_ESKP.shape[2] != x_RK.shape[1] \
@@ -191,68 +265,6 @@ def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.
     counts = counts_E.to(torch.int64).contiguous()
     y_RN = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     if x.shape[0] and n:
-        _library().moeflow_packed_grouped_mm(x.data_ptr(), x.shape[0], x.shape[1], w_ESKP.data_ptr(), E, n,
-                                             counts.data_ptr(), y_RN.data_ptr(), torch.get_num_threads())
+        _library().packed_grouped_mm(x.data_ptr(), x.shape[0], x.shape[1], w_ESKP.data_ptr(), E, n,
+                                     counts.data_ptr(), y_RN.data_ptr(), torch.get_num_threads())
     return y_RN
-
-
-def _identity(w: torch.Tensor) -> tuple:
-    """What tells a weight apart without holding it: address, shape, strides and version counter
-    (None for inference tensors, which keep none). A write through ``.data`` or numpy moves no
-    version, which is why ``ExpertPacks`` packs again on every generation."""
-    return (w.data_ptr(), tuple(w.shape), w.stride(), None if w.is_inference() else w._version)
-
-
-@dataclass(frozen=True)
-class PackedExperts:
-    """The packs (``pack_weight``) of one expert FFN's weights (``w_in [E, D, F]``, ``w_out
-    [E, H, D]``) and what identifies those weights as they were packed (``_identity``): no
-    reference to the weights, so packs never keep a replaced or cast weight alive. ``matches``
-    tells whether given weights are these, unchanged as far as their version counters tell."""
-
-    packed_in: torch.Tensor
-    packed_out: torch.Tensor
-    identity: tuple[tuple, tuple]
-
-    @staticmethod
-    def of(w_in: torch.Tensor, w_out: torch.Tensor, reuse: PackedExperts | None = None) -> PackedExperts:
-        """Pack both weights as they are now, into ``reuse``'s packs where the shapes allow (no
-        new memory: ~9 ms for the 48 MiB of the bench model's experts on this project's VM)."""
-        w_in, w_out = w_in.detach(), w_out.detach()
-        fits = reuse is not None and reuse.identity[0][1] == tuple(w_in.shape) \
-            and reuse.identity[1][1] == tuple(w_out.shape)
-        return PackedExperts(pack_weight(w_in, out=reuse.packed_in if fits else None),  # type: ignore[union-attr]
-                             pack_weight(w_out, out=reuse.packed_out if fits else None),  # type: ignore[union-attr]
-                             (_identity(w_in), _identity(w_out)))
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return self.identity[0][0], self.identity[1][0]
-
-    def matches(self, w_in: torch.Tensor, w_out: torch.Tensor) -> bool:
-        return (_identity(w_in), _identity(w_out)) == self.identity
-
-
-@contextmanager
-def packs_in_use(packs: Iterable[PackedExperts]) -> Iterator[None]:
-    """Within the block (in this thread), ``packs_for`` finds the packs of ``packs``' weights.
-    What ``moeflow.models.compiled_decode`` wraps each CPU decode step in; nothing else sees packs."""
-    before = getattr(_IN_USE, "packs", None)
-    _IN_USE.packs = {p.key: p for p in packs}
-    try:
-        yield
-    finally:
-        _IN_USE.packs = before
-
-
-def packs_for(w_in: torch.Tensor, w_out: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The packs ``(packed_in, packed_out)`` of ``packs_in_use`` for these weights, when they
-    still match them (``PackedExperts.matches``) and ``rows`` is at most ``MAX_ROWS_PER_EXPERT``
-    times the experts (on average per expert); else None."""
-    packs = getattr(_IN_USE, "packs", None)
-    if not packs:
-        return None
-    entry = packs.get((w_in.data_ptr(), w_out.data_ptr()))
-    if entry is None or rows > MAX_ROWS_PER_EXPERT * w_in.shape[0] or not entry.matches(w_in, w_out):
-        return None
-    return entry.packed_in, entry.packed_out

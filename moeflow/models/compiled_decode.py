@@ -9,15 +9,22 @@ batch (their extra tokens are cut afterwards) instead of leaving it; and stop to
 checked on the device, the host reading whether every row has stopped once every
 ``STOP_CHECK_EVERY`` steps (the eager loop reads every step's tokens). A step has no host
 synchronisation (``tests/test_models_generation_compiled.py`` checks it); sampling runs eagerly
-between steps. On the CPU the head's product runs after the compiled graph, in the layout
-measured fastest for the batch size on this machine (``HeadProduct``: the logits equal up to
-rounding), inductor writes the graph's wrapper in C++ (``cpp_wrapper``: the kernels and
-the expert op are called without a Python line between them; 3.5-8.5% less time a step on
-this project's 2-core VM, for ~30% longer compilation), and the experts multiply packed copies
-of their fp32 weights with a few-row kernel (``ExpertPacks``, ``moeflow.kernels.packed_cpu``:
-the BLAS runs a step's few-row expert products far below the memory's rate; 30-42% less time a
-step at batch 8 there; equal up to rounding). Past ``max_seq_len`` the window
-slides as in the eager loop (those steps run eagerly: each re-runs the window).
+between steps. Past ``max_seq_len`` the window slides as in the eager loop (those steps run
+eagerly: each re-runs the window).
+
+On the CPU three more things, each equal up to rounding: the head's product runs after the
+compiled graph in one fixed layout (``HeadProduct``); inductor writes the graph's wrapper in
+C++ (``cpp_wrapper``: the kernels and the expert op are called without a Python line between
+them); and for the length of each generation every MoE layer whose experts ``packable``
+accepts computes with a ``PackedCPUExperts`` in their place (packed copies of the fp32 expert
+weights and a few-row kernel: ``moeflow.experts.packed``), put back in a ``finally``.
+
+A compiled step runs with dynamo's guards skipped (``skip_guard_eval_unsafe``), so what it was
+traced for must hold whenever it runs: the caches are kept per shape *and* per the state the
+step was traced in (the model's dtype, every module's ``training`` flag, which layers have
+packed experts: ``_traced_state``), a new state warming up (and compiling) before its first
+step, and the first step of every generation runs the guards in full, catching any other
+change (a parameter replaced by one of another shape, say) by recompiling.
 
 Legend: ``B`` rows, ``S`` columns, ``V`` vocabulary, ``D`` model width.
 """
@@ -25,19 +32,19 @@ Legend: ``B`` rows, ``S`` columns, ``V`` vocabulary, ``D`` model width.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
-from moeflow.checks import _int
-from moeflow.kernels.packed_cpu import PackedExperts, packed_cpu_available, packs_in_use
+from moeflow.dispatch import LocalDispatcher
+from moeflow.experts import GroupedExperts
+from moeflow.experts.packed import PackedCPUExperts, packable
+from moeflow.kernels.packed_cpu import packed_cpu_available
+from moeflow.layer.moe import moe_layers
 from moeflow.models.decoding import Generation, SamplingConfig, _check_prompts, _left_padded, _prefill, sample_next
 
-__all__ = ["CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct", "head_product", "HEAD_LAYOUTS",
-           "ExpertPacks", "generate_compiled"]
+__all__ = ["CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct", "generate_compiled"]
 
 STOP_CHECK_EVERY = 8  # compiled decode: steps between the host's looks at whether every row stopped
 _WARM_UPS = 0  # shapes warmed up by every CompiledDecoder of this process (each adds at most one graph)
@@ -49,167 +56,129 @@ def _bucket(columns: int, max_seq_len: int) -> int:
     return min(max_seq_len, max(16, 1 << max(0, columns - 1).bit_length()))
 
 
-HEAD_LAYOUTS = ("linear", "dv", "vd")  # HeadProduct's ways of multiplying the head
-
-
-def head_product(layout: str, h_BD: torch.Tensor, weight_VD: torch.Tensor,
-                 weight_DV: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits ``[B, V] = h [B, D] W^T`` of a bias-free head ``W [V, D]`` in one of
-    ``HEAD_LAYOUTS``: ``"linear"`` ``F.linear(h, W)`` (what ``nn.Linear`` runs), ``"dv"``
-    ``h @ W_DV`` (``weight_DV``: a contiguous ``[D, V]`` copy of ``W``), ``"vd"`` ``(W h^T)^T``
-    (a transposed view). The same sums in another order: equal up to rounding."""
-    if layout == "linear":
-        return F.linear(h_BD, weight_VD)
-    if layout == "dv":
-        if weight_DV is None:
-            raise ValueError("head_product('dv', ...) needs weight_DV, the [D, V] copy of the head's weight")
-        return h_BD @ weight_DV
-    if layout == "vd":
-        return (weight_VD @ h_BD.t()).t()
-    raise ValueError(f"layout must be one of {HEAD_LAYOUTS}, got {layout!r}")
-
-
 class HeadProduct:
-    """The output projection of the CPU's compiled decode step, in whichever of
-    ``HEAD_LAYOUTS`` is fastest for ``B`` rows on this machine (``head_product``).
+    """The output projection of the CPU's compiled decode step: logits ``[B, V] = h [B, D] @
+    W_DV``, over a contiguous ``[D, V]`` copy of the head's weight ``W [V, D]``.
 
-    A decode step's head product has a few rows and a weight ``[V, D]`` that comes from memory,
-    and the BLAS runs it at very different speeds by layout, rows and CPU: measured on this
-    project's VMs (``docs/benchmarks.md``), ``"dv"`` took ~2/3 of ``"linear"``'s time at 8 rows
-    on an Intel Xeon, and on an AMD EPYC ~1/2 at 1 row but ~6/5 at 8 rows, where ``"vd"`` was
-    fastest. So the layout of each row count is measured once, on the model's own weight
-    (``tune``: each layout timed ``repeats`` times, the cache flushed before each, the median
-    taken; ``timer`` is the clock). ``begin`` starts a generation: it takes the weight and,
-    when the layout needs one, a fresh ``[D, V]`` copy, so the product follows the weight
-    through training between calls; the copy costs the head's memory once more while that
-    generation runs."""
-
-    FLUSH_BYTES = 64 << 20  # read before each timing: the weight comes from memory, as in a step
-
-    def __init__(self, *, repeats: int = 5, timer: Callable[[], float] = time.perf_counter) -> None:
-        _int("repeats", repeats, minimum=1)
-        self.repeats, self.timer = repeats, timer
-        self.choice: dict[int, str] = {}  # rows -> layout
-        self.weight_VD: torch.Tensor | None = None
-        self.weight_DV: torch.Tensor | None = None
-
-    def begin(self, weight_VD: torch.Tensor, rows: int) -> None:
-        """Before a generation of ``rows`` rows with head weight ``weight_VD``: tune ``rows``
-        if it is new, then keep the weight (and its ``[D, V]`` copy where the layout needs it)."""
-        self.weight_VD = weight_VD.detach()
-        if rows not in self.choice:
-            self.choice[rows] = self.tune(rows)
-        self.weight_DV = self.weight_VD.t().contiguous() if self.choice[rows] == "dv" else None
-
-    def tune(self, rows: int) -> str:
-        """The fastest layout for ``rows`` rows with the weight of ``begin``."""
-        assert self.weight_VD is not None
-        w = self.weight_VD
-        gen = torch.Generator(device=w.device).manual_seed(0)  # the caller's random stream is left alone
-        h_BD = torch.randn(rows, w.shape[1], generator=gen, device=w.device, dtype=w.dtype)
-        w_DV = w.t().contiguous()
-        flush = torch.ones(self.FLUSH_BYTES // 4, dtype=torch.float32, device=w.device)
-        times: dict[str, list[float]] = {layout: [] for layout in HEAD_LAYOUTS}
-        for _ in range(self.repeats):
-            for layout in HEAD_LAYOUTS:
-                flush.sum()
-                t0 = self.timer()
-                head_product(layout, h_BD, w, w_DV)
-                times[layout].append(self.timer() - t0)
-        return min(HEAD_LAYOUTS, key=lambda layout: sorted(times[layout])[self.repeats // 2])
-
-    def __call__(self, h_BD: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` of the normed hidden states ``h [B, D]`` (after ``begin``)."""
-        assert self.weight_VD is not None, "HeadProduct.begin comes first"
-        return head_product(self.choice[h_BD.shape[0]], h_BD, self.weight_VD, self.weight_DV)
-
-
-class ExpertPacks:
-    """Packed copies of the expert weights of a CPU compiled decode step
-    (``moeflow.kernels.packed_cpu``): its experts multiply a few rows each by weights that come
-    from memory, which the BLAS runs far below the memory's rate and the packed few-row kernel
-    near it (``docs/benchmarks.md``). ``refresh`` (at the start of every compiled generation)
-    packs every MoE layer whose experts take the no-grad grouped path in fp32
-    (``GroupedExperts.takes_lean_no_grad``) from the weights as
-    they are then, into the packs of the generation before where the shapes allow: always, since
-    a write through ``.data`` (an EMA, older training code) changes a weight without a trace;
-    about two passes over the expert weights (~9 ms for the bench model's 48 MiB on this
-    project's VM), counted in the prefill. ``in_use`` is the context each step runs in. The packs
-    cost those weights' memory once more while the model's decoder lives (``clear`` gives it back
-    until the next generation); they hold no reference to the weights. Where the kernel does not
-    build (``packed_cpu_available``), nothing is packed."""
+    One layout for every batch size and machine, chosen by a fixed rule (never by timing it),
+    so the logits depend on the inputs alone: layouts sum in different orders, and a layout
+    picked by a clock could make greedy tokens depend on the machine's load. This one because a
+    decode step's head product has a few rows and a weight that comes from memory, which the
+    BLAS ran faster from the ``[D, V]`` copy than through ``F.linear`` at a few rows on the
+    CPUs measured (``docs/benchmarks.md``). ``begin`` takes the copy from the weight as it is
+    (so the product follows the weight through training between calls): the head's memory
+    once more while a generation runs; ``end`` drops it."""
 
     def __init__(self) -> None:
-        self.packs: dict[int, PackedExperts] = {}  # MoE layer (its index in moe_layers) -> packs
+        self.weight_DV: torch.Tensor | None = None
 
-    @staticmethod
-    def _packable(experts) -> bool:  # type: ignore[no-untyped-def]
-        """The experts' no-grad calls run ``lean_ffn_no_grad``, on fp32 CPU weights (the kernel's)."""
-        from moeflow.experts import GroupedExperts
+    def begin(self, weight_VD: torch.Tensor) -> None:
+        """Before a generation: the ``[D, V]`` copy of the head's weight as it is now."""
+        self.weight_DV = weight_VD.detach().t().contiguous()
 
-        return (isinstance(experts, GroupedExperts) and experts.takes_lean_no_grad()
-                and experts.w_in.dtype == experts.w_out.dtype == torch.float32
-                and experts.w_in.device.type == experts.w_out.device.type == "cpu")
+    def end(self) -> None:
+        """After a generation: drop the copy."""
+        self.weight_DV = None
 
-    def refresh(self, model) -> None:  # type: ignore[no-untyped-def]
-        """Pack the experts of ``model``'s MoE layers as they are now (drop the packs of others)."""
-        from moeflow.layer.moe import moe_layers
-
-        packable = {i: layer.experts for i, layer in enumerate(moe_layers(model)) if self._packable(layer.experts)}
-        for i in [i for i in self.packs if i not in packable]:
-            del self.packs[i]
-        if packable and packed_cpu_available():  # (the kernel is built on the first such call)
-            for i, experts in packable.items():
-                self.packs[i] = PackedExperts.of(experts.w_in, experts.w_out, reuse=self.packs.get(i))
-
-    def clear(self) -> None:
-        """Drop the packs (their memory) until the next ``refresh``."""
-        self.packs.clear()
-
-    def in_use(self):  # type: ignore[no-untyped-def]
-        """The context a step runs in: the packs are found by the experts' no-grad products."""
-        return packs_in_use(self.packs.values())
+    def __call__(self, h_BD: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, V]`` of the normed hidden states ``h [B, D]`` (between ``begin`` and ``end``)."""
+        if self.weight_DV is None:
+            raise RuntimeError("HeadProduct.begin comes first: it takes the head's weight")
+        return h_BD @ self.weight_DV
 
 
-def _tunes_head(model) -> bool:  # type: ignore[no-untyped-def]
+def _head_outside(model) -> bool:  # type: ignore[no-untyped-def]
     """Whether the compiled step leaves the head to a ``HeadProduct`` (a plain bias-free
     ``nn.Linear`` head on the CPU; on CUDA the head stays inside the graph CUDA graphs replay)."""
     head = model.lm_head
     return model.embed.weight.device.type == "cpu" and type(head) is torch.nn.Linear and head.bias is None
 
 
+def _traced_state(model, packed: tuple[int, ...]) -> tuple:  # type: ignore[no-untyped-def]
+    """What a compiled step depends on besides its shapes and is not read from its inputs each
+    call: the model's dtype, every module's ``training`` flag (dropout, router noise and
+    balance counters), and the MoE layers whose experts are packed (``packed``)."""
+    return model.embed.weight.dtype, tuple(m.training for m in model.modules()), packed
+
+
 class CompiledDecoder:
     """One model's compiled static decode step (``MoEGPT.decode_step`` through
     ``torch.compile(fullgraph=True)``, with CUDA graphs on CUDA) and the caches it runs on.
 
-    A cache per batch size and capacity is kept and reused by later calls (zeroed each time):
-    CUDA graphs replay on fixed addresses, and the cache is what the step writes. At most
-    ``max_caches`` are kept (the least recently used go). ``compilations`` counts the shapes
-    prepared so far (each compiled and warmed up on first use, before any timing).
+    A cache per batch size, capacity and traced state (``_traced_state``) is kept and reused by
+    later calls (zeroed each time): CUDA graphs replay on fixed addresses, and the cache is what
+    the step writes. At most ``max_caches`` are kept (the least recently used go).
+    ``compilations`` counts the shapes and states prepared so far (each compiled and warmed up
+    on first use, before any timing).
 
     On the CPU, with a plain ``nn.Linear`` head, the compiled graph is ``MoEGPT.decode_hidden``
-    and the head's product runs after it through ``head`` (a ``HeadProduct``: the layout fastest
-    for the rows on this machine); elsewhere the graph is the whole ``decode_step``. On the CPU
-    the graph's wrapper is C++ (inductor's ``cpp_wrapper``) and the experts multiply packed
-    copies of their weights (``experts``, an ``ExpertPacks``; None on CUDA); on CUDA, CUDA
-    graphs replay the step, so no wrapper code runs per step."""
+    and the head's product runs after it through ``head`` (a ``HeadProduct``); elsewhere the
+    graph is the whole ``decode_step``. On the CPU the graph's wrapper is C++ (inductor's
+    ``cpp_wrapper``) and ``generation`` puts packed experts in place (``stand_ins``, one per MoE
+    layer index, kept between generations so that the compiled step reads the same buffers,
+    packed again each time); on CUDA, CUDA graphs replay the step, so no wrapper code runs per
+    step. While a generation runs, the model's packed layers hold stand-ins instead of their
+    experts: the model must not be used by another thread then."""
 
     def __init__(self, model, *, max_caches: int = 4) -> None:  # type: ignore[no-untyped-def]
         self.device = model.embed.weight.device
         self.cuda = self.device.type == "cuda"
-        self.head = HeadProduct() if _tunes_head(model) else None
-        self.experts = ExpertPacks() if self.device.type == "cpu" else None
+        self.head = HeadProduct() if _head_outside(model) else None
+        self.stand_ins: dict[int, PackedCPUExperts] = {}  # MoE layer index -> its packed experts (CPU)
         self.step = torch.compile(model.decode_step if self.head is None else model.decode_hidden,
                                   fullgraph=True, dynamic=False, mode="reduce-overhead" if self.cuda else None,
                                   options={"cpp_wrapper": True} if self.device.type == "cpu" else None)
-        self.caches: dict[tuple[int, int], object] = {}
+        self.caches: dict[tuple, object] = {}
         self.max_caches = max_caches
         self.compilations = 0
+        self.state: tuple | None = None  # the traced state of the generation under way
+
+    @contextlib.contextmanager
+    def generation(self, model) -> Iterator[None]:  # type: ignore[no-untyped-def]
+        """The length of one generation: on the CPU, packed experts in place of every MoE layer's
+        experts that ``packable`` accepts (packed from the weights as they are now; where the
+        kernel does not build, none) and the head's weight as it is now; all put back, and the
+        head's copy dropped, on the way out, whatever happens inside."""
+        swapped: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        try:
+            packed = self._pack(model, swapped) if self.device.type == "cpu" else ()
+            if self.head is not None:
+                self.head.begin(model.lm_head.weight)
+            self.state = _traced_state(model, packed)
+            yield
+        finally:
+            self.state = None
+            for layer, experts in reversed(swapped):
+                layer.experts = experts
+            if self.head is not None:
+                self.head.end()
+
+    def _pack(self, model, swapped: list) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+        """Put a ``PackedCPUExperts`` in place of each packable layer's experts (recording the
+        swaps in ``swapped``); the indices of those layers."""
+        layers = moe_layers(model)
+        wanted = [i for i, layer in enumerate(layers) if packable(layer.experts)]
+        for i in [i for i in self.stand_ins if i not in wanted]:
+            del self.stand_ins[i]  # (its memory)
+        if not wanted or not packed_cpu_available():  # (the kernel is built on the first such call)
+            return ()
+        for i in wanted:
+            experts = layers[i].experts
+            stand_in = self.stand_ins.get(i)
+            if stand_in is None:
+                stand_in = self.stand_ins[i] = PackedCPUExperts(experts)
+            else:
+                stand_in.repack(experts)
+            swapped.append((layers[i], experts))
+            layers[i].experts = stand_in
+        return tuple(wanted)
 
     def cache(self, model, pad_B: torch.Tensor, capacity: int):  # type: ignore[no-untyped-def]
         """A zeroed cache of ``capacity`` columns for these rows (``pad_B``), with the step
-        compiled and warmed up for its shape."""
-        key = (pad_B.shape[0], capacity)
+        compiled and warmed up for its shape and the traced state (inside ``generation``)."""
+        if self.state is None:
+            raise RuntimeError("CompiledDecoder.cache runs inside CompiledDecoder.generation")
+        key = (pad_B.shape[0], capacity, self.state)
         cache = self.caches.pop(key, None)
         if cache is None:
             cache = model.new_cache(pad_B, capacity, zeroed=True)
@@ -217,7 +186,7 @@ class CompiledDecoder:
                 for t in (*cache.k, *cache.v):
                     torch._dynamo.mark_static_address(t)
             try:
-                self._warm_up(cache, pad_B)
+                self._warm_up(model, cache, pad_B)
             except torch._dynamo.exc.TorchDynamoException as err:  # e.g. a host read in a custom layer
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise ValueError(f"compile=True: this model's decode step does not compile as one graph ({first}); "
@@ -230,51 +199,62 @@ class CompiledDecoder:
         self.caches[key] = cache  # the most recently used last
         return cache
 
-    def _warm_up(self, cache, pad_B: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
-        """Compile (where no graph of this shape exists yet) and run the step once per needed call.
-
-        Dynamo keeps at most ``recompile_limit`` (8) graphs of one function and, under
-        ``fullgraph=True``, fails past it; the step's function gets one graph per model, batch
-        size and capacity, so a process serving its ninth shape would fail. The limit is raised,
-        for these calls only, by the shapes every decoder of this process warmed up."""
-        global _WARM_UPS
-        _WARM_UPS += 1
+    def _warm_up(self, model, cache, pad_B: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+        """Compile (where no graph of this shape and state exists yet) and run the step once per
+        needed call, guards evaluated; the model's buffers (a router's balance counters, which a
+        step in training mode adds to) and the cache are as before afterwards."""
         tokens_B = torch.zeros(cache.batch, dtype=torch.long, device=self.device)
         pos = torch.zeros((), dtype=torch.long, device=self.device)
-        config = torch._dynamo.config
-        limit = config.recompile_limit + _WARM_UPS
-        with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit,
-                                                                                  limit)):
+        saved = [(b, b.clone()) for m in model.modules() if not isinstance(m, PackedCPUExperts)
+                 for b in m.buffers(recurse=False)]
+        with _recompile_room(warm_up=True):
             for _ in range(3 if self.cuda else 1):  # CUDA graphs record on the second or third call
                 self.mark_step()
                 self.step(tokens_B, pos, cache)
+        with torch.no_grad():
+            for b, before in saved:
+                b.copy_(before)
         cache.reset(pad_B)
 
-    def begin(self, model, rows: int) -> None:  # type: ignore[no-untyped-def]
-        """Before a generation of ``rows`` rows: the head's weight as it is now (``HeadProduct``)
-        and the experts' packed weights as they are now (``ExpertPacks``, on the CPU)."""
-        if self.head is not None:
-            self.head.begin(model.lm_head.weight, rows)
-        if self.experts is not None:
-            self.experts.refresh(model)
-
-    def run(self, next_B: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def run(self, next_B: torch.Tensor, pos: torch.Tensor, cache, *,  # type: ignore[no-untyped-def]
+            guarded: bool = False) -> torch.Tensor:
         """Logits ``[B, V]`` of one compiled step (and the head's product where the decoder
-        runs it: after ``begin``) on a cache this decoder prepared (``cache``), skipping dynamo's
-        full guard check (``skip_guard_eval_unsafe``: only the guards that tell this decoder's
-        compiled shapes apart run; ~0.2 ms of a ~2.5 ms CPU step). That is safe here because
-        every input comes from ``cache`` and the generation loop: the same model, tensors of
-        the compiled shapes, dtypes and devices."""
+        runs it) on a cache this decoder prepared (``cache``), inside ``generation``. Dynamo's
+        guards are skipped (``skip_guard_eval_unsafe``: only those that tell this decoder's
+        compiled graphs apart run) unless ``guarded`` (the first step of every generation: a
+        change the traced state does not name recompiles there, not silently runs a stale
+        graph). Within a generation every input comes from ``cache``, the generation loop and
+        the model as ``generation`` left it: the tensors of the compiled shapes, dtypes and
+        devices."""
         self.mark_step()
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True), \
-                (self.experts.in_use() if self.experts is not None else contextlib.nullcontext()):
-            out = self.step(next_B, pos, cache)
+        if guarded:
+            with _recompile_room(warm_up=False):
+                out = self.step(next_B, pos, cache)
+        else:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                out = self.step(next_B, pos, cache)
         return out if self.head is None else self.head(out)
 
     def mark_step(self) -> None:
         """Tell CUDA graphs a new step begins (the previous step's outputs were consumed)."""
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
+
+
+@contextlib.contextmanager
+def _recompile_room(*, warm_up: bool) -> Iterator[None]:
+    """Dynamo keeps at most ``recompile_limit`` (8) graphs of one function and, under
+    ``fullgraph=True``, fails past it; the step's function gets one graph per model, batch
+    size, capacity and traced state, so a process serving its ninth would fail. The limit is
+    raised, for the decoders' own calls only, by the warm-ups of every decoder of this process
+    (``warm_up``: this call is one more), and by one for the guarded first step of a
+    generation, which recompiles where something changed that the traced state does not name."""
+    global _WARM_UPS
+    _WARM_UPS += warm_up
+    config = torch._dynamo.config
+    limit = config.recompile_limit + _WARM_UPS + 1
+    with config.patch(recompile_limit=limit, accumulated_recompile_limit=max(config.accumulated_recompile_limit, limit)):
+        yield
 
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -285,7 +265,7 @@ def compiled_decoder(model) -> CompiledDecoder:  # type: ignore[no-untyped-def]
     anew when the model moved to another device or its head changed kind)."""
     decoder = _DECODERS.get(model)
     if (decoder is None or decoder.device != model.embed.weight.device
-            or (decoder.head is not None) != _tunes_head(model)):
+            or (decoder.head is not None) != _head_outside(model)):
         decoder = _DECODERS[model] = CompiledDecoder(model)
     return decoder
 
@@ -295,10 +275,6 @@ def _check_compilable(model) -> None:  # type: ignore[no-untyped-def]
     one graph: every MoE layer needs the built-in grouped experts and a local dispatcher (an
     expert store moves experts on the host between steps, an expert-parallel dispatcher runs
     collectives, ``ModuleExperts`` read their group sizes on the host)."""
-    from moeflow.dispatch import LocalDispatcher
-    from moeflow.experts import GroupedExperts
-    from moeflow.layer.moe import moe_layers
-
     for i, layer in enumerate(moe_layers(model)):
         if not isinstance(layer.experts, GroupedExperts) or not isinstance(layer.dispatcher, LocalDispatcher):
             raise ValueError(f"compile=True needs every MoE layer to hold GroupedExperts with a LocalDispatcher; MoE "
@@ -327,47 +303,51 @@ def generate_compiled(model, prompts, max_new_tokens: int, sampling: SamplingCon
     capacity = min(S, P + max_new_tokens - 1)  # columns ever fed, as in the eager loop
     start = max(0, P - S)  # a prompt longer than the window is cut to its last S columns
     decoder = compiled_decoder(model)
-    cache = decoder.cache(model, (pad_B - start).clamp(min=0), _bucket(capacity, S))
     stop = torch.tensor(sorted(sampling.eos), dtype=torch.long, device=device) if sampling.eos else None
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
     steps: list[torch.Tensor] = []
 
     _sync(device)
-    t0 = clock()
-    decoder.begin(model, B)  # the head's weight now (a [D, V] copy on some CPUs): counted in the prefill's time
-    logits_BV = model.forward_cached(seq_BS[:, start:P], cache)  # the prefill runs eagerly
-    filled, cols = P - start, P
-    pos = torch.full((), filled, dtype=torch.long, device=device)
-    t1 = None
-    for step in range(max_new_tokens):
-        next_B = sample_next(logits_BV, sampling, generator)
-        steps.append(next_B)
-        if t1 is None:
-            _sync(device)
-            t1 = clock()
-        if step == max_new_tokens - 1:
-            break
-        if stop is not None:
-            done_B |= torch.isin(next_B, stop)
-            # the host looks every few steps (a read is a synchronisation), never inside a step
-            if (step + 1) % STOP_CHECK_EVERY == 0 and bool(done_B.all()):
+    t_pack = clock()
+    with decoder.generation(model):  # packs and the head's copy: counted in the prefill's time
+        packing_s = clock() - t_pack
+        cache = decoder.cache(model, (pad_B - start).clamp(min=0), _bucket(capacity, S))  # (compiles: not timed)
+        _sync(device)
+        t0 = clock()
+        logits_BV = model.forward_cached(seq_BS[:, start:P], cache)  # the prefill runs eagerly
+        filled, cols = P - start, P
+        pos = torch.full((), filled, dtype=torch.long, device=device)
+        t1, guarded = None, True  # the first compiled step runs dynamo's guards in full
+        for step in range(max_new_tokens):
+            next_B = sample_next(logits_BV, sampling, generator)
+            steps.append(next_B)
+            if t1 is None:
+                _sync(device)
+                t1 = clock()
+            if step == max_new_tokens - 1:
                 break
-        seq_BS[:, cols] = next_B
-        cols += 1
-        if filled < capacity:
-            logits_BV = decoder.run(next_B, pos, cache)
-            pos += 1
-            filled += 1
-        else:  # the context is longer than max_seq_len: the window slides (eagerly, as generate does)
-            cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
-    tokens_BN = torch.stack(steps, dim=1).tolist()  # the tokens' one read
-    _sync(device)
-    t2 = clock()
+            if stop is not None:
+                done_B |= torch.isin(next_B, stop)
+                # the host looks every few steps (a read is a synchronisation), never inside a step
+                if (step + 1) % STOP_CHECK_EVERY == 0 and bool(done_B.all()):
+                    break
+            seq_BS[:, cols] = next_B
+            cols += 1
+            if filled < capacity:
+                logits_BV = decoder.run(next_B, pos, cache, guarded=guarded)
+                guarded = False
+                pos += 1
+                filled += 1
+            else:  # the context is longer than max_seq_len: the window slides (eagerly, as generate does)
+                cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
+        tokens_BN = torch.stack(steps, dim=1).tolist()  # the tokens' one read
+        _sync(device)
+        t2 = clock()
     for b, row in enumerate(tokens_BN):
         for t in row:
             out[b].append(t)
             if t in sampling.eos:
                 break
     generated = sum(len(o) for o in out)
-    return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=t1 - t0,  # type: ignore[operator]
+    return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=t1 - t0 + packing_s,  # type: ignore[operator]
                       decode_tokens=generated - B, decode_s=t2 - t1)  # type: ignore[operator]

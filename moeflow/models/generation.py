@@ -28,14 +28,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moeflow.models.compiled_decode import (HEAD_LAYOUTS, STOP_CHECK_EVERY, CompiledDecoder, HeadProduct,
-                                            compiled_decoder, generate_compiled, head_product)
+from moeflow.models.compiled_decode import (STOP_CHECK_EVERY, CompiledDecoder, HeadProduct, compiled_decoder,
+                                            generate_compiled)
 from moeflow.models.decoding import (Generation, SamplingConfig, _check_args, _check_prompts, _left_padded, _prefill,
                                      draw_device, sample_next)
 
 __all__ = ["SamplingConfig", "Generation", "generate", "generate_uncached", "generate_tensor", "sample_next",
-           "draw_device", "CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct", "head_product",
-           "HEAD_LAYOUTS"]
+           "draw_device", "CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct"]
 
 
 @torch.no_grad()

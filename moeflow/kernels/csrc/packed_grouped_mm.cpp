@@ -1,4 +1,5 @@
-// moeflow: the CPU's few-row grouped product of compiled decode (moeflow/kernels/packed_cpu.py).
+// moeflow: the CPU's few-row grouped product of compiled decode (moeflow/kernels/packed_cpu.py, which
+// builds this file with torch.utils.cpp_extension and calls it through the Python binding at the end).
 //
 // y[r, :] = x[r, :] @ W[e]  for the rows r of expert e (counts[e] rows each, in expert order),
 // with W[e] ([K, N]) packed as Wp[e][s][k][16]: strip s holds columns 16s .. 16s+15 of every row
@@ -8,6 +9,8 @@
 // strip streams past once, and nothing is copied per call (a BLAS GEMM copies its operand into
 // its own blocked layout on every call, the likely reason MKL runs these products slowly). The vector type is GCC's generic one: the compiler maps it to the host's ISA
 // (AVX2 + FMA here, NEON on ARM).
+#include <pybind11/pybind11.h>
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -73,4 +76,17 @@ extern "C" void moeflow_packed_grouped_mm(const float* x, int64_t R, int64_t K, 
         const int64_t e = busy[job / S], s = job % S, rows = first[e + 1] - first[e];
         rows_of_strip(x + first[e] * K, rows, K, Wp + (e * S + s) * K * kStrip, y + first[e] * N, N, s * kStrip);
     }
+}
+
+// The Python binding: the caller (packed_cpu.packed_grouped_mm) has checked every tensor (fp32,
+// CPU, contiguous, shapes) and passes their data pointers. The product runs without the GIL.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("packed_grouped_mm",
+          [](std::uintptr_t x, int64_t R, int64_t K, std::uintptr_t Wp, int64_t E, int64_t N, std::uintptr_t counts,
+             std::uintptr_t y, int threads) {
+              pybind11::gil_scoped_release unlocked;
+              moeflow_packed_grouped_mm(reinterpret_cast<const float*>(x), R, K, reinterpret_cast<const float*>(Wp), E,
+                                        N, reinterpret_cast<const int64_t*>(counts), reinterpret_cast<float*>(y),
+                                        threads);
+          });
 }
