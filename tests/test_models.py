@@ -183,3 +183,30 @@ def test_every_tensor_the_model_makes_names_its_device():
     assert out.device.type == "cpu" and out.shape == (2, 11)
     assert ragged.tokens[0] == out[0, 8:].tolist() and len(ragged.tokens[1]) == 3
     assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.unit
+def test_model_modules_import_one_way():
+    """The model calls generation (``MoEGPT.generate``) and generation reads the model through
+    ``moeflow.models.decoding.Decoder``: no generation module imports ``moeflow.models.gpt``
+    (anywhere in the file, function bodies included), and the blocks and the config sit below
+    the model."""
+    import ast
+    from pathlib import Path
+
+    import moeflow.models as models
+
+    def imported(name: str) -> set[str]:
+        tree = ast.parse((Path(models.__file__).parent / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        return {m for m in found if m.startswith("moeflow.models")}
+
+    for name in ("decoding", "generation", "compiled_decode", "kv_cache", "blocks", "gpt_config"):
+        assert "moeflow.models.gpt" not in imported(name), name
+    assert imported("gpt_config") == set() and "moeflow.models.gpt" not in imported("blocks")
+    assert isinstance(small_gpt(), models.generation.Decoder)

@@ -153,6 +153,8 @@ def test_generation_arguments_are_checked_naming_the_value() -> None:
             generate(model, prompts, 2)
     with pytest.raises(ValueError, match="temperature"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 1, temperature=float("nan"))
+    with pytest.raises(TypeError, match="model must be a decoder such as MoEGPT .* got Linear"):
+        generate(torch.nn.Linear(2, 2), ok, 2)
     assert generate(model, ok, 0).tokens == [[]]
 
 

@@ -1,7 +1,7 @@
 """Compiled decode (``generate(..., compile=True)``): the static step ``MoEGPT.decode_step``
 traces as one graph with no host synchronisation, equals the eager cached step, and compiled
 generation gives the eager loop's tokens (greedy and seeded sampling, one row and a
-left-padded batch, stop tokens, a sliding window) with a bounded number of
+left-padded batch, stop tokens, a sliding window, ``MoEGPT.generate``) with a bounded number of
 compilations, also after the model's dtype or mode changed between calls.
 
 Compiling with inductor on this CPU takes tens of seconds a shape, so every compiled test
@@ -300,6 +300,24 @@ def test_compiled_generation_multiplies_packed_experts_and_follows_experts_chang
         w_in.data.copy_(saved)
     assert generate(model, PROMPTS, 12, temperature=0, compile=True).tokens == before
     assert compiled_decoder(model).compilations == 2
+
+
+@pytest.mark.e2e
+def test_model_generate_takes_compile(model):
+    """``MoEGPT.generate(..., compile=True)`` (a ``TypeError`` before: only the function took
+    ``compile``) runs the compiled decoder and returns the eager method's tensor (one row and
+    32 columns: a shape compiled above); ``compile`` is a bool and needs the cache."""
+    idx = torch.tensor(ONE)
+    decoder = compiled_decoder(model)
+    compilations = decoder.compilations
+    eager = model.generate(idx, 15, temperature=0)
+    compiled = model.generate(idx, 15, temperature=0, compile=True)
+    assert torch.equal(compiled, eager) and compiled.shape == (1, 5 + 15)
+    assert compiled_decoder(model) is decoder and decoder.compilations == compilations
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model.generate(idx, 3, compile=True, use_cache=False)
+    with pytest.raises(TypeError, match="compile must be a bool"):
+        model.generate(idx, 3, compile="yes")
 
 
 @pytest.mark.e2e

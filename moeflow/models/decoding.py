@@ -1,6 +1,10 @@
 """What the eager and the compiled generation loops share (``moeflow.models.generation``,
-``moeflow.models.compiled_decode``): how the next token is chosen (``SamplingConfig``,
-``sample_next``), the result (``Generation``), the checks of a call's arguments and the prefill.
+``moeflow.models.compiled_decode``): what they need of a model (``Decoder``), how the next token
+is chosen (``SamplingConfig``, ``sample_next``), the result (``Generation``), the checks of a
+call's arguments and the prefill.
+
+Generation never imports the model's module: the model (``MoEGPT.generate``) calls generation,
+and generation reads the model through ``Decoder``, so imports point one way.
 
 Randomness: a sampled token is drawn with the caller's ``generator`` on *the generator's* device
 (``sample_next``). A generator on the logits' device (``torch.Generator(device=...)``) draws in
@@ -16,12 +20,37 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from moeflow.checks import _int
 
-__all__ = ["SamplingConfig", "Generation", "sample_next", "draw_device"]
+__all__ = ["Decoder", "SamplingConfig", "Generation", "sample_next", "draw_device"]
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """What generation reads of a model (``moeflow.models.MoEGPT`` is one): ``config``
+    (``vocab_size``, ``max_seq_len``), the embedding (its weight tells the device and dtype) and
+    the output head, the whole-sequence forward (``model(idx) -> logits [B, S, V]``: the
+    uncached reference), ``new_cache`` and ``forward_cached`` (prefill and eager decode), and
+    the static step (``decode_step``, ``decode_hidden``: compiled decode)."""
+
+    config: Any
+    embed: nn.Module
+    lm_head: nn.Module
+
+    def __call__(self, idx_BS: torch.Tensor) -> torch.Tensor: ...
+
+    def new_cache(self, pad_B: torch.Tensor, capacity: int, *, zeroed: bool = False) -> Any: ...
+
+    def forward_cached(self, idx_BS: torch.Tensor, cache: Any) -> torch.Tensor: ...
+
+    def decode_step(self, next_B: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor: ...
+
+    def decode_hidden(self, next_B: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,10 +191,9 @@ def _check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
 def _check_args(model, max_new_tokens: object, generator: object, **sampling: object) -> SamplingConfig:
     """The checked ``SamplingConfig`` of a call (``sampling``: its fields; ``top_k=None`` is 0),
     after checking the call's other arguments; errors name the argument and value."""
-    from moeflow.models.gpt import MoEGPT
-
-    if not isinstance(model, MoEGPT):
-        raise TypeError(f"model must be a MoEGPT, got {type(model).__name__}")
+    if not isinstance(model, Decoder):
+        raise TypeError(f"model must be a decoder such as MoEGPT (moeflow.models.decoding.Decoder: new_cache, "
+                        f"forward_cached, decode_step, ...), got {type(model).__name__}")
     _int("max_new_tokens", max_new_tokens, minimum=0)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

@@ -30,10 +30,10 @@ import torch
 
 from moeflow.models.compiled_decode import (STOP_CHECK_EVERY, CompiledDecoder, HeadProduct, compiled_decoder,
                                             generate_compiled)
-from moeflow.models.decoding import (Generation, SamplingConfig, _check_args, _check_prompts, _left_padded, _prefill,
-                                     draw_device, sample_next)
+from moeflow.models.decoding import (Decoder, Generation, SamplingConfig, _check_args, _check_prompts, _left_padded,
+                                     _prefill, draw_device, sample_next)
 
-__all__ = ["SamplingConfig", "Generation", "generate", "generate_uncached", "generate_tensor", "sample_next",
+__all__ = ["Decoder", "SamplingConfig", "Generation", "generate", "generate_uncached", "generate_tensor", "sample_next",
            "draw_device", "CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct"]
 
 
@@ -129,14 +129,20 @@ def generate_uncached(model, idx_BS: torch.Tensor, max_new_tokens: int, *, tempe
 
 
 def generate_tensor(model, idx_BS: torch.Tensor, max_new_tokens: int, *, use_cache: bool = True,
-                    **kwargs: object) -> torch.Tensor:
+                    compile: bool = False, **kwargs: object) -> torch.Tensor:
     """``MoEGPT.generate``: ``idx [B, S]`` followed by the new tokens ``[B, S + n]``; a row that
-    stopped early repeats its stop token up to the longest row's ``n``."""
+    stopped early repeats its stop token up to the longest row's ``n``. ``compile``: as in
+    ``generate`` (cached decoding only)."""
     if not isinstance(idx_BS, torch.Tensor) or idx_BS.dim() != 2 or idx_BS.shape[1] == 0:
         raise ValueError(f"idx must be [batch, seq] with at least one token per row, got "
                          f"{tuple(getattr(idx_BS, 'shape', ()))}")
+    for name, flag in (("use_cache", use_cache), ("compile", compile)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+    if compile and not use_cache:
+        raise ValueError("compile=True decodes with the cached static step; it cannot go with use_cache=False")
     if use_cache:
-        new = generate(model, idx_BS, max_new_tokens, **kwargs).tokens  # type: ignore[arg-type]
+        new = generate(model, idx_BS, max_new_tokens, compile=compile, **kwargs).tokens  # type: ignore[arg-type]
     else:
         new = generate_uncached(model, idx_BS, max_new_tokens, **kwargs)  # type: ignore[arg-type]
     n = max((len(r) for r in new), default=0)
