@@ -330,7 +330,8 @@ def lean_ffn_no_grad(x_RD: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
                      activation: str) -> torch.Tensor:
     """``lean_ffn``'s forward with ``gemm="grouped_mm"`` for calls autograd records nothing for
     (inference, a decode step): the same two products, without the autograd Functions and
-    offset casts (~7% of a B=8 decode step); bit-equal to ``lean_ffn`` (tests compare).
+    offset casts (a decode step's few rows pay for every op: ``docs/benchmarks.md``); bit-equal
+    to ``lean_ffn`` (tests compare).
 
     Under ``torch.compile`` it is one opaque op (``moeflow::lean_ffn_no_grad``, output
     ``[R, D]``): torch's fake implementation of ``F.grouped_mm`` accepts bf16 only, so a traced
