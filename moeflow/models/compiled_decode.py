@@ -64,10 +64,11 @@ class HeadProduct:
     so the logits depend on the inputs alone: layouts sum in different orders, and a layout
     picked by a clock could make greedy tokens depend on the machine's load. This one because a
     decode step's head product has a few rows and a weight that comes from memory, which the
-    BLAS ran faster from the ``[D, V]`` copy than through ``F.linear`` at a few rows on the
-    CPUs measured (``docs/benchmarks.md``). ``begin`` takes the copy from the weight as it is
-    (so the product follows the weight through training between calls): the head's memory
-    once more while a generation runs; ``end`` drops it."""
+    BLAS ran faster from the ``[D, V]`` copy than through ``F.linear`` in most of the cases
+    recorded in ``docs/benchmarks.md`` (not all: a fixed rule gives up a little on some CPUs
+    and batch sizes to keep the tokens independent of timing). ``begin`` takes the copy from
+    the weight as it is (so the product follows the weight through training between calls):
+    the head's memory once more while a generation runs; ``end`` drops it."""
 
     def __init__(self) -> None:
         self.weight_DV: torch.Tensor | None = None
@@ -152,6 +153,13 @@ class CompiledDecoder:
                 layer.experts = experts
             if self.head is not None:
                 self.head.end()
+
+    def prepare(self, model) -> None:  # type: ignore[no-untyped-def]
+        """What the first generation needs once, before its clock starts: on the CPU, with a
+        MoE layer to pack, the packed kernel built (``packed_cpu_available``: seconds, once per
+        machine, like a compilation)."""
+        if self.device.type == "cpu" and any(packable(layer.experts) for layer in moe_layers(model)):
+            packed_cpu_available()
 
     def _pack(self, model, swapped: list) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
         """Put a ``PackedCPUExperts`` in place of each packable layer's experts (recording the
@@ -307,6 +315,7 @@ def generate_compiled(model, prompts, max_new_tokens: int, sampling: SamplingCon
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
     steps: list[torch.Tensor] = []
 
+    decoder.prepare(model)
     _sync(device)
     t_pack = clock()
     with decoder.generation(model):  # packs and the head's copy: counted in the prefill's time
