@@ -11,7 +11,6 @@ tries every flag set, is bounded in time and leaves nothing behind when it fails
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import time
 
@@ -22,7 +21,7 @@ import moeflow.experts.packed as packed
 import moeflow.kernels.packed_cpu as packed_cpu
 from moeflow import ExpertsConfig, GroupedExperts, ModuleExperts
 from moeflow.compat.tutel.experts import TutelLlamaExperts
-from moeflow.experts.packed import PackedCPUExperts, packable, packed_ffn
+from moeflow.experts.packed import PackedCPUExperts, packable
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, STRIP, pack_weight, packed_grouped_mm
 from moeflow.layer.moe import moe_layers
