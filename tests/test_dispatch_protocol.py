@@ -111,23 +111,17 @@ def _fresh_import(name: str) -> object:
     return importlib.import_module(name)
 
 
-@pytest.mark.parametrize("module, new", [("moeflow.storage.train", "moeflow.storage.optimizer"),
-                                         ("moeflow.storage.bench", "moeflow.bench.storage"),
-                                         ("moeflow.models.hf", "moeflow.convert.mixtral")])
-def test_moved_modules_still_import_with_a_warning(module, new):
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+@pytest.mark.parametrize("module", ["moeflow.storage.train", "moeflow.storage.bench", "moeflow.models.hf"])
+def test_pre_release_module_aliases_are_gone(module):
+    """No version was released before these modules moved: no alias keeps the old path."""
+    with pytest.raises(ModuleNotFoundError):
         _fresh_import(module)
 
 
-def test_renamed_parallel_names_warn_and_are_the_new_classes():
+def test_pre_release_parallel_names_are_gone():
     import moeflow.parallel as par
 
-    with pytest.warns(DeprecationWarning, match="ExpertParallelDispatcher"):
-        assert par.AllToAllDispatcher is par.ExpertParallelDispatcher
-    with pytest.warns(DeprecationWarning, match="ExchangePlan"):
-        assert par.AllToAllPlan is par.ExchangePlan
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert issubclass(par.ExchangePlan, moeflow.DispatchPlan)
-    with pytest.raises(AttributeError):
-        par.NoSuchName  # noqa: B018
+    for name in ("AllToAllDispatcher", "AllToAllPlan", "NoSuchName"):
+        with pytest.raises(AttributeError):
+            getattr(par, name)
+    assert issubclass(par.ExchangePlan, moeflow.DispatchPlan)

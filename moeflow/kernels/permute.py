@@ -14,7 +14,7 @@ row written once.
 Both are ``torch.library`` custom ops (``moeflow::gather_reduce``, ``moeflow::gather_dot``): on
 CUDA they run the Triton kernels of ``moeflow.kernels.triton.permute`` (Triton importable),
 elsewhere (and on CUDA without Triton) the torch reference beside them. Either way one op moves
-each row once, which is what ``moeflow.bench.traffic`` counts for the path CUDA runs.
+each row once, which is what ``bench.traffic`` counts for the path CUDA runs.
 
 - ``permute_rows(x_TD, index_M, valid_M, rev_TK, rev_valid_TK, weights_M) -> x_MD``: the
   dispatch gather (``J = 1``), optionally scaled by a weight per row; backward is a

@@ -5,8 +5,6 @@ MoE layer's dispatcher for an ``ExpertParallelDispatcher``; see ``docs/architect
 its modules fit together.
 """
 
-import warnings
-
 from moeflow.config import ParallelConfig
 from moeflow.parallel.apply import expert_parallel, fix_tuned_settings, gather_hidden_experts, tuned_settings
 from moeflow.parallel.dcp import DCPState, dcp_state_dict, load_dcp, load_dcp_state_dict, save_dcp
@@ -80,15 +78,3 @@ __all__ = [
     "ChunkedTensor",
     "RankLocalTensor",
 ]
-
-# names that moved; they keep working for one release
-_RENAMED = {"AllToAllDispatcher": ExpertParallelDispatcher, "AllToAllPlan": ExchangePlan}
-
-
-def __getattr__(name: str) -> object:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"moeflow.parallel.{name} is deprecated; use moeflow.parallel.{new.__name__}",
-                      DeprecationWarning, stacklevel=2)
-        return new
-    raise AttributeError(f"module 'moeflow.parallel' has no attribute {name!r}")

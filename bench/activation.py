@@ -1,6 +1,6 @@
 """Activation memory of the MoE layer, side by side (issue: activation memory).
 
-    python -m moeflow.bench.activation 2048 512 1024 8 2 [--deepspeed] [--repeats 5]
+    python -m bench.activation 2048 512 1024 8 2 [--deepspeed] [--repeats 5]
 
 For one configuration (T, D, H, E, K; fp32, SwiGLU, cf=1, position drops), in one process and on
 the same weights, for each implementation:

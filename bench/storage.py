@@ -23,7 +23,7 @@ Two regimes: ``balanced`` (token count calibrated so one layer's compute takes a
 one layer's load) and ``compute-bound`` (``compute_factor`` times more tokens). Outputs of the
 three runs are compared with ``torch.equal`` (same math, same bits).
 
-Run it with ``python bench/storage_bench.py`` (flags: ``main``) or ``moeflow infer --bench``.
+Run it with ``python -m bench.storage`` (flags: ``main``) or ``moeflow infer --bench``.
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def run_and_report(cfg: StorageBenchConfig, json_path: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python bench/storage_bench.py [--layers 8] [--threads 1] [--json PATH]``; returns the
+    """``python -m bench.storage [--layers 8] [--threads 1] [--json PATH]``; returns the
     exit status (2 for an invalid configuration, named on stderr)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", dest="n_layers", type=int, default=8,
@@ -314,3 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_and_report(cfg, args.json)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

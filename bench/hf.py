@@ -16,10 +16,8 @@ runs, the candidates taking turns within each repeat (fair under a fluctuating l
 table (median ms with the minimum in parentheses, and the ratio of medians eager/candidate: > 1
 is faster than eager) and writes JSON.
 
-    .venv/bin/python bench/hf_bench.py            # writes bench/results/hf_bench.json
+    .venv/bin/python -m bench.hf            # writes bench/results/hf_bench.json
 
-(``bench/hf_bench.py`` calls ``main()`` of this module, ``moeflow.bench.hf``, with that default
-for ``--json``; ``python -m moeflow.bench.hf`` writes JSON only where ``--json`` says.)
 
 Allocator: with glibc's default settings, the large activations of a 2048-token block are
 mmapped and returned to the OS on every call, and the page faults that follow swamp the matmuls
@@ -46,6 +44,7 @@ import transformers
 from torch import nn
 
 from moeflow.integrations import hf
+from bench.common import RESULTS
 
 IMPLS = ["eager", "grouped_mm", "batched_mm", "moeflow", "moeflow_patch"]
 
@@ -222,4 +221,4 @@ def main(argv: list[str] | None = None, *, default_json: Path | None = None) -> 
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main(default_json=RESULTS / "hf_bench.json"))

@@ -97,7 +97,7 @@ def _module_functions() -> list[tuple[object, str, str]]:
 def stage_ranges(layer: torch.nn.Module, label: Label = profiler_label) -> Iterator[None]:
     """Label ``layer``'s stages inside the block, from outside (module docstring): every stage
     runs inside ``label(stage)`` (default: ``record_function`` ranges named ``LABEL + stage``;
-    ``moeflow.bench.traffic`` passes its own); everything is put back on exit."""
+    ``bench.traffic`` passes its own); everything is put back on exit."""
     undo: list[Callable[[], None]] = []
     try:
         for mod, name, stage in _module_functions():

@@ -12,7 +12,7 @@ finished by the next save, as a training loop does). Two figures per save:
   training when both share the same cores (on this 2-core CPU they do; on a GPU node the
   training leaves the cores to the writer).
 
-Medians over the repeats; run with ``python -m moeflow.bench.checkpoint``.
+Medians over the repeats; run with ``python -m bench.checkpoint``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def run(*, steps: int = 24, every: int = 4, batch: int = 16, seq: int = 128, rep
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moeflow.bench.checkpoint", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
