@@ -34,7 +34,7 @@ with the repository root on ``PYTHONPATH``. Stages, in order:
                optimizer step) saved with ``torch.distributed.checkpoint`` through
                ``moeflow.parallel.save_dcp``, loaded (``load_dcp``) into a scrambled copy and
                compared tensor by tensor (parameters, buffers, optimizer state); and the train
-               checkpoint converted with ``moeflow.convert.dcp.moeflow_to_dcp``, loaded the same
+               checkpoint converted with ``moeflow.checkpoint.dcp.moeflow_to_dcp``, loaded the same
                way and compared
     generate   ``python -m moeflow generate --device cuda`` from that checkpoint, sampled
                (temperature, top-k, top-p, a seed; 4 prompts in one batch) and greedy
@@ -882,7 +882,7 @@ def worker_dcp(args: argparse.Namespace) -> dict:
     import torch
 
     from moeflow.checkpoint import latest_checkpoint
-    from moeflow.convert.dcp import moeflow_to_dcp
+    from moeflow.checkpoint.dcp import moeflow_to_dcp
     from moeflow.parallel import init_distributed, load_dcp, save_dcp, shutdown_distributed
     from moeflow.train import build_from_checkpoint
 

@@ -80,7 +80,7 @@ class DispatchPlan:
     ``M = counts_E.sum()`` in the grouped layout (rows grouped by expert; ``M = A`` when dropless
     without a cap). For an exchange the buffer is the rows this rank sends (and gets back), and
     ``counts_E``/``capacity`` describe the input of the experts held here
-    (``moeflow.parallel.plan.ExchangePlan``).
+    (``moeflow.parallel.exchange.plan.ExchangePlan``).
 
     Attributes:
         assign_M: the assignment occupying each row (int64; arbitrary where not valid).

@@ -297,7 +297,7 @@ def _run_train(args: argparse.Namespace) -> int:
     import torch
 
     from moeflow.checkpoint import CheckpointError
-    from moeflow.parallel.launch import torchrun_job
+    from moeflow.parallel.launch.torchrun import torchrun_job
     from moeflow.train import LMTrainConfig, train_lm
     from moeflow.train.data import CorpusError
     from moeflow.train.lm_checkpoint import inspect_run

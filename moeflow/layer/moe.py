@@ -231,7 +231,7 @@ class MoE(nn.Module):
         """``(first global expert index, count)`` of the experts whose weights live here.
 
         Raises ``ValueError`` when they are not one contiguous block of whole experts (a
-        load-aware placement, ``moeflow.parallel.placement``, or hidden-sharded experts):
+        load-aware placement, ``moeflow.parallel.placement.plan``, or hidden-sharded experts):
         restore ``Placement.contiguous`` first, or read ``expert_slots``."""
         offset = self.dispatcher.layout.offset
         if offset is None:

@@ -40,7 +40,7 @@ import torch
 
 import moeflow
 from moeflow.checkpoint import load_checkpoint, read_index, save_checkpoint, save_checkpoint_async
-from moeflow.models import MoEGPT
+from moeflow.models import MoEGPT, vocab_parallel
 from moeflow.parallel import (
     all_reduce_gradients,
     apply_placement,
@@ -54,7 +54,6 @@ from moeflow.parallel import (
     sync_load_counts,
     sync_replica_gradients,
     tuned_settings,
-    vocab_parallel,
 )
 from moeflow.parallel.comm import (
     ProcessGroup,
@@ -62,7 +61,7 @@ from moeflow.parallel.comm import (
     gather_objects,
     process_position,
 )
-from moeflow.parallel.tuner import ParallelTuner
+from moeflow.parallel.placement.tuner import ParallelTuner
 from moeflow.train.data import (
     BPETokenizer,
     ByteTokenizer,

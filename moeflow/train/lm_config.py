@@ -64,7 +64,7 @@ class LMTrainConfig:
     same machine and world size. moeflow's own dispatch and combine are gathers (no atomic adds),
     so they need no change; the auto-tuner is refused (its choice depends on timings).
     With several ranks: ``vocab_parallel`` splits the embedding and the tied output projection
-    by vocabulary rows (``moeflow.parallel.vocab_parallel``); ``rebalance_every`` moves experts
+    by vocabulary rows (``moeflow.models.vocab_parallel``); ``rebalance_every`` moves experts
     (and their optimizer state) every that many steps to a load-aware placement computed from the
     expert load since the last move, with ``expert_slots`` experts per rank (0: E / ranks, i.e.
     no memory for replicas; more lets hot experts be replicated). ``exchange`` picks the
@@ -74,7 +74,7 @@ class LMTrainConfig:
     ``collective_timeout_s`` bounds every collective (a peer that died turns into a failure and,
     with ``--max-restarts``, a restart), and a rank whose heartbeat stops for
     ``stall_timeout_s`` (stopped, or its host hung) is named and the job stopped
-    (``moeflow.parallel.heartbeat``).
+    (``moeflow.parallel.launch.heartbeat``).
     ``checkpoint_every`` saves are written in the background (``async_checkpoints``:
     ``moeflow.checkpoint.save_checkpoint_async``; the training waits only until the state is
     staged in host memory); the final save is synchronous.

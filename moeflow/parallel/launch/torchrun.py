@@ -13,7 +13,7 @@
   ``moeflow.parallel.init_distributed`` builds the process group on it.
 - ``run_torchrun`` starts a module on N local ranks (the CLI's ``--nproc`` commands).
 - ``die_with_parent`` / ``die_with_agent``: no process of a job outlives what started it. The
-  launcher starts torchrun's agent (``moeflow.parallel.agent``), which starts the ranks, each in
+  launcher starts torchrun's agent (``moeflow.parallel.launch.agent``), which starts the ranks, each in
   a session of its own; a launcher killed with SIGKILL used to leave the agent and every rank
   running as orphans, still training and writing checkpoints (and on a GPU machine holding its
   memory). Now the agent gets SIGTERM when the launcher dies (torchrun's own shutdown then stops
@@ -249,13 +249,13 @@ def run_torchrun(
     ``max_restarts``: torchrun restarts the ranks that often after a failure. The job gets a
     rendezvous id of its own (``--rdzv-id``, the ranks' ``TORCHELASTIC_RUN_ID``; torchrun's
     default is ``"none"`` for every job), by which its restarts know what it started. torchrun
-    runs through ``moeflow.parallel.agent`` (no traceback of its own when a rank fails), which is
+    runs through ``moeflow.parallel.launch.agent`` (no traceback of its own when a rank fails), which is
     told this process's pid: it, and through it every rank, dies when this process dies
     (``die_with_parent``; this call waits for the agent in the thread that started it, as the
     parent-death signal needs). Raises ``RuntimeError`` (with the tail of the captured output)
     if it fails."""
     cmd = [
-        sys.executable, "-m", "moeflow.parallel.agent", f"--parent-pid={os.getpid()}", f"--nproc-per-node={nproc}",
+        sys.executable, "-m", "moeflow.parallel.launch.agent", f"--parent-pid={os.getpid()}", f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", f"--rdzv-id={uuid.uuid4().hex}", "-m", module, *args,
     ]

@@ -10,8 +10,8 @@ import torch
 from moeflow.dispatch.combine import combine_rows
 from moeflow.experts.ffn import Experts, GroupedExperts, autocast_cast, grouped_ffn
 from moeflow.parallel.comm import all_gather_shards
-from moeflow.parallel.plan import exchange_plan, send_rows
-from moeflow.parallel.strategy import Call, ExpertGroup
+from moeflow.parallel.exchange.plan import exchange_plan, send_rows
+from moeflow.parallel.strategies.base import Call, ExpertGroup
 
 __all__ = ["DataMode"]
 
@@ -32,7 +32,10 @@ class DataMode:
         rows_MD = send_rows(call.x_TD, plan.assign_M, plan.row_A, plan.kept_A, plan.weights_TK, plan.weight_at)
         # my kept rows are already grouped by global slot (the send order is by destination
         # rank, then slot): count them per slot and run every slot here with its own copy
-        rows_per_slot = torch.bincount(group.slot_G[group.sent_by(where.rank)], minlength=len(where.placement.flat))
+        # (a scatter-add of the mask: torch.bincount and a boolean index would read on the host on CUDA)
+        mine_G = group.sent_by(where.rank)
+        rows_per_slot = torch.zeros(len(where.placement.flat), dtype=torch.long, device=mine_G.device)
+        rows_per_slot.scatter_add_(0, group.slot_G, mine_G.long())
         weights = [None if w is None else all_gather_shards(w, where.group)
                    for w in (experts.w_in, experts.w_out, experts.b_in, experts.b_out)]
         rows_MD, *weights = autocast_cast(rows_MD, rows_MD, *weights)

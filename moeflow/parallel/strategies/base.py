@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from moeflow.config import DispatchConfig
 from moeflow.experts.ffn import Experts
-from moeflow.parallel.assignment import GroupAssignment, GroupRouting, assign_group
-from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange
-from moeflow.parallel.placement import Placement
+from moeflow.parallel.exchange.assignment import GroupAssignment, GroupRouting, assign_group
+from moeflow.parallel.exchange.alltoall import FlatExchange, HierarchicalExchange
+from moeflow.parallel.placement.plan import Placement
 from moeflow.types import RoutingResult
 
 __all__ = ["ExpertGroup", "Call", "Strategy"]

@@ -22,7 +22,7 @@ takes the same optimizer step.
   filling); never worse than the contiguous block when that is an option.
 
 Moving experts to a placement (parameters and optimizer state) and the replicas' gradients are
-in ``moeflow.parallel.rebalance``; this module is pure (no torch.distributed), so every rank
+in ``moeflow.parallel.placement.rebalance``; this module is pure (no torch.distributed), so every rank
 computes the same tables from the same placement.
 """
 

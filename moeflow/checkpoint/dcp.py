@@ -16,7 +16,7 @@ and a DCP checkpoint saved that way converts to moeflow's format:
 
 A DCP checkpoint from ``dcp_state_dict`` records no step: pass ``step=`` (``--step``). The moeflow
 checkpoint is written as one file (``moeflow convert --world-size`` regroups it); all reading and
-writing of DCP directories is ``moeflow.parallel.dcp_files``, of moeflow's ``moeflow.checkpoint``.
+writing of DCP directories is ``moeflow.parallel.dcp.files``, of moeflow's ``moeflow.checkpoint``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from moeflow.checkpoint.format import FORMAT as CHECKPOINT_FORMAT
 from moeflow.checkpoint.format import CheckpointError, _Reader, checkpoint_dir, read_index
 from moeflow.checkpoint.io import _begin, _finalize, _owned, _step_dirs, _write_tensors
 from moeflow.checkpoint.state import _jsonable, split_key
-from moeflow.parallel.dcp import FORMAT as DCP_FORMAT
-from moeflow.parallel.dcp_files import read_dcp_dir, write_dcp_dir
+from moeflow.parallel.dcp.state import FORMAT as DCP_FORMAT
+from moeflow.parallel.dcp.files import read_dcp_dir, write_dcp_dir
 
 __all__ = ["moeflow_to_dcp", "dcp_to_moeflow"]
 

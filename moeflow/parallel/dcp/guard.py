@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from moeflow.layer.moe import MoE
-from moeflow.parallel.dcp_layout import holds_every_expert, vocab_size_of
+from moeflow.parallel.dcp.layout import holds_every_expert
 
 __all__ = ["RankLocalTensor", "mark_rank_local"]
 
@@ -83,10 +83,10 @@ def _rank_local_entries(module: nn.Module) -> dict[str, str]:
         E = module.config.num_experts
         held = f"experts {slots} of {E}" if n == 1 else f"hidden slices {parts} of {n} of experts {slots} of {E}"
         return {f"experts.{name}": held for name, _ in module.experts.named_parameters()}
-    rows, weight = vocab_size_of(module), module.weight
+    weight = module.weight
+    rows, start = int(weight.moeflow_vocab_size), int(weight.moeflow_vocab_start)  # type: ignore[attr-defined]
     if weight.shape[0] == rows:
         return {}
-    start = int(weight.moeflow_vocab_start)  # type: ignore[attr-defined]
     return {"weight": f"vocabulary rows [{start}, {start + weight.shape[0]}) of {rows}"}
 
 

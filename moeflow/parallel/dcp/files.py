@@ -1,5 +1,5 @@
 """A whole ``torch.distributed.checkpoint`` (DCP) directory read or written by one process,
-without a model: what ``moeflow.convert.dcp`` converts (the only package that touches
+without a model: what ``moeflow.checkpoint.dcp`` converts (the only package that touches
 ``torch.distributed`` is this one, so the converter comes through here).
 
 ``write_dcp_dir(path, state)`` saves a nested state dict as a one-process DCP checkpoint (each

@@ -1,6 +1,6 @@
 """The sharded-expert mode (Tutel's ``r = W``; legend: moeflow.types): for one call every rank
 holds hidden columns ``[r*H/W, (r+1)*H/W)`` of *every* expert, received from the experts'
-owners (``moeflow.parallel.slices``). The group's kept rows are all-gathered, each rank computes
+owners (``moeflow.parallel.strategies.slices``). The group's kept rows are all-gathered, each rank computes
 its partial expert outputs (``act(x W_in[:, cols]) W_out[cols, :]``: the hidden units are
 independent, so the partials add up to the full output), and the partials are summed back onto
 the rows' ranks. Per-rank work is ``1/W`` of the whole, however skewed the routing."""
@@ -12,9 +12,9 @@ import torch
 from moeflow.dispatch.combine import combine_rows
 from moeflow.experts.ffn import Experts, GroupedExperts, autocast_cast, grouped_ffn
 from moeflow.parallel.comm import all_gather_shards, all_to_all_rows
-from moeflow.parallel.plan import exchange_plan, inverse_permutation, permute_rows, send_rows
-from moeflow.parallel.slices import gather_slices
-from moeflow.parallel.strategy import Call, ExpertGroup
+from moeflow.parallel.exchange.plan import exchange_plan, inverse_permutation, permute_rows, send_rows
+from moeflow.parallel.strategies.slices import gather_slices
+from moeflow.parallel.strategies.base import Call, ExpertGroup
 
 __all__ = ["ShardedMode"]
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 from moeflow.experts import GroupedExperts
 from moeflow.experts.ffn import cut_hidden_slice, join_hidden_slices
 from moeflow.layer.moe import MoE
-from moeflow.parallel.dcp_tensor import ChunkedTensor
+from moeflow.parallel.dcp.tensor import ChunkedTensor
 
-__all__ = ["check_expert_layer", "expert_view", "holds_every_expert", "vocab_size_of", "vocab_view"]
+__all__ = ["check_expert_layer", "expert_view", "holds_every_expert", "vocab_view"]
 
 # (local offsets, global offsets, sizes) of one box inside one expert
 Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -38,17 +37,6 @@ def holds_every_expert(layer: MoE) -> bool:
     are then the global ones."""
     slots, _ = layer.expert_slots()
     return layer.hidden_shards()[0] == 1 and slots == list(range(layer.config.num_experts))
-
-
-def vocab_size_of(module: nn.Module) -> int:
-    """The whole table's rows of a vocabulary-parallel module (``VocabParallelEmbedding``'s
-    ``num_embeddings``, ``VocabParallelHead``'s ``vocab_size``; read by name, as
-    ``moeflow.parallel.vocab`` imports the guard that calls this)."""
-    rows = getattr(module, "num_embeddings", None) or getattr(module, "vocab_size", None)
-    if not isinstance(rows, int):
-        raise TypeError(f"{type(module).__name__} is not a vocabulary-parallel module "
-                        "(it has no num_embeddings or vocab_size)")
-    return rows
 
 
 def check_expert_layer(prefix: str, layer: MoE) -> None:

@@ -12,7 +12,7 @@ import torch
 from moeflow.config import DispatchConfig
 from moeflow.dispatch.combine import combine_weights
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.assignment import GroupAssignment, ReceiveSide
+from moeflow.parallel.exchange.assignment import GroupAssignment, ReceiveSide
 from moeflow.types import DispatchPlan, RoutingResult
 
 __all__ = ["ExchangePlan", "exchange_plan", "send_rows", "permute_rows", "inverse_permutation"]

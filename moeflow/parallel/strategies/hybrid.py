@@ -2,7 +2,7 @@
 expert-parallel shards; legend: moeflow.types): for one call every expert is split into ``r``
 hidden slices laid out slice-major over the ranks, as ``expert_parallel(hidden_shards=r)``
 stores them. The owners send the slices in one differentiable all-to-all
-(``moeflow.parallel.slices``), rows go to all slices of their expert through the expert mode's
+(``moeflow.parallel.strategies.slices``), rows go to all slices of their expert through the expert mode's
 exchange, and the slices' outputs add up in the combine."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from moeflow.experts.ffn import Experts, GroupedExperts, autocast_cast, grouped_ffn
-from moeflow.parallel.expert import exchange_combine, exchange_dispatch
-from moeflow.parallel.plan import exchange_plan
-from moeflow.parallel.slices import gather_slices
-from moeflow.parallel.strategy import Call, ExpertGroup
+from moeflow.parallel.strategies.expert import exchange_combine, exchange_dispatch
+from moeflow.parallel.exchange.plan import exchange_plan
+from moeflow.parallel.strategies.slices import gather_slices
+from moeflow.parallel.strategies.base import Call, ExpertGroup
 
 __all__ = ["HybridMode"]
 

@@ -17,9 +17,9 @@ import torch
 
 from moeflow.dispatch.combine import sum_token_rows
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.assignment import GroupAssignment
-from moeflow.parallel.plan import exchange_plan, inverse_permutation, permute_rows, send_rows
-from moeflow.parallel.strategy import Call, ExpertGroup
+from moeflow.parallel.exchange.assignment import GroupAssignment
+from moeflow.parallel.exchange.plan import exchange_plan, inverse_permutation, permute_rows, send_rows
+from moeflow.parallel.strategies.base import Call, ExpertGroup
 
 __all__ = ["run_pipelined"]
 

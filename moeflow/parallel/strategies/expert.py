@@ -2,9 +2,9 @@
 (legend: moeflow.types).
 
 Only kept rows travel (no padding on the wire): one uneven exchange each way, flat or two-level
-(``moeflow.parallel.exchange``), differentiable (its backward is the reverse exchange). On the
+(``moeflow.parallel.exchange.alltoall``), differentiable (its backward is the reverse exchange). On the
 expert side the received rows are laid out as ``[e, C, D]`` (capacity mode) or grouped by slot
-(dropless). With ``overlap_degree > 1`` the call is pipelined (``moeflow.parallel.pipeline``).
+(dropless). With ``overlap_degree > 1`` the call is pipelined (``moeflow.parallel.strategies.pipeline``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from moeflow.experts.ffn import Experts
 from moeflow.dispatch.combine import combine_rows
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.pipeline import run_pipelined
-from moeflow.parallel.plan import ExchangePlan, exchange_plan, send_rows
-from moeflow.parallel.strategy import Call, ExpertGroup
+from moeflow.parallel.strategies.pipeline import run_pipelined
+from moeflow.parallel.exchange.plan import ExchangePlan, exchange_plan, send_rows
+from moeflow.parallel.strategies.base import Call, ExpertGroup
 
 __all__ = ["ExpertMode", "exchange_dispatch", "exchange_combine"]
 

@@ -1,5 +1,5 @@
 """Moving experts between ranks to a new placement, and the gradients of replicated experts
-(legend: moeflow.types; ``moeflow.parallel.placement`` plans the placements).
+(legend: moeflow.types; ``moeflow.parallel.placement.plan`` plans the placements).
 
 - ``apply_placement(model, placements, optimizer)``: at a step boundary, move expert parameters
   *and* their optimizer state (every state tensor shaped like the parameter, e.g. Adam's moments)
@@ -15,13 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moeflow.layer.moe import MoE, moe_layers
 from moeflow.parallel.comm import all_reduce_sum, all_to_all_rows
 from moeflow.parallel.dispatcher import ExpertParallelDispatcher
-from moeflow.parallel.placement import Placement, plan_placement
+from moeflow.parallel.placement.plan import Placement, plan_placement
 
 __all__ = ["apply_placement", "rebalance", "sync_replica_gradients", "placement_of"]
 

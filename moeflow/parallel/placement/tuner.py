@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from moeflow.config import TunerConfig, hybrid_shards
 from moeflow.parallel.comm import all_reduce_max
-from moeflow.parallel.strategy import Call
+from moeflow.parallel.strategies.base import Call
 
 __all__ = ["ParallelTuner", "Setting"]
 

@@ -3,14 +3,14 @@
 
 ``dcp_state_dict(model, optimizer)`` is the state DCP should see: every expert tensor (and the
 optimizer state shaped like it) at its global shape ``[E, ...]`` of whole experts, each rank
-holding its chunks (``moeflow.parallel.dcp_layout``: any placement, replicas, hidden slices),
+holding its chunks (``moeflow.parallel.dcp.layout``: any placement, replicas, hidden slices),
 every vocabulary-split table at ``[V, D]``. DCP then writes each expert once and loads into any
 world size, layout or a single process (without ``init_process_group``). It holds what moeflow's
 checkpoints hold: ``{"model": {name: tensor}}`` for every parameter (``named_parameters``: a tied
 weight once) and buffer (``named_buffers``); with an optimizer ``{"optim": {"state": {parameter
 name: {key: value}}, "param_groups": [{...hyper-parameters, "params": [names]}]}}``; and
 ``"moeflow"``: a JSON string naming the format, the experts of each stacked expert parameter, the
-buffers and the world size (what ``moeflow.convert.dcp`` needs to convert without a model). DCP
+buffers and the world size (what ``moeflow.checkpoint.dcp`` needs to convert without a model). DCP
 joins the nested keys with dots (``model.1.experts.w_in``).
 
 Why not the plain ``model.state_dict()`` with DTensors, as torchtitan does: a DTensor over a
@@ -31,7 +31,7 @@ learning rate 0 on zero gradients (as ``torch.distributed.checkpoint.state_dict`
 parameters and gradients are left as they were).
 
 The plain ``model.state_dict()`` of such a model stays the local tensors, which DCP refuses
-with an error pointing here (``moeflow.parallel.dcp_guard``).
+with an error pointing here (``moeflow.parallel.dcp.guard``).
 """
 
 from __future__ import annotations
@@ -48,9 +48,8 @@ from torch import nn
 from moeflow.experts import GroupedExperts
 from moeflow.layer.moe import MoE
 from moeflow.parallel.comm import process_position
-from moeflow.parallel.dcp_layout import check_expert_layer, expert_view, holds_every_expert, vocab_size_of, vocab_view
-from moeflow.parallel.dcp_tensor import ChunkedTensor
-from moeflow.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
+from moeflow.parallel.dcp.layout import check_expert_layer, expert_view, holds_every_expert, vocab_view
+from moeflow.parallel.dcp.tensor import ChunkedTensor
 
 __all__ = ["FORMAT", "DCPState", "dcp_state_dict", "load_dcp_state_dict", "save_dcp", "load_dcp"]
 
@@ -75,12 +74,14 @@ def _views(model: nn.Module) -> tuple[dict[str, View], dict[str, int]]:
                     experts[names[id(p)]] = module.config.num_experts
                 if not whole:
                     views[names[id(p)]] = lambda t, m=module, k=name: expert_view(m, k, t)
-        elif isinstance(module, (VocabParallelEmbedding, VocabParallelHead)):
-            views[names[id(module.weight)]] = lambda t, s=module.start, v=vocab_size_of(module): vocab_view(t, s, v)
     for name, p in model.named_parameters():
         if getattr(p, "moeflow_vocab_shard", False) and name not in views:
-            raise TypeError(f"parameter {name!r} is a vocabulary shard outside VocabParallelEmbedding/Head: its place "
-                            "in the whole table is unknown")
+            start, rows = getattr(p, "moeflow_vocab_start", None), getattr(p, "moeflow_vocab_size", None)
+            if not isinstance(start, int) or not isinstance(rows, int):
+                raise TypeError(f"parameter {name!r} is tagged a vocabulary shard without moeflow_vocab_start and "
+                                "moeflow_vocab_size (moeflow.parallel.vocab.mark_vocab_shard): its place in the whole "
+                                "table is unknown")
+            views[name] = lambda t, s=start, v=rows: vocab_view(t, s, v)
     return views, experts
 
 

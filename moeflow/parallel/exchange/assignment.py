@@ -29,7 +29,7 @@ import torch
 
 from moeflow.dispatch.capacity import CapacityPlan, resolve_capacity
 from moeflow.dispatch.slots import assign_slots
-from moeflow.parallel.placement import Placement
+from moeflow.parallel.placement.plan import Placement
 
 __all__ = ["CallArguments", "GroupRouting", "GroupAssignment", "SendSide", "ReceiveSide", "assign_group"]
 

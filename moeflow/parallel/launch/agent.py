@@ -1,6 +1,6 @@
 """torchrun's agent as moeflow's one-machine launcher starts it (``run_torchrun``).
 
-``python -m moeflow.parallel.agent [--parent-pid PID] ARGS`` is ``python -m torch.distributed.run
+``python -m moeflow.parallel.launch.agent [--parent-pid PID] ARGS`` is ``python -m torch.distributed.run
 ARGS`` with these differences:
 
 - A failed job reads as one line per cause instead of a page: the agent's own log lines
@@ -32,8 +32,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from moeflow.parallel.heartbeat import EXIT_STALLED
-from moeflow.parallel.launch import AGENT_PID, die_with_parent
+from moeflow.parallel.launch.heartbeat import EXIT_STALLED
+from moeflow.parallel.launch.torchrun import AGENT_PID, die_with_parent
 
 __all__ = ["main"]
 
