@@ -339,7 +339,7 @@ def test_init_from_a_converted_model(tmp_path, capsys) -> None:
     from moeflow.train import LMTrainConfig
     from moeflow.train.data import ByteTokenizer, load_corpus
     from moeflow.train.tokens import TokenStream
-    from moeflow.train.lm import evaluate
+    from moeflow.train.lm_setup import evaluate
 
     torch.manual_seed(3)
     model = MoEGPT(gpt_config("tiny", vocab_size=300, n_layers=1, dim=32, n_heads=2, expert_hidden=32,

@@ -1,4 +1,4 @@
-"""Training on one's own data (``moeflow.train.sources``, ``moeflow.train.tokens``,
+"""Training on one's own data (``moeflow.train.sources``, ``moeflow.train.prepare``, ``moeflow.train.tokens``,
 ``moeflow.train.lm_data``, ``moeflow prepare-data``, ``moeflow train --data``): every kind of
 source reads as documents and trains; bad data is refused naming the file (and line);
 prepared shards hold every document with its end-of-document token and are refused when
@@ -26,7 +26,8 @@ from moeflow.cli.main import main
 from moeflow.train import LMTrainConfig, train_lm
 from moeflow.train.data import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_dict
 from moeflow.train.sources import DataError, documents
-from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler, prepare, split_of
+from moeflow.train.prepare import prepare, split_of
+from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler
 
 from helpers import run_until_checkpoint, spawn_ranks
 

@@ -1,5 +1,5 @@
 """``moeflow prepare-data``: tokenize a corpus once into memory-mappable token shards
-(``moeflow.train.tokens.prepare``), for ``moeflow train --data DIR``.
+(``moeflow.train.prepare.prepare``), for ``moeflow train --data DIR``.
 
     moeflow prepare-data corpus/ more.jsonl --tokenizer byte --out data/prepared --val-fraction 0.01
     moeflow prepare-data books.parquet --tokenizer path/to/tokenizer.json --out data/books --workers 8
@@ -46,7 +46,7 @@ def add_prepare_data(sub: argparse._SubParsersAction) -> None:
 def _run_prepare(args: argparse.Namespace) -> int:
     from moeflow.train.data import BPETokenizer, ByteTokenizer, load_tokenizer
     from moeflow.train.sources import documents
-    from moeflow.train.tokens import prepare
+    from moeflow.train.prepare import prepare
 
     if not 0 <= args.val_fraction < 1:
         raise UsageError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")

@@ -4,7 +4,7 @@ samplers, on every rank alike.
 - A source that is a prepared corpus (``moeflow prepare-data``: a folder with ``index.json``) is
   opened as it is and brings its tokenizer.
 - Raw sources (files, folders, ``hf:NAME``) are tokenized once, each into
-  ``out_dir/data/<key>`` (``moeflow.train.tokens.prepare``, by rank 0, in worker processes;
+  ``out_dir/data/<key>`` (``moeflow.train.prepare.prepare``, by rank 0, in worker processes;
   the other ranks wait and then open it), where ``key`` hashes the source's files (paths, sizes,
   modification times), the text field, the tokenizer and the validation fraction: a restarted or
   resumed run finds its data prepared, and changed files get a new preparation (which the
@@ -32,7 +32,8 @@ from moeflow.train.data import BPETokenizer, ByteTokenizer, Tokenizer, load_toke
 from moeflow.train.lm_checkpoint import on_rank0
 from moeflow.train.lm_config import LMTrainConfig, source_weight
 from moeflow.train.sources import DataError, documents, source_files
-from moeflow.train.tokens import INDEX, TokenDataset, TokenSampler, prepare
+from moeflow.train.prepare import INDEX, prepare
+from moeflow.train.tokens import TokenDataset, TokenSampler
 
 __all__ = ["RunData", "open_run_data", "is_prepared"]
 
