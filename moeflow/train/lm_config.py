@@ -20,6 +20,7 @@ from moeflow.config import ParallelConfig, RouterConfig, _int
 from moeflow.models import GPT_PRESETS, GPTConfig, gpt_config
 from moeflow.train.data import DEFAULT_VAL_WORKS
 from moeflow.train.init_from import MODEL_OVERRIDES, init_checkpoint
+from moeflow.train.prepare import DEFAULT_VAL_FRACTION
 
 __all__ = ["LMTrainConfig"]
 
@@ -95,14 +96,16 @@ class LMTrainConfig:
     sources (``moeflow.train.sources``: text, JSONL/JSON, Parquet, datasets directories,
     ``hf:NAME``; or a directory ``moeflow prepare-data`` wrote), each ``SOURCE`` or
     ``SOURCE@WEIGHT`` (sequences drawn from the sources in proportion to their weights).
-    Validation: ``val_data`` (sources like ``data``), else the documents ``val_fraction`` of the
-    raw sources holds out (by document, deterministically), or a prepared source's own
-    validation split. Raw sources are tokenized once into ``out_dir/data`` (rank 0; every rank
-    then memory-maps it, ``mmap_window`` bytes of each shard at a time). ``tokenizer``: ``byte``
-    (UTF-8 bytes and an end-of-document token for one's own data), ``bpe`` (trained on the
-    training documents, ``bpe_vocab``), or a ``tokenizer.json`` / model directory; a prepared
-    source brings its own. ``text_field``: the JSON key or column of the text; ``skip_empty``:
-    skip empty documents (counted) instead of refusing them.
+    Validation: ``val_data`` (sources like ``data``), else ``val_fraction`` of each raw source
+    (whole documents chosen by a hash of their index; with too few documents the last tokens,
+    at least one window of ``seq_len``: ``moeflow.train.prepare``), or a prepared source's own
+    validation split; a run always has one (``val_fraction`` 0 needs ``val_data``). Raw sources
+    are tokenized once into ``out_dir/data`` (rank 0; every rank then memory-maps it,
+    ``mmap_window`` bytes of each shard at a time). ``tokenizer``: ``byte`` (UTF-8 bytes and an
+    end-of-document token for one's own data), ``bpe`` (trained on the training documents,
+    ``bpe_vocab``), or a ``tokenizer.json`` / model directory; a prepared source brings its own.
+    ``text_field``: the JSON key or column of the text; ``skip_empty``: skip empty documents
+    (counted) instead of refusing them.
 
     ``n_layers``, ``dim``, ``n_heads`` and ``expert_hidden`` (like ``num_experts`` ... ``moe_every``)
     override the preset's fields (None: the preset's), validated by building the ``GPTConfig``.
@@ -140,7 +143,7 @@ class LMTrainConfig:
     val_works: tuple[str, ...] = DEFAULT_VAL_WORKS
     data: tuple[str, ...] = ()
     val_data: tuple[str, ...] = ()
-    val_fraction: float = 0.05
+    val_fraction: float = DEFAULT_VAL_FRACTION
     text_field: str = "text"
     skip_empty: bool = False
     mmap_window: int = 256 << 20

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from moeflow.train.data import Tokenizer
-from moeflow.train.prepare import FORMAT, INDEX, file_xxh3, prepare, split_of, token_dtype
+from moeflow.train.prepare import FORMAT, INDEX, file_xxh3, min_split_tokens, prepare, split_of, token_dtype
 from moeflow.train.sources import DataError
 
 __all__ = ["FORMAT", "INDEX", "DataError", "prepare", "TokenDataset", "TokenSampler", "TokenStream", "Prefetcher",
@@ -184,7 +184,7 @@ class TokenSampler:
         if len(weights) != len(datasets) or any(not w > 0 for w in weights):
             raise ValueError(f"weights must be one positive number per dataset, got {weights}")
         for ds in datasets:
-            if ds.num_tokens <= seq_len + 1:
+            if ds.num_tokens < min_split_tokens(seq_len):
                 raise DataError(f"{ds.path} ({ds.split}): {ds.num_tokens} tokens, fewer than one sequence of "
                                 f"seq_len+1 = {seq_len + 1}")
         self.datasets, self.seq_len, self.seed = datasets, seq_len, seed
