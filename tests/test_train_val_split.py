@@ -256,3 +256,28 @@ def test_no_validation_split_is_refused_before_train_claims_its_out(tmp_path, ca
     assert main(["train", "--data", str(folder), "--val-fraction", "0", "--out", str(tmp_path / "run"), *SMALL]) == 2
     assert f"val_fraction=0 holds out no validation data from {folder}" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before the run claimed --out: the same command can be fixed
+
+
+@pytest.mark.e2e
+def test_repeatable_data_flags_travel_through_a_config_file(tmp_path, capsys) -> None:
+    """``--data`` (repeatable) beside ``--config``, and in the TOML file a run writes: the run's
+    config.toml holds the sources as an array, which ``--config`` reads back to the same run (this
+    failed: the flag crashed beside --config, and the file held the list as one string)."""
+    folder, _ = write_folder(tmp_path / "corpus", [2000, 3000, 3100])
+    config = tmp_path / "run.toml"
+    config.write_text('steps = 2\nbatch_size = 2\neval_batches = 1\nplot = false\nsample_tokens = 0\n')
+    small = ["--device", "cpu", "--layers", "1", "--dim", "32", "--heads", "2", "--experts-hidden", "32", "--no-progress"]
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--data", str(folder), "--out", str(out), *small]) == 0
+    capsys.readouterr()
+    written = (out / "config.toml").read_text()
+    assert f"data = [{json.dumps(str(folder))}]\n" in written
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(out / "config.toml"), "--out", str(again), "--no-progress"]) == 0
+    capsys.readouterr()
+    first, second = (json.loads((d / "history.json").read_text()) for d in (out, again))
+    assert second["train_loss"] == first["train_loss"] and second["val"] == first["val"]
+    # several sources as an array, each checked as its flag would be
+    config.write_text(f'data = [{json.dumps(str(folder))}, "{tmp_path / "missing"}"]\n')
+    assert main(["train", "--config", str(config), "--out", str(tmp_path / "bad"), *SMALL]) == 2
+    assert "missing" in capsys.readouterr().err
