@@ -111,6 +111,7 @@ def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):
     res = run_stages(stages, _ctx(tmp_path), 100, progress=lines.append)
     assert [(r["name"], r["status"]) for r in res] == [("a", "FAILED"), ("b", "FAILED"), ("c", "skipped"), ("d", "ok")]
     assert res[0]["reason"] == "ZeroDivisionError: boom" and res[1]["reason"] == "exit status 1: it broke"
+    assert res[0]["figures"] == res[1]["figures"] == {}
     assert res[3]["figures"] == {"value": 7} and res[3]["summary"] == "fine"  # the tiny timeout, and the figures
     assert all(set(r) == set(STAGE_KEYS) for r in res) and len(lines) == 4
     assert "FAILED" in summary_table(res)
@@ -293,8 +294,11 @@ def test_the_decode_stage_fails_when_fp32_compiled_and_eager_tokens_differ(tmp_p
         return subprocess.CompletedProcess(argv, 0, "", "")
 
     monkeypatch.setattr(generation, "run_command", fake_run)
-    with pytest.raises(StageFailed, match=problem.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(StageFailed, match=problem.replace("(", r"\(").replace(")", r"\)")) as failed:
         generation.stage_decode(_ctx(tmp_path), 60)
+    assert failed.value.figures["batch_16"]["moeflow:compiled"] == 1000.0  # what it measured is kept
+    (rec,) = run_stages([Stage("decode", generation.stage_decode, 9, 9)], _ctx(tmp_path), 60, progress=lambda _: None)
+    assert rec["status"] == "FAILED" and rec["figures"]["copy_gbps"] == 3000.0 and problem in rec["reason"]
     good = {"checked": True, "equal": True, "agreement": "identical"}
     monkeypatch.setattr(generation, "run_command", lambda ctx, log, argv, t: (
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(_decode_report(good, withdrawn="it re-records"))),

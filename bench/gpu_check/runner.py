@@ -51,7 +51,12 @@ class StageSkipped(Exception):
 
 
 class StageFailed(Exception):
-    """A stage that ran and failed, and why (one line, or a few)."""
+    """A stage that ran and failed, and why (one line, or a few); ``figures``: what it measured
+    all the same (kept in the report, as for a stage that passed)."""
+
+    def __init__(self, message: str, figures: dict | None = None) -> None:
+        super().__init__(message)
+        self.figures = figures or {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +215,11 @@ def run_stages(stages: list[Stage], ctx: Context, budget_s: float, *, jobs: int 
             rec["figures"] = figures
         except StageSkipped as why:
             rec["status"], rec["reason"] = "skipped", str(why)
+        except StageFailed as err:
+            rec["status"], rec["reason"] = "FAILED", str(err)
+            rec["figures"] = {k: v for k, v in err.figures.items() if k != "summary"}
         except Exception as err:  # noqa: BLE001 - every failure is recorded, the next stage runs
-            rec["status"] = "FAILED"
-            rec["reason"] = str(err) if isinstance(err, StageFailed) else f"{type(err).__name__}: {err}"
+            rec["status"], rec["reason"] = "FAILED", f"{type(err).__name__}: {err}"
         rec["seconds"] = round(time.monotonic() - t0, 1)
         if not Path(rec["log"]).exists():
             rec["log"] = None
