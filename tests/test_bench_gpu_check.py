@@ -288,7 +288,7 @@ def _decode_report(fp32: dict, *, withdrawn: str | None = None) -> dict:
     ({"checked": True, "equal": False, "agreement": "differ from step 37"}, "differ from step 37"),
     ({"checked": False, "why": "not at this batch size (--fp32-check-batches)"}, "no fp32 token check ran"),
 ])
-def test_the_decode_stage_fails_when_fp32_compiled_and_eager_tokens_differ(tmp_path, monkeypatch, fp32, problem):
+def test_the_decode_stage_fails_on_differing_fp32_tokens_and_shows_like_with_like(tmp_path, monkeypatch, fp32, problem):
     def fake_run(ctx: Context, log: str, argv: list[str], timeout_s: float):
         Path(argv[argv.index("--json") + 1]).write_text(json.dumps(_decode_report(fp32)))
         return subprocess.CompletedProcess(argv, 0, "", "")
@@ -310,3 +310,8 @@ def test_the_decode_stage_fails_when_fp32_compiled_and_eager_tokens_differ(tmp_p
     assert "moeflow compiled / transformers static-cache compiled withdrawn (it re-records)" in line
     assert "compiled / moeflow eager" not in line  # compilation's own gain is no comparison of the libraries
     assert figures["batch_16"]["moeflow:compiled"] == 1000.0 and figures["copy_gbps"] == 3000.0
+    report = _decode_report(good)
+    report["cases"][0]["ratios"] = [r for r in report["ratios"] if "static" not in r["pair"]]
+    report["hf_static"] = "not run (--hf-static off)"
+    line = generation.decode_summary(report)
+    assert "no transformers static-cache compiled baseline (not run (--hf-static off))" in line

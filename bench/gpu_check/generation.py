@@ -94,6 +94,9 @@ def decode_summary(report: dict) -> str:
             line += (f" = {fast['bandwidth_fraction']:.1%} of the bandwidth limit "
                      f"({limit['bytes_per_step']['total'] / 1e6:,.1f} MB a step at {limit['copy_gbps']:,.0f} GB/s)")
         bits.append(line)
+        pairs = [r["pair"] for r in case["ratios"]]
+        if "moeflow:compiled" in by and "moeflow compiled / transformers static-cache compiled" not in pairs:
+            bits.append(f"no transformers static-cache compiled baseline ({report['hf_static']})")
         for r in case["ratios"]:
             if r["pair"] == "moeflow compiled / moeflow eager":
                 continue
