@@ -10,30 +10,52 @@ generate greedily from the same prompts (batch ``B`` rows of ``--prompt-len`` ra
     moeflow:compiled the same with ``compile=True``: the static decode step compiled with
                      ``torch.compile(fullgraph=True)`` (CUDA graphs on CUDA; on the CPU its
                      experts multiply packed copies of their weights, ``moeflow.kernels.packed_cpu``,
-                     where a C++ compiler builds the kernel: ``compiled_experts`` in the report);
-                     compiled and warmed up before the clock starts (``--no-compiled``: left out)
-    hf:<impl>        MixtralForCausalLM.generate (KV cache) with each experts implementation of
-                     ``--hf-experts`` (transformers' ``set_experts_implementation``: ``eager``
+                     where a C++ compiler builds the kernel: ``compiled_experts`` in the report)
+                     (``--no-compiled``: left out)
+    hf:<impl>        MixtralForCausalLM.generate (KV cache, eager) with each experts implementation
+                     of ``--hf-experts`` (transformers' ``set_experts_implementation``: ``eager``
                      per-expert loop, ``grouped_mm``, ``batched_mm``)
-    hf:static        transformers' own compiled decoding: ``cache_implementation="static"`` with
-                     its ``torch.compile`` of the forward (``CompileConfig``: CUDA graphs on CUDA,
-                     plain inductor on CPU), ``grouped_mm`` experts (``--hf-static``; on by
-                     default on CUDA, where transformers compiles a static cache by itself)
+    hf:static        transformers' own compiled decoding: a ``StaticCache`` and its
+                     ``torch.compile`` of the forward (``CompileConfig``: CUDA graphs on CUDA,
+                     plain inductor on CPU), ``grouped_mm`` experts; one cache per shape reused
+                     across calls (``bench.generate_runs.HFStaticGenerate``: transformers'
+                     ``cache_implementation="static"`` makes a new one per call, which CUDA graphs
+                     record again) (``--hf-static``; on by default on CUDA)
 
-Every candidate runs once with the same shapes before the timed rounds (compilation and CUDA
-graph recording stay out of the timings). ``--device cuda --dtype bfloat16`` with the model
-flags of issue 27's GPU measurement (dim 1024, 8 layers, 16 heads, 8 KV heads, 8 experts,
-top-2, expert hidden 1408, vocabulary 32000, 128-token prompts, 128 new tokens, batch 1 and
-16) is the GPU comparison ``bench.gpu_check`` runs; on CUDA every clock reading follows a
-device synchronisation.
+Like is compared with like: the ratios (``ratios`` in the report, > 1: moeflow faster) are
+moeflow's eager decode over transformers' fastest eager ``generate``, moeflow's compiled decode
+over transformers' static-cache compiled ``generate``, and compiled over eager moeflow (what
+compilation itself gains); a compiled decode against an eager Python loop is no comparison of
+the libraries and is not reported. A ratio with a compiled side that compiled or recorded a CUDA
+graph during its timed calls (``bench.common.CompileWatch``) is withdrawn (``withdrawn``: why).
 
-Prefill is the time from the call to the first new token of every row (the prompt's forward
-and one pick), decode the rest: for transformers, a streamer stamps the first new token
-(``generate`` hands each step's tokens to it). Tokens/s: prefill ``B * prompt_len /
-prefill_s``, decode ``B * (n - 1) / decode_s``. The candidates take turns within each of
-``--repeats`` rounds (fair under a fluctuating load), medians are reported with the ratios
-moeflow / best transformers implementation (> 1: moeflow faster), and the greedy tokens of
-every candidate are compared with moeflow's (``identical`` or the first differing step).
+Warm-up: the compiled candidates run until their decode time settles (two consecutive calls
+within ``--settle``, at most ``--max-warmups`` calls), the eager ones once; what each compiled,
+recorded and recompiled in its warm-up and in its timed calls is in its row. Prefill is the time
+from the call to the first new token of every row (the prompt's forward and one pick), decode
+the rest: for transformers, a streamer stamps the first new token. Tokens/s: prefill
+``B * prompt_len / prefill_s``, decode ``B * (n - 1) / decode_s``. The candidates take turns
+within each of ``--repeats`` rounds (fair under a fluctuating load); medians are reported.
+
+Each case (``cases`` in the report) also holds (``bench.generate_checks``):
+
+- ``fp32_tokens``: moeflow's compiled and eager greedy tokens of an fp32 copy of the model, which
+  must be equal (``identical`` or the first differing step), at the batch sizes of
+  ``--fp32-check-batches``. Lower precisions round differently in the two paths (fused and
+  reordered sums), a near tie flips and the rows part: their tokens are not compared;
+- ``first_step_logits``: the first decode step's logits (after the prompt and the fp32 model's
+  first token) of moeflow eager, moeflow compiled and transformers in ``--dtype``, against the
+  fp32 eager step's (max abs, max relative to the largest logit, top-1 agreement);
+- ``limit``: the bytes a decode step must read (the routed experts the steps' tokens hit, counted
+  on moeflow's eager run, plus every other weight, the embedding rows and the KV cache at the
+  steps' mean length), the device's copy bandwidth (``bench.common.copy_bandwidth_gbps``) and
+  the time that leaves for a step; each row's ``bandwidth_fraction`` is that time over its own
+  step time (1: as fast as the memory allows).
+
+``--device cuda --dtype bfloat16`` with the model flags of issue 27's GPU measurement (dim 1024,
+8 layers, 16 heads, 8 KV heads, 8 experts, top-2, expert hidden 1408, vocabulary 32000,
+128-token prompts, 128 new tokens, batch 1 and 16) is the GPU comparison ``bench.gpu_check``
+runs; on CUDA every clock reading follows a device synchronisation.
 
     .venv/bin/python -m bench.generate            # writes bench/results/generate.json
 
@@ -50,19 +72,26 @@ the two implementations do not flip a greedy pick.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import platform
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from moeflow.kernels.packed_cpu import packed_cpu_available
-from bench.common import RESULTS
+from bench.common import RESULTS, CompileWatch, copy_bandwidth_gbps
+from bench.generate_checks import (RouterHits, bandwidth_fraction, decode_step_bytes, first_step_logits,
+                                   fp32_token_check, like_for_like_ratios, token_agreement)
+from bench.generate_runs import CLOCKS, HFStaticGenerate, run_hf, run_moeflow, take_turns, warm_until_settled
+
+_run_hf = run_hf  # (the names bench.generate_offload imports)
+_first_difference = token_agreement
+COMPILED = ("moeflow:compiled", "hf:static")  # the candidates warmed up until their time settles
 
 __all__ = ["add_model_flags", "build_model", "load_hf", "main", "run_generate_bench", "take_turns", "write_report"]
 
@@ -126,7 +155,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-generate", action="store_true", help="only the layer timings")
     p.add_argument("--no-compiled", action="store_true", help="leave out moeflow:compiled")
     p.add_argument("--hf-static", choices=["auto", "on", "off"], default="auto",
-                   help="transformers' static-cache compiled generate (hf:static; auto: on CUDA only)")
+                   help="transformers' static-cache compiled generate (hf:static; auto: on CUDA only, where "
+                        "transformers compiles by itself; its compilation takes long on a CPU)")
+    p.add_argument("--settle", type=float, default=0.05,
+                   help="a compiled candidate's warm-up ends when two consecutive calls' decode times are this "
+                        "close (relative; default 0.05)")
+    p.add_argument("--max-warmups", type=int, default=8, help="most warm-up calls of a compiled candidate")
+    p.add_argument("--fp32-check-batches", default=None,
+                   help="batch sizes at which compiled and eager tokens of an fp32 copy are compared "
+                        "(comma-separated; default: all of --batch-sizes; empty: none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="the weights' and activations' dtype (default float32; bfloat16 on a GPU)")
@@ -134,155 +171,129 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-class _FirstTokenClock:
-    """A transformers streamer that stamps the time the first new tokens arrive (its second
-    ``put``: the first one is the prompt)."""
-
-    def __init__(self, clock) -> None:  # type: ignore[no-untyped-def]
-        self.clock = clock
-        self.puts = 0
-        self.first: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first = self.clock()
-
-    def end(self) -> None:
-        pass
-
-
-def _synced(clock, device: torch.device):  # type: ignore[no-untyped-def]
-    """``clock`` read after the device finished its work (CUDA); ``clock`` itself on the CPU."""
-    if device.type != "cuda":
-        return clock
-
-    def read() -> float:
-        torch.cuda.synchronize(device)
-        return clock()
-    return read
-
-
-def _run_moeflow(model, idx_BS: torch.Tensor, n: int, clock, compile: bool = False  # type: ignore[no-untyped-def]
-                 ) -> tuple[list[list[int]], float, float]:
-    from moeflow.models.generation import generate
-
-    out = generate(model, idx_BS, n, temperature=0, clock=_synced(clock, idx_BS.device), compile=compile)
-    return out.tokens, out.prefill_s, out.decode_s
-
-
-def _run_hf(hf, idx_BS: torch.Tensor, n: int, clock, static: bool = False  # type: ignore[no-untyped-def]
-            ) -> tuple[list[list[int]], float, float]:
-    """transformers' ``generate``; ``static``: with a static cache, which transformers compiles
-    (``CompileConfig``; on the CPU only when told ``_compile_all_devices``)."""
-    clock = _synced(clock, idx_BS.device)
-    stamp = _FirstTokenClock(clock)
-    kw: dict = {}
-    if static:
-        from transformers import CompileConfig
-
-        config = CompileConfig(fullgraph=True, mode="reduce-overhead" if idx_BS.device.type == "cuda" else "default")
-        config._compile_all_devices = True
-        kw = {"cache_implementation": "static", "compile_config": config}
-    with torch.no_grad():
-        t0 = clock()
-        out = hf.generate(idx_BS, attention_mask=torch.ones_like(idx_BS), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, num_beams=1, pad_token_id=0, streamer=stamp, **kw)
-        t2 = clock()
-    t1 = stamp.first if stamp.first is not None else t2
-    return out[:, idx_BS.shape[1]:].tolist(), t1 - t0, t2 - t1
-
-
-def take_turns(cands: dict[str, Callable[[], tuple[list[list[int]], float, float]]],
-               repeats: int) -> tuple[dict[str, tuple[float, float]], dict[str, list[list[int]]]]:
-    """Each candidate (a call giving its tokens, prefill and decode seconds) once a round for
-    ``repeats`` rounds, in turn, the order reversed every other round (fair under a fluctuating
-    load): each one's median (prefill_s, decode_s), in ``cands``' order, and its last tokens."""
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in cands}
-    tokens: dict[str, list[list[int]]] = {}
-    names = list(cands)
-    for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            toks, pre, dec = cands[name]()
-            times[name].append((pre, dec))
-            tokens[name] = toks
-    medians = {name: (statistics.median(t[0] for t in times[name]), statistics.median(t[1] for t in times[name]))
-               for name in names}
-    return medians, tokens
-
-
-def _first_difference(a: list[list[int]], b: list[list[int]]) -> str:
-    if a == b:
-        return "identical"
-    steps = [next((i for i, (x, y) in enumerate(zip(r, s)) if x != y), min(len(r), len(s))) for r, s in zip(a, b)]
-    return f"differ from step {min(steps)}"
-
-
-def build_models(args: argparse.Namespace, hf_dir: Path):
-    """The moeflow model and transformers' model loaded from its export (both eval), on
-    ``--device`` in ``--dtype``."""
+def build_models(args: argparse.Namespace, hf_dir: Path):  # type: ignore[no-untyped-def]
+    """The moeflow model in ``--dtype``, transformers' model loaded from its export (both eval,
+    on ``--device``) and an fp32 copy of the moeflow model (the same one in fp32)."""
     from moeflow.convert.mixtral import gpt_to_hf
 
     model = build_model(args, args.prompt_len + max(int(n) for n in args.new_tokens.split(",")))
     gpt_to_hf(model, hf_dir)
     dtype = getattr(torch, args.dtype)
-    return model.to(device=args.device, dtype=dtype), load_hf(hf_dir).to(device=args.device, dtype=dtype)
+    model32 = model.to(device=args.device)
+    model = model32 if dtype == torch.float32 else copy.deepcopy(model32).to(dtype=dtype)
+    return model, load_hf(hf_dir).to(device=args.device, dtype=dtype), model32
 
 
 def run_generate_bench(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     impls = [s for s in args.hf_experts.split(",") if s]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    checked = batches if args.fp32_check_batches is None else [int(b) for b in args.fp32_check_batches.split(",") if b]
     clock = CLOCKS[args.clock]
+    device = torch.device(args.device)
     with tempfile.TemporaryDirectory(prefix="moeflow-bench-generate-") as tmp:
-        model, hf = build_models(args, Path(tmp) / "hf")
+        model, hf, model32 = build_models(args, Path(tmp) / "hf")
     gen = torch.Generator().manual_seed(args.seed + 1)
-    rows: list[dict] = []
     layer_rows = _layer_bench(args, model, hf, impls, clock, gen) if args.layer_tokens else []
-    static = args.hf_static == "on" or (args.hf_static == "auto" and torch.device(args.device).type == "cuda")
+    static = args.hf_static == "on" or (args.hf_static == "auto" and device.type == "cuda")
+    hf_static = HFStaticGenerate(hf) if static else None
+    copy_gbps = None if args.skip_generate else copy_bandwidth_gbps(device)
+    rows: list[dict] = []
+    cases: list[dict] = []
     with torch.no_grad():
-        for B in ([] if args.skip_generate else (int(b) for b in args.batch_sizes.split(","))):
+        for B in ([] if args.skip_generate else batches):
             idx = torch.randint(0, args.vocab, (B, args.prompt_len), generator=gen).to(args.device)
             for n in (int(v) for v in args.new_tokens.split(",")):
-                cands = {"moeflow": lambda idx=idx, n=n: _run_moeflow(model, idx, n, clock)}
-                if not args.no_compiled:
-                    cands["moeflow:compiled"] = lambda idx=idx, n=n: _run_moeflow(model, idx, n, clock, compile=True)
-                for impl in impls:
-                    cands[f"hf:{impl}"] = (lambda impl=impl, idx=idx, n=n: (hf.set_experts_implementation(impl),
-                                                                            _run_hf(hf, idx, n, clock))[1])
-                if static:
-                    cands["hf:static"] = (lambda idx=idx, n=n: (hf.set_experts_implementation("grouped_mm"),
-                                                                _run_hf(hf, idx, n, clock, static=True))[1])
-                for name, run in cands.items():  # warm-up: the compiled ones compile for these shapes
-                    if name in ("moeflow:compiled", "hf:static"):
-                        run()
-                    elif name == "moeflow":
-                        _run_moeflow(model, idx, 4, clock)
-                    else:
-                        hf.set_experts_implementation(name[3:])
-                        _run_hf(hf, idx, 4, clock)
-                medians, tokens = take_turns(cands, args.repeats)
-                for name, (pre, dec) in medians.items():
-                    rows.append({
-                        "batch": B, "new_tokens": n, "candidate": name, "prefill_s": pre, "decode_s": dec,
-                        "prefill_tok_s": B * args.prompt_len / pre, "decode_tok_s": B * (n - 1) / dec if dec else None,
-                        "tokens_vs_moeflow": _first_difference(tokens["moeflow"], tokens[name]),
-                    })
-                _print_case(rows[-len(medians):])
+                case_rows, case = _run_case(args, (model, model32, hf, hf_static), impls, idx, n, clock, copy_gbps,
+                                            fp32_check=B in checked)
+                rows += case_rows
+                cases.append(case)
+                _print_case(case_rows, case)
     return {
         "bench": "generate", "date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "clock": args.clock, "torch": torch.__version__, "dtype": args.dtype,
-        "device": str(args.device) + (f" ({torch.cuda.get_device_name(args.device)})"
-                                      if torch.device(args.device).type == "cuda" else ""),
+        "device": str(args.device) + (f" ({torch.cuda.get_device_name(args.device)})" if device.type == "cuda" else ""),
         "transformers": __import__("transformers").__version__, "args": {k: str(v) for k, v in vars(args).items()},
         "compiled_experts": ("packed few-row kernel (moeflow.kernels.packed_cpu)"
                              if torch.device(args.device).type == "cpu" and args.dtype == "float32"
                              and packed_cpu_available()
                              else "the weights themselves (grouped GEMM)"),
-        "results": rows, "layer": layer_rows,
+        "hf_static": (f"run: one StaticCache per shape reused ({hf_static.caches_made} made)" if hf_static else
+                      "not run (--hf-static off, or auto on a CPU: transformers' inductor compilation takes long)"),
+        "copy_gbps": copy_gbps, "results": rows, "cases": cases,
+        "ratios": [r for case in cases for r in case["ratios"]], "layer": layer_rows,
     }
+
+
+def _run_case(args: argparse.Namespace, models: tuple, impls: list[str], idx: torch.Tensor, n: int,
+              clock: Callable[[], float], copy_gbps: float | None, fp32_check: bool) -> tuple[list[dict], dict]:
+    """One batch size and length: the candidates warmed up and timed in turns, their rows, and
+    the case's checks and limit (the module docstring)."""
+    model, model32, hf, hf_static = models
+    B, P = idx.shape
+    cands = {"moeflow": lambda: run_moeflow(model, idx, n, clock)}
+    if not args.no_compiled:
+        cands["moeflow:compiled"] = lambda: run_moeflow(model, idx, n, clock, compile=True)
+    for impl in impls:
+        cands[f"hf:{impl}"] = lambda impl=impl: (hf.set_experts_implementation(impl), run_hf(hf, idx, n, clock))[1]
+    if hf_static is not None:
+        cands["hf:static"] = lambda: (hf.set_experts_implementation("grouped_mm"), hf_static(idx, n, clock))[1]
+    warm: dict[str, dict] = {}
+    hits = None
+    for name, run in cands.items():
+        with CompileWatch() as watch:
+            if name in COMPILED:  # compiles, records CUDA graphs, then settles
+                warm[name] = warm_until_settled(run, tol=args.settle, max_calls=args.max_warmups)
+            elif name == "moeflow":  # a whole generation, counting the experts each decode step hits
+                with RouterHits(model) as router:
+                    run()
+                hits, warm[name] = router.per_step() if n > 1 else None, {"calls": 1}
+            else:
+                hf.set_experts_implementation(name[3:])
+                run_hf(hf, idx, min(n, 4), clock)
+                warm[name] = {"calls": 1}
+        warm[name]["compile"] = watch.as_dict()
+    timed = {name: {"graphs": 0, "cuda_graphs": 0, "recompiles": []} for name in cands}
+
+    def watched(name: str, run):  # type: ignore[no-untyped-def]
+        def call():  # type: ignore[no-untyped-def]
+            with CompileWatch() as w:
+                out = run()
+            for k, v in w.as_dict().items():
+                timed[name][k] += v
+            return out
+        return call
+
+    medians, tokens = take_turns({name: watched(name, run) for name, run in cands.items()}, args.repeats)
+    limit = None
+    if copy_gbps and n > 1:
+        nbytes = decode_step_bytes(model, rows=B, cache_len=P + n / 2, experts_hit=hits)
+        limit = {"bytes_per_step": nbytes, "experts_hit_per_step": hits, "cache_len": P + n / 2,
+                 "copy_gbps": copy_gbps, "floor_step_ms": nbytes["total"] / (copy_gbps * 1e9) * 1e3}
+    rows = []
+    for name, (pre, dec) in medians.items():
+        step_s = dec / (n - 1) if n > 1 and dec > 0 else None
+        rows.append({
+            "batch": B, "new_tokens": n, "candidate": name, "prefill_s": pre, "decode_s": dec,
+            "prefill_tok_s": B * P / pre, "decode_tok_s": B * (n - 1) / dec if dec else None,
+            "step_ms": step_s * 1e3 if step_s else None,
+            "bandwidth_fraction": (bandwidth_fraction(limit["bytes_per_step"]["total"], copy_gbps, step_s)
+                                   if limit and step_s else None),
+            "tokens_vs_moeflow": token_agreement(tokens["moeflow"], tokens[name]),
+            "warmup": warm[name], "timed_compile": timed[name],
+        })
+    if args.no_compiled or not fp32_check:
+        fp32 = {"checked": False, "why": "--no-compiled" if args.no_compiled else "not at this batch size "
+                                                                                   "(--fp32-check-batches)"}
+    else:
+        fp32 = fp32_token_check(model32, idx, n)
+    if impls:
+        hf.set_experts_implementation(impls[0])
+    logits = first_step_logits(model, model32, idx, compiled_new_tokens=None if args.no_compiled else n,
+                               hf=hf if impls else None)
+    case = {"batch": B, "new_tokens": n, "dtype": args.dtype, "limit": limit, "fp32_tokens": fp32,
+            "first_step_logits": logits, "ratios": like_for_like_ratios(rows)}
+    return rows, case
 
 
 def _layer_bench(args: argparse.Namespace, model, hf, impls: list[str], clock, gen: torch.Generator) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -330,19 +341,30 @@ def _layer_bench(args: argparse.Namespace, model, hf, impls: list[str], clock, g
     return rows
 
 
-def _print_case(rows: list[dict]) -> None:
-    mf = max((r for r in rows if r["candidate"].startswith("moeflow")), key=lambda r: r["decode_tok_s"] or 0)
-    hf_rows = [r for r in rows if not r["candidate"].startswith("moeflow")]
-    best_dec = max(hf_rows, key=lambda r: r["decode_tok_s"] or 0) if hf_rows else None
-    best_pre = max(hf_rows, key=lambda r: r["prefill_tok_s"]) if hf_rows else None
-    print(f"B={mf['batch']} new={mf['new_tokens']}")
+def _print_case(rows: list[dict], case: dict) -> None:
+    print(f"B={case['batch']} new={case['new_tokens']} ({case['dtype']})")
     for r in rows:
-        print(f"  {r['candidate']:<16} prefill {r['prefill_tok_s']:>10,.0f} tok/s  decode {r['decode_tok_s'] or 0:>9,.0f} "
-              f"tok/s   tokens {r['tokens_vs_moeflow']}")
-    if best_dec is not None:
-        print(f"  {mf['candidate']} / best transformers: decode {mf['decode_tok_s'] / best_dec['decode_tok_s']:.2f}x "
-              f"({best_dec['candidate']}), prefill {mf['prefill_tok_s'] / best_pre['prefill_tok_s']:.2f}x "
-              f"({best_pre['candidate']})", flush=True)
+        frac = f"{r['bandwidth_fraction']:6.1%}" if r["bandwidth_fraction"] is not None else "     -"
+        t = r["timed_compile"]
+        print(f"  {r['candidate']:<16} prefill {r['prefill_tok_s']:>10,.0f} tok/s  decode "
+              f"{r['decode_tok_s'] or 0:>9,.0f} tok/s  {r['step_ms'] or 0:8.3f} ms/step  {frac} of the bandwidth "
+              f"limit   tokens {r['tokens_vs_moeflow']}"
+              f"   warm-up {r['warmup']['calls']} calls; timed: {t['graphs']} compiled, {t['cuda_graphs']} recorded")
+    limit = case["limit"]
+    if limit:
+        print(f"  limit: {limit['bytes_per_step']['total'] / 1e6:,.2f} MB a step "
+              f"({sum(limit['experts_hit_per_step']):.1f} expert reads) at {limit['copy_gbps']:,.1f} GB/s copy "
+              f"bandwidth: {limit['floor_step_ms']:.3f} ms a step")
+    fp32 = case["fp32_tokens"]
+    print("  fp32 compiled vs eager tokens: "
+          + (fp32["agreement"] if fp32["checked"] else f"not checked ({fp32['why']})"))
+    print(f"  first decode step's logits ({case['dtype']}) vs fp32 eager: " + ", ".join(
+        f"{name} {d['max_abs']:.2e} abs, {d['max_rel']:.2e} rel, top-1 {d['top1_agree']:.0%}"
+        for name, d in case["first_step_logits"].items()))
+    for r in case["ratios"]:
+        shown = (f"withdrawn: {r['withdrawn']}" if r["withdrawn"] else
+                 f"decode {r['decode_x'] or 0:.2f}x, prefill {r['prefill_x']:.2f}x")
+        print(f"  {r['pair']} ({r['candidate']} / {r['baseline']}): {shown}", flush=True)
 
 
 def write_report(report: dict, path: Path | None) -> None:
@@ -354,7 +376,16 @@ def write_report(report: dict, path: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None, default_json: Path | None = None) -> int:
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    if not 0 < args.settle < 1:
+        p.error(f"--settle must be in (0, 1), got {args.settle}")
+    if args.max_warmups < 3:
+        p.error(f"--max-warmups must be >= 3 (a compilation, then two calls to compare), got {args.max_warmups}")
+    batches = args.batch_sizes.split(",")
+    unknown = [b for b in (args.fp32_check_batches or "").split(",") if b and b not in batches]
+    if unknown:
+        p.error(f"--fp32-check-batches: {','.join(unknown)} not in --batch-sizes {args.batch_sizes}")
     if args.json is None:
         args.json = default_json
     write_report(run_generate_bench(args), args.json)
