@@ -465,3 +465,21 @@ def test_permute_and_unpermute_name_the_bad_argument(case):
     fn, args, error, message = _BAD_ROWS[case]
     with pytest.raises(error, match="^" + re.escape(message)):
         (permute_rows if fn == "permute" else unpermute_rows)(*args)
+
+
+def test_the_triton_kernels_import_nothing_from_the_ops_above_them():
+    """``moeflow.kernels.triton`` sits below the ops that run its kernels (``kernels/permute.py``
+    reaches the launchers through the package's lazy names): no module of it imports a
+    ``moeflow`` module outside the package, at module level or inside a function, so the
+    imports point one way and no circle can form."""
+    import ast
+    from pathlib import Path
+
+    import moeflow.kernels.triton as triton_package
+
+    for path in sorted(Path(triton_package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            outside = [n for n in names if n.startswith("moeflow") and not n.startswith("moeflow.kernels.triton")]
+            assert not outside, f"{path.name}:{node.lineno} imports {outside}"

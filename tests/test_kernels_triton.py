@@ -41,6 +41,7 @@ from moeflow.dispatch import LocalDispatcher, assign_slots  # noqa: E402
 from moeflow.experts.ffn import GroupedExperts, grouped_ffn  # noqa: E402
 from moeflow.kernels import grouped_mm_loop, resolve_grouped_mm_backend  # noqa: E402
 from moeflow.kernels import triton as mt  # noqa: E402
+from moeflow.kernels.permute import permute_rows, unpermute_rows  # noqa: E402
 # load every kernel module now, while the interpreter is on: @triton.jit picks the interpreter
 # when a kernel is *defined* (a test below switches the interpreter off for a moment)
 from moeflow.kernels.triton import grouped_gemm, permute, routing, slots  # noqa: E402, F401
@@ -594,9 +595,9 @@ def test_pipeline_compiles_fullgraph(gen):
         pos, counts, _ = mt.assign_positions(ids, E, choice_major=False)
         row_A = (torch.cumsum(counts, 0) - counts)[ids.reshape(-1)] + pos
         assign_M = torch.empty_like(row_A).scatter_(0, row_A, torch.arange(T * K))
-        x_MD = mt.permute_rows(x, assign_M // K, None, row_A.view(T, K), None)
+        x_MD = permute_rows(x, assign_M // K, None, row_A.view(T, K), None)
         y_MD = mt.grouped_ffn_triton(x_MD, counts, w_in, w_out, activation="swiglu")
-        return mt.unpermute_rows(y_MD, row_A.view(T, K), None, weights, assign_M, None) + scores.sum()
+        return unpermute_rows(y_MD, row_A.view(T, K), None, weights, assign_M, None) + scores.sum()
 
     params = [
         torch.randn(T, D, generator=gen, requires_grad=True),
