@@ -15,7 +15,7 @@ Every op here is a ``torch.library`` custom op whose forward is one of the two p
 CUDA the Triton launchers of ``moeflow.kernels.triton.permute`` (Triton importable; reached
 through the lazily loading ``moeflow.kernels.triton`` package, so this module imports no Triton
 and the Triton module imports nothing from here), elsewhere (and on CUDA without Triton) the
-torch reference beside it. Either way one op moves each row once, which is what
+torch reference beside it. One call is one op, and one op moves each row once, which is what
 ``bench.traffic`` counts for the path CUDA runs.
 
 - ``gather_reduce`` (``moeflow::gather_reduce``) and ``gather_dot`` (``moeflow::gather_dot``):
@@ -151,6 +151,14 @@ def _(a_ND, b_MD, index_NJ, valid_NJ, like):  # type: ignore[no-untyped-def]
 # permute (dispatch gather)
 
 
+def _columns(
+    index_M: torch.Tensor, valid_M: torch.Tensor | None, weights_M: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The permute's per-row arguments as a gather-reduce's ``[M, 1]`` (``J = 1``)."""
+    return (index_M.view(-1, 1), None if valid_M is None else valid_M.view(-1, 1),
+            None if weights_M is None else weights_M.view(-1, 1))
+
+
 @torch.library.custom_op("moeflow::permute_rows", mutates_args=())
 def _permute_op(
     x_TD: torch.Tensor,
@@ -160,12 +168,14 @@ def _permute_op(
     rev_valid_TK: torch.Tensor | None,
     weights_M: torch.Tensor | None,
 ) -> torch.Tensor:
-    return gather_reduce(
-        x_TD,
-        index_M.view(-1, 1),
-        None if valid_M is None else valid_M.view(-1, 1),
-        None if weights_M is None else weights_M.view(-1, 1),
-    )
+    """Off CUDA: the reference gather-reduce itself (no second op inside this one)."""
+    return gather_reduce_reference(x_TD, *_columns(index_M, valid_M, weights_M))
+
+
+@_permute_op.register_kernel("cuda")
+def permute_rows_cuda(x_TD, index_M, valid_M, rev_TK, rev_valid_TK, weights_M):  # type: ignore[no-untyped-def]
+    """On CUDA: the Triton gather-reduce (``gather_reduce_cuda``)."""
+    return gather_reduce_cuda(x_TD, *_columns(index_M, valid_M, weights_M))
 
 
 @_permute_op.register_fake
@@ -278,7 +288,14 @@ def _unpermute_op(
     assign_M: torch.Tensor,
     valid_M: torch.Tensor | None,
 ) -> torch.Tensor:
-    return gather_reduce(y_MD, row_TK, kept_TK, weights_TK)
+    """Off CUDA: the reference gather-reduce itself (no second op inside this one)."""
+    return gather_reduce_reference(y_MD, row_TK, kept_TK, weights_TK)
+
+
+@_unpermute_op.register_kernel("cuda")
+def unpermute_rows_cuda(y_MD, row_TK, kept_TK, weights_TK, assign_M, valid_M):  # type: ignore[no-untyped-def]
+    """On CUDA: the Triton gather-reduce (``gather_reduce_cuda``)."""
+    return gather_reduce_cuda(y_MD, row_TK, kept_TK, weights_TK)
 
 
 @_unpermute_op.register_fake
