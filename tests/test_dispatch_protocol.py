@@ -1,7 +1,7 @@
 """The dispatcher protocol, the one seam between the layer and parallelism
 (``moeflow.dispatch.protocol``): what the layer reads of a dispatcher, the layout it declares,
-what it refuses, and the names that moved with the seam (they keep working for one release,
-with a warning)."""
+what it refuses, and that the pre-release names of moved modules and classes are gone (no
+version was released with them)."""
 
 from __future__ import annotations
 
