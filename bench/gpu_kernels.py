@@ -24,7 +24,7 @@ What it measures, in order:
    2.6 s forward and 11.4 s forward+backward, over a minute with the warm-ups);
 3. the bare expert FFN on the same routed rows: the Triton fused kernel against the
    ``F.grouped_mm`` floor;
-4. permute / unpermute (``moeflow.kernels.triton``) in GB/s against the copy bandwidth;
+4. permute / unpermute (``moeflow.kernels.permute``: its Triton kernels on CUDA) in GB/s against the copy bandwidth;
 5. fused top-k routing (``fused_topk_routing`` vs ``moeflow.routing.select_experts``) and slot
    assignment (``assign_positions`` vs ``moeflow.dispatch.assign_slots``), in GB/s of their
    compulsory traffic (routing: logits read, scores, weights and ids written; slots: ids read,
@@ -263,7 +263,7 @@ def _bandwidth_rows(
 
 
 def permute_rows_bench(shape: Shape, device: torch.device, dtype: torch.dtype, copy_gbps: float, measure) -> list[dict]:
-    from moeflow.kernels.triton import permute_rows, unpermute_rows
+    from moeflow.kernels.permute import permute_rows, unpermute_rows
 
     T, K, E, D = shape.T, shape.K, shape.E, shape.D
     ids_TK = torch.rand(T, E, device=device).topk(K, dim=1).indices
