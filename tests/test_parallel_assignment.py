@@ -72,7 +72,7 @@ def _gathered(routings: list[RoutingResult], policy: str) -> GroupRouting:
         if policy != "position":
             meta = torch.cat([meta, r.priority_TK.to(torch.float64)], dim=1)
         parts.append(meta)
-    return GroupRouting.from_parts(parts, routings[0].top_k)
+    return GroupRouting.from_parts(parts, routings[0].top_k, routings[0].logits_TE.shape[1])
 
 
 def _placement(W: int, E: int, n: int, extra: int, gen: torch.Generator) -> Placement:

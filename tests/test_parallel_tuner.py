@@ -283,7 +283,7 @@ def _call(ids_TK: torch.Tensor, E: int, *, requires_grad: bool = False):
     T, K = ids_TK.shape
     x_TD = torch.randn(T, 4, dtype=torch.float64, requires_grad=requires_grad)
     routing = SimpleNamespace(logits_TE=torch.zeros(T, E, dtype=torch.float64))
-    group = SimpleNamespace(ids_TK=ids_TK, num_tokens=T, top_k=K)
+    group = SimpleNamespace(ids_TK=ids_TK, num_tokens=T, top_k=K, counts_E=torch.bincount(ids_TK.flatten(), minlength=E))
     return SimpleNamespace(x_TD=x_TD, routing=routing, group_routing=group, capacity_factor=1.0)
 
 

@@ -120,7 +120,7 @@ class ExpertParallelDispatcher:
         call = CallArguments(top_k=routing.top_k, capacity_factor=capacity_factor, parallel=parallel,
                              overlap_degree=overlap_degree)
         parts = all_gather_rows_with_header(meta, call.encode(), self.group, check=CallArguments.check_agree)
-        return GroupRouting.from_parts(parts, routing.top_k)
+        return GroupRouting.from_parts(parts, routing.top_k, routing.logits_TE.shape[1])
 
     def strategy(self, parallel: str, overlap_degree: int) -> Strategy:
         """The strategy that runs ``parallel`` mode (not ``"auto"``) at ``overlap_degree``."""

@@ -29,6 +29,7 @@ import torch
 
 from moeflow.dispatch.capacity import CapacityPlan, resolve_capacity
 from moeflow.dispatch.slots import assign_slots
+from moeflow.kernels.counts import count_ids
 from moeflow.parallel.placement.plan import Placement
 
 __all__ = ["CallArguments", "GroupRouting", "GroupAssignment", "SendSide", "ReceiveSide", "assign_group"]
@@ -75,18 +76,22 @@ class CallArguments:
 class GroupRouting:
     """Every rank's routing metadata in rank order, over the group's tokens (all ranks' tokens
     concatenated): ``ids_TK`` (int64) and, when the drop policy reads it, ``priority_TK``
-    (float64; None for ``"position"``)."""
+    (float64; None for ``"position"``); ``counts_E``, the group's assignments per expert, counted
+    once here for the slot assignment and the tuner."""
 
     tokens_W: tuple[int, ...]
     ids_TK: torch.Tensor
     priority_TK: torch.Tensor | None
+    counts_E: torch.Tensor
 
     @classmethod
-    def from_parts(cls, parts: list[torch.Tensor], top_k: int) -> GroupRouting:
+    def from_parts(cls, parts: list[torch.Tensor], top_k: int, num_experts: int) -> GroupRouting:
         """From each rank's ``[T_r, K]`` (ids) or ``[T_r, 2K]`` (ids, priority) float64 rows."""
         rows = torch.cat(parts, dim=0)
         priority = rows[:, top_k:] if rows.shape[1] > top_k else None
-        return cls(tokens_W=tuple(p.shape[0] for p in parts), ids_TK=rows[:, :top_k].to(torch.long), priority_TK=priority)
+        ids_TK = rows[:, :top_k].to(torch.long)
+        return cls(tokens_W=tuple(p.shape[0] for p in parts), ids_TK=ids_TK, priority_TK=priority,
+                   counts_E=count_ids(ids_TK, num_experts))
 
     @property
     def top_k(self) -> int:
@@ -241,7 +246,7 @@ def assign_group(
     cap = resolve_capacity(capacity_factor, num_tokens=max(T, 1), top_k=K, num_experts=E)
     policy = None if cap.row_cap is None else drop_policy
     priority = routing.priority_TK if routing.priority_TK is not None else torch.zeros_like(routing.ids_TK, dtype=torch.float64)
-    slots = assign_slots(routing.ids_TK, priority, num_experts=E, drop_policy=policy)
+    slots = assign_slots(routing.ids_TK, priority, num_experts=E, drop_policy=policy, counts_E=routing.counts_E)
     order_G, expert_G, pos_G = slots.order_A, slots.expert_A, slots.pos_A
     kept_G = torch.ones_like(order_G, dtype=torch.bool) if cap.row_cap is None else pos_G < cap.row_cap
     if n > 1:

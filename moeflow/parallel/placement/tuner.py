@@ -101,7 +101,7 @@ class ParallelTuner:
         # the group's routing, gathered for the call anyway, gives the global T and load: the
         # tuner adds no collective to a call once it has chosen
         routing = call.group_routing
-        counts_E = torch.bincount(routing.ids_TK.flatten(), minlength=call.routing.logits_TE.shape[1]).to(torch.float64)
+        counts_E = routing.counts_E.to(torch.float64)
         key = (routing.num_tokens, routing.top_k, float(call.capacity_factor), parallel, overlap_degree)
         imbalance = float(counts_E.max() / counts_E.mean().clamp(min=1e-9))
         choice = self._fixed.get(key)
