@@ -48,7 +48,7 @@ mutation: $(STAMP)
 # No venv and no install (a GPU machine's own python3 holds torch); the CPU smoke run:
 # make gpu-check PYTHON=.venv/bin/python GPU_CHECK_FLAGS=--smoke
 gpu-check:
-	$(PYTHON) bench/gpu_check.py $(GPU_CHECK_FLAGS)
+	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_FLAGS)
 
 # what a GPU machine without network lacks for gpu-check, as wheels in .whl/ (git-ignored) to carry
 # there: the training corpus; and, for the hf-layer stage's ScatterMoE row, a wheel of a scattermoe

@@ -150,7 +150,7 @@ class RouterConfig:
 @dataclass(frozen=True, kw_only=True)
 class TunerConfig:
     """How ``"auto"`` (``parallel`` / ``overlap_degree``) times its candidates, per global batch
-    size, on real calls (``moeflow.parallel.tuner``).
+    size, on real calls (``moeflow.parallel.placement.tuner``).
 
     ``degrees``: the overlap degrees tried in the expert-parallel mode. Each candidate gets one
     warm-up call, then ``trials`` timed calls, more (up to ``max_trials``) while its trials add

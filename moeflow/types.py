@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeflow.kernels.counts import count_ids
+
 __all__ = ["RoutingResult", "DispatchPlan", "ExpertLayout"]
 
 
@@ -53,17 +55,15 @@ class RoutingResult:
 
     counts_E: torch.Tensor = field(init=False, repr=False)
     """Assignments per expert before any drop (int64 ``[E]``), counted once per call (on
-    construction: every dispatcher reads it) and shared by the losses, the balancing counters,
-    the layer and the dispatcher."""
+    construction: every dispatcher reads it) and passed to everything else that needs them:
+    the losses, the balancing counters, the layer and the dispatcher's slot assignment, none of
+    which counts again. ``moeflow.kernels.counts.count_ids`` counts them (a scatter-add into a
+    fixed ``[E]``: no host sync, a static shape)."""
 
     def __post_init__(self) -> None:
         if self.priority_TK is None:
             object.__setattr__(self, "priority_TK", self.weights_TK)
-        ids_A = self.ids_TK.detach().reshape(-1)
-        # a scatter-add into a fixed [E]: no host sync (torch.bincount reads min/max on the host
-        # on CUDA) and a static shape (torch.compile, CUDA graphs)
-        counts_E = torch.zeros(self.logits_TE.shape[1], dtype=torch.long, device=ids_A.device)
-        object.__setattr__(self, "counts_E", counts_E.scatter_add_(0, ids_A, torch.ones_like(ids_A)))
+        object.__setattr__(self, "counts_E", count_ids(self.ids_TK.detach(), self.logits_TE.shape[1]))
 
     @property
     def top_k(self) -> int:
@@ -80,7 +80,7 @@ class DispatchPlan:
     ``M = counts_E.sum()`` in the grouped layout (rows grouped by expert; ``M = A`` when dropless
     without a cap). For an exchange the buffer is the rows this rank sends (and gets back), and
     ``counts_E``/``capacity`` describe the input of the experts held here
-    (``moeflow.parallel.plan.ExchangePlan``).
+    (``moeflow.parallel.exchange.plan.ExchangePlan``).
 
     Attributes:
         assign_M: the assignment occupying each row (int64; arbitrary where not valid).

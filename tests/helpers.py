@@ -634,7 +634,7 @@ def torchrun_cmd(*args: str, nproc: int = 2, max_restarts: int = 0, rdzv: str | 
     """torchrun running ``args`` (a script, or ``-m module ...``) on ``nproc`` ranks of this machine: a
     static rendezvous on a free port of 127.0.0.1, or with ``rdzv="127.0.0.1:PORT"`` the agent of node
     ``node_rank`` of ``nnodes`` in a c10d rendezvous there. Run it with ``TORCHRUN_ENV`` (1 thread a rank)."""
-    from moeflow.parallel.launch import free_port
+    from moeflow.parallel.launch.torchrun import free_port
 
     where = (["--master-addr=127.0.0.1", f"--master-port={free_port()}"] if rdzv is None else
              [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}"])

@@ -1,6 +1,6 @@
 """The benchmarks (``moeflow.bench``) and ``moeflow bench`` on tiny configurations (no timing
 assertions): the layer benchmark in one process, the expert-parallel one on 2 torchrun ranks, and
-``bench/gpu_overlap.py`` (its overlap measure, and a CPU smoke run on 1 gloo rank)."""
+``bench.gpu_overlap`` (its overlap measure, and a CPU smoke run on 1 gloo rank)."""
 
 from __future__ import annotations
 
@@ -146,18 +146,14 @@ def test_bench_nproc_cli(tmp_path, capsys):
 
 @pytest.mark.distributed
 def test_gpu_overlap_script_smoke_and_overlap_maths(tmp_path):
-    """bench/gpu_overlap.py: its overlap measure on a synthetic trace (exchange kernels on one
+    """bench.gpu_overlap: its overlap measure on a synthetic trace (exchange kernels on one
     stream, GEMMs on another), and a CPU smoke run of the whole script (1 gloo rank)."""
-    import importlib.util
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_overlap.py"
-    spec = importlib.util.spec_from_file_location("gpu_overlap_bench", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import bench.gpu_overlap as mod
+    from bench.common import REPO, child_env
     kernel = lambda name, ts, dur, stream: {"cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
                                              "args": {"stream": stream}}
     trace = {"traceEvents": [
@@ -181,9 +177,10 @@ def test_gpu_overlap_script_smoke_and_overlap_maths(tmp_path):
     assert only_gemms["exchange_hidden"] is None and only_gemms["compute_ms"] == pytest.approx(0.01)
 
     out = tmp_path / "overlap.json"
-    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--tiny", "--repeats", "2",
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_overlap", "--device", "cpu", "--tiny", "--repeats", "2",
                            "--degrees", "1,2", "--trace-dir", str(tmp_path / "traces"), "--json", str(out)],
-                          capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**child_env(), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert [r["overlap_degree"] for r in report["timings"]] == [1, 2] and report["world"] == 1

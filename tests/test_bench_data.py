@@ -1,4 +1,4 @@
-"""The own-data benchmark (``moeflow.bench.data``) at a tiny size: every part runs and its report
+"""The own-data benchmark (``bench.data``) at a tiny size: every part runs and its report
 holds the figures ``docs/benchmarks.md`` quotes, so the script cannot rot between runs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from moeflow.bench import data as bench_data
+from bench import data as bench_data
 
 
 @pytest.mark.e2e

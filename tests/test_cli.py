@@ -339,7 +339,7 @@ def test_init_from_a_converted_model(tmp_path, capsys) -> None:
     from moeflow.train import LMTrainConfig
     from moeflow.train.data import ByteTokenizer, load_corpus
     from moeflow.train.tokens import TokenStream
-    from moeflow.train.lm import evaluate
+    from moeflow.train.lm_setup import evaluate
 
     torch.manual_seed(3)
     model = MoEGPT(gpt_config("tiny", vocab_size=300, n_layers=1, dim=32, n_heads=2, expert_hidden=32,
@@ -407,7 +407,7 @@ def test_more_ranks_than_gpus_is_refused_naming_both_numbers(monkeypatch) -> Non
 
     from moeflow.cli.errors import UsageError
     from moeflow.cli.train import _device
-    from moeflow.parallel.launch import TorchrunJob
+    from moeflow.parallel.launch.torchrun import TorchrunJob
 
     _fake_cuda(monkeypatch, 1)
     for given in ("cuda", None):
@@ -427,7 +427,7 @@ def test_more_ranks_than_gpus_is_refused_naming_both_numbers(monkeypatch) -> Non
 @pytest.mark.e2e
 def test_train_refuses_more_ranks_than_gpus_before_starting_torchrun(tmp_path, monkeypatch, capsys) -> None:
     """One line, status 2, no rank started and nothing written, on a (faked) one-GPU machine."""
-    import moeflow.parallel.launch as launch
+    import moeflow.parallel.launch.torchrun as launch
 
     _fake_cuda(monkeypatch, 1)
     monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("torchrun started"))

@@ -233,8 +233,6 @@ CASES: list[tuple[str, list[str], str]] = [
     ("infer-checkpoint-garbage", ["infer", "{garbage_ckpt}", "--seq-len", "4", "--new-tokens", "1"], "index.json"),
     ("infer-mode-bad", ["infer", *_INFER, "--mode", "x"], "--mode"),
     ("infer-offload-bad", ["infer", *_INFER, "--offload", "gpu"], "--offload"),
-    ("infer-bench-layers-0", ["infer", "--bench", "--layers", "0"], "--layers"),
-    ("infer-bench-json-unwritable", ["infer", "--bench", "--layers", "2", "--json", _UNWRITABLE[0]], "--json"),
     # ---- prepare-data
     ("prepare-data-nothing", ["prepare-data"], "SOURCE"),
     ("prepare-data-no-out", ["prepare-data", "{file}"], "--out"),

@@ -1,39 +1,34 @@
 """The dispatcher protocol, the one seam between the layer and parallelism
 (``moeflow.dispatch.protocol``): what the layer reads of a dispatcher, the layout it declares,
-and the names that moved with the seam (they keep working for one release, with a warning)."""
+what it refuses, and that the pre-release names of moved modules and classes are gone (no
+version was released with them)."""
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import warnings
 
 import pytest
-import torch
 
 import moeflow
 from moeflow.dispatch import LocalDispatcher
-from moeflow.dispatch.protocol import DispatchCombineAdapter
 from moeflow.types import ExpertLayout
 
-from helpers import make_layer, rand
+from helpers import make_layer
 
 pytestmark = pytest.mark.reference
 
 
 class _DispatchCombineOnly:
-    """A user dispatcher written to the protocol before ``run``."""
-
-    def __init__(self, num_experts: int) -> None:
-        self.inner = LocalDispatcher(num_experts=num_experts)
-        self.calls = 0
+    """A dispatcher written to the protocol before ``run``: ``dispatch`` and ``combine`` only."""
 
     def dispatch(self, x_TD, routing, *, capacity_factor):  # type: ignore[no-untyped-def]
-        self.calls += 1
-        return self.inner.dispatch(x_TD, routing, capacity_factor=capacity_factor)
+        raise AssertionError("never called")
 
     def combine(self, expert_out, plan):  # type: ignore[no-untyped-def]
-        return self.inner.combine(expert_out, plan)
+        raise AssertionError("never called")
 
 
 def test_local_dispatcher_declares_the_protocol():
@@ -42,24 +37,10 @@ def test_local_dispatcher_declares_the_protocol():
     assert disp.layout == ExpertLayout.whole(5) and disp.layout.offset == 0
 
 
-@pytest.mark.parametrize("cf", [1.0, 0.0, -0.5])
-def test_dispatch_combine_only_dispatcher_is_adapted_with_a_warning(gen, cf):
-    ref = make_layer(gen, capacity_factor=cf)
-    old = _DispatchCombineOnly(ref.config.num_experts)
-    with pytest.warns(DeprecationWarning, match="dispatch/combine only"):
-        layer = moeflow.MoE(config=ref.config, dispatcher=old, dtype=torch.float64)
-    layer.load_state_dict(ref.state_dict())
-    layer.eval()
-    assert isinstance(layer.dispatcher, DispatchCombineAdapter)
-    x = rand(gen, 11, ref.config.dim)
-    assert torch.equal(layer(x), ref(x)) and old.calls == 1
-    assert layer.expert_range() == (0, ref.config.num_experts)
-
-
 def test_something_else_as_dispatcher_is_a_type_error():
-    with pytest.raises(TypeError, match="dispatcher must implement moeflow.Dispatcher"):
-        moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=object())
-
+    """Only a ``Dispatcher`` is taken: anything else, the older ``dispatch``/``combine`` pair
+    included (no release ever took it) and either half of it, is the same ``TypeError`` naming
+    the argument and the type, with no warning first."""
     class OnlyDispatch:
         def dispatch(self, x_TD, routing, *, capacity_factor):  # type: ignore[no-untyped-def]
             raise AssertionError("never called")
@@ -68,24 +49,16 @@ def test_something_else_as_dispatcher_is_a_type_error():
         def combine(self, expert_out, plan):  # type: ignore[no-untyped-def]
             raise AssertionError("never called")
 
-    for half in (OnlyDispatch(), OnlyCombine()):  # half of the old pair is neither protocol
-        with pytest.raises(TypeError, match=f"got {type(half).__name__}"):
-            moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=half)
-
-
-def test_the_adapter_declares_what_the_old_dispatcher_did_and_the_warning_says_what_to_do():
-    old = _DispatchCombineOnly(4)
-    with pytest.warns(DeprecationWarning) as record:
-        layer = moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=old)
-    (message,) = [str(r.message) for r in record if issubclass(r.category, DeprecationWarning)]
-    assert message == ("_DispatchCombineOnly implements dispatch/combine only; the Dispatcher protocol is now "
-                       "run(x_TD, routing, experts, *, capacity_factor, overlap_degree, parallel) plus collective "
-                       "and layout (moeflow.dispatch.protocol). It is adapted for one release.")
-    adapter = layer.dispatcher
-    assert isinstance(adapter, DispatchCombineAdapter)
-    assert adapter.num_experts == 4 and adapter.collective is False and adapter.layout == ExpertLayout.whole(4)
-    old.collective = True  # an old dispatcher that said it was a collective stays one
-    assert DispatchCombineAdapter(old, 4).collective is True
+    for other in (object(), _DispatchCombineOnly(), OnlyDispatch(), OnlyCombine()):
+        message = (f"dispatcher must implement moeflow.Dispatcher (run, collective, layout, num_experts), "
+                   f"got {type(other).__name__}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+                moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=other)
+    # a dispatcher that implements the protocol is taken as it is
+    local = LocalDispatcher(num_experts=4)
+    assert moeflow.MoE(dim=8, hidden=8, num_experts=4, dispatcher=local).dispatcher is local
 
 
 def test_expert_layout_reads_slots_and_refuses_mismatched_lengths():
@@ -111,22 +84,17 @@ def _fresh_import(name: str) -> object:
     return importlib.import_module(name)
 
 
-@pytest.mark.parametrize("module, new", [("moeflow.storage.train", "moeflow.storage.optimizer"),
-                                         ("moeflow.storage.bench", "moeflow.bench.storage")])
-def test_moved_modules_still_import_with_a_warning(module, new):
-    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+@pytest.mark.parametrize("module", ["moeflow.storage.train", "moeflow.storage.bench", "moeflow.models.hf"])
+def test_pre_release_module_aliases_are_gone(module):
+    """No version was released before these modules moved: no alias keeps the old path."""
+    with pytest.raises(ModuleNotFoundError):
         _fresh_import(module)
 
 
-def test_renamed_parallel_names_warn_and_are_the_new_classes():
+def test_pre_release_parallel_names_are_gone():
     import moeflow.parallel as par
 
-    with pytest.warns(DeprecationWarning, match="ExpertParallelDispatcher"):
-        assert par.AllToAllDispatcher is par.ExpertParallelDispatcher
-    with pytest.warns(DeprecationWarning, match="ExchangePlan"):
-        assert par.AllToAllPlan is par.ExchangePlan
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert issubclass(par.ExchangePlan, moeflow.DispatchPlan)
-    with pytest.raises(AttributeError):
-        par.NoSuchName  # noqa: B018
+    for name in ("AllToAllDispatcher", "AllToAllPlan", "NoSuchName"):
+        with pytest.raises(AttributeError):
+            getattr(par, name)
+    assert issubclass(par.ExchangePlan, moeflow.DispatchPlan)

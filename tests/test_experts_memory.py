@@ -1,5 +1,5 @@
 """The memory measure of the benchmarks (``moeflow.bench.memory``) and what the MoE layer saves
-for backward with the lean experts and with expert recompute (``moeflow.bench.activation``)."""
+for backward with the lean experts and with expert recompute (``bench.activation``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeflow import ExpertsConfig
-from moeflow.bench.activation import measure, measure_stack, saved_bytes
+from bench.activation import measure, measure_stack, saved_bytes
 from moeflow.bench.memory import LiveTensorBytes, peak_memory_bytes
 from moeflow.parallel import expert_parallel
 

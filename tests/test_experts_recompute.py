@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import moeflow
-from moeflow.bench.activation import saved_bytes
+from bench.activation import saved_bytes
 from moeflow.bench.memory import peak_memory_bytes
 from moeflow.config import ExpertsConfig
 from moeflow.experts import GroupedExperts

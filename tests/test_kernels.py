@@ -342,7 +342,7 @@ def test_count_ids_keeps_the_ids_device_and_counts_in_int64():
     assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=5))
 
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 def assert_kernel_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
@@ -378,6 +378,8 @@ PLAN_CASES = {  # T, E, K, cf, D
     "capped": (23, 8, 3, -0.6, 130),
 }
 PERMUTE_PARAMS = [pytest.param(*case, torch.float32, id=f"{name}-fp32") for name, case in PLAN_CASES.items()] + [
+    pytest.param(*PLAN_CASES[name], torch.float64, id=f"{name}-fp64") for name in ("dropless-K8", "capacity-drops")
+] + [
     pytest.param(*PLAN_CASES["capped"], dtype, id=f"capped-{str(dtype)[6:]}") for dtype in (torch.bfloat16, torch.float16)
 ]
 
@@ -426,6 +428,57 @@ def test_permute_unpermute_match_reference(gen, T, E, K, cf, D, dtype):
     assert_kernel_close(y_sum, unpermute_rows_reference(y_MD, row_TK, kept_TK, None, plan.assign_M, plan.row_valid_M), dtype, "sum")
 
 
+def _moeflow_ops(fn) -> list[str]:  # type: ignore[no-untyped-def]
+    """The ``moeflow::`` custom ops the profiler sees while ``fn()`` runs, nested calls included
+    (a custom op whose body calls another op shows both), in call order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("moeflow::")]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_permute_and_unpermute_are_one_op_per_call(gen, weighted):
+    """Each forward call of ``permute_rows``, ``gather_rows`` and ``unpermute_rows`` is its own
+    op and nothing else (it used to run a ``moeflow::gather_reduce`` inside, a second op per
+    call); each backward is one gather-reduce for the rows and one gather-dot per weight
+    gradient. On fresh random rows with drops, fp64: the outputs and gradients equal the
+    references'."""
+    plan = _plan(gen, 19, 6, 2, 0.7, torch.float64)
+    T, K, M, D = 19, 2, plan.assign_M.shape[0], 7
+    args = (torch.div(plan.assign_M, K, rounding_mode="floor"), plan.row_valid_M, plan.row_A.view(T, K),
+            plan.kept_A.view(T, K))
+    x = torch.randn(T, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_M = (torch.rand(M, generator=gen, dtype=torch.float64) + 0.5).requires_grad_(True) if weighted else None
+    out: list[torch.Tensor] = []
+    assert _moeflow_ops(lambda: out.append(permute_rows(x, *args, weights_M=w_M))) == ["moeflow::permute_rows"]
+    g = torch.randn(M, D, generator=gen, dtype=torch.float64)
+    inputs = (x,) if w_M is None else (x, w_M)
+    grads: list[tuple[torch.Tensor, ...]] = []
+    bwd = _moeflow_ops(lambda: grads.append(torch.autograd.grad(out[0], inputs, g)))
+    assert bwd == ["moeflow::gather_reduce"] + ["moeflow::gather_dot"] * weighted, bwd
+    ref = gather_rows_reference(x, *args) * (1 if w_M is None else w_M.unsqueeze(1))
+    torch.testing.assert_close(out[0], ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads[0], torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if not weighted:
+        assert _moeflow_ops(lambda: gather_rows(x, *args)) == ["moeflow::permute_rows"]
+
+    y = torch.randn(M, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_TK = plan.weights_TK.detach().clone().requires_grad_(True) if weighted else None
+    uargs = (plan.row_A.view(T, K), plan.kept_A.view(T, K), w_TK, plan.assign_M, plan.row_valid_M)
+    out.clear()
+    assert _moeflow_ops(lambda: out.append(unpermute_rows(y, *uargs))) == ["moeflow::unpermute_rows"]
+    g = torch.randn(T, D, generator=gen, dtype=torch.float64)
+    inputs = (y,) if w_TK is None else (y, w_TK)
+    grads.clear()
+    bwd = _moeflow_ops(lambda: grads.append(torch.autograd.grad(out[0], inputs, g)))
+    assert bwd == ["moeflow::gather_reduce"] + ["moeflow::gather_dot"] * weighted, bwd
+    ref = unpermute_rows_reference(y, *uargs)
+    torch.testing.assert_close(out[0], ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads[0], torch.autograd.grad(ref, inputs, g)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 _I4 = torch.arange(4)
 _BAD_ROWS = [  # (function, arguments, error, the message's start: the function, the argument, the rule)
     ("permute", (torch.randn(4), _I4, None, _I4.view(4, 1), None), ValueError, "permute_rows: x_TD must be a 2-D tensor"),
@@ -465,3 +518,21 @@ def test_permute_and_unpermute_name_the_bad_argument(case):
     fn, args, error, message = _BAD_ROWS[case]
     with pytest.raises(error, match="^" + re.escape(message)):
         (permute_rows if fn == "permute" else unpermute_rows)(*args)
+
+
+def test_the_triton_kernels_import_nothing_from_the_ops_above_them():
+    """``moeflow.kernels.triton`` sits below the ops that run its kernels (``kernels/permute.py``
+    reaches the launchers through the package's lazy names): no module of it imports a
+    ``moeflow`` module outside the package, at module level or inside a function, so the
+    imports point one way and no circle can form."""
+    import ast
+    from pathlib import Path
+
+    import moeflow.kernels.triton as triton_package
+
+    for path in sorted(Path(triton_package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            outside = [n for n in names if n.startswith("moeflow") and not n.startswith("moeflow.kernels.triton")]
+            assert not outside, f"{path.name}:{node.lineno} imports {outside}"

@@ -379,7 +379,7 @@ def test_expert_products_bench_reports_both_candidates_on_the_same_outputs(tmp_p
     the weights read, and outputs that agree; bad flags are refused by name."""
     import json
 
-    from moeflow.bench.expert_products import main as bench_main
+    from bench.expert_products import main as bench_main
 
     out = tmp_path / "products.json"
     threads = torch.get_num_threads()

@@ -41,6 +41,7 @@ from moeflow.dispatch import LocalDispatcher, assign_slots  # noqa: E402
 from moeflow.experts.ffn import GroupedExperts, grouped_ffn  # noqa: E402
 from moeflow.kernels import grouped_mm_loop, resolve_grouped_mm_backend  # noqa: E402
 from moeflow.kernels import triton as mt  # noqa: E402
+from moeflow.kernels.permute import permute_rows, unpermute_rows  # noqa: E402
 # load every kernel module now, while the interpreter is on: @triton.jit picks the interpreter
 # when a kernel is *defined* (a test below switches the interpreter off for a moment)
 from moeflow.kernels.triton import grouped_gemm, permute, routing, slots  # noqa: E402, F401
@@ -136,6 +137,61 @@ def test_triton_gather_reduce_and_dot_match_reference(gen, N, J, M, D, dtype):
     a = torch.randn(N, D, generator=gen).to(dtype)
     assert_kernel_close(launch_gather_dot(a, src, index, valid, dtype), gather_dot_reference(a, src, index, valid, w),
                         dtype, "gather_dot")
+
+
+@pytest.mark.parametrize("T,K,M,D,keep", [(37, 1, 37, 20, 1.0), (29, 8, 200, 33, 0.6), (23, 3, 17, 130, 0.5)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_permute_ops_on_cuda_run_one_triton_gather_reduce(gen, monkeypatch, T, K, M, D, keep, dtype):
+    """What ``moeflow::permute_rows`` and ``moeflow::unpermute_rows`` run for CUDA tensors (their
+    registered CUDA kernels, called here on CPU tensors under the interpreter): one Triton
+    gather-reduce launch each and no other op, equal to the references on random rows with
+    drops (invalid entries holding any index) and odd sizes; the CUDA kernels of the backwards'
+    gather-reduce and gather-dot likewise."""
+    from moeflow.kernels import permute as ops
+
+    for name in ("permute_rows", "unpermute_rows", "gather_reduce", "gather_dot"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"moeflow::{name}", "CUDA"), name
+    launches: list[str] = []
+    for name in ("launch_gather_reduce", "launch_gather_dot"):
+        real = getattr(permute, name)
+        monkeypatch.setattr(permute, name, lambda *a, _real=real, _name=name: launches.append(_name) or _real(*a))
+    A = T * K
+    slots = torch.randperm(A, generator=gen)[: min(A, M)]
+    rows = torch.randperm(M, generator=gen)[: slots.numel()]
+    kept = torch.rand(slots.numel(), generator=gen) < keep
+    slots, rows = slots[kept], rows[kept]
+    index_M = torch.randint(-5, 10**6, (M,), generator=gen)  # any value where invalid
+    valid_M = torch.zeros(M, dtype=torch.bool)
+    index_M[rows], valid_M[rows] = torch.div(slots, K, rounding_mode="floor"), True
+    assign_M = torch.randint(0, A, (M,), generator=gen)
+    assign_M[rows] = slots
+    row_A = torch.randint(-5, 10**6, (A,), generator=gen)
+    kept_A = torch.zeros(A, dtype=torch.bool)
+    row_A[slots], kept_A[slots] = rows, True
+    row_TK, kept_TK = row_A.view(T, K), kept_A.view(T, K)
+
+    x = torch.randn(T, D, generator=gen, dtype=dtype)
+    w_M = torch.rand(M, generator=gen, dtype=dtype) + 0.5
+    for weights in (None, w_M):
+        got = ops.permute_rows_cuda(x, index_M, valid_M, row_TK, kept_TK, weights)
+        want = ops.gather_rows_reference(x, index_M.clamp(0, T - 1), valid_M, None, None)
+        assert_kernel_close(got, want * (1 if weights is None else weights.unsqueeze(1)), dtype, "permute")
+    y = torch.randn(M, D, generator=gen, dtype=dtype)
+    w_TK = torch.rand(T, K, generator=gen, dtype=dtype)
+    for weights in (None, w_TK):
+        got = ops.unpermute_rows_cuda(y, row_TK, kept_TK, weights, assign_M, valid_M)
+        want = ops.unpermute_rows_reference(y, row_TK.clamp(0, M - 1), kept_TK, weights, assign_M, valid_M)
+        assert_kernel_close(got, want, dtype, "unpermute")
+    assert launches == ["launch_gather_reduce"] * 4, launches
+    # the backwards' primitives: grad_y of unpermute, and the weights' gradient
+    g_TD = torch.randn(T, D, generator=gen, dtype=dtype)
+    token_M1 = torch.div(assign_M, K, rounding_mode="floor").view(-1, 1)
+    w_M1 = w_TK.reshape(-1)[assign_M].view(-1, 1)
+    assert_kernel_close(ops.gather_reduce_cuda(g_TD, token_M1, valid_M.view(-1, 1), w_M1),
+                        ops.gather_reduce_reference(g_TD, token_M1, valid_M.view(-1, 1), w_M1), dtype, "grad y")
+    assert_kernel_close(ops.gather_dot_cuda(g_TD, y, row_TK, kept_TK, w_TK),
+                        ops.gather_dot_reference(g_TD, y, row_TK, kept_TK, w_TK), dtype, "grad w")
+    assert launches[4:] == ["launch_gather_reduce", "launch_gather_dot"], launches
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "silu", "gelu", "relu"])
@@ -594,9 +650,9 @@ def test_pipeline_compiles_fullgraph(gen):
         pos, counts, _ = mt.assign_positions(ids, E, choice_major=False)
         row_A = (torch.cumsum(counts, 0) - counts)[ids.reshape(-1)] + pos
         assign_M = torch.empty_like(row_A).scatter_(0, row_A, torch.arange(T * K))
-        x_MD = mt.permute_rows(x, assign_M // K, None, row_A.view(T, K), None)
+        x_MD = permute_rows(x, assign_M // K, None, row_A.view(T, K), None)
         y_MD = mt.grouped_ffn_triton(x_MD, counts, w_in, w_out, activation="swiglu")
-        return mt.unpermute_rows(y_MD, row_A.view(T, K), None, weights, assign_M, None) + scores.sum()
+        return unpermute_rows(y_MD, row_A.view(T, K), None, weights, assign_M, None) + scores.sum()
 
     params = [
         torch.randn(T, D, generator=gen, requires_grad=True),

@@ -694,6 +694,43 @@ def test_last_counts_are_router_bincount(gen, cf):
     assert int(layer.last_counts_E.sum()) == 30
 
 
+@pytest.mark.parametrize("cf", [1.0, 0.0, -0.5], ids=["capacity", "dropless", "capped"])
+@pytest.mark.parametrize("losses", [True, False], ids=["losses", "no-losses"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_one_forward_counts_the_assignments_once(gen, monkeypatch, cf, losses, grad):
+    """The assignments per expert are counted once per call (``RoutingResult.counts_E``) and that
+    count is passed down to the balance losses (load balance and counted load), the bias
+    counters, the slot assignment, the experts and ``last_counts_E``: ``count_ids`` (wherever a
+    module imported it) and ``torch.bincount`` run once in all, training and under no_grad (the
+    dropless no-grad path), with and without losses."""
+    import sys
+
+    from moeflow.kernels import counts as counts_module
+
+    layer = make_layer(gen, dim=D, hidden=H, num_experts=6, top_k=2, capacity_factor=cf, eval_mode=False,
+                       router=RouterConfig(load_balance_coef=0.01, load_coef=0.01, bias_update_rate=1e-3))
+    calls: list[str] = []
+    real_count_ids, real_bincount = counts_module.count_ids, torch.bincount
+
+    def counted(ids, num_experts):  # type: ignore[no-untyped-def]
+        calls.append("count_ids")
+        return real_count_ids(ids, num_experts)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "count_ids", None) is real_count_ids and module.__name__.startswith("moeflow"):
+            monkeypatch.setattr(module, "count_ids", counted)
+    monkeypatch.setattr(torch, "bincount", lambda *a, **k: calls.append("bincount") or real_bincount(*a, **k))
+    x = rand(gen, 30, D)
+    with torch.set_grad_enabled(grad):
+        y = layer(x, losses=losses)
+    assert calls == ["count_ids"], calls
+    assert set(layer.aux_losses) == ({"load_balance", "load"} if losses else set())
+    assert torch.equal(layer.router.load_counts, layer.last_counts_E)  # the bias counters got the count
+    ids_TK = layer.eval().router(x, top_k=2, losses=False).ids_TK  # (eval: no count added)
+    assert torch.equal(layer.last_counts_E, real_bincount(ids_TK.reshape(-1), minlength=6))
+    assert y.shape == x.shape
+
+
 def test_layer_is_deterministic_in_eval(gen):
     layer = make_layer(gen, dim=D, hidden=H, num_experts=6, top_k=2, capacity_factor=0.5,
                        router=RouterConfig(noise_std=1.0, jitter_eps=0.1, input_dropout=0.2))

@@ -316,7 +316,7 @@ def test_generate_benchmark_matches_transformers_tokens(tmp_path) -> None:
     pytest.importorskip("transformers")
     import json
 
-    from moeflow.bench.generate import main as bench_main
+    from bench.generate import main as bench_main
 
     out = tmp_path / "generate.json"
     assert bench_main(["--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--hidden", "48",

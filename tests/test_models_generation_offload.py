@@ -118,7 +118,7 @@ def test_offload_benchmark_runs_and_skips_accelerate_when_missing(tmp_path, monk
     import json
     import sys
 
-    from moeflow.bench import generate_offload
+    from bench import generate_offload
 
     monkeypatch.setitem(sys.modules, "accelerate", None)  # import accelerate -> ImportError
     assert "accelerate is not installed" in generate_offload.accelerate_missing()

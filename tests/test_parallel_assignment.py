@@ -1,4 +1,4 @@
-"""The group's slot assignment (``moeflow.parallel.assignment``, pure torch) and the
+"""The group's slot assignment (``moeflow.parallel.exchange.assignment``, pure torch) and the
 per-rank exchange plans built from it, with W ranks simulated in one process.
 
 Properties, on random routings (hypothesis) over capacity modes, drop policies, hidden shards
@@ -27,9 +27,9 @@ from moeflow.config import DispatchConfig
 from moeflow.dispatch import LocalDispatcher, assign_slots, resolve_capacity
 from moeflow.experts import GroupedExperts
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.assignment import CallArguments, GroupRouting, assign_group
-from moeflow.parallel.placement import Placement, plan_placement
-from moeflow.parallel.plan import exchange_plan, send_rows
+from moeflow.parallel.exchange.assignment import CallArguments, GroupRouting, assign_group
+from moeflow.parallel.placement.plan import Placement, plan_placement
+from moeflow.parallel.exchange.plan import exchange_plan, send_rows
 from moeflow.dispatch.combine import combine_rows
 from moeflow.types import RoutingResult
 
@@ -72,7 +72,7 @@ def _gathered(routings: list[RoutingResult], policy: str) -> GroupRouting:
         if policy != "position":
             meta = torch.cat([meta, r.priority_TK.to(torch.float64)], dim=1)
         parts.append(meta)
-    return GroupRouting.from_parts(parts, routings[0].top_k)
+    return GroupRouting.from_parts(parts, routings[0].top_k, routings[0].logits_TE.shape[1])
 
 
 def _placement(W: int, E: int, n: int, extra: int, gen: torch.Generator) -> Placement:

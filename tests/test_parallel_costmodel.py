@@ -1,10 +1,10 @@
-"""The all-to-all cost model (``moeflow.parallel.costmodel``, pure arithmetic)."""
+"""The all-to-all cost model (``moeflow.parallel.placement.costmodel``, pure arithmetic)."""
 
 from __future__ import annotations
 
 import pytest
 
-from moeflow.parallel.costmodel import LinkModel, crossover, fit_latency_bandwidth, flat_time, two_level_time
+from moeflow.parallel.placement.costmodel import LinkModel, crossover, fit_latency_bandwidth, flat_time, two_level_time
 
 pytestmark = pytest.mark.unit
 

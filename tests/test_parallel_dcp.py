@@ -1,5 +1,5 @@
 """PyTorch distributed checkpoint (DCP) for expert- and vocabulary-parallel models
-(``moeflow.parallel.dcp``, ``moeflow.convert.dcp``).
+(``moeflow.parallel.dcp.state``, ``moeflow.checkpoint.dcp``).
 
 A MoE GPT (fp64, gated experts, vocabulary 41: uneven parts on 2 and 4 ranks) takes one AdamW
 step in this process: the reference, written as a moeflow checkpoint. Ranks load it into a
@@ -29,7 +29,7 @@ import moeflow
 from moeflow.checkpoint import load_checkpoint, read_index, save_checkpoint
 from moeflow.checkpoint.state import expert_slices
 from moeflow.cli.main import main
-from moeflow.convert.dcp import dcp_to_moeflow, moeflow_to_dcp
+from moeflow.checkpoint.dcp import dcp_to_moeflow, moeflow_to_dcp
 from moeflow.models import GPTConfig, MoEGPT
 from moeflow.parallel import (
     ChunkedTensor,
@@ -43,8 +43,8 @@ from moeflow.parallel import (
     load_dcp_state_dict,
     plan_placement,
     save_dcp,
-    vocab_parallel,
 )
+from moeflow.models import vocab_parallel
 
 from helpers import spawn_ranks
 
@@ -97,7 +97,7 @@ def _parallel(world: int, layout: str, seed: int) -> tuple[MoEGPT, torch.optim.O
 
 def _expected(model: torch.nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of the reference tensor ``full`` of parameter ``name`` (or of state shaped
-    like it), cut by the checkpoint module's layout (independent of moeflow.parallel.dcp)."""
+    like it), cut by the checkpoint module's layout (independent of moeflow.parallel.dcp.state)."""
     layout = expert_slices(model).get(name)
     if layout is not None:
         return torch.stack([layout.cut(i, full[g]) for i, g in enumerate(layout.ids)])
@@ -225,7 +225,8 @@ def _case_model(rank: int, world: int, root: str, device_type: str) -> None:
     from moeflow.models import GPTConfig, MoEGPT
     from moeflow.parallel import (all_reduce_gradients, apply_placement, clip_grad_norm_, dcp_state_dict,
                                   dense_parameters, expert_parallel, load_dcp_state_dict, plan_placement,
-                                  sync_load_counts, vocab_parallel)
+                                  sync_load_counts)
+    from moeflow.models import vocab_parallel
 
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     E = 4 * world

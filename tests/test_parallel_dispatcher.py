@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 import moeflow
 from moeflow import RouterConfig
@@ -140,6 +142,26 @@ def _case_pipelined(rank: int, world: int) -> None:
         fix_tuned_settings(fresh, [])
 
 
+class _HostReadsIn(TorchFunctionMode):
+    """Records the tensor calls that read values on the host (``bincount``, ``nonzero``, a
+    boolean index, ``item``, ...) made directly by code in a file whose path ends with ``where``."""
+
+    NAMES = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy",
+                       "bincount", "unique", "masked_select", "repeat_interleave"})
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.seen = where, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        boolean_index = name == "__getitem__" and any(
+            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in (args[1:] if len(args) > 1 else ()))
+        if (name in self.NAMES or boolean_index) and sys._getframe(1).f_code.co_filename.endswith(self.where):
+            self.seen.append(f"{name} at line {sys._getframe(1).f_lineno}")
+        return func(*args, **(kwargs or {}))
+
+
 def _case_data_parallel(rank: int, world: int) -> None:
     """parallel="data" (weights gathered, tokens stay) on the same shards equals the single
     process: outputs, input/expert/dense gradients, in every capacity mode; bad uses raise."""
@@ -152,6 +174,12 @@ def _case_data_parallel(rank: int, world: int) -> None:
                        experts=moeflow.ExpertsConfig(activation="gelu", bias=True))
         check_equivalence(rank, world, layer, tokens, seed=500 + i, parallel="data",
                            what=f"data k={k} cf={cf} {policy} {weight_at}")
+    # the data mode reads nothing on the host itself (a host read is a GPU stall): counts by a
+    # scatter-add, not torch.bincount or a boolean index
+    ep = expert_parallel(seeded_layer(8, 2, 0.0, "position", "combine", seed=2))
+    with _HostReadsIn("strategies/data.py") as reads:
+        ep(torch.randn(6, D, dtype=torch.float64), parallel="data")
+    assert reads.seen == [], reads.seen
     ep = expert_parallel(seeded_layer(8, 2, 1.0, "position", "combine", seed=1))
     for kw, needle in ((dict(parallel="data", overlap_degree=2), "overlap_degree=2"),
                        (dict(parallel="model"), "parallel must be one of")):

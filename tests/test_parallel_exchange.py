@@ -1,4 +1,4 @@
-"""The row exchanges (``moeflow.parallel.exchange``): flat and two-level deliver the same rows in
+"""The row exchanges (``moeflow.parallel.exchange.alltoall``): flat and two-level deliver the same rows in
 the same order and back, and the expert-parallel layer over the two-level exchange (2 nodes x 2
 ranks, pipelined too) gives the single-process result. The two-level exchange's phase plan is
 also checked in one process on node shapes that 4 gloo ranks cannot make (3 x 2, 2 x 3, 1 x 3,
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from types import SimpleNamespace
 
 from moeflow.parallel import FlatExchange, HierarchicalExchange, make_groups
-from moeflow.parallel.exchange import permute_blocks
+from moeflow.parallel.exchange.alltoall import permute_blocks
 
 from helpers import check_equivalence, seeded_layer, spawn_ranks
 
@@ -156,7 +156,7 @@ class _Group:
 
 
 class _Net:
-    """Collectives between threads, one thread per rank: what ``moeflow.parallel.exchange`` calls
+    """Collectives between threads, one thread per rank: what ``moeflow.parallel.exchange.alltoall`` calls
     (``dist.get_rank/get_world_size`` and the three row all-to-alls), each checking its splits.
     Global ranks start at 10 in a world of 99 ranks, so a group of ``None`` (the world) gives a
     rank and size no expert group has, and a mix-up shows. Every call is recorded per thread."""
@@ -225,7 +225,7 @@ def _run_ranks(world: int, fn) -> list:  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def net(monkeypatch):  # type: ignore[no-untyped-def]
-    from moeflow.parallel import exchange
+    from moeflow.parallel.exchange import alltoall as exchange
 
     n = _Net()
     monkeypatch.setattr(exchange, "dist", n)

@@ -1,4 +1,4 @@
-"""Stall detection (``moeflow.parallel.heartbeat``): a stopped rank is named within seconds
+"""Stall detection (``moeflow.parallel.launch.heartbeat``): a stopped rank is named within seconds
 instead of leaving the job waiting for the collective timeout, and the job ends at the report.
 
 Two real jobs under torchrun (``distributed``) and one ``moeflow train --nproc 2`` (``e2e``): a
@@ -23,9 +23,9 @@ import time
 
 import pytest
 
-from moeflow.parallel.heartbeat import (EXIT_STALLED, Heartbeat, RankProcess, Stall, _claim, _machine, _stat, _Watch,
-                                        report_stall)
-from moeflow.parallel.launch import free_port
+from moeflow.parallel.launch.heartbeat import EXIT_STALLED, Heartbeat, Stall, _Watch, report_stall
+from moeflow.parallel.launch.processes import RankProcess, _stat, claim_kill, this_machine
+from moeflow.parallel.launch.torchrun import free_port
 
 from helpers import TORCHRUN_ENV, rank_pids
 
@@ -33,7 +33,7 @@ _SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch.distributed as dist
     from moeflow.parallel import init_distributed
-    from moeflow.parallel.heartbeat import Heartbeat
+    from moeflow.parallel.launch.heartbeat import Heartbeat
 
     init_distributed(timeout_s=120)
     with Heartbeat(interval_s=0.5, timeout_s=4.0):
@@ -315,7 +315,7 @@ def sleeper():
         started.append(child)
         if stopped:
             os.kill(child.pid, signal.SIGSTOP)
-        return child, RankProcess(1, child.pid, _stat(child.pid)[1], _machine(), "here")
+        return child, RankProcess(1, child.pid, _stat(child.pid)[1], this_machine(), "here")
 
     yield start
     for child in started:
@@ -372,7 +372,7 @@ def test_a_process_that_is_not_the_published_one_is_left_alone(sleeper):
         f"rank 4's process (pid {gone.pid}) has exited",
         "rank 5 did not publish its process: left to torchrun\n"]
     # the start time is read again at the kill: a fake /proc that says another process has the pid
-    kill, what = _claim(process, process.machine, stat=lambda pid: ("S", process.started + 7))
+    kill, what = claim_kill(process, process.machine, stat=lambda pid: ("S", process.started + 7))
     assert kill is None and what == f"rank 1's process (pid {child.pid}) has exited" and child.poll() is None
 
 
@@ -385,13 +385,13 @@ def test_proc_stat_is_read_past_a_name_with_spaces_and_parentheses(tmp_path):
     (tmp_path / "42" / "stat").write_text(f"42 (zombie) Z {' '.join(fields[1:])}\n")
     assert _stat(41, tmp_path) == ("T", 987654)
     assert _stat(42, tmp_path) is None and _stat(43, tmp_path) is None  # exited (not reaped yet), gone
-    assert _stat(os.getpid())[0] in "RS" and _machine() is not None
+    assert _stat(os.getpid())[0] in "RS" and this_machine() is not None
 
 
 @pytest.mark.unit
 def test_a_published_process_round_trips_and_bad_ones_are_refused():
     me = RankProcess.this(3)
-    assert me is not None and me.pid == os.getpid() and me.machine == _machine()
+    assert me is not None and me.pid == os.getpid() and me.machine == this_machine()
     assert RankProcess.decode(3, me.encode()) == me
     for text in ("", "garbage", "1 2 m", "x 2 m h", "0 2 m h", "1 2 m h extra"):
         assert RankProcess.decode(1, text) is None, text

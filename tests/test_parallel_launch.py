@@ -1,4 +1,4 @@
-"""No process of a job outlives what started it (``moeflow.parallel.launch.die_with_parent``,
+"""No process of a job outlives what started it (``moeflow.parallel.launch.torchrun.die_with_parent``,
 ``die_with_agent``): a process armed against its parent goes when the parent is killed with
 SIGKILL, through ``prctl`` and through the polling fallback; one whose parent died before it
 armed (the race) goes at once; bad arguments are refused by name. The whole chain (launcher,
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from moeflow.parallel.launch import AGENT_PID, TorchrunJob, die_with_agent, die_with_parent
+from moeflow.parallel.launch.torchrun import AGENT_PID, TorchrunJob, die_with_agent, die_with_parent
 
 # the armed process: prints "PID HOW" once armed, then waits to be killed
 _ARMED = textwrap.dedent("""
     import os, signal, sys, time
-    import moeflow.parallel.launch as launch
+    import moeflow.parallel.launch.torchrun as launch
     if sys.argv[1] == "poll":  # as on a system without prctl
         launch._set_pdeathsig = lambda sig: False
     how = launch.die_with_parent(int(sys.argv[2]), signal.SIGKILL)
@@ -73,7 +73,7 @@ def test_a_process_goes_when_its_parent_is_killed(how):
 def test_a_process_whose_parent_died_before_it_armed_goes_at_once():
     """The race: told a parent it no longer has (here: itself, which is never its parent), it
     sends itself the signal instead of waiting for the death of whoever adopted it."""
-    code = ("import os, signal; from moeflow.parallel.launch import die_with_parent; "
+    code = ("import os, signal; from moeflow.parallel.launch.torchrun import die_with_parent; "
             "die_with_parent(os.getpid(), signal.SIGKILL); print('still here')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL and "still here" not in done.stdout, done.stderr[-2000:]
@@ -108,8 +108,8 @@ def test_the_agent_exits_with_the_stall_status_when_a_rank_gave_up_on_a_stalled_
     SIGKILL first, but the job's status is the watcher's EXIT_STALLED. Without one, the first."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from moeflow.parallel.agent import _cause
-    from moeflow.parallel.heartbeat import EXIT_STALLED
+    from moeflow.parallel.launch.agent import _cause
+    from moeflow.parallel.launch.heartbeat import EXIT_STALLED
 
     killed = ProcessFailure(local_rank=0, pid=10, exitcode=-9, error_file="/nonexistent")
     watcher = ProcessFailure(local_rank=1, pid=11, exitcode=EXIT_STALLED, error_file="/nonexistent")

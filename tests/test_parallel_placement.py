@@ -1,4 +1,4 @@
-"""Load-aware expert placement with replicas (``moeflow.parallel.placement``, ``rebalance``).
+"""Load-aware expert placement with replicas (``moeflow.parallel.placement.plan``, ``rebalance``).
 
 The planner is checked on its own (unit); on 2 and 4 gloo ranks (distributed) a layer under a
 replicated placement must give the single-process outputs and gradients (replica gradients summed)
@@ -167,7 +167,7 @@ def _case_skewed_load(rank: int, world: int) -> None:
     ep = expert_parallel(layer)
 
     def busiest_rows() -> int:  # rows the busiest rank computes, from the group's assignment
-        from moeflow.parallel.assignment import assign_group
+        from moeflow.parallel.exchange.assignment import assign_group
 
         routing = ep.router(x, top_k=1, forced_ids_TK=forced)
         group = assign_group(ep.dispatcher.gather_routing(routing, capacity_factor=0.0), num_experts=E, capacity_factor=0.0,

@@ -1,4 +1,4 @@
-"""The auto-tuner (``moeflow.parallel.tuner``): its decision rule on injected trial times (the MAX
+"""The auto-tuner (``moeflow.parallel.placement.tuner``): its decision rule on injected trial times (the MAX
 over 2 gloo ranks counts), its configuration through ``ParallelConfig`` and the JSON round trip of
 its choices; in one process (the reduction over ranks replaced by the identity, which is what it
 is on one rank) its rule in detail, and ``run`` on calls timed by a fake clock. The tuner's
@@ -15,8 +15,8 @@ import torch
 
 import moeflow
 from moeflow.parallel import expert_parallel
-from moeflow.parallel import tuner as tuner_module
-from moeflow.parallel.tuner import ParallelTuner
+from moeflow.parallel.placement import tuner as tuner_module
+from moeflow.parallel.placement.tuner import ParallelTuner
 
 from helpers import spawn_ranks
 
@@ -27,7 +27,7 @@ def _case_tuner_ties(rank: int, world: int) -> None:
     """The tuner's decision rule on injected trial times (rank-dependent: the MAX over ranks
     counts): a candidate far behind stops being timed after its first trials, near ties (within
     ``close``) are timed on to ``max_trials`` each, and the median of those decides."""
-    from moeflow.parallel.tuner import ParallelTuner
+    from moeflow.parallel.placement.tuner import ParallelTuner
 
     tuner = ParallelTuner(None, moeflow.TunerConfig(trials=3, max_trials=6, close=0.1, min_time_s=0.0))
     key = (8, 2, 1.0, "auto", "auto")
@@ -100,7 +100,7 @@ def _case_tuner_uses_the_slowest_rank(rank: int, world: int) -> None:
     rank 1, ``b`` the other way round but less so. The slowest rank sets a step's pace, so the
     MAX over ranks decides (``b``: 1.3 against ``a``'s 1.5); a MIN (1.0 against 1.2) or a
     rank's own times would pick ``a``, and on one rank only, so the ranks would disagree."""
-    from moeflow.parallel.tuner import ParallelTuner
+    from moeflow.parallel.placement.tuner import ParallelTuner
 
     tuner = ParallelTuner(None, moeflow.TunerConfig(trials=3, max_trials=3, close=0.05, min_time_s=0.0))
     key = (8, 2, 1.0, "auto", "auto")
@@ -283,7 +283,7 @@ def _call(ids_TK: torch.Tensor, E: int, *, requires_grad: bool = False):
     T, K = ids_TK.shape
     x_TD = torch.randn(T, 4, dtype=torch.float64, requires_grad=requires_grad)
     routing = SimpleNamespace(logits_TE=torch.zeros(T, E, dtype=torch.float64))
-    group = SimpleNamespace(ids_TK=ids_TK, num_tokens=T, top_k=K)
+    group = SimpleNamespace(ids_TK=ids_TK, num_tokens=T, top_k=K, counts_E=torch.bincount(ids_TK.flatten(), minlength=E))
     return SimpleNamespace(x_TD=x_TD, routing=routing, group_routing=group, capacity_factor=1.0)
 
 

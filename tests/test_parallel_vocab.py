@@ -13,16 +13,13 @@ import torch.nn.functional as F
 
 import moeflow
 from moeflow.checkpoint import load_checkpoint, save_checkpoint
-from moeflow.models import GPTConfig, MoEGPT
+from moeflow.models import GPTConfig, MoEGPT, VocabParallelEmbedding, VocabParallelHead, vocab_parallel
 from moeflow.parallel import (
-    VocabParallelEmbedding,
-    VocabParallelHead,
     all_reduce_gradients,
     clip_grad_norm_,
     dense_parameters,
     expert_parallel,
     gather_vocab_weight,
-    vocab_parallel,
     vocab_range,
 )
 

@@ -437,8 +437,8 @@ def _exit_status(argv: list[str]) -> int:
 @pytest.mark.parametrize("argv, says", [
     (["--seq-len", "100000"], "--seq-len 100000 is longer than the model's context (max_seq_len="),
     (["--seed", "-1"], "argument --seed: must be >= 0"),
-    (["--bench", "--threads", "0"], "argument --threads: must be >= 1"),
-    (["--bench", "--seq-len", "8"], "it does not take --seq-len"),
+    (["--threads", "0"], "argument --threads: must be >= 1"),
+    (["--new-tokens", "-1"], "argument --new-tokens: must be >= 0"),
 ])
 def test_cli_infer_refuses_before_work(argv, says, private_tmp, capsys):
     """Refused with one line and status 2, before any store is built (no experts file)."""
@@ -468,28 +468,29 @@ def test_cli_infer_from_checkpoint(tmp_path):
     assert report["stats"]["peak_fast_bytes"] <= budget
 
 
-def test_cli_infer_bench(tmp_path, monkeypatch, capsys):
-    """`moeflow infer --bench` runs the benchmark (shrunk here to test sizes)."""
+def test_storage_bench_main(tmp_path, monkeypatch, capsys):
+    """``python -m bench.storage`` runs the benchmark (shrunk here to test sizes) and refuses a bad
+    configuration with one line and status 2."""
     import dataclasses
     import json
 
-    import moeflow.bench.storage as storage_bench
-    from moeflow.cli.main import main
+    import bench.storage as storage_bench
 
     real = storage_bench.run_storage_bench
     small = dict(dim=32, hidden=64, experts=4, heads=2, seq_len=16, repeats=1, balanced_tokens=16, compute_factor=2.0)
     monkeypatch.setattr(storage_bench, "run_storage_bench",
                         lambda cfg, progress: real(dataclasses.replace(cfg, **small), progress))
-    assert main(["infer", "--bench", "--layers", "8", "--json", str(tmp_path / "b.json")]) == 0
+    assert storage_bench.main(["--layers", "8", "--json", str(tmp_path / "b.json")]) == 0
     report = json.loads((tmp_path / "b.json").read_text())
     assert report["config"]["n_layers"] == 8 and report["config"]["threads"] == 1
     assert all(r["identical"] for r in report["regimes"])
-    assert main(["infer", "--bench", "--layers", "3"]) == 2
+    capsys.readouterr()
+    assert storage_bench.main(["--layers", "3"]) == 2
     assert "n_layers must be >= 4" in capsys.readouterr().err
 
 
 def test_storage_bench_small():
-    from moeflow.bench.storage import StorageBenchConfig, format_storage_report, run_storage_bench
+    from bench.storage import StorageBenchConfig, format_storage_report, run_storage_bench
 
     cfg = StorageBenchConfig(n_layers=8, dim=32, hidden=64, experts=4, heads=2, seq_len=16, repeats=1,
                              threads=1, balanced_tokens=16, compute_factor=2.0)
@@ -864,9 +865,7 @@ def test_overlap_prefetch_hides_load_time(monkeypatch, gen):
     assert wall[1] <= wall[0] - 0.5 * (n - 1) * 0.03
 
 
-def test_ignored_options_are_refused(capsys):
-    from moeflow.cli.main import main
-
+def test_ignored_options_are_refused():
     with pytest.raises(ValueError, match="ring_slots"):
         StorageConfig(mode="cache", ring_slots=2)
     with pytest.raises(ValueError, match="directory"):
@@ -874,10 +873,6 @@ def test_ignored_options_are_refused(capsys):
     store = offload_experts(tiny_gpt(n_layers=2), StorageConfig(fast_memory="1MB", trainable=True))
     with store, pytest.raises(TypeError, match="betas"):
         OffloadedAdamW(store, betas=[0.9, 0.99])  # type: ignore[arg-type]
-    capsys.readouterr()
-    assert main(["infer", "--bench", "--offload", "host", "--fast-memory", "1MB", "--mode", "cache"]) == 2
-    err = capsys.readouterr().err
-    assert "--offload" in err and "--fast-memory" in err and "--mode" in err
 
 
 def test_cli_infer_restores_torch_threads(tmp_path):

@@ -37,7 +37,7 @@ def test_scores_per_package_leave_out_equivalents_and_unrun(tmp_path):
     codes = {"moeflow.routing.s.x_f__mutmut_1": 1, "moeflow.routing.s.x_f__mutmut_2": 0,
              "moeflow.routing.s.x_f__mutmut_3": 0, "moeflow.routing.s.x_f__mutmut_4": 33,
              "moeflow.routing.s.x_f__mutmut_5": 36, "moeflow.routing.s.x_f__mutmut_6": None,
-             "moeflow.parallel.tuner.x_g__mutmut_1": 1}
+             "moeflow.parallel.placement.tuner.x_g__mutmut_1": 1}
     (meta / "s.py.meta").write_text(json.dumps({"exit_code_by_key": codes}))
     rows = {r["package"]: r for r in report.score_table(report.read_results(tmp_path),
                                                          {"moeflow.routing.s.x_f__mutmut_3": "same"})}
@@ -86,7 +86,7 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     (fake / "moeflow" / "__pycache__").mkdir()
     (fake / "pyproject.toml").write_text((root / "pyproject.toml").read_text())
     monkeypatch.setattr(run, "ROOT", fake)
-    monkeypatch.setitem(run.PACKAGES, "parallel/tuner", (["moeflow/parallel/tuner.py"], ["test_routing.py"]))
+    monkeypatch.setitem(run.PACKAGES, "parallel/tuner", (["moeflow/parallel/placement/tuner.py"], ["test_routing.py"]))
     monkeypatch.setattr(run, "test_files", lambda package, tests=fake / "tests": ["tests/test_routing.py"])
     work = run.prepare("parallel/tuner")
     assert work == fake / "mutants" / "parallel-tuner"

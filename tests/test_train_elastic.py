@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from moeflow.checkpoint import latest_checkpoint
-from moeflow.parallel.launch import TorchrunJob, free_port
+from moeflow.parallel.launch.torchrun import TorchrunJob, free_port
 from moeflow.train import LMTrainConfig, build_from_checkpoint, train_lm
 from moeflow.train.worker import _join
 

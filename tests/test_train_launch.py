@@ -1,4 +1,4 @@
-"""``moeflow train`` under torchrun (``moeflow.train.worker``, ``moeflow.parallel.launch``): the
+"""``moeflow train`` under torchrun (``moeflow.train.worker``, ``moeflow.parallel.launch.torchrun``): the
 flags are refused alike on every rank before any work (rank 0 says why); two torchrun agents (two
 "nodes" of 2 ranks on this machine, c10d rendezvous) train like one process, with the two-level
 exchange (slow tier); and a rank killed with SIGKILL at a random moment (in a step or in a save) makes
@@ -23,7 +23,7 @@ import torch
 
 from moeflow.checkpoint import latest_checkpoint
 from moeflow.cli.main import main
-from moeflow.parallel.launch import free_port, torchrun_job
+from moeflow.parallel.launch.torchrun import free_port, torchrun_job
 from moeflow.train import LMTrainConfig, build_from_checkpoint, train_lm
 
 from helpers import TORCHRUN_ENV, rank_pids, spawn_ranks, torchrun_cmd
@@ -109,8 +109,7 @@ def test_two_torchrun_nodes_train_like_one_process(tmp_path) -> None:
              "--eval-batches", "1", "--val-works", "sonnets", "--load-balance-coef", "0", "--dtype", "float64",
              "--no-progress", "--no-plot", "--sample-tokens", "0", "--out", str(tmp_path / "ep")]
     rdzv = f"127.0.0.1:{free_port()}"
-    entry = (["-m", "moeflow", "train"], ["-m", "moeflow.train"])  # both entry points, one job
-    agents = [subprocess.Popen(torchrun_cmd(*entry[node], *flags, rdzv=rdzv, nnodes=2, node_rank=node), env=TORCHRUN_ENV,
+    agents = [subprocess.Popen(torchrun_cmd("-m", "moeflow", "train", *flags, rdzv=rdzv, nnodes=2, node_rank=node), env=TORCHRUN_ENV,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)

@@ -142,7 +142,7 @@ def test_out_dir_holds_one_run(tmp_path, monkeypatch) -> None:
     (run / "notes.txt").write_text("not moeflow's")
     before = file_states(run)
     with monkeypatch.context() as m:
-        m.setattr(lm, "_build_tokenizer", _no_training_work)
+        m.setattr(lm, "corpus_tokenizer", _no_training_work)
         with pytest.raises(ValueError, match=r"out_dir=.*already holds a run .*step 3.*resume=True.*overwrite=True"):
             train_lm(LMTrainConfig(out_dir=run, **kw))
         with pytest.raises(ValueError, match="steps=2 is below step 3 of the checkpoint"):

@@ -1,4 +1,4 @@
-"""Training on one's own data (``moeflow.train.sources``, ``moeflow.train.tokens``,
+"""Training on one's own data (``moeflow.train.sources``, ``moeflow.train.prepare``, ``moeflow.train.tokens``,
 ``moeflow.train.lm_data``, ``moeflow prepare-data``, ``moeflow train --data``): every kind of
 source reads as documents and trains; bad data is refused naming the file (and line);
 prepared shards hold every document with its end-of-document token and are refused when
@@ -26,7 +26,8 @@ from moeflow.cli.main import main
 from moeflow.train import LMTrainConfig, train_lm
 from moeflow.train.data import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_dict
 from moeflow.train.sources import DataError, documents
-from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler, prepare, split_of
+from moeflow.train.prepare import prepare, split_of
+from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler
 
 from helpers import run_until_checkpoint, spawn_ranks
 
@@ -133,7 +134,7 @@ shutil.copytree(built, named)
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = tmp_path / "prep"
     proc = subprocess.run([sys.executable, "-m", "moeflow", "prepare-data", "hf:someone/tiny", "--out", str(out),
-                           "--workers", "1"], env=env, capture_output=True, text=True, timeout=120)
+                           "--workers", "1", "--val-fraction", "0"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     ds = TokenDataset(out)
     assert ds.num_documents == 5 and ds.index["sources"] == ["hf:someone/tiny"]
@@ -269,7 +270,8 @@ def test_reads_through_small_windows_equal_the_whole_corpus(tmp_path) -> None:
 @pytest.mark.unit
 def test_damaged_or_mismatched_shards_are_refused_by_file(tmp_path) -> None:
     src = write_source("jsonl", tmp_path / "src", structured_docs(50))
-    prepare(documents([src], text_field="body"), ByteTokenizer(encoding="utf-8", eod=True), tmp_path / "p", workers=1)
+    prepare(documents([src], text_field="body"), ByteTokenizer(encoding="utf-8", eod=True), tmp_path / "p", workers=1,
+            val_fraction=0.0)
     shard = tmp_path / "p" / "train-00000.bin"
     TokenDataset(tmp_path / "p")  # intact
     with pytest.raises(DataError, match="no 'val' split"):
@@ -524,8 +526,10 @@ def test_bad_data_stops_the_run_before_training_naming_the_file(tmp_path, capsys
     assert main(["train", "--device", "cpu", "--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "c"),
                  "--steps", "1"]) == 2
     assert "--data " + str(tmp_path / "nowhere") + ": no such file or folder" in capsys.readouterr().err
+    # one document of 65 tokens: a token hold-out of one window of seq_len 32 (34 tokens) leaves too few to train on
     one = write_source("txt", tmp_path / "one", structured_docs(1) * 30)
-    with pytest.raises(DataError, match=r"val_fraction=0.25 held out none of its 1 documents; give --val-data"):
+    with pytest.raises(DataError, match=r"book\.txt: 65 tokens in 1 document\(s\) are too few for a validation split: "
+                       r"holding out 34 .* leaves 31 for training, fewer than one window"):
         train_lm(_run_cfg(tmp_path / "d", data=(str(one),)))
 
 

@@ -1,7 +1,7 @@
 """Measure the all-to-all latency and bandwidth between local ranks (gloo, or NCCL on GPUs).
 
 A torchrun worker; ``moeflow a2a-model --calibrate`` runs it on 2 local ranks and fits the cost
-model's link parameters (``moeflow.parallel.costmodel``) to what it writes:
+model's link parameters (``moeflow.parallel.placement.costmodel``) to what it writes:
 
     torchrun --nproc-per-node=2 -m moeflow.bench.calibrate OUT.json
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from moeflow.parallel.comm import all_to_all_equal, backend_name, barrier, group_device, process_position
-from moeflow.parallel.costmodel import fit_latency_bandwidth
+from moeflow.parallel.placement.costmodel import fit_latency_bandwidth
 from moeflow.parallel.groups import init_distributed, shutdown_distributed
 
 __all__ = ["SIZES", "measure", "main"]

@@ -15,7 +15,7 @@ It counts the same bytes in a fresh process, but in a process that has run other
 implementations glibc serves new tensors from freed heap chunks whose pages stay resident when
 freed again, so the figure depends on what ran before (measured: the same floor call read
 120-200 MiB on four runs of one process). ``resident_bytes`` and ``release_freed_heap`` remain
-for callers that measure one implementation per fresh process (``moeflow.bench.activation``).
+for callers that measure one implementation per fresh process (``bench.activation``).
 """
 
 from __future__ import annotations

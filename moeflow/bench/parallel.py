@@ -39,7 +39,7 @@ from moeflow.bench.layer import LayerBenchFlags, _machine, activation_is_gated
 from moeflow.bench.memory import keep_freed_heap
 from moeflow.config import ExpertsConfig, MoEConfig
 from moeflow.layer.moe import MoE
-from moeflow.parallel.launch import run_torchrun
+from moeflow.parallel.launch.torchrun import run_torchrun
 
 __all__ = ["ParallelBenchConfig", "run_parallel_bench", "format_parallel_table"]
 
@@ -184,7 +184,7 @@ def _placement_compare(cfg: ParallelBenchConfig, layer: MoE, x: torch.Tensor, g:
 
     def rows(m: MoE) -> int:
         """Rows this rank's experts receive in one call (from the group's slot assignment)."""
-        from moeflow.parallel.assignment import assign_group
+        from moeflow.parallel.exchange.assignment import assign_group
 
         routing = m.router(x, top_k=cfg.top_k, forced_ids_TK=ids)
         gathered = m.dispatcher.gather_routing(routing, capacity_factor=cfg.capacity_factor)

@@ -136,7 +136,7 @@ def add_a2a_model(sub: argparse._SubParsersAction) -> None:
         "a2a-model",
         help="predicted flat vs two-level all-to-all times for 16..2048 ranks, and the crossover",
         description="Latency + bytes/bandwidth model of the flat and two-level all-to-all "
-        "(moeflow.parallel.costmodel). Defaults: 8-GPU NVLink nodes on 400 Gb/s InfiniBand.",
+        "(moeflow.parallel.placement.costmodel). Defaults: 8-GPU NVLink nodes on 400 Gb/s InfiniBand.",
     )
     p.add_argument("--bytes-per-rank", type=float_at_least(0, strict=True), default=2 * 4096 * 4096 * 2.0,
                    help="bytes each rank exchanges (default: T=4096, K=2, D=4096, bf16 = 64 MiB)")
@@ -147,7 +147,7 @@ def add_a2a_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _model_table(bytes_per_rank: float, links, title: str) -> str:  # type: ignore[no-untyped-def]
-    from moeflow.parallel.costmodel import crossover, flat_time, two_level_time
+    from moeflow.parallel.placement.costmodel import crossover, flat_time, two_level_time
 
     worlds = [w for w in (16, 32, 64, 128, 256, 512, 1024, 2048) if w % links.node_size == 0]
     lines = [title, f"{'ranks':>7}{'flat ms':>12}{'2-level ms':>13}{'2-level/flat':>14}"]
@@ -178,8 +178,8 @@ def _copy_bandwidth() -> float:
 def _run_a2a_model(args: argparse.Namespace) -> int:
     import tempfile
 
-    from moeflow.parallel.costmodel import LinkModel
-    from moeflow.parallel.launch import run_torchrun
+    from moeflow.parallel.placement.costmodel import LinkModel
+    from moeflow.parallel.launch.torchrun import run_torchrun
 
     try:
         links = LinkModel(node_size=args.node_size)

@@ -59,7 +59,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         if args.from_dcp is not None:
             if len(paths) != 1 or args.to_dcp is not None:
                 return fail("usage: moeflow convert --from-dcp DIR DST [--step N]")
-            from moeflow.convert.dcp import dcp_to_moeflow
+            from moeflow.checkpoint.dcp import dcp_to_moeflow
 
             check_output_dir("DST", paths[0])
             print(f"wrote {dcp_to_moeflow(args.from_dcp, paths[0], step=args.step)} (from DCP {args.from_dcp})")
@@ -84,7 +84,7 @@ def _run_convert(args: argparse.Namespace) -> int:
         if args.to_dcp is not None:
             if len(paths) != 1:
                 return fail("usage: moeflow convert SRC --to-dcp DIR")
-            from moeflow.convert.dcp import moeflow_to_dcp
+            from moeflow.checkpoint.dcp import moeflow_to_dcp
 
             check_output_dir("--to-dcp", args.to_dcp)
 

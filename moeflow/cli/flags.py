@@ -289,18 +289,31 @@ def threads_help(fallback: int, what: str = "torch threads per process") -> str:
 def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The destinations ``argv`` sets (parsed again with a namespace that already holds every
     destination: argparse then leaves the ones not given as they are)."""
-    unset = object()
-    ns = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != "help"})
+    # a repeatable flag's action appends to a copy of what the namespace holds: its placeholder
+    # must be a list (argparse copies it, so the copy is told apart); any other flag's, an object
+    unset = {a.dest: [] if isinstance(a, argparse._AppendAction) else object()
+             for a in parser._actions if a.dest != "help"}
+    ns = argparse.Namespace(**unset)
     parser.parse_args(argv, namespace=ns)
-    return {k for k, v in vars(ns).items() if v is not unset}
+    return {k for k, v in vars(ns).items() if k not in unset or v is not unset[k]}
 
 
-def _config_value(parser: argparse.ArgumentParser, flag: str, action: argparse.Action, value: Any) -> Any:
+class _One:
+    """One value of a repeatable flag: its type and choices, checked as a plain flag's."""
+
+    def __init__(self, action: argparse.Action) -> None:
+        self.type, self.choices = action.type, action.choices
+
+
+def _config_value(parser: argparse.ArgumentParser, flag: str, action: Any, value: Any) -> Any:
     """A TOML value for ``action``, checked as the flag's own text would be (its type and choices)."""
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
             raise UsageError(f"{flag}: must be true or false, got {value!r}")
         return value
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag (--data A --data B): a list
+        values = value if isinstance(value, list) else [value]
+        return [_config_value(parser, flag, _One(action), v) for v in values]
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         value = ",".join(value)  # a list of works for a comma-separated flag
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
@@ -352,6 +365,10 @@ def config_toml(args: argparse.Namespace, parser: argparse.ArgumentParser, *, sk
         if not action.option_strings or dest in ("help", "debug", *skip) or getattr(args, dest, None) is None:
             continue
         value = getattr(args, dest)
+        if isinstance(action, argparse._AppendAction):  # a repeatable flag: a TOML array of its values
+            if value:
+                lines.append(f"{dest} = [{', '.join(json.dumps(str(v)) for v in value)}]")
+            continue
         if isinstance(value, tuple):
             value = ",".join(value)
         if isinstance(value, bool):

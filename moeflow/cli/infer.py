@@ -2,7 +2,6 @@
 
     moeflow infer --offload disk --fast-memory 512MB --preset small --new-tokens 16
     moeflow infer runs/shakespeare --offload disk --fast-memory 8MB --mode cache --prompt "ROMEO."
-    moeflow infer --bench                      # ring prefetch vs synchronous vs in memory
 
 Runs on ``--device`` (default: CUDA where torch sees it, else the CPU; the first line says which
 and why): the model's dense part and the fast tier. Prints what the store moved: bytes loaded into the fast tier (and read from disk), the time the
@@ -65,11 +64,8 @@ def add_infer(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", default=None, help="with a checkpoint that has a tokenizer: the prompt text (default: random tokens)")
     p.add_argument("--new-tokens", type=int_at_least(0), default=16, help="greedy decoding steps after the prefill")
     p.add_argument("--compare", action="store_true", help="also run the in-memory model; report time and equality")
-    p.add_argument("--threads", type=int_at_least(1), default=None,
-                   help=threads_help(2, "torch threads (with --bench the fallback is 1)"))
+    p.add_argument("--threads", type=int_at_least(1), default=None, help=threads_help(2, "torch threads"))
     p.add_argument("--seed", type=int_at_least(0), default=0, help="random weights and prompt tokens")
-    p.add_argument("--bench", action="store_true",
-                   help="run the ring-inference benchmark (moeflow.bench.storage) with --layers/--threads instead")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON (default: none)")
     p.set_defaults(func=run_infer)
 
@@ -126,19 +122,6 @@ def _infer(args: argparse.Namespace) -> int:
     import torch
 
     _check_paths(args)
-    if args.bench:
-        ignored = [flag for flag, value in (
-            ("checkpoint", args.checkpoint), ("--offload", args.offload), ("--fast-memory", args.fast_memory),
-            ("--mode", args.mode), ("--ring-slots", args.ring_slots), ("--prefetch", args.prefetch),
-            ("--dir", args.dir), ("--device", args.device), ("--prompt", args.prompt),
-            ("--disk-reads", args.disk_reads), ("--evict-page-cache", args.evict_page_cache or None),
-            ("--compare", args.compare or None),
-            ("--seq-len", args.seq_len), ("--batch-size", args.batch_size if args.batch_size != 1 else None),
-        ) if value is not None]
-        if ignored:
-            return _fail(f"--bench runs a fixed benchmark (it takes --layers, --threads, --seed, --json); "
-                         f"it does not take {', '.join(ignored)}")
-        return _run_bench(args)
     device = choose_device("--device", args.device)  # CUDA where available
     args.device, args.device_line = device.device, device.line
     storage = storage_config(args)  # before any work: a bad value is one line and status 2
@@ -245,14 +228,3 @@ def _run(args: argparse.Namespace, storage) -> int:  # type: ignore[no-untyped-d
         print(f"wrote {args.json}")
     return 0
 
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from moeflow.bench.storage import StorageBenchConfig, run_and_report
-
-    try:
-        cfg = StorageBenchConfig(n_layers=8 if args.layers is None else args.layers,
-                                 threads=args.threads or env_threads() or 1, seed=args.seed)
-    except (ValueError, TypeError) as err:
-        return _fail(str(err))
-    run_and_report(cfg, args.json)
-    return 0

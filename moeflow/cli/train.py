@@ -39,6 +39,7 @@ DEFAULT_WARMUP = 30  # steps; cut to a tenth of --steps in a shorter run (``_res
 def add_train(sub: argparse._SubParsersAction) -> None:
     from moeflow.models import GPT_PRESETS
     from moeflow.train.data import DEFAULT_VAL_WORKS
+    from moeflow.train.prepare import DEFAULT_VAL_FRACTION
 
     p = sub.add_parser(
         "train",
@@ -92,9 +93,13 @@ def add_train(sub: argparse._SubParsersAction) -> None:
                    "@WEIGHT drawing from each in that proportion (raw sources are tokenized once into --out/data; default: "
                    "the Shakespeare corpus)")
     p.add_argument("--val-data", action="append", default=None, metavar="SOURCE",
-                   help="with --data: validation sources (default: --val-fraction of each --data source's documents)")
-    p.add_argument("--val-fraction", type=float, default=0.05,
-                   help="with --data and no --val-data: the documents held out for validation, chosen by document")
+                   help="with --data: validation sources (default: --val-fraction of each raw --data source, or a "
+                   "prepared one's own validation split)")
+    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                   help="with --data and no --val-data: the share of each raw source held out for validation, whole "
+                   "documents chosen by a hash of their index, or the last tokens (at least one window of --seq-len) "
+                   "when there are too few documents; 0 holds out none, which needs --val-data (as `moeflow "
+                   "prepare-data`'s --val-fraction, with the same default)")
     p.add_argument("--text-field", default="text", help="with --data: the JSON key or column holding the text")
     p.add_argument("--skip-empty", action="store_true",
                    help="with --data: skip empty documents (counted in the log) instead of refusing them")
@@ -282,7 +287,9 @@ def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[
                 for source in sources:
                     if not source.startswith("hf:") and not Path(source).exists():
                         return f"{flag} {source}: no such file or folder"
-            return None
+            from moeflow.train.lm_data import validation_problem
+
+            return validation_problem(cfg)  # before --out is claimed: a refused run leaves no run behind
         corpus = load_corpus(cfg.val_works)
     except (CorpusError, ValueError) as err:
         return str(err)
@@ -297,7 +304,7 @@ def _run_train(args: argparse.Namespace) -> int:
     import torch
 
     from moeflow.checkpoint import CheckpointError
-    from moeflow.parallel.launch import torchrun_job
+    from moeflow.parallel.launch.torchrun import torchrun_job
     from moeflow.train import LMTrainConfig, train_lm
     from moeflow.train.data import CorpusError
     from moeflow.train.lm_checkpoint import inspect_run

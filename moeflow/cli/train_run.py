@@ -28,8 +28,8 @@ def error(args: argparse.Namespace, message: object) -> None:
 def start_ranks(args: argparse.Namespace) -> int:
     """``--nproc N``: ``torchrun --nproc-per-node N -m moeflow train`` with the other flags. The
     job goes with this process, even one killed with SIGKILL: its agent and ranks arm their
-    death with their parent (``run_torchrun``, ``moeflow.parallel.launch.die_with_parent``)."""
-    from moeflow.parallel.launch import run_torchrun
+    death with their parent (``run_torchrun``, ``moeflow.parallel.launch.torchrun.die_with_parent``)."""
+    from moeflow.parallel.launch.torchrun import run_torchrun
 
     launcher = argparse.ArgumentParser(add_help=False)  # the flags of this process, not of the ranks
     launcher.add_argument("--nproc")

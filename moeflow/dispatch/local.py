@@ -57,9 +57,9 @@ class LocalDispatcher:
         same ``[R, D]`` rows grouped by expert (token order inside an expert) and the same
         ``counts_E`` as through ``dispatch``/``combine``, but the rows move with plain
         ``index_select``/``index_copy_`` and no ``DispatchPlan`` is built (no slot positions,
-        no inverse maps, no autograd functions): about half the ops, which is what a small-T
-        call costs. ``dispatch`` then ``combine`` is its reference (tests compare the two).
-        (Without autograd the built-in experts skip their autograd Functions too:
+        no inverse maps, no autograd functions): fewer ops, and the number of ops is what a
+        small-T call costs. ``dispatch`` then ``combine`` is its reference (tests compare the
+        two). (Without autograd the built-in experts skip their autograd Functions too:
         ``moeflow.experts.ffn.grouped_ffn``.)"""
         T, K = routing.ids_TK.shape
         order_A = torch.sort(routing.ids_TK.reshape(-1), stable=True).indices  # assignment of each row

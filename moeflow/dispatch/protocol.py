@@ -12,7 +12,6 @@ whether ``run`` is a collective, and which experts live in this process (``layou
 
 from __future__ import annotations
 
-import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from moeflow.experts.ffn import Experts
 from moeflow.types import ExpertLayout, RoutingResult
 
-__all__ = ["Dispatcher", "DispatchCombineAdapter", "as_dispatcher"]
+__all__ = ["Dispatcher", "check_dispatcher"]
 
 
 @runtime_checkable
@@ -56,39 +55,11 @@ class Dispatcher(Protocol):
         ...
 
 
-class DispatchCombineAdapter:
-    """A dispatcher written to the protocol before ``run`` (``dispatch(x_TD, routing, *,
-    capacity_factor) -> (expert_in, plan)`` and ``combine(expert_out, plan) -> y_TD``), made a
-    ``Dispatcher``: ``run`` is dispatch, experts, combine. ``MoE`` wraps such a dispatcher in it
-    with a ``DeprecationWarning``; supported for one release."""
-
-    def __init__(self, legacy: object, num_experts: int) -> None:
-        self.legacy = legacy
-        self.num_experts = num_experts
-        self.collective = bool(getattr(legacy, "collective", False))
-        self.layout = ExpertLayout.whole(num_experts)
-
-    def run(
-        self, x_TD: torch.Tensor, routing: RoutingResult, experts: Experts, *, capacity_factor: float,
-        overlap_degree: int | str | None = None, parallel: str | None = None,
-    ) -> torch.Tensor:
-        expert_in, plan = self.legacy.dispatch(x_TD, routing, capacity_factor=capacity_factor)  # type: ignore[attr-defined]
-        return self.legacy.combine(experts(expert_in, plan.counts_E), plan)  # type: ignore[attr-defined]
-
-
-def as_dispatcher(obj: object, num_experts: int) -> Dispatcher:
-    """``obj`` if it is a ``Dispatcher``; a ``DispatchCombineAdapter`` (with a
-    ``DeprecationWarning``) if it has only the older ``dispatch``/``combine`` pair; otherwise a
-    ``TypeError`` naming what is missing."""
-    if isinstance(obj, Dispatcher):
-        return obj
-    if callable(getattr(obj, "dispatch", None)) and callable(getattr(obj, "combine", None)):
-        warnings.warn(
-            f"{type(obj).__name__} implements dispatch/combine only; the Dispatcher protocol is now run(x_TD, "
-            "routing, experts, *, capacity_factor, overlap_degree, parallel) plus collective and layout "
-            "(moeflow.dispatch.protocol). It is adapted for one release.",
-            DeprecationWarning, stacklevel=3,
-        )
-        return DispatchCombineAdapter(obj, num_experts)
+def check_dispatcher(dispatcher: object) -> Dispatcher:
+    """``dispatcher`` itself when it implements ``Dispatcher``; otherwise a ``TypeError`` naming
+    the argument and the type (an object with only ``dispatch``/``combine`` included: the
+    protocol is ``run``)."""
+    if isinstance(dispatcher, Dispatcher):
+        return dispatcher
     raise TypeError(f"dispatcher must implement moeflow.Dispatcher (run, collective, layout, num_experts), "
-                    f"got {type(obj).__name__}")
+                    f"got {type(dispatcher).__name__}")

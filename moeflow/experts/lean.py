@@ -77,7 +77,7 @@ _MIN_CHUNK_BYTES = 1 << 20  # ... but not below this (small problems: one chunk)
 
 def _activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     """``a = act(h)`` as one op (``moeflow.kernels.activation.activate``: one fused pass on CUDA).
-    A module-level name, so ``moeflow.bench.stage_profile`` can label it."""
+    A module-level name, so ``bench.stage_profile`` can label it."""
     return activate(h, activation)
 
 

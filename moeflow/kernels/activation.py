@@ -14,7 +14,7 @@ writing ``a`` (or ``dh``) once. Both are ``torch.library`` custom ops (``moeflow
 ``moeflow::activate_backward_``): on CUDA they run fused Triton kernels
 (``moeflow.kernels.triton.activation``; Triton importable), elsewhere (and on CUDA without
 Triton) the torch references beside them, which use the same kernels as autograd's own
-backward (bit-equal to plain autograd). ``moeflow.bench.traffic`` counts each as one op.
+backward (bit-equal to plain autograd). ``bench.traffic`` counts each as one op.
 
 The backward overwrites ``h`` with ``dh`` (it is not needed afterwards), so it needs no second
 ``[N, F]`` buffer; the reference does it in a few large row steps with one step-sized

@@ -11,19 +11,24 @@ row mapping in both directions (``moeflow.kernels.gather``), every scatter-add a
 use becomes a gather-reduce along the reverse mapping: no atomics, deterministic, each output
 row written once.
 
-Both are ``torch.library`` custom ops (``moeflow::gather_reduce``, ``moeflow::gather_dot``): on
-CUDA they run the Triton kernels of ``moeflow.kernels.triton.permute`` (Triton importable),
-elsewhere (and on CUDA without Triton) the torch reference beside them. Either way one op moves
-each row once, which is what ``moeflow.bench.traffic`` counts for the path CUDA runs.
+Every op here is a ``torch.library`` custom op whose forward is one of the two primitives: on
+CUDA the Triton launchers of ``moeflow.kernels.triton.permute`` (Triton importable; reached
+through the lazily loading ``moeflow.kernels.triton`` package, so this module imports no Triton
+and the Triton module imports nothing from here), elsewhere (and on CUDA without Triton) the
+torch reference beside it. One call is one op, and one op moves each row once, which is what
+``bench.traffic`` counts for the path CUDA runs.
 
-- ``permute_rows(x_TD, index_M, valid_M, rev_TK, rev_valid_TK, weights_M) -> x_MD``: the
-  dispatch gather (``J = 1``), optionally scaled by a weight per row; backward is a
-  gather-reduce over the ``K`` rows each token feeds (and a gather-dot for the weights).
-  Reference: ``moeflow.kernels.gather_rows_reference`` (same contract as ``gather_rows``).
-- ``unpermute_rows(y_MD, row_TK, kept_TK, weights_TK, assign_M, valid_M) -> y_TD``: the combine,
-  ``y_TD[t] = sum_k kept * w_TK[t, k] * y_MD[row_TK[t, k]]`` (``J = K``); backward: a
-  gather-reduce for ``y_MD`` and a gather-dot for the weights. Reference:
-  ``unpermute_rows_reference``.
+- ``gather_reduce`` (``moeflow::gather_reduce``) and ``gather_dot`` (``moeflow::gather_dot``):
+  the primitives themselves, the backwards of the two ops below.
+- ``permute_rows(x_TD, index_M, valid_M, rev_TK, rev_valid_TK, weights_M) -> x_MD``
+  (``moeflow::permute_rows``): the dispatch gather, a gather-reduce with ``J = 1``, optionally
+  scaled by a weight per row; backward is a gather-reduce over the ``K`` rows each token feeds
+  (and a gather-dot for the weights). Reference: ``gather_rows_reference`` (same contract as
+  ``gather_rows``).
+- ``unpermute_rows(y_MD, row_TK, kept_TK, weights_TK, assign_M, valid_M) -> y_TD``
+  (``moeflow::unpermute_rows``): the combine, ``y_TD[t] = sum_k kept * w_TK[t, k] *
+  y_MD[row_TK[t, k]]``, a gather-reduce with ``J = K``; backward: a gather-reduce for ``y_MD``
+  and a gather-dot for the weights. Reference: ``unpermute_rows_reference``.
 
 Shape letters beyond the legend: ``N`` output rows, ``M`` source rows, ``J`` terms per output
 row.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from moeflow.kernels import triton as triton_kernels
 from moeflow.kernels.triton import triton_available
 
 __all__ = ["gather_reduce", "gather_dot", "gather_reduce_reference", "gather_dot_reference", "permute_rows",
@@ -88,6 +94,26 @@ def gather_dot_reference(a_ND: torch.Tensor, b_MD: torch.Tensor, index_NJ: torch
     return torch.bmm(rows_NJD.to(acc), a_ND.to(acc).unsqueeze(2)).squeeze(2).to(like.dtype)
 
 
+def gather_reduce_cuda(
+    src_MD: torch.Tensor, index_NJ: torch.Tensor, valid_NJ: torch.Tensor | None, w_NJ: torch.Tensor | None
+) -> torch.Tensor:
+    """What every op whose forward is a gather-reduce runs on CUDA: the Triton kernel where
+    ``triton_available`` says it runs (on CPU that is the interpreter, which the tests use to
+    run this very function), the reference otherwise."""
+    if not triton_available(src_MD.device):
+        return gather_reduce_reference(src_MD, index_NJ, valid_NJ, w_NJ)
+    return triton_kernels.launch_gather_reduce(src_MD, index_NJ, valid_NJ, w_NJ)
+
+
+def gather_dot_cuda(
+    a_ND: torch.Tensor, b_MD: torch.Tensor, index_NJ: torch.Tensor, valid_NJ: torch.Tensor | None, like: torch.Tensor
+) -> torch.Tensor:
+    """``gather_dot`` on CUDA: the Triton kernel or the reference, as ``gather_reduce_cuda``."""
+    if not triton_available(a_ND.device):
+        return gather_dot_reference(a_ND, b_MD, index_NJ, valid_NJ, like)
+    return triton_kernels.launch_gather_dot(a_ND, b_MD, index_NJ, valid_NJ, like.dtype)
+
+
 @torch.library.custom_op("moeflow::gather_reduce", mutates_args=())
 def gather_reduce(
     src_MD: torch.Tensor, index_NJ: torch.Tensor, valid_NJ: torch.Tensor | None, w_NJ: torch.Tensor | None
@@ -97,13 +123,7 @@ def gather_reduce(
     return gather_reduce_reference(src_MD, index_NJ, valid_NJ, w_NJ)
 
 
-@gather_reduce.register_kernel("cuda")
-def _(src_MD, index_NJ, valid_NJ, w_NJ):  # type: ignore[no-untyped-def]
-    if not triton_available(src_MD.device):
-        return gather_reduce_reference(src_MD, index_NJ, valid_NJ, w_NJ)
-    from moeflow.kernels.triton.permute import launch_gather_reduce
-
-    return launch_gather_reduce(src_MD, index_NJ, valid_NJ, w_NJ)
+gather_reduce.register_kernel("cuda")(gather_reduce_cuda)
 
 
 @gather_reduce.register_fake
@@ -119,13 +139,7 @@ def gather_dot(
     return gather_dot_reference(a_ND, b_MD, index_NJ, valid_NJ, like)
 
 
-@gather_dot.register_kernel("cuda")
-def _(a_ND, b_MD, index_NJ, valid_NJ, like):  # type: ignore[no-untyped-def]
-    if not triton_available(a_ND.device):
-        return gather_dot_reference(a_ND, b_MD, index_NJ, valid_NJ, like)
-    from moeflow.kernels.triton.permute import launch_gather_dot
-
-    return launch_gather_dot(a_ND, b_MD, index_NJ, valid_NJ, like.dtype)
+gather_dot.register_kernel("cuda")(gather_dot_cuda)
 
 
 @gather_dot.register_fake
@@ -137,6 +151,14 @@ def _(a_ND, b_MD, index_NJ, valid_NJ, like):  # type: ignore[no-untyped-def]
 # permute (dispatch gather)
 
 
+def _columns(
+    index_M: torch.Tensor, valid_M: torch.Tensor | None, weights_M: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The permute's per-row arguments as a gather-reduce's ``[M, 1]`` (``J = 1``)."""
+    return (index_M.view(-1, 1), None if valid_M is None else valid_M.view(-1, 1),
+            None if weights_M is None else weights_M.view(-1, 1))
+
+
 @torch.library.custom_op("moeflow::permute_rows", mutates_args=())
 def _permute_op(
     x_TD: torch.Tensor,
@@ -146,12 +168,14 @@ def _permute_op(
     rev_valid_TK: torch.Tensor | None,
     weights_M: torch.Tensor | None,
 ) -> torch.Tensor:
-    return gather_reduce(
-        x_TD,
-        index_M.view(-1, 1),
-        None if valid_M is None else valid_M.view(-1, 1),
-        None if weights_M is None else weights_M.view(-1, 1),
-    )
+    """Off CUDA: the reference gather-reduce itself (no second op inside this one)."""
+    return gather_reduce_reference(x_TD, *_columns(index_M, valid_M, weights_M))
+
+
+@_permute_op.register_kernel("cuda")
+def permute_rows_cuda(x_TD, index_M, valid_M, rev_TK, rev_valid_TK, weights_M):  # type: ignore[no-untyped-def]
+    """On CUDA: the Triton gather-reduce (``gather_reduce_cuda``)."""
+    return gather_reduce_cuda(x_TD, *_columns(index_M, valid_M, weights_M))
 
 
 @_permute_op.register_fake
@@ -264,7 +288,14 @@ def _unpermute_op(
     assign_M: torch.Tensor,
     valid_M: torch.Tensor | None,
 ) -> torch.Tensor:
-    return gather_reduce(y_MD, row_TK, kept_TK, weights_TK)
+    """Off CUDA: the reference gather-reduce itself (no second op inside this one)."""
+    return gather_reduce_reference(y_MD, row_TK, kept_TK, weights_TK)
+
+
+@_unpermute_op.register_kernel("cuda")
+def unpermute_rows_cuda(y_MD, row_TK, kept_TK, weights_TK, assign_M, valid_M):  # type: ignore[no-untyped-def]
+    """On CUDA: the Triton gather-reduce (``gather_reduce_cuda``)."""
+    return gather_reduce_cuda(y_MD, row_TK, kept_TK, weights_TK)
 
 
 @_unpermute_op.register_fake

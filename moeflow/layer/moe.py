@@ -16,7 +16,7 @@ from torch import nn
 
 from moeflow.config import MoEConfig, check_capacity_factor, check_overlap_degree, check_parallel_mode, check_top_k
 from moeflow.dispatch import Dispatcher, LocalDispatcher
-from moeflow.dispatch.protocol import as_dispatcher
+from moeflow.dispatch.protocol import check_dispatcher
 from moeflow.experts import DenseFFN, GroupedExperts
 from moeflow.experts.ffn import graph_zero
 from moeflow.layer.tape import TapeBinding
@@ -102,7 +102,7 @@ class MoE(nn.Module):
         self.experts = experts
         self.dispatcher: Dispatcher = (
             LocalDispatcher(num_experts=config.num_experts, config=config.dispatch) if dispatcher is None
-            else as_dispatcher(dispatcher, config.num_experts)
+            else check_dispatcher(dispatcher)
         )
         if config.num_shared_experts:
             self.shared = DenseFFN(
@@ -231,7 +231,7 @@ class MoE(nn.Module):
         """``(first global expert index, count)`` of the experts whose weights live here.
 
         Raises ``ValueError`` when they are not one contiguous block of whole experts (a
-        load-aware placement, ``moeflow.parallel.placement``, or hidden-sharded experts):
+        load-aware placement, ``moeflow.parallel.placement.plan``, or hidden-sharded experts):
         restore ``Placement.contiguous`` first, or read ``expert_slots``."""
         offset = self.dispatcher.layout.offset
         if offset is None:

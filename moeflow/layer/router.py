@@ -102,9 +102,9 @@ class Router(nn.Module):
         counts (losses' count terms, load counters) count the replayed choice.
 
         ``losses=False`` leaves ``aux_losses`` empty: the balance losses are not computed (a
-        decode step of generation routes a handful of tokens, and nobody reads its losses;
-        their ops were ~2% of a step). A per-call choice, never inferred from
-        ``torch.is_grad_enabled()``: an evaluation under ``no_grad`` still gets its losses."""
+        decode step of generation routes a handful of tokens, and nobody reads its losses).
+        A per-call choice, never inferred from ``torch.is_grad_enabled()``: an evaluation under
+        ``no_grad`` still gets its losses."""
         if not isinstance(losses, bool):
             raise TypeError(f"losses must be a bool, got {type(losses).__name__} {losses!r}")
         cfg = self.config

@@ -88,7 +88,7 @@ class MoEGPT(nn.Module):
         """Mean next-token cross-entropy of ``targets`` given ``idx`` (computed in at least fp32).
 
         An output projection with a ``cross_entropy(h_TD, targets_T)`` method (the
-        vocabulary-parallel head of ``moeflow.parallel.vocab_parallel``) computes the per-token
+        vocabulary-parallel head of ``moeflow.models.vocab_parallel``) computes the per-token
         losses itself, without full logits."""
         head_loss = getattr(self.lm_head, "cross_entropy", None)
         if head_loss is not None:

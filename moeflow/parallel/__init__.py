@@ -5,15 +5,13 @@ MoE layer's dispatcher for an ``ExpertParallelDispatcher``; see ``docs/architect
 its modules fit together.
 """
 
-import warnings
-
 from moeflow.config import ParallelConfig
 from moeflow.parallel.apply import expert_parallel, fix_tuned_settings, gather_hidden_experts, tuned_settings
-from moeflow.parallel.dcp import DCPState, dcp_state_dict, load_dcp, load_dcp_state_dict, save_dcp
-from moeflow.parallel.dcp_guard import RankLocalTensor
-from moeflow.parallel.dcp_tensor import ChunkedTensor
+from moeflow.parallel.dcp.state import DCPState, dcp_state_dict, load_dcp, load_dcp_state_dict, save_dcp
+from moeflow.parallel.dcp.guard import RankLocalTensor
+from moeflow.parallel.dcp.tensor import ChunkedTensor
 from moeflow.parallel.dispatcher import ExpertParallelDispatcher
-from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
+from moeflow.parallel.exchange.alltoall import FlatExchange, HierarchicalExchange, Hierarchy
 from moeflow.parallel.gradients import (
     all_reduce_gradients,
     clip_grad_norm_,
@@ -26,16 +24,10 @@ from moeflow.parallel.gradients import (
     vocab_parameters,
 )
 from moeflow.parallel.groups import ParallelGroups, init_distributed, make_groups, shutdown_distributed
-from moeflow.parallel.placement import Placement, plan_placement
-from moeflow.parallel.plan import ExchangePlan
-from moeflow.parallel.rebalance import apply_placement, placement_of, rebalance, sync_replica_gradients
-from moeflow.parallel.vocab import (
-    VocabParallelEmbedding,
-    VocabParallelHead,
-    gather_vocab_weight,
-    vocab_parallel,
-    vocab_range,
-)
+from moeflow.parallel.placement.plan import Placement, plan_placement
+from moeflow.parallel.exchange.plan import ExchangePlan
+from moeflow.parallel.placement.rebalance import apply_placement, placement_of, rebalance, sync_replica_gradients
+from moeflow.parallel.vocab import gather_vocab_weight, vocab_range
 
 __all__ = [
     "expert_parallel",
@@ -66,11 +58,8 @@ __all__ = [
     "rebalance",
     "sync_replica_gradients",
     "placement_of",
-    "vocab_parallel",
     "vocab_parameters",
     "vocab_range",
-    "VocabParallelEmbedding",
-    "VocabParallelHead",
     "gather_vocab_weight",
     "dcp_state_dict",
     "load_dcp_state_dict",
@@ -80,15 +69,3 @@ __all__ = [
     "ChunkedTensor",
     "RankLocalTensor",
 ]
-
-# names that moved; they keep working for one release
-_RENAMED = {"AllToAllDispatcher": ExpertParallelDispatcher, "AllToAllPlan": ExchangePlan}
-
-
-def __getattr__(name: str) -> object:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"moeflow.parallel.{name} is deprecated; use moeflow.parallel.{new.__name__}",
-                      DeprecationWarning, stacklevel=2)
-        return new
-    raise AttributeError(f"module 'moeflow.parallel' has no attribute {name!r}")

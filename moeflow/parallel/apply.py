@@ -14,9 +14,9 @@ from moeflow.experts import GroupedExperts, ModuleExperts
 from moeflow.experts.ffn import join_hidden_slices
 from moeflow.layer.moe import MoE, moe_layers
 from moeflow.parallel.comm import all_to_all_rows, gather_objects
-from moeflow.parallel.dcp_guard import mark_rank_local
+from moeflow.parallel.dcp.guard import mark_rank_local
 from moeflow.parallel.dispatcher import ExpertParallelDispatcher
-from moeflow.parallel.exchange import Hierarchy
+from moeflow.parallel.exchange.alltoall import Hierarchy
 
 __all__ = ["expert_parallel", "gather_hidden_experts", "gather_layer_objects", "tuned_settings", "fix_tuned_settings"]
 

@@ -28,27 +28,10 @@ import torch.distributed as dist
 ProcessGroup = dist.ProcessGroup  # for annotations outside this package
 
 __all__ = [
-    "ProcessGroup",
-    "all_to_all_rows",
-    "all_gather_rows",
-    "all_gather_rows_with_header",
-    "group_rank",
-    "group_size",
-    "group_device",
-    "barrier",
-    "CommTimer",
-    "process_position",
-    "sync",
-    "gather_objects",
-    "broadcast_object",
-    "all_reduce_sum",
-    "all_reduce_max",
-    "start_all_to_all_rows",
-    "all_gather_shards",
-    "wait_all_to_all_rows",
-    "all_to_all_equal",
-    "backend_name",
-    "side_group",
+    "ProcessGroup", "all_to_all_rows", "all_gather_rows", "all_gather_rows_with_header", "group_rank", "group_size",
+    "group_device", "barrier", "CommTimer", "process_position", "sync", "gather_objects", "broadcast_object",
+    "all_reduce_sum", "all_reduce_max", "start_all_to_all_rows", "all_gather_shards", "wait_all_to_all_rows",
+    "all_to_all_equal", "backend_name", "side_group",
 ]
 
 # torch 2.13 renames the one-tensor variants (the old names warn); older torch has only the old

@@ -5,19 +5,19 @@ group's routing metadata (the one collective every call makes, so that every ran
 global batch) and runs the call with one strategy, chosen by the call's ``parallel`` and
 ``overlap_degree`` (defaults: its ``ParallelConfig``):
 
-- ``"expert"`` (``moeflow.parallel.expert``, pipelined with ``overlap_degree > 1``): rows travel;
-- ``"data"`` (``moeflow.parallel.data``): weights travel to the rows;
-- ``"sharded"`` / ``"hybrid:r"`` (``moeflow.parallel.sharded`` / ``hybrid``): hidden slices of
+- ``"expert"`` (``moeflow.parallel.strategies.expert``, pipelined with ``overlap_degree > 1``): rows travel;
+- ``"data"`` (``moeflow.parallel.strategies.data``): weights travel to the rows;
+- ``"sharded"`` / ``"hybrid:r"`` (``moeflow.parallel.strategies.sharded`` / ``hybrid``): hidden slices of
   every expert travel;
-- ``"auto"``: the tuner (``moeflow.parallel.tuner``) times the candidates and keeps the fastest.
+- ``"auto"``: the tuner (``moeflow.parallel.placement.tuner``) times the candidates and keeps the fastest.
 
 Semantics: the result equals the single-process layer on the batch made by concatenating every
 rank's tokens in rank order, in every capacity mode and drop policy, whatever the strategy
-(``moeflow.parallel.assignment``). Ranks with different token counts (zero included) always
+(``moeflow.parallel.exchange.assignment``). Ranks with different token counts (zero included) always
 agree on ``C`` and on the split sizes: no hang.
 
 Rank ``r`` of ``W`` holds the slots ``placement.slots[r]`` (contiguous blocks of ``E / W``
-experts by default; ``set_placement`` changes it, ``moeflow.parallel.rebalance`` moves the
+experts by default; ``set_placement`` changes it, ``moeflow.parallel.placement.rebalance`` moves the
 weights) of the ``E * hidden_shards`` stored experts (``hidden_shards > 1``: hidden slices).
 """
 
@@ -30,16 +30,16 @@ import torch.distributed as dist
 
 from moeflow.config import DispatchConfig, ParallelConfig, hybrid_shards
 from moeflow.experts.ffn import Experts
-from moeflow.parallel.assignment import CallArguments, GroupRouting
+from moeflow.parallel.exchange.assignment import CallArguments, GroupRouting
 from moeflow.parallel.comm import all_gather_rows_with_header
-from moeflow.parallel.data import DataMode
-from moeflow.parallel.exchange import FlatExchange, HierarchicalExchange, Hierarchy
-from moeflow.parallel.expert import ExpertMode
-from moeflow.parallel.hybrid import HybridMode
-from moeflow.parallel.placement import Placement
-from moeflow.parallel.sharded import ShardedMode
-from moeflow.parallel.strategy import Call, ExpertGroup, Strategy
-from moeflow.parallel.tuner import ParallelTuner, Setting
+from moeflow.parallel.strategies.data import DataMode
+from moeflow.parallel.exchange.alltoall import FlatExchange, HierarchicalExchange, Hierarchy
+from moeflow.parallel.strategies.expert import ExpertMode
+from moeflow.parallel.strategies.hybrid import HybridMode
+from moeflow.parallel.placement.plan import Placement
+from moeflow.parallel.strategies.sharded import ShardedMode
+from moeflow.parallel.strategies.base import Call, ExpertGroup, Strategy
+from moeflow.parallel.placement.tuner import ParallelTuner, Setting
 from moeflow.types import ExpertLayout, RoutingResult
 
 __all__ = ["ExpertParallelDispatcher"]
@@ -82,7 +82,7 @@ class ExpertParallelDispatcher:
         return self.where.placement
 
     def set_placement(self, placement: Placement) -> None:
-        """Route to the slots of ``placement`` (``moeflow.parallel.placement``); the experts
+        """Route to the slots of ``placement`` (``moeflow.parallel.placement.plan``); the experts
         module must hold this rank's slots in that order (``apply_placement`` does both)."""
         n = self.hidden_shards
         if placement.num_experts != self.num_experts * n or placement.world != self.world:
@@ -120,7 +120,7 @@ class ExpertParallelDispatcher:
         call = CallArguments(top_k=routing.top_k, capacity_factor=capacity_factor, parallel=parallel,
                              overlap_degree=overlap_degree)
         parts = all_gather_rows_with_header(meta, call.encode(), self.group, check=CallArguments.check_agree)
-        return GroupRouting.from_parts(parts, routing.top_k)
+        return GroupRouting.from_parts(parts, routing.top_k, routing.logits_TE.shape[1])
 
     def strategy(self, parallel: str, overlap_degree: int) -> Strategy:
         """The strategy that runs ``parallel`` mode (not ``"auto"``) at ``overlap_degree``."""

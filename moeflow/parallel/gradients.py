@@ -11,7 +11,7 @@ from torch import nn
 from moeflow.layer.moe import moe_layers
 from moeflow.parallel.comm import all_reduce_sum
 from moeflow.parallel.groups import ParallelGroups
-from moeflow.parallel.rebalance import placement_of
+from moeflow.parallel.placement.rebalance import placement_of
 
 __all__ = [
     "expert_parameters",
@@ -33,7 +33,7 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def vocab_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Vocabulary shards (``moeflow.parallel.vocab_parallel``, tagged ``moeflow_vocab_shard``):
+    """Vocabulary shards (``moeflow.models.vocab_parallel``, tagged ``moeflow_vocab_shard``):
     split over the group like experts, their gradients already summed over it."""
     return [p for p in model.parameters() if getattr(p, "moeflow_vocab_shard", False)]
 

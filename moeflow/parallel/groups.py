@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow.parallel.comm import barrier
-from moeflow.parallel.exchange import Hierarchy
-from moeflow.parallel.launch import attempt_store
+from moeflow.parallel.exchange.alltoall import Hierarchy
+from moeflow.parallel.launch.torchrun import attempt_store
 
 __all__ = ["init_distributed", "shutdown_distributed", "ParallelGroups", "make_groups"]
 
@@ -26,7 +26,7 @@ def init_distributed(backend: str | None = None, *, timeout_s: float | None = No
     quick failure and a restart instead of a long hang. Does nothing if already initialised.
 
     Restart-safe: when torchrun's agents share their store with the workers (its default), the
-    group is built on a store of this attempt only (``moeflow.parallel.launch.attempt_store``),
+    group is built on a store of this attempt only (``moeflow.parallel.launch.torchrun.attempt_store``),
     never on keys an earlier attempt left there.
     """
     if dist.is_initialized():

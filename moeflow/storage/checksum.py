@@ -5,9 +5,8 @@ file changed under a running model (bytes rewritten, truncated and regrown) rais
 instead of feeding the model other weights.
 
 Algorithm, chosen once at import by what is installed (a capability probe, as for kernels):
-``xxh3_64`` from the ``xxhash`` package when it imports (about 60 GB/s on one core of the 2-core
-EPYC VM of ``docs/benchmarks.md``, 15 GB/s from DRAM), else ``crc32`` from the standard library's
-``zlib`` (about 6 GB/s, 3.5 GB/s from DRAM). Either releases the GIL for large buffers, so
+``xxh3_64`` from the ``xxhash`` package when it imports (several times the rate of ``crc32``:
+``docs/benchmarks.md``), else ``crc32`` from the standard library's ``zlib``. Either releases the GIL for large buffers, so
 verification on the copy thread overlaps compute. Which one serves this process is ``ALGORITHM``;
 both catch any change of a block with overwhelming probability (the checksum guards against
 accidents and other processes, not an attacker who can also rewrite it: it lives in this

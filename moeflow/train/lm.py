@@ -23,55 +23,38 @@ that accumulates the ranks' halves of each batch as micro-batches (tested in fp6
 
 The run's settings are ``LMTrainConfig`` (``moeflow.train.lm_config``); the run directory (one
 run per ``out_dir``: refusing another run, resuming, what a checkpoint holds besides the weights)
-and rebuilding a model from a checkpoint are ``moeflow.train.lm_checkpoint``. Every check of the
-settings and of ``out_dir`` runs before any training work, on every rank alike.
+and rebuilding a model from a checkpoint are ``moeflow.train.lm_checkpoint``; the checks of the
+settings against the ranks, the schedule, the optimizer and the validation loss are
+``moeflow.train.lm_setup``. Every check of the settings and of ``out_dir`` runs before any
+training work, on every rank alike.
 
 Legend: moeflow.types, plus ``L`` MoE layers of the model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import time
 
 import torch
 
 import moeflow
 from moeflow.checkpoint import load_checkpoint, read_index, save_checkpoint, save_checkpoint_async
-from moeflow.models import MoEGPT
+from moeflow.models import MoEGPT, vocab_parallel
 from moeflow.parallel import (
     all_reduce_gradients,
-    apply_placement,
     clip_grad_norm_,
     dense_parameters,
     expert_parallel,
     fix_tuned_settings,
     make_groups,
-    placement_of,
-    plan_placement,
     sync_load_counts,
     sync_replica_gradients,
     tuned_settings,
-    vocab_parallel,
 )
-from moeflow.parallel.comm import (
-    ProcessGroup,
-    all_reduce_sum,
-    gather_objects,
-    process_position,
-)
-from moeflow.parallel.tuner import ParallelTuner
-from moeflow.train.data import (
-    BPETokenizer,
-    ByteTokenizer,
-    Tokenizer,
-    load_corpus,
-    tokenizer_from_dict,
-)
-from moeflow.train.lm_data import open_run_data
-from moeflow.train.tokens import Prefetcher, TokenSampler, TokenStream
+from moeflow.parallel.comm import ProcessGroup, all_reduce_sum, process_position
+from moeflow.train.data import load_corpus
+from moeflow.train.init_from import init_checkpoint
 from moeflow.train.lm_checkpoint import (
     MODEL_FAMILY,
     build_from_checkpoint,
@@ -79,140 +62,25 @@ from moeflow.train.lm_checkpoint import (
     open_run,
     write_history,
 )
-from moeflow.train.init_from import init_checkpoint
 from moeflow.train.lm_config import LMTrainConfig
+from moeflow.train.lm_data import open_run_data
+from moeflow.train.lm_setup import (
+    autocast,
+    build_optimizer,
+    check_world_settings,
+    corpus_tokenizer,
+    evaluate,
+    exchange_for,
+    lr_at,
+    rebalance_experts,
+)
 from moeflow.train.metrics import METRICS_FILE, RunLog, read_metrics
 from moeflow.train.nonfinite import check_weights, nonfinite_step, step_is_finite
 from moeflow.train.placement_state import rebalance_record, restore_rebalance
+from moeflow.train.tokens import Prefetcher, TokenStream
 
 __all__ = ["LMTrainConfig", "train_lm", "check_world_settings", "exchange_for", "MODEL_FAMILY",
            "build_from_checkpoint"]
-
-
-def lr_at(step: int, cfg: LMTrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``cfg.steps``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def _autocast(cfg: LMTrainConfig, device: torch.device):  # type: ignore[no-untyped-def]
-    amp = cfg.amp
-    if amp == "auto":
-        amp = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "off"
-    if amp == "off":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
-
-
-def _optimizer(model: MoEGPT, cfg: LMTrainConfig) -> torch.optim.Optimizer:
-    # no weight decay on norms and biases (1-D), decay on matrices and 3-D expert weights
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def _build_tokenizer(cfg: LMTrainConfig, train_text: str, group: ProcessGroup | None) -> Tokenizer:
-    if cfg.init_from is not None:  # the checkpoint's; bytes for a converted model (moeflow.train.init_from)
-        saved = cfg.init_extra().get("tokenizer")  # type: ignore[union-attr]
-        return ByteTokenizer() if saved is None else tokenizer_from_dict(saved)
-    if cfg.tokenizer == "byte":
-        return ByteTokenizer()
-    rank, _ = process_position(group)
-    # trained once, on rank 0, and shared, so every rank encodes with the very same merges
-    desc = BPETokenizer.train(train_text, cfg.bpe_vocab).to_dict() if rank == 0 else None
-    return tokenizer_from_dict(gather_objects(desc, group)[0])  # type: ignore[arg-type]
-
-
-@torch.no_grad()
-def evaluate(model: MoEGPT, stream: TokenSampler, cfg: LMTrainConfig, group: ProcessGroup | None,
-             device: torch.device) -> float:
-    """Mean validation cross-entropy over ``eval_batches`` fixed global batches."""
-    rank, world = process_position(group)
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    with _autocast(cfg, device):
-        for i in range(cfg.eval_batches):
-            x, y = stream.batch(i, cfg.batch_size, rank=rank, world=world)
-            total += model.loss(x.to(device), y.to(device)).double()
-    model.train()
-    return float(all_reduce_sum(total, group)) / (cfg.eval_batches * world)
-
-
-def _rebalance(model: MoEGPT, opt: torch.optim.Optimizer, window_LE: torch.Tensor, group: ProcessGroup | None,
-               slots: int) -> dict:
-    """Move every MoE layer's experts to a placement planned from the group's load since the last
-    move; returns, per layer, the busiest rank's share of that load before and after, and the
-    slots."""
-    load_LE = all_reduce_sum(window_LE.clone(), group)
-    layers = moeflow.moe_layers(model)
-    plans = [plan_placement(load_E, world=placement_of(layer).world, slots_per_rank=slots)
-             for layer, load_E in zip(layers, load_LE)]
-    total = load_LE.sum(-1).clamp(min=1).tolist()
-    before = [max(placement_of(layer).rank_load(load_E.tolist())) / t for layer, load_E, t in zip(layers, load_LE, total)]
-    after = [max(plan.rank_load(load_E.tolist())) / t for plan, load_E, t in zip(plans, load_LE, total)]
-    apply_placement(model, plans, opt)
-    return {"before": before, "after": after, "slots": [[list(r) for r in plan.slots] for plan in plans]}
-
-
-def exchange_for(cfg: LMTrainConfig, world: int, node_size: int | None) -> str | None:
-    """The exchange the expert-parallel layers use: None on one rank; ``cfg.exchange`` when it
-    is not ``"auto"``; else ``"two-level"`` when the ranks span more than one node."""
-    if world == 1:
-        return None
-    if cfg.exchange == "auto":
-        return "two-level" if node_size is not None and node_size < world else "flat"
-    return cfg.exchange
-
-
-def check_world_settings(cfg: LMTrainConfig, world: int, node_size: int | None = None) -> list | None:
-    """Refuse settings this number of ranks (``node_size`` of them per node, None: unknown)
-    cannot run (before any work); return the tuner's recorded choices that ``cfg.tuned`` names
-    (None without it)."""
-    if cfg.batch_size % (cfg.grad_accum * world):
-        raise ValueError(
-            f"batch_size={cfg.batch_size} must be divisible by grad_accum x ranks = {cfg.grad_accum} x {world}"
-        )
-    if world == 1 and (cfg.vocab_parallel or cfg.rebalance_every or cfg.tuned is not None):
-        raise ValueError("vocab_parallel, rebalance_every and tuned need more than one rank (--nproc >= 2)")
-    E = cfg.model_config(vocab_size=256).num_experts
-    if E % world:
-        raise ValueError(f"num_experts={E} (the experts of each MoE layer) must divide evenly over the ranks: {E} is "
-                         f"not divisible by {world}")
-    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1
-                                  or world % node_size):
-        raise ValueError(f"node_size={node_size!r} must be a positive divisor of the number of ranks {world}")
-    if cfg.exchange == "two-level" and world == 1:
-        raise ValueError("exchange='two-level' needs more than one rank")
-    if cfg.expert_slots and not cfg.rebalance_every:
-        raise ValueError(f"expert_slots={cfg.expert_slots} applies with rebalance_every > 0")
-    if cfg.expert_slots and not E // world <= cfg.expert_slots <= E:
-        raise ValueError(f"expert_slots={cfg.expert_slots} must lie in [E / ranks, E] = [{E // world}, {E}]")
-    if cfg.tuned is None:
-        return None
-    try:
-        recorded = json.loads(cfg.tuned.read_text())
-    except (OSError, ValueError) as err:  # missing, unreadable, not UTF-8, not JSON
-        raise ValueError(f"tuned={str(cfg.tuned)!r}: cannot read the tuner's choices: {err}") from None
-    if not (isinstance(recorded, list) and all(isinstance(layer, list) and all(
-            isinstance(r, dict) and isinstance(r.get("parallel"), str) and isinstance(r.get("overlap_degree"), (int, str))
-            for r in layer) for layer in recorded)):
-        raise ValueError(f"tuned={str(cfg.tuned)!r} is not a tuned.json of moeflow train (a list per MoE layer of "
-                         "records with 'parallel' and 'overlap_degree')")
-    model_cfg = cfg.model_config(vocab_size=256)
-    moe_layers = sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.n_layers))
-    if len(recorded) != moe_layers:
-        raise ValueError(f"tuned={str(cfg.tuned)!r} holds the choices of {len(recorded)} MoE layer(s); this model has "
-                         f"{moe_layers}")
-    for records in recorded:
-        ParallelTuner(None).fix(records)  # validates every record, as the ranks will
-    args = {(r["parallel"], r["overlap_degree"]) for layer in recorded for r in layer}
-    if args - {(cfg.parallel, cfg.overlap_degree)}:
-        raise ValueError(f"tuned={str(cfg.tuned)!r} was recorded with (parallel, overlap_degree) "
-                         f"{sorted(args, key=str)}; this run has ({cfg.parallel!r}, {cfg.overlap_degree!r})")
-    return recorded
 
 
 def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size: int | None = None) -> dict:
@@ -243,7 +111,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
     data_notes: list[str] = []
     fingerprint = None
     if corpus is not None:
-        tok = _build_tokenizer(cfg, corpus.train_text, group)
+        tok = corpus_tokenizer(cfg, corpus.train_text, group)
         train_sampler = TokenStream.from_text(corpus.train_text, tok, cfg.seq_len, cfg.seed)
         val = TokenStream.from_text(corpus.val_text, tok, cfg.seq_len, cfg.seed + 1)
     else:  # one's own data: prepared (once) and memory-mapped, each rank reading its own rows
@@ -281,7 +149,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         restore_rebalance(model, read_index(run.checkpoint)["extra"].get("rebalance"), world=world, rank=rank,
                           window_LE=window_LE, slots=slots)
     torch.manual_seed(cfg.seed * 1_000 + 1 + rank)  # router noise and dropout: per rank, reproducible
-    opt = _optimizer(model, cfg)
+    opt = build_optimizer(model, cfg)
     ckpt_root = cfg.out_dir / "checkpoints"
     extra = checkpoint_extra(cfg, model_cfg, tok, run.run_id, data=fingerprint)
 
@@ -314,7 +182,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         aux_sum = torch.zeros((), dtype=torch.float64, device=device)
         for m in range(cfg.grad_accum):
             x, y = train.batch(step * cfg.grad_accum + m, micro, rank=rank, world=world)
-            with _autocast(cfg, device):
+            with autocast(cfg, device):
                 loss = model.loss(x.to(device), y.to(device))
                 aux = moeflow.aux_loss(model)
                 objective = (loss + aux) / (world * cfg.grad_accum)
@@ -342,7 +210,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
             moeflow.update_expert_bias(model)
         since_log += 1
         if cfg.rebalance_every and (step + 1) % cfg.rebalance_every == 0 and step + 1 != cfg.steps:
-            moved = _rebalance(model, opt, window_LE, group, slots)
+            moved = rebalance_experts(model, opt, window_LE, group, slots)
             history["rebalance"].append([step + 1, moved])
             window_LE.zero_()
             if bar is not None:

@@ -20,6 +20,7 @@ from moeflow.config import ParallelConfig, RouterConfig, _int
 from moeflow.models import GPT_PRESETS, GPTConfig, gpt_config
 from moeflow.train.data import DEFAULT_VAL_WORKS
 from moeflow.train.init_from import MODEL_OVERRIDES, init_checkpoint
+from moeflow.train.prepare import DEFAULT_VAL_FRACTION
 
 __all__ = ["LMTrainConfig"]
 
@@ -64,7 +65,7 @@ class LMTrainConfig:
     same machine and world size. moeflow's own dispatch and combine are gathers (no atomic adds),
     so they need no change; the auto-tuner is refused (its choice depends on timings).
     With several ranks: ``vocab_parallel`` splits the embedding and the tied output projection
-    by vocabulary rows (``moeflow.parallel.vocab_parallel``); ``rebalance_every`` moves experts
+    by vocabulary rows (``moeflow.models.vocab_parallel``); ``rebalance_every`` moves experts
     (and their optimizer state) every that many steps to a load-aware placement computed from the
     expert load since the last move, with ``expert_slots`` experts per rank (0: E / ranks, i.e.
     no memory for replicas; more lets hot experts be replicated). ``exchange`` picks the
@@ -74,7 +75,7 @@ class LMTrainConfig:
     ``collective_timeout_s`` bounds every collective (a peer that died turns into a failure and,
     with ``--max-restarts``, a restart), and a rank whose heartbeat stops for
     ``stall_timeout_s`` (stopped, or its host hung) is named and the job stopped
-    (``moeflow.parallel.heartbeat``).
+    (``moeflow.parallel.launch.heartbeat``).
     ``checkpoint_every`` saves are written in the background (``async_checkpoints``:
     ``moeflow.checkpoint.save_checkpoint_async``; the training waits only until the state is
     staged in host memory); the final save is synchronous.
@@ -95,14 +96,16 @@ class LMTrainConfig:
     sources (``moeflow.train.sources``: text, JSONL/JSON, Parquet, datasets directories,
     ``hf:NAME``; or a directory ``moeflow prepare-data`` wrote), each ``SOURCE`` or
     ``SOURCE@WEIGHT`` (sequences drawn from the sources in proportion to their weights).
-    Validation: ``val_data`` (sources like ``data``), else the documents ``val_fraction`` of the
-    raw sources holds out (by document, deterministically), or a prepared source's own
-    validation split. Raw sources are tokenized once into ``out_dir/data`` (rank 0; every rank
-    then memory-maps it, ``mmap_window`` bytes of each shard at a time). ``tokenizer``: ``byte``
-    (UTF-8 bytes and an end-of-document token for one's own data), ``bpe`` (trained on the
-    training documents, ``bpe_vocab``), or a ``tokenizer.json`` / model directory; a prepared
-    source brings its own. ``text_field``: the JSON key or column of the text; ``skip_empty``:
-    skip empty documents (counted) instead of refusing them.
+    Validation: ``val_data`` (sources like ``data``), else ``val_fraction`` of each raw source
+    (whole documents chosen by a hash of their index; with too few documents the last tokens,
+    at least one window of ``seq_len``: ``moeflow.train.prepare``), or a prepared source's own
+    validation split; a run always has one (``val_fraction`` 0 needs ``val_data``). Raw sources
+    are tokenized once into ``out_dir/data`` (rank 0; every rank then memory-maps it,
+    ``mmap_window`` bytes of each shard at a time). ``tokenizer``: ``byte`` (UTF-8 bytes and an
+    end-of-document token for one's own data), ``bpe`` (trained on the training documents,
+    ``bpe_vocab``), or a ``tokenizer.json`` / model directory; a prepared source brings its own.
+    ``text_field``: the JSON key or column of the text; ``skip_empty``: skip empty documents
+    (counted) instead of refusing them.
 
     ``n_layers``, ``dim``, ``n_heads`` and ``expert_hidden`` (like ``num_experts`` ... ``moe_every``)
     override the preset's fields (None: the preset's), validated by building the ``GPTConfig``.
@@ -140,7 +143,7 @@ class LMTrainConfig:
     val_works: tuple[str, ...] = DEFAULT_VAL_WORKS
     data: tuple[str, ...] = ()
     val_data: tuple[str, ...] = ()
-    val_fraction: float = 0.05
+    val_fraction: float = DEFAULT_VAL_FRACTION
     text_field: str = "text"
     skip_empty: bool = False
     mmap_window: int = 256 << 20

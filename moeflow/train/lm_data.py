@@ -4,7 +4,7 @@ samplers, on every rank alike.
 - A source that is a prepared corpus (``moeflow prepare-data``: a folder with ``index.json``) is
   opened as it is and brings its tokenizer.
 - Raw sources (files, folders, ``hf:NAME``) are tokenized once, each into
-  ``out_dir/data/<key>`` (``moeflow.train.tokens.prepare``, by rank 0, in worker processes;
+  ``out_dir/data/<key>`` (``moeflow.train.prepare.prepare``, by rank 0, in worker processes;
   the other ranks wait and then open it), where ``key`` hashes the source's files (paths, sizes,
   modification times), the text field, the tokenizer and the validation fraction: a restarted or
   resumed run finds its data prepared, and changed files get a new preparation (which the
@@ -14,7 +14,11 @@ samplers, on every rank alike.
   or a ``tokenizer.json`` / model directory (``load_tokenizer``); with ``init_from``, the
   checkpoint's.
 - Validation: ``val_data`` (prepared or raw sources, all their documents), else every source's
-  validation split (raw sources: ``val_fraction`` of their documents, by document).
+  validation split (raw sources: ``val_fraction`` of them, by document or, with too few
+  documents, the last tokens, at least one window of ``seq_len``: ``moeflow.train.prepare``).
+  ``val_fraction`` 0, or a prepared source without a validation split, has none:
+  ``validation_problem`` says so before any work (``moeflow train`` refuses it before claiming
+  ``out_dir``), as a run always reports a validation loss.
 
 Every rank memory-maps the same prepared files and reads only its own rows of each batch
 (``TokenSampler``), ``mmap_window`` bytes of a shard at a time.
@@ -32,9 +36,10 @@ from moeflow.train.data import BPETokenizer, ByteTokenizer, Tokenizer, load_toke
 from moeflow.train.lm_checkpoint import on_rank0
 from moeflow.train.lm_config import LMTrainConfig, source_weight
 from moeflow.train.sources import DataError, documents, source_files
-from moeflow.train.tokens import INDEX, TokenDataset, TokenSampler, prepare
+from moeflow.train.prepare import DEFAULT_VAL_FRACTION, INDEX, min_split_tokens, prepare, split_note
+from moeflow.train.tokens import TokenDataset, TokenSampler
 
-__all__ = ["RunData", "open_run_data", "is_prepared"]
+__all__ = ["RunData", "open_run_data", "is_prepared", "validation_problem"]
 
 
 @dataclass
@@ -98,31 +103,64 @@ def _prepared_dir(cfg: LMTrainConfig, source: str, tok: Tokenizer, val_fraction:
     rank 0 when missing)."""
     if is_prepared(source):
         return source
+    # a hold-out keeps at least one window of seq_len in each split (the minimum decides a token
+    # hold-out's size, so it is part of the key; without a hold-out it changes nothing)
+    min_val = {"min_val_tokens": min_split_tokens(cfg.seq_len)} if val_fraction else {}
     key = hashlib.sha256(json.dumps({"files": _files_key(source), "text_field": cfg.text_field,
                                      "skip_empty": cfg.skip_empty, "tokenizer": tok.to_dict(),
-                                     "val_fraction": val_fraction, "seed": cfg.seed}, sort_keys=True).encode()
+                                     "val_fraction": val_fraction, "seed": cfg.seed, **min_val}, sort_keys=True).encode()
                          ).hexdigest()[:16]
     target = cfg.out_dir / "data" / key
 
-    def make() -> str | None:
+    def make() -> list[str]:
         if (target / INDEX).is_file():
-            return None
+            return []
         if target.exists():  # an unfinished preparation (killed): start it again
             import shutil
 
             shutil.rmtree(target)
         docs = documents([source], text_field=cfg.text_field, skip_empty=cfg.skip_empty)
-        index = prepare(docs, tok, target, val_fraction=val_fraction, seed=cfg.seed)
+        index = prepare(docs, tok, target, val_fraction=val_fraction, min_val_tokens=min_split_tokens(cfg.seq_len),
+                        seed=cfg.seed)
         counts = {k: (v["documents"], v["tokens"]) for k, v in index["splits"].items()}
         skipped = f", {index['skipped_empty']} empty documents skipped" if index["skipped_empty"] else ""
-        return (f"data: {source} -> {target}: " + ", ".join(f"{k} {d} documents / {t} tokens"
+        made = (f"data: {source} -> {target}: " + ", ".join(f"{k} {d} documents / {t} tokens"
                                                             for k, (d, t) in counts.items()) + skipped)
+        return [made] if not val_fraction else [made, f"data: {source}: {split_note(index)}"]
 
-    note = on_rank0(make, group)
-    if note:
-        notes.append(note)
+    notes.extend(on_rank0(make, group))
     sync(group)
     return str(target)
+
+
+def validation_problem(cfg: LMTrainConfig) -> str | None:
+    """Why a run on one's own data would have no validation data (None: it has some), read
+    before any work: ``val_data`` always gives some; without it, ``val_fraction`` 0 on a raw
+    source, or a prepared source without a validation split (prepared with ``val_fraction`` 0,
+    or by an older moeflow whose hold-out of whole documents chose none), gives none."""
+    if not cfg.data or cfg.val_data:
+        return None
+    for source in cfg.data:
+        s, _ = source_weight(source)
+        if not is_prepared(s):
+            if cfg.val_fraction == 0:
+                return (f"val_fraction=0 holds out no validation data from {s}: give --val-data SOURCE, or a "
+                        f"--val-fraction above 0 (default {DEFAULT_VAL_FRACTION})")
+            continue
+        try:
+            index = json.loads((Path(s) / INDEX).read_text())
+        except (OSError, ValueError):
+            continue  # TokenDataset names what is wrong with it
+        splits = index.get("splits") if isinstance(index, dict) else None
+        if not isinstance(splits, dict) or "val" in splits:
+            continue
+        if not index.get("val_fraction"):
+            return (f"{s}: prepared with --val-fraction 0, without a validation split: give --val-data SOURCE, or "
+                    f"prepare it again with a --val-fraction above 0 (prepare-data's default {DEFAULT_VAL_FRACTION})")
+        return (f"{s}: prepared by an older moeflow, whose --val-fraction {index['val_fraction']} held out whole "
+                "documents only and chose none: prepare it again (too few documents then hold out the last tokens), "
+                "or give --val-data SOURCE")
+    return None
 
 
 def open_run_data(cfg: LMTrainConfig, group: ProcessGroup | None) -> RunData:
@@ -136,6 +174,9 @@ def open_run_data(cfg: LMTrainConfig, group: ProcessGroup | None) -> RunData:
     for s in every:
         if not s.startswith("hf:") and not Path(s).exists():
             raise DataError(f"{s}: no such file or folder")
+    problem = validation_problem(cfg)
+    if problem is not None:
+        raise DataError(problem)
     tok = _tokenizer(cfg, prepared, raw, group)
     notes: list[str] = []
     split_val = 0.0 if cfg.val_data else cfg.val_fraction
@@ -149,17 +190,9 @@ def open_run_data(cfg: LMTrainConfig, group: ProcessGroup | None) -> RunData:
     if cfg.val_data:
         val_ds = [opened(s, "train", 0.0) for s, _ in val_sources]
         val_w = [w for _, w in val_sources]
-    else:
-        val_ds, val_w = [], []
-        for (s, w), ds in zip(train_sources, train_ds):
-            if "val" not in ds.index.get("splits", {"val": None}):
-                if is_prepared(s):
-                    raise DataError(f"{s}: prepared without a validation split; prepare it with --val-fraction, or "
-                                    "give --val-data")
-                raise DataError(f"{s}: val_fraction={cfg.val_fraction} held out none of its {ds.num_documents} "
-                                "documents; give --val-data, or a larger --val-fraction")
-            val_ds.append(TokenDataset(ds.path, "val", window_bytes=cfg.mmap_window, tokenizer=desc))
-            val_w.append(w)
+    else:  # every source's own validation split (validation_problem: they have one)
+        val_ds = [TokenDataset(ds.path, "val", window_bytes=cfg.mmap_window, tokenizer=desc) for ds in train_ds]
+        val_w = [w for _, w in train_sources]
     train = TokenSampler(train_ds, [w for _, w in train_sources], cfg.seq_len, cfg.seed)
     val = TokenSampler(val_ds, val_w, cfg.seq_len, cfg.seed + 1)
     return RunData(tok, train, val, {"train": train.fingerprint, "val": val.fingerprint}, notes)

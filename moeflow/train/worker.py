@@ -39,8 +39,8 @@ from pathlib import Path
 
 from moeflow.parallel import init_distributed, shutdown_distributed
 from moeflow.parallel.comm import gather_objects
-from moeflow.parallel.heartbeat import Heartbeat
-from moeflow.parallel.launch import TorchrunJob, die_with_agent, job_store
+from moeflow.parallel.launch.heartbeat import Heartbeat
+from moeflow.parallel.launch.torchrun import TorchrunJob, die_with_agent, job_store
 from moeflow.train.lm import train_lm
 from moeflow.train.lm_checkpoint import RunState, claim_run, claimed_by, inspect_run, on_rank0
 from moeflow.train.lm_config import LMTrainConfig

@@ -1,8 +1,11 @@
 """Triton kernels for the MoE hot path, each beside the torch reference it must match
 (legend: moeflow.types).
 
-- permute (dispatch gather): ``permute_rows``; reference ``moeflow.kernels.gather_rows_reference``
-- unpermute (weighted combine): ``unpermute_rows``; reference ``unpermute_rows_reference``
+- the row-moving primitive of permute (dispatch gather) and unpermute (weighted combine), and
+  of their backwards: ``launch_gather_reduce`` and ``launch_gather_dot``; references
+  ``moeflow.kernels.permute.gather_reduce_reference`` and ``gather_dot_reference``. The
+  differentiable ops that run them on CUDA (``permute_rows``, ``unpermute_rows``) live in
+  ``moeflow.kernels.permute``, which runs on any device.
 - slot assignment: ``assign_positions``; references ``assign_positions_reference`` (Tutel's
   one-hot cumsum) and ``moeflow.dispatch.assign_slots`` (compared in the tests)
 - fused routing: ``fused_topk_routing``; reference ``moeflow.routing.select_experts``
@@ -44,9 +47,8 @@ __all__ = [
     "check_triton_tensors",
     "device_guard",
     # lazily loaded (they import triton)
-    "permute_rows",
-    "unpermute_rows",
-    "unpermute_rows_reference",
+    "launch_gather_reduce",
+    "launch_gather_dot",
     "assign_positions",
     "assign_positions_reference",
     "fused_topk_routing",
@@ -56,9 +58,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    "permute_rows": "permute",
-    "unpermute_rows": "permute",
-    "unpermute_rows_reference": "permute",
+    "launch_gather_reduce": "permute",
+    "launch_gather_dot": "permute",
     "assign_positions": "slots",
     "assign_positions_reference": "slots",
     "fused_topk_routing": "routing",

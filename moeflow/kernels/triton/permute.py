@@ -4,11 +4,12 @@
 ``launch_gather_reduce`` and ``launch_gather_dot`` run the two primitives of
 ``moeflow.kernels.permute`` (``gather_reduce``: ``out_ND[n] = sum_j valid * w * src_MD[index_NJ[n,
 j]]``; ``gather_dot``: ``out_NJ[n, j] = valid * <a_ND[n], b_MD[index_NJ[n, j]]>``), accumulated in
-fp32 (fp64 for fp64 tensors, so the fp64 checks hold to fp64 rounding on CUDA too); those custom
-ops call them on CUDA. ``permute_rows``, ``unpermute_rows`` and
-``unpermute_rows_reference`` are re-exported from ``moeflow.kernels.permute`` (the
-differentiable ops, any device). The tests run the launchers under the Triton interpreter
-against the torch references (``gather_reduce_reference``, ``gather_dot_reference``).
+fp32 (fp64 for fp64 tensors, so the fp64 checks hold to fp64 rounding on CUDA too). The custom
+ops of ``moeflow.kernels.permute`` (the primitives, ``permute_rows``, ``unpermute_rows``) call
+them on CUDA; this module knows nothing of those ops, so the imports point one way (the ops
+reach the launchers through the lazily loading ``moeflow.kernels.triton`` package). The tests
+run the launchers under the Triton interpreter against the torch references
+(``gather_reduce_reference``, ``gather_dot_reference``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moeflow.kernels.permute import gather_dot, gather_reduce, permute_rows, unpermute_rows, unpermute_rows_reference
 from moeflow.kernels.triton import check_triton_tensors, device_guard
 
-__all__ = ["launch_gather_reduce", "launch_gather_dot", "permute_rows", "unpermute_rows", "unpermute_rows_reference",
-           "gather_reduce", "gather_dot"]
+__all__ = ["launch_gather_reduce", "launch_gather_dot"]
 
 _BLOCK_N = 16
 _BLOCK_D = 128
