@@ -5,8 +5,16 @@
     activate_backward_(h_NF, da_NH, activation)     # h_NF := d act(h) / dh * da, in place
 
 ``activation``: one of ``ACTIVATIONS`` (``swiglu``, ``geglu``, ``silu``, ``gelu`` (exact, erf),
-``relu``), the one vocabulary of activation names (``moeflow.kernels.activation_names``,
-re-exported here: configs, experts and the CLI import it from this module).
+``relu``). This module holds moeflow's one vocabulary of activation names:
+
+    Activation   the names, as a ``typing.Literal`` (configs validate against it)
+    ACTIVATIONS  the same names as a tuple (derived from ``Activation``)
+    GATED        the gated kinds: ``act(gate) * up`` over the two halves of ``w_in``'s columns
+    ELEMENTWISE  the elementwise function each kind applies (to the gate half when gated)
+
+Configs, experts, the CLI and the test references import them from here. The Triton kernels
+below these ops cannot (``moeflow.kernels.triton`` imports nothing from outside itself): their
+table of codes (``TRITON_ACTIVATIONS``) is checked against these names by a test.
 
 Why ops: written in torch, a SwiGLU forward is two passes over the rows (``silu``, then the
 product) and its backward five; the GPU needs one each, reading ``h`` (and ``da``) once and
@@ -24,16 +32,20 @@ temporary (the up half of ``h`` serves as scratch).
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
-from moeflow.kernels.activation_names import ACTIVATIONS, ELEMENTWISE, GATED, Activation
 from moeflow.kernels.triton import triton_available
 
-__all__ = ["Activation", "ACTIVATIONS", "GATED", "check_activation", "activate", "activate_backward_",
+__all__ = ["Activation", "ACTIVATIONS", "GATED", "ELEMENTWISE", "check_activation", "activate", "activate_backward_",
            "activate_reference", "activate_backward_reference_"]
 
+Activation = Literal["swiglu", "geglu", "relu", "gelu", "silu"]
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
+GATED: frozenset[str] = frozenset({"swiglu", "geglu"})
+ELEMENTWISE: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "relu": "relu", "gelu": "gelu", "silu": "silu"}
 _FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}  # ELEMENTWISE's functions
 # Each ATen op is a parallel region, and on a busy machine every region waits for its slowest
 # thread (measured on a loaded 2-core VM), so the reference backward takes few, large steps.

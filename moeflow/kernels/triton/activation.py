@@ -18,7 +18,7 @@ from moeflow.kernels.triton.grouped_gemm_kernels import TRITON_ACTIVATIONS, _act
 
 __all__ = ["launch_activate", "launch_activate_backward_", "ACT_CODES"]
 
-# activation -> (the epilogue helpers' code, gated): the grouped GEMM's table, one vocabulary
+# activation -> (the epilogue helpers' code, gated): the grouped GEMM's table, not a second one
 ACT_CODES = TRITON_ACTIVATIONS
 _BLOCK_N = 8
 _BLOCK_C = 256

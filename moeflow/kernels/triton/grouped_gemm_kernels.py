@@ -26,15 +26,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moeflow.kernels.activation_names import ACTIVATIONS, ELEMENTWISE, GATED
-
 __all__ = ["TRITON_ACTIVATIONS", "MODE_PLAIN", "MODE_ACT", "MODE_DACT", "gmm_kernel", "gmm_wgrad_kernel"]
 
-# the elementwise functions ``_act`` and ``_act_grad`` compute, by their ``ACT`` code
-_FUNCTION_CODES = {"gelu": 1, "silu": 2, "relu": 3}
-# activation name (``moeflow.kernels.activation_names``, the one vocabulary) -> (``ACT`` code, gated)
+# activation name -> (the ``ACT`` code of ``_act``/``_act_grad`` for its elementwise function, gated):
+# the kernels' codes for the names of ``moeflow.kernels.activation.ACTIVATIONS``, which this package
+# cannot import (it sits below the ops); tests/test_config.py checks that both hold the same names
 TRITON_ACTIVATIONS: dict[str, tuple[int, bool]] = {
-    name: (_FUNCTION_CODES[ELEMENTWISE[name]], name in GATED) for name in ACTIVATIONS
+    "gelu": (1, False),
+    "silu": (2, False),
+    "relu": (3, False),
+    "geglu": (1, True),
+    "swiglu": (2, True),
 }
 # the epilogues of ``gmm_kernel`` (its ``MODE``)
 MODE_PLAIN, MODE_ACT, MODE_DACT = 0, 1, 2
