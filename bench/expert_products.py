@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from moeflow.experts.lean import lean_ffn_no_grad
-from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, PackedExperts, packed_cpu_available, packs_for, packs_in_use
+from moeflow.experts.packed import packed_ffn
+from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, pack_weight, packed_cpu_available
 from bench.common import RESULTS
 
 __all__ = ["main", "run_expert_products_bench"]
@@ -73,7 +74,7 @@ def _run(args: argparse.Namespace, batches: list[int]) -> dict:
     E, D, H = args.experts, args.dim, args.hidden
     layers = [(torch.randn(E, D, 2 * H, generator=gen) * 0.05, torch.randn(E, H, D, generator=gen) * 0.05)
               for _ in range(args.layers)]
-    packs = [PackedExperts.of(w_in, w_out) for w_in, w_out in layers]
+    packs = [(pack_weight(w_in), pack_weight(w_out)) for w_in, w_out in layers]
     rows = []
     for B in batches:
         expert_BK = torch.rand(B, E, generator=gen).topk(args.top_k, dim=1).indices
@@ -85,11 +86,12 @@ def _run(args: argparse.Namespace, batches: list[int]) -> dict:
             return [lean_ffn_no_grad(x_RD, w_in, w_out, counts_E, activation="swiglu") for w_in, w_out in layers]
 
         def packed() -> list[torch.Tensor]:
-            with packs_in_use(packs):
-                return [lean_ffn_no_grad(x_RD, w_in, w_out, counts_E, activation="swiglu") for w_in, w_out in layers]
+            return [packed_ffn(x_RD, p_in, p_out, counts_E, activation="swiglu", width_in=2 * H, width_out=D)
+                    for p_in, p_out in packs]
 
-        with packs_in_use(packs):  # more rows than packs_for takes: both candidates would be the same
-            packed_used = packs_for(layers[0][0], layers[0][1], B * args.top_k) is not None
+        # whether the decode step's packed experts would run the kernel at these rows (past
+        # MAX_ROWS_PER_EXPERT rows per expert they hand the call to the weights themselves)
+        packed_used = B * args.top_k <= MAX_ROWS_PER_EXPERT * E
         cands = {"grouped_mm": grouped, "packed": packed}
         times: dict[str, list[float]] = {name: [] for name in cands}
         outs = {name: run() for name, run in cands.items()}  # warm-up (and the kernel's build)

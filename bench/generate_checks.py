@@ -142,12 +142,14 @@ def compiled_step_logits(model, idx_BS: torch.Tensor, first_B: torch.Tensor,  # 
     B, P = idx_BS.shape
     S = model.config.max_seq_len
     decoder = compiled_decoder(model)
-    cache = decoder.cache(model, torch.zeros(B, dtype=torch.long, device=idx_BS.device),
-                          _bucket(min(S, P + max_new_tokens - 1), S))
-    decoder.begin(model, B)
-    model.forward_cached(idx_BS, cache)
-    pos = torch.full((), P, dtype=torch.long, device=idx_BS.device)
-    return decoder.run(first_B, pos, cache).float().clone()  # (a CUDA graph's output is overwritten next replay)
+    decoder.prepare(model)
+    with decoder.generation(model):
+        cache = decoder.cache(model, torch.zeros(B, dtype=torch.long, device=idx_BS.device),
+                              _bucket(min(S, P + max_new_tokens - 1), S))
+        model.forward_cached(idx_BS, cache)
+        pos = torch.full((), P, dtype=torch.long, device=idx_BS.device)
+        # (.clone(): a CUDA graph's output is overwritten by the next replay)
+        return decoder.run(first_B, pos, cache, guarded=True).float().clone()
 
 
 @torch.no_grad()
