@@ -42,7 +42,7 @@ from moeflow.kernels.triton import triton_available
 __all__ = ["Activation", "ACTIVATIONS", "GATED", "ELEMENTWISE", "check_activation", "activate", "activate_backward_",
            "activate_reference", "activate_backward_reference_"]
 
-Activation = Literal["swiglu", "geglu", "relu", "gelu", "silu"]
+Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu"]  # this order: the layer matrix samples by it
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 GATED: frozenset[str] = frozenset({"swiglu", "geglu"})
 ELEMENTWISE: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "relu": "relu", "gelu": "gelu", "silu": "silu"}
