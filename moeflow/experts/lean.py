@@ -32,9 +32,9 @@ chunk recomputes ``h_c``, writes ``dW_out[c]``, turns ``h_c`` into ``dh_c`` in p
 ``[rows, D]`` gradient is allocated. So the backward holds the weight gradients, the copy, ``dy``
 and one chunk's ``h_c``, ``act(gate_c)`` and ``a_c`` or ``da_c``. Bit-identical to the default
 path in fp64 (same kernels per element; cuBLAS/MKL may pick other fp32 GEMM kernels for a
-smaller batch, so fp32 can differ in the last bits). Costs: one row copy in forward and ~15
-ATen calls per chunk (on an idle or lightly loaded machine the same time as unchunked; with
-another busy process on the 2 cores, up to 1.5x: see docs/benchmarks.md).
+smaller batch, so fp32 can differ in the last bits). Costs: one row copy in forward and about
+fifteen ATen calls per chunk (on an idle machine the same time as unchunked; slower where
+another busy process competes for the cores: see docs/benchmarks.md).
 
 Why the default path is not chunked the same way: each weight gradient is one ``[E, ...]``
 tensor (a 3-D parameter), allocated before the first chunk writes into it, while every chunk's
@@ -68,8 +68,8 @@ __all__ = ["LEAN_GEMMS", "ffn_reference", "lean_ffn", "lean_ffn_no_grad"]
 
 LEAN_GEMMS = ("bmm", "grouped_mm", "loop")  # padded layout; grouped native; grouped reference
 # Each ATen op is a parallel region, and on a busy machine every region waits for its slowest
-# thread (measured on a loaded 2-core VM: a 64-expert FFN run in 64 one-expert chunks was 9x
-# slower than in one piece), so the elementwise backward takes few, large steps.
+# thread (many small chunks were far slower than one piece: docs/benchmarks.md), so the
+# elementwise backward takes few, large steps.
 _CHUNK_BYTES = 16 << 20  # recompute (forward and backward): h_c [rows_c, F] at most this ...
 _CHUNKS = 8  # ... and at most 1/_CHUNKS of h ...
 _MIN_CHUNK_BYTES = 1 << 20  # ... but not below this (small problems: one chunk)

@@ -48,7 +48,7 @@ GATED: frozenset[str] = frozenset({"swiglu", "geglu"})
 ELEMENTWISE: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "relu": "relu", "gelu": "gelu", "silu": "silu"}
 _FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}  # ELEMENTWISE's functions
 # Each ATen op is a parallel region, and on a busy machine every region waits for its slowest
-# thread (measured on a loaded 2-core VM), so the reference backward takes few, large steps.
+# thread, so the reference backward takes few, large steps.
 _ROW_CHUNKS = 2  # h in this many row steps (temporaries: two [N/2, H])
 _MIN_ROW_STEP = 1 << 20  # ... of at least this many elements
 

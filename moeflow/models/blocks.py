@@ -94,7 +94,7 @@ class Attention(nn.Module):
         if gqa and S == 1 and not causal:
             # one query per row (a decode step): the query heads sharing a KV head become its
             # query rows, so SDPA reads each cached key/value once per KV head, not once per
-            # query head (a mask [B, 1, 1, L] broadcasts): ~13% less attention time at B=8
+            # query head (a mask [B, 1, 1, L] broadcasts): less attention time (docs/benchmarks.md)
             q, gqa = q.reshape(B, self.n_kv, -1, self.head_dim), False
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0, enable_gqa=gqa,
