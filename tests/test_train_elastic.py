@@ -246,7 +246,7 @@ def test_a_lost_node_leaves_the_run_to_the_surviving_ranks(tmp_path, shared_stor
     print(f"lost node: 4 -> 2 ranks at step {start}; from the kill {respawn_s:.1f} s to the ranks' restart, "
           f"{recovery_s:.1f} s to their first step")
 
-    done = subprocess.run(torchrun_cmd("-m", "moeflow.train", "--resume", *_flags(reference, steps)), env=TORCHRUN_ENV,
+    done = subprocess.run(torchrun_cmd("-m", "moeflow", "train", "--resume", *_flags(reference, steps)), env=TORCHRUN_ENV,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     ref = json.loads((reference / "history.json").read_text())

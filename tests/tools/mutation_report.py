@@ -41,12 +41,18 @@ def category(code: int | None) -> str:
     return "other"
 
 
+# the parallel modules under mutation, reported one by one, by module (their rows' names)
+PARALLEL_ROWS = {"exchange.assignment": "parallel/assignment", "exchange.alltoall": "parallel/exchange",
+                 "placement.tuner": "parallel/tuner"}
+
+
 def package_of(mutant: str) -> str:
-    """``moeflow.routing.scores.x_f__mutmut_3`` -> ``routing``; the three parallel modules
-    are reported one by one (``parallel/tuner``)."""
+    """``moeflow.routing.scores.x_f__mutmut_3`` -> ``routing``; the parallel modules are
+    reported one by one (``moeflow.parallel.placement.tuner.x_...`` -> ``parallel/tuner``)."""
     parts = mutant.split(".")
     if parts[1] == "parallel":
-        return f"parallel/{parts[2]}"
+        module = ".".join(parts[2:-1])
+        return PARALLEL_ROWS.get(module, "parallel/" + module.replace(".", "/"))
     return parts[1]
 
 
