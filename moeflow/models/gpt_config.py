@@ -1,19 +1,153 @@
 """The shape of a ``MoEGPT`` (``GPTConfig``) and the named presets (``GPT_PRESETS``,
 ``gpt_config``): what ``moeflow.models.gpt`` builds the model from and checkpoints save (as JSON,
 ``to_dict`` / ``from_dict``).
+
+One decoder serves every family (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss): its
+attention is an ``AttentionConfig`` (grouped-query or multi-head latent, head size, query/key
+norms, biases, sliding windows, sinks), its rotary embedding a ``RopeScaling`` on top of
+``rope_theta`` (linear or YaRN, a rotated fraction of each head), and which blocks are dense,
+how wide the shared experts are and whether a gate scales them are fields of ``GPTConfig``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, RouterConfig, _int
 
-__all__ = ["GPTConfig", "GPT_PRESETS", "gpt_config"]
+__all__ = ["GPTConfig", "AttentionConfig", "RopeScaling", "GPT_PRESETS", "gpt_config"]
+
+AttentionKind = Literal["gqa", "mla"]
+QKNorm = Literal["none", "head", "proj"]
+RopeKind = Literal["linear", "yarn"]
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Rotary position scaling beyond ``rope_theta`` (Hugging Face's ``rope_parameters``):
+
+    - ``kind="linear"``: positions divided by ``factor``;
+    - ``kind="yarn"`` (DeepSeek-V3, gpt-oss): the frequencies blended between interpolation and
+      extrapolation over ``[beta_slow, beta_fast]`` rotations at ``original_max_seq_len``
+      (``truncate``: the correction range rounded to whole dimensions), and cos/sin scaled by
+      ``attention_factor`` (default: from ``factor``, ``mscale`` and ``mscale_all_dim``, as
+      transformers infers it).
+    """
+
+    kind: RopeKind
+    factor: float
+    original_max_seq_len: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "yarn"):
+            raise ValueError(f"kind must be 'linear' or 'yarn', got {self.kind!r}")
+        _positive("factor", self.factor)
+        if self.original_max_seq_len is not None:
+            _int("original_max_seq_len", self.original_max_seq_len, minimum=1)
+        if self.kind == "yarn" and self.original_max_seq_len is None:
+            raise ValueError("kind='yarn' needs original_max_seq_len (the context the model was trained at)")
+        for name in ("beta_fast", "beta_slow"):
+            _positive(name, getattr(self, name))
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if not isinstance(self.truncate, bool):
+            raise TypeError(f"truncate must be a bool, got {type(self.truncate).__name__}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """The attention of every block.
+
+    ``kind="gqa"``: grouped-query attention with ``head_dim`` (default ``dim // n_heads``);
+    ``qk_norm`` RMS-normalises queries and keys per head (``"head"``, Qwen3-MoE) or over the whole
+    projection (``"proj"``, OLMoE); ``qkv_bias`` / ``o_bias`` add biases to the projections
+    (Qwen2-MoE: ``qkv_bias``; gpt-oss: both); ``clip_qkv`` clamps queries, keys and values
+    (OLMoE). ``sliding_window`` limits the blocks in ``sliding_layers`` (all blocks when empty)
+    to the last ``sliding_window`` keys; ``sinks``: a learned logit per head that joins every
+    softmax (gpt-oss). ``rotary_fraction``: the share of each head's dimensions that rotate
+    (partial rotary); ``rope_interleaved``: rotate adjacent pairs instead of halves.
+
+    ``kind="mla"``: multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): queries through a
+    rank-``q_lora_rank`` bottleneck (None: one projection), keys and values from a
+    ``kv_lora_rank`` latent shared by every head plus a ``qk_rope_head_dim`` rotary part; heads
+    of ``qk_nope_head_dim + qk_rope_head_dim`` (queries, keys) and ``v_head_dim`` (values); the
+    KV cache keeps the latent.
+    """
+
+    kind: AttentionKind = "gqa"
+    head_dim: int | None = None
+    qk_norm: QKNorm = "none"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    clip_qkv: float | None = None
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    sinks: bool = False
+    rotary_fraction: float = 1.0
+    rope_interleaved: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gqa", "mla"):
+            raise ValueError(f"kind must be 'gqa' or 'mla', got {self.kind!r}")
+        if self.qk_norm not in ("none", "head", "proj"):
+            raise ValueError(f"qk_norm must be 'none', 'head' or 'proj', got {self.qk_norm!r}")
+        if self.head_dim is not None:
+            _int("head_dim", self.head_dim, minimum=2)
+        for name in ("qkv_bias", "o_bias", "sinks", "rope_interleaved"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.clip_qkv is not None:
+            _positive("clip_qkv", self.clip_qkv)
+        if self.sliding_window is not None:
+            _int("sliding_window", self.sliding_window, minimum=1)
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        for i in self.sliding_layers:
+            _int("sliding_layers[i]", i, minimum=0)
+        if self.sliding_layers and self.sliding_window is None:
+            raise ValueError(f"sliding_layers={self.sliding_layers} needs a sliding_window")
+        if not (isinstance(self.rotary_fraction, (int, float)) and 0 < self.rotary_fraction <= 1):
+            raise ValueError(f"rotary_fraction must be in (0, 1], got {self.rotary_fraction!r}")
+        if self.q_lora_rank is not None:
+            _int("q_lora_rank", self.q_lora_rank, minimum=1)
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _int(name, getattr(self, name), minimum=1)
+        _int("qk_rope_head_dim", self.qk_rope_head_dim, minimum=2)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.kind == "mla":
+            gqa_only = {"head_dim": None, "qk_norm": "none", "qkv_bias": False, "clip_qkv": None,
+                        "sliding_window": None, "sinks": False, "rotary_fraction": 1.0}
+            for name, unset in gqa_only.items():
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name}={getattr(self, name)!r} is a grouped-query option; kind='mla' "
+                                     f"takes {unset!r}")
+
+    def slides(self, layer: int) -> bool:
+        """Whether block ``layer`` attends through the sliding window."""
+        return self.sliding_window is not None and (not self.sliding_layers or layer in self.sliding_layers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,8 +155,12 @@ class GPTConfig:
     """Shape of a ``MoEGPT``; validated on construction (the MoE part through ``MoEConfig``).
 
     ``dense_hidden`` is the FFN width of the dense blocks (default ``expert_hidden``), and
-    ``expert_hidden`` the width of each routed expert. ``tie_embeddings`` shares the input
-    embedding with the output projection (GPT-2/3); Mixtral unties them.
+    ``expert_hidden`` the width of each routed expert. Block ``i`` is MoE when ``(i + 1) %
+    moe_every == 0`` and ``i`` is not in ``dense_layers`` (DeepSeek's first dense blocks, Qwen's
+    ``mlp_only_layers``). ``shared_hidden``: the width of the shared experts (default
+    ``num_shared_experts * expert_hidden``), ``shared_gate``: a sigmoid gate on their output
+    (Qwen2-MoE). ``tie_embeddings`` shares the input embedding with the output projection
+    (GPT-2/3); Mixtral unties them.
     """
 
     vocab_size: int
@@ -41,8 +179,13 @@ class GPTConfig:
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     num_shared_experts: int = 0
+    shared_hidden: int | None = None
+    shared_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False
     dropout: float = 0.0
     init_std: float = 0.02
@@ -55,8 +198,29 @@ class GPTConfig:
             _int("n_kv_heads", self.n_kv_heads, minimum=1)
             if self.n_heads % self.n_kv_heads:
                 raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of even size")
+        if not isinstance(self.attention, AttentionConfig):
+            raise TypeError(f"attention must be an AttentionConfig, got {type(self.attention).__name__}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        if self.attention.kind == "gqa":
+            if self.attention.head_dim is None and self.dim % self.n_heads:
+                raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads (or set attention.head_dim)")
+            rotary = self.rotary_dim
+            if rotary % 2 or rotary < 2:
+                raise ValueError(f"the rotary part of a head (head_dim={self.head_dim} x rotary_fraction="
+                                 f"{self.attention.rotary_fraction} = {rotary}) must be even and >= 2")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        for i in self.dense_layers:
+            _int("dense_layers[i]", i, minimum=0)
+            if i >= self.n_layers:
+                raise ValueError(f"dense_layers holds {i}, but the model has n_layers={self.n_layers}")
+        for i in self.attention.sliding_layers:
+            if i >= self.n_layers:
+                raise ValueError(f"attention.sliding_layers holds {i}, but the model has n_layers={self.n_layers}")
+        if self.shared_hidden is not None:
+            _int("shared_hidden", self.shared_hidden, minimum=1)
+        if not isinstance(self.shared_gate, bool):
+            raise TypeError(f"shared_gate must be a bool, got {type(self.shared_gate).__name__}")
         if self.dense_hidden is not None:
             _int("dense_hidden", self.dense_hidden, minimum=1)
         if not 0.0 <= self.dropout < 1.0:
@@ -72,15 +236,29 @@ class GPTConfig:
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    @property
+    def head_dim(self) -> int:
+        """A grouped-query head's size (``attention.head_dim``, default ``dim // n_heads``)."""
+        return self.attention.head_dim or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of a head's dimensions rotate: ``qk_rope_head_dim`` (latent attention), else
+        ``head_dim * rotary_fraction`` (rounded down)."""
+        if self.attention.kind == "mla":
+            return self.attention.qk_rope_head_dim
+        return int(self.head_dim * self.attention.rotary_fraction)
+
     def is_moe_layer(self, i: int) -> bool:
-        return self.moe_every > 0 and (i + 1) % self.moe_every == 0
+        return self.moe_every > 0 and (i + 1) % self.moe_every == 0 and i not in self.dense_layers
 
     def moe_config(self) -> MoEConfig:
         return MoEConfig(
             dim=self.dim, hidden=self.expert_hidden, num_experts=self.num_experts, top_k=self.top_k,
             capacity_factor=self.capacity_factor, router=self.router, dispatch=self.dispatch,
             experts=dataclasses.replace(self.experts, init_std=self.init_std),
-            num_shared_experts=self.num_shared_experts,
+            num_shared_experts=self.num_shared_experts, shared_hidden=self.shared_hidden,
+            shared_gate=self.shared_gate,
         )
 
     def to_dict(self) -> dict:
@@ -109,6 +287,12 @@ class GPTConfig:
         # belong to the run (its training config), not to the model, and are dropped
         d["dispatch"] = DispatchConfig(**{k: v for k, v in d.get("dispatch", {}).items() if k not in _PARALLEL_KEYS})
         d["experts"] = ExpertsConfig(**d.get("experts", {}))
+        attention = dict(d.get("attention", {}))
+        attention["sliding_layers"] = tuple(attention.get("sliding_layers", ()))
+        d["attention"] = AttentionConfig(**attention)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["dense_layers"] = tuple(d.get("dense_layers", ()))
         return cls(**d)
 
 
