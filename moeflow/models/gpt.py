@@ -24,11 +24,23 @@ from torch import nn
 from moeflow.config import _int
 from moeflow.models.blocks import Block, RMSNorm, rope_cos_sin
 from moeflow.models.generation import generate_tensor
-from moeflow.models.gpt_config import GPT_PRESETS, GPTConfig, gpt_config
+from moeflow.models.gpt_config import GPT_PRESETS, AttentionConfig, GPTConfig, gpt_config
 from moeflow.models.kv_cache import KVCache, static_step, step_inputs
 
 # (GPTConfig, the presets and RMSNorm are re-exported: importers use this module)
 __all__ = ["GPTConfig", "MoEGPT", "RMSNorm", "GPT_PRESETS", "gpt_config"]
+
+
+def _refuse_unbuilt(config: GPTConfig) -> None:
+    """``ValueError`` naming a configured attention or RoPE option this decoder does not build
+    yet (never silently ignored)."""
+    default = AttentionConfig()
+    for name in ("kind", "head_dim", "qk_norm", "qkv_bias", "o_bias", "clip_qkv", "sliding_window", "sinks",
+                 "rotary_fraction", "rope_interleaved"):
+        if getattr(config.attention, name) != getattr(default, name):
+            raise ValueError(f"attention.{name}={getattr(config.attention, name)!r} is not built into MoEGPT yet")
+    if config.rope_scaling is not None:
+        raise ValueError(f"rope_scaling={config.rope_scaling!r} is not built into MoEGPT yet")
 
 
 class MoEGPT(nn.Module):
@@ -43,6 +55,7 @@ class MoEGPT(nn.Module):
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        _refuse_unbuilt(config)
         self.config = config
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Embedding(config.vocab_size, config.dim, **kw)
