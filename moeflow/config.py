@@ -277,7 +277,8 @@ class DispatchConfig:
 class ExpertsConfig:
     """The routed expert FFNs: ``act(x W_in + b_in) W_out + b_out``, 3-D weights ``[E, ...]``.
 
-    Gated activations (``"swiglu"``, ``"geglu"``) use ``act(x W_gate) * (x W_up)``; the gate and
+    Gated activations (``"swiglu"``, ``"geglu"``, ``"swiglu_oai"``) use ``act(x W_gate) * (x W_up)``
+    (``"swiglu_oai"``: gpt-oss's clamped SwiGLU, ``moeflow.kernels.activation``); the gate and
     up projections are stored fused in ``w_in [E, D, 2H]`` (gate first).
     ``backend`` picks the grouped GEMM used in dropless mode: ``"grouped_mm"``
     (``torch.nn.functional.grouped_mm``), ``"loop"`` (one matmul per expert, the reference),

@@ -44,6 +44,7 @@ from torch import nn
 
 import moeflow
 from moeflow import DispatchConfig, RouterConfig
+from moeflow.kernels.activation import GATED
 from moeflow.models import GPTConfig, MoEGPT
 from moeflow.parallel import all_reduce_gradients, dense_parameters, expert_parallel
 
@@ -750,7 +751,7 @@ def ffn_operands(gen: torch.Generator, gemm: str, activation: str, dtype: torch.
     ``[E, C, D]`` for ``gemm="bmm"`` (``offs`` None), else ``[R, D]`` grouped by expert with
     ``min_rows..2C-1`` rows per expert, expert ``empty`` given none, and ``offs`` the int64
     inclusive cumulative counts (int32 for ``lean_ffn``'s ``grouped_mm``)."""
-    F = 2 * H if activation in ("swiglu", "geglu") else H
+    F = 2 * H if activation in GATED else H
     w_in = torch.randn(E, D, F, generator=gen, dtype=dtype).requires_grad_()
     w_out = torch.randn(E, H, D, generator=gen, dtype=dtype).requires_grad_()
     if gemm == "bmm":

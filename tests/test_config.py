@@ -321,7 +321,9 @@ def test_one_vocabulary_of_activations():
     from moeflow.kernels.activation import ACTIVATIONS, GATED, Activation
 
     assert moeflow.config.Activation is Activation and typing.get_args(Activation) == ACTIVATIONS
-    assert set(GATED) < set(ACTIVATIONS) and len(set(ACTIVATIONS)) == len(ACTIVATIONS) == 5
+    assert set(GATED) < set(ACTIVATIONS) and len(set(ACTIVATIONS)) == len(ACTIVATIONS) == 6
+    # appended, never inserted: the layer matrix samples its configurations in this order
+    assert ACTIVATIONS[:5] == ("relu", "gelu", "silu", "swiglu", "geglu") and ACTIVATIONS[-1] == "swiglu_oai"
     for name in ACTIVATIONS:
         assert ExpertsConfig(activation=name).gated == (name in GATED)
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -336,3 +338,10 @@ def test_one_vocabulary_of_activations():
     # the kernels' codes of the elementwise functions: a gated kind shares its function's code
     assert TRITON_ACTIVATIONS["swiglu"][0] == TRITON_ACTIVATIONS["silu"][0]
     assert TRITON_ACTIVATIONS["geglu"][0] == TRITON_ACTIVATIONS["gelu"][0]
+    # swiglu_oai's gate function is its own, with the constants the torch ops use
+    from moeflow.kernels.activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+    from moeflow.kernels.triton import grouped_gemm_kernels as kernels
+
+    assert TRITON_ACTIVATIONS["swiglu_oai"][0] not in {code for name, (code, _) in TRITON_ACTIVATIONS.items()
+                                                       if name != "swiglu_oai"}
+    assert (kernels.SWIGLU_OAI_ALPHA.value, kernels.SWIGLU_OAI_LIMIT.value) == (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)

@@ -21,6 +21,7 @@ from moeflow.kernels import (
 )
 from moeflow import DispatchConfig
 from moeflow.dispatch import LocalDispatcher
+from moeflow.kernels.activation import ACTIVATIONS, GATED, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moeflow.kernels.counts import count_ids
 from moeflow.kernels.permute import permute_rows, unpermute_rows, unpermute_rows_reference
 from moeflow.types import RoutingResult
@@ -205,6 +206,64 @@ def test_native_probe_runs_on_the_device_asked_about(monkeypatch):
     assert registry.native_grouped_mm_supported("cpu", torch.float32)
     assert not registry.native_grouped_mm_supported("cuda", torch.bfloat16, (16, 12))
     assert asked == [("cuda", torch.bfloat16), ("cpu", torch.float32)]
+
+
+def _activation_input(gen: torch.Generator, activation: str, dtype: torch.dtype, N: int = 37, H: int = 24):
+    """``h [N, F]`` spread over about [-20, 20] (beyond swiglu_oai's clamps at +-7), with gate
+    and up values exactly at the clamps and at 0 in row 0."""
+    F_ = 2 * H if activation in GATED else H
+    h = torch.randn(N, F_, generator=gen, dtype=torch.float64) * 6
+    h[0, :3] = torch.tensor([SWIGLU_OAI_LIMIT, -SWIGLU_OAI_LIMIT, 0.0])
+    h[0, F_ - 3 :] = torch.tensor([SWIGLU_OAI_LIMIT, -SWIGLU_OAI_LIMIT, 0.0])
+    return h.to(dtype)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_activation_ops_equal_plain_autograd_bit_for_bit(gen, activation, dtype):
+    """``activate`` (the op), ``activate_reference`` without autograd (its in-place branch) and
+    the in-place backward (the op and the reference) give plain autograd's values through
+    ``activate_reference``, bit for bit (they run the kernels autograd runs, in its order)."""
+    from moeflow.kernels.activation import activate, activate_backward_, activate_backward_reference_, activate_reference
+
+    h = _activation_input(gen, activation, dtype).requires_grad_()
+    a = activate_reference(h, activation)
+    da = torch.randn(a.shape, generator=gen, dtype=torch.float64).to(dtype)
+    (dh,) = torch.autograd.grad(a, h, da)
+    with torch.no_grad():
+        assert torch.equal(activate_reference(h.detach().clone(), activation), a)
+        assert torch.equal(activate(h.detach(), activation), a)
+    for backward in (activate_backward_reference_, activate_backward_):
+        got = h.detach().clone()
+        assert backward(got, da.clone(), activation) is got
+        assert torch.equal(got, dh), backward.__name__
+
+
+def test_swiglu_oai_values_and_gradients_beyond_the_clamps(gen):
+    """gpt-oss's clamped SwiGLU by its formula: ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``
+    with ``g = min(gate, 7)``; the gradient is zero for a gate above 7 and an up value outside
+    [-7, 7], and passes at the limits themselves (``torch.clamp``'s backward); the lean backward
+    agrees."""
+    from moeflow.kernels.activation import activate_backward_, activate_reference
+
+    assert (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT) == (1.702, 7.0)  # gpt-oss's published constants
+    gate = torch.tensor([-20.0, -7.0, -1.5, 0.25, 3.0, 7.0, 7.5, 30.0], dtype=torch.float64)
+    up = torch.tensor([-30.0, -7.5, -7.0, -0.25, 0.5, 7.0, 8.0, 2.0], dtype=torch.float64)
+    h = torch.cat([gate, up]).view(1, -1).requires_grad_()
+    a = activate_reference(h, "swiglu_oai")
+    g = gate.clamp(max=7.0)
+    want = (up.clamp(-7.0, 7.0) + 1) * g * torch.sigmoid(1.702 * g)
+    torch.testing.assert_close(a.view(-1), want, rtol=1e-15, atol=0)
+    da = torch.rand(1, 8, generator=gen, dtype=torch.float64) + 0.5
+    (dh,) = torch.autograd.grad(a, h, da)
+    d_gate, d_up = dh.view(2, 8)
+    assert torch.equal(d_gate == 0, gate > 7.0)
+    assert torch.equal(d_up == 0, (up < -7.0) | (up > 7.0))
+    s = torch.sigmoid(1.702 * gate)
+    want_gate = torch.where(gate <= 7.0, da.view(-1) * (up.clamp(-7.0, 7.0) + 1) * (s + 1.702 * gate * s * (1 - s)), 0)
+    torch.testing.assert_close(d_gate, want_gate, rtol=1e-13, atol=0)
+    lean = activate_backward_(h.detach().clone(), da.clone(), "swiglu_oai")
+    assert torch.equal(lean, dh)
 
 
 def test_activate_backward_refuses_bad_operands():

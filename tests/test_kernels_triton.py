@@ -41,6 +41,7 @@ from moeflow.dispatch import LocalDispatcher, assign_slots  # noqa: E402
 from moeflow.experts.ffn import GroupedExperts, grouped_ffn  # noqa: E402
 from moeflow.kernels import grouped_mm_loop, resolve_grouped_mm_backend  # noqa: E402
 from moeflow.kernels import triton as mt  # noqa: E402
+from moeflow.kernels.activation import ACTIVATIONS, GATED  # noqa: E402
 from moeflow.kernels.permute import permute_rows, unpermute_rows  # noqa: E402
 # load every kernel module now, while the interpreter is on: @triton.jit picks the interpreter
 # when a kernel is *defined* (a test below switches the interpreter off for a moment)
@@ -194,7 +195,7 @@ def test_permute_ops_on_cuda_run_one_triton_gather_reduce(gen, monkeypatch, T, K
     assert launches[4:] == ["launch_gather_reduce", "launch_gather_dot"], launches
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "silu", "gelu", "relu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_activation_matches_reference(gen, activation, dtype):
     """Forward ``a = act(h)`` and the in-place backward on odd shapes (rows and widths not a
@@ -202,9 +203,12 @@ def test_triton_activation_matches_reference(gen, activation, dtype):
     from moeflow.kernels.activation import activate_backward_reference_, activate_reference
     from moeflow.kernels.triton.activation import launch_activate, launch_activate_backward_
 
-    gated = activation in ("swiglu", "geglu")
+    gated = activation in GATED
     N, C = 13, 300
-    h = (torch.randn(N, 2 * C if gated else C, generator=gen) * 2).to(dtype)
+    # (* 4: beyond swiglu_oai's clamps at +-7 too; one gate and one up value exactly at them)
+    h = (torch.randn(N, 2 * C if gated else C, generator=gen) * 4).to(dtype)
+    if gated:
+        h[0, :2] = h[0, C : C + 2] = torch.tensor([7.0, -7.0])
     assert_kernel_close(launch_activate(h, activation), activate_reference(h, activation), dtype, "activate")
     da = torch.randn(N, C, generator=gen).to(dtype)
     got, ref = h.clone(), h.clone()
@@ -550,12 +554,12 @@ def test_grouped_ffn_takes_the_fused_kernel_only_where_it_applies(gen, case, mon
     assert fused == ([1] if case in ("plain", "recompute") else [])
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "silu", "relu"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_grouped_ffn_matches_reference(gen, activation):
     E, D, H = 5, 24, 20
     counts = torch.tensor([7, 0, 19, 1, 10])
     R = int(counts.sum())
-    gated = activation in ("swiglu", "geglu")
+    gated = activation in GATED
     x = torch.randn(R, D, generator=gen, requires_grad=True)
     w_in = torch.randn(E, D, 2 * H if gated else H, generator=gen, requires_grad=True)
     w_out = torch.randn(E, H, D, generator=gen, requires_grad=True)

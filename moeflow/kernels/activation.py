@@ -5,12 +5,23 @@
     activate_backward_(h_NF, da_NH, activation)     # h_NF := d act(h) / dh * da, in place
 
 ``activation``: one of ``ACTIVATIONS`` (``swiglu``, ``geglu``, ``silu``, ``gelu`` (exact, erf),
-``relu``). This module holds moeflow's one vocabulary of activation names:
+``relu``, ``swiglu_oai``). This module holds moeflow's one vocabulary of activation names:
 
     Activation   the names, as a ``typing.Literal`` (configs validate against it)
     ACTIVATIONS  the same names as a tuple (derived from ``Activation``)
     GATED        the gated kinds: ``act(gate) * up`` over the two halves of ``w_in``'s columns
     ELEMENTWISE  the elementwise function each kind applies (to the gate half when gated)
+
+``swiglu_oai`` is gpt-oss's clamped SwiGLU (transformers' ``GptOssExperts._apply_gate``) with
+its published constants ``SWIGLU_OAI_ALPHA = 1.702`` and ``SWIGLU_OAI_LIMIT = 7.0``:
+
+    g = min(gate, limit);  a = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+
+in moeflow's layout (gate columns, then up columns; gpt-oss interleaves them, which its weight
+map undoes). Its gradient is autograd's through those ops, zero where a clamp is active (a gate
+above ``limit``, an up value outside ``[-limit, limit]``; at the limit itself it passes, as
+``torch.clamp``'s backward lets it), and the references compute it with the same kernels
+autograd runs, in the same order, so it is bit-equal to plain autograd too.
 
 Configs, experts, the CLI and the test references import them from here. The Triton kernels
 below these ops cannot (``moeflow.kernels.triton`` imports nothing from outside itself): their
@@ -39,14 +50,20 @@ import torch.nn.functional as F
 
 from moeflow.kernels.triton import triton_available
 
-__all__ = ["Activation", "ACTIVATIONS", "GATED", "ELEMENTWISE", "check_activation", "activate", "activate_backward_",
-           "activate_reference", "activate_backward_reference_"]
+__all__ = ["Activation", "ACTIVATIONS", "GATED", "ELEMENTWISE", "SWIGLU_OAI_ALPHA", "SWIGLU_OAI_LIMIT",
+           "check_activation", "activate", "activate_backward_", "activate_reference", "activate_backward_reference_"]
 
-Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu"]  # this order: the layer matrix samples by it
+# this order: the layer matrix samples by it (a new name goes at the end)
+Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu", "swiglu_oai"]
 ACTIVATIONS: tuple[str, ...] = get_args(Activation)
-GATED: frozenset[str] = frozenset({"swiglu", "geglu"})
-ELEMENTWISE: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "relu": "relu", "gelu": "gelu", "silu": "silu"}
-_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}  # ELEMENTWISE's functions
+GATED: frozenset[str] = frozenset({"swiglu", "geglu", "swiglu_oai"})
+# (swiglu_oai's gate function is x * sigmoid(1.702 x), "quick GELU", on the clamped gate; its up
+# half is clamped and shifted by one: ``_swiglu_oai``)
+ELEMENTWISE: dict[str, str] = {"swiglu": "silu", "geglu": "gelu", "relu": "relu", "gelu": "gelu", "silu": "silu",
+                               "swiglu_oai": "clamped_quick_gelu"}
+SWIGLU_OAI_ALPHA = 1.702  # gpt-oss's published constants (config.json: swiglu_alpha, swiglu_limit)
+SWIGLU_OAI_LIMIT = 7.0
+_FUNCTIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}  # ELEMENTWISE's functions (but swiglu_oai's)
 # Each ATen op is a parallel region, and on a busy machine every region waits for its slowest
 # thread, so the reference backward takes few, large steps.
 _ROW_CHUNKS = 2  # h in this many row steps (temporaries: two [N/2, H])
@@ -68,8 +85,23 @@ def activate_reference(h: torch.Tensor, activation: str) -> torch.Tensor:
     if activation not in GATED:
         return _FUNCTIONS[activation](h)
     gate, up = h.chunk(2, dim=-1)
+    recorded = torch.is_grad_enabled() and h.requires_grad
+    if activation == "swiglu_oai":
+        return _swiglu_oai(gate, up, recorded)
     a = _FUNCTIONS[ELEMENTWISE[activation]](gate)
-    return a * up if torch.is_grad_enabled() and h.requires_grad else a.mul_(up)
+    return a * up if recorded else a.mul_(up)
+
+
+def _swiglu_oai(gate: torch.Tensor, up: torch.Tensor, recorded: bool) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU, the ops of ``GptOssExperts._apply_gate`` in its order (so the
+    values and autograd's gradients are transformers' own); unrecorded, the same ops in place on
+    three ``[..., H]`` temporaries."""
+    limit = SWIGLU_OAI_LIMIT
+    g = gate.clamp(max=limit)
+    if recorded:
+        return (up.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * SWIGLU_OAI_ALPHA))
+    glu = g.mul_(g.mul(SWIGLU_OAI_ALPHA).sigmoid_())
+    return up.clamp(-limit, limit).add_(1).mul_(glu)
 
 
 def _slope_times(grad: torch.Tensor, z: torch.Tensor, kind: str, out: torch.Tensor) -> torch.Tensor:
@@ -92,7 +124,9 @@ def activate_backward_reference_(h_NF: torch.Tensor, da_NH: torch.Tensor, activa
     kind = ELEMENTWISE[activation]
     for r in range(0, N, step):
         h, da = h_NF[r : r + step], da_NH[r : r + step]
-        if gated:
+        if activation == "swiglu_oai":
+            _swiglu_oai_backward_(*h.chunk(2, dim=-1), da)
+        elif gated:
             gate, up = h.chunk(2, dim=-1)
             f = F.silu(gate) if kind == "silu" else F.gelu(gate)
             f.mul_(da)  # d/dup = f(gate) * da
@@ -105,6 +139,24 @@ def activate_backward_reference_(h_NF: torch.Tensor, da_NH: torch.Tensor, activa
     return h_NF
 
 
+def _swiglu_oai_backward_(gate: torch.Tensor, up: torch.Tensor, da: torch.Tensor) -> None:
+    """``gate := d a / d gate``, ``up := d a / d up`` for ``a = _swiglu_oai(gate, up)``: the
+    kernels autograd runs backward through ``_swiglu_oai``'s ops, with its operand order
+    (``mul``: ``grad * other``; ``sigmoid``: ``sigmoid_backward(grad, output)``; ``clamp``: the
+    gradient where ``min <= x <= max``, else 0), so bit-equal to plain autograd. Temporaries:
+    a few of ``gate``'s size (a reference; the GPU's fused kernel needs none)."""
+    limit, alpha = SWIGLU_OAI_LIMIT, SWIGLU_OAI_ALPHA
+    g = gate.clamp(max=limit)
+    s = g.mul(alpha).sigmoid_()  # sigmoid(alpha * g)
+    d_glu = up.clamp(-limit, limit).add_(1).mul_(da)  # da * (clamp(up) + 1)
+    d_up = (g * s).mul_(da)  # da * glu, through "+ 1" and the up clamp below
+    up.copy_(d_up.masked_fill_((up >= -limit).logical_and_(up <= limit).logical_not_(), 0))
+    del d_up
+    d_t = torch.ops.aten.sigmoid_backward(d_glu * g, s).mul_(alpha)  # through sigmoid(g * alpha)
+    d_g = d_glu.mul_(s).add_(d_t)  # the two uses of g, summed
+    gate.copy_(d_g.masked_fill_((gate <= limit).logical_not_(), 0))
+
+
 @torch.library.custom_op("moeflow::activate", mutates_args=())
 def _activate_op(h_NF: torch.Tensor, activation: str) -> torch.Tensor:
     return activate_reference(h_NF, activation)
@@ -114,8 +166,10 @@ def _activate_op(h_NF: torch.Tensor, activation: str) -> torch.Tensor:
 def _(h_NF, activation):  # type: ignore[no-untyped-def]
     if not triton_available(h_NF.device) or h_NF.dtype == torch.float64:
         return activate_reference(h_NF, activation)
-    from moeflow.kernels.triton.activation import launch_activate
+    from moeflow.kernels.triton.activation import ACT_CODES, launch_activate
 
+    if activation not in ACT_CODES:  # a name the kernels do not implement: the torch path
+        return activate_reference(h_NF, activation)
     return launch_activate(h_NF, activation)
 
 
@@ -135,8 +189,11 @@ def _(h_NF, da_NH, activation):  # type: ignore[no-untyped-def]
     if not triton_available(h_NF.device) or h_NF.dtype == torch.float64:
         activate_backward_reference_(h_NF, da_NH, activation)
         return
-    from moeflow.kernels.triton.activation import launch_activate_backward_
+    from moeflow.kernels.triton.activation import ACT_CODES, launch_activate_backward_
 
+    if activation not in ACT_CODES:  # a name the kernels do not implement: the torch path
+        activate_backward_reference_(h_NF, da_NH, activation)
+        return
     launch_activate_backward_(h_NF, da_NH, activation)
 
 

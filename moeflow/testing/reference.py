@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from moeflow.dispatch.capacity import capacity_rows
 from moeflow.experts import GroupedExperts, ModuleExperts
-from moeflow.kernels.activation import ACTIVATIONS, GATED
+from moeflow.kernels.activation import ACTIVATIONS, GATED, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moeflow.layer.moe import MoE
 from moeflow.layer.router import router_compute_dtype
 
@@ -99,7 +99,12 @@ def _expert_ffn(layer: MoE, e: int, rows_ND: torch.Tensor) -> torch.Tensor:
     if experts.b_in is not None:
         h = h + experts.b_in[e]
     act = experts.config.activation
-    if act in GATED:
+    if act == "swiglu_oai":  # gpt-oss: the gate clamped above, the up half into [-limit, limit], + 1
+        H = h.shape[-1] // 2
+        limit = SWIGLU_OAI_LIMIT
+        gate, up = torch.clamp(h[:, :H], max=limit), torch.clamp(h[:, H:], -limit, limit)
+        a = gate * torch.sigmoid(SWIGLU_OAI_ALPHA * gate) * (up + 1)
+    elif act in GATED:
         H = h.shape[-1] // 2
         gate, up = h[:, :H], h[:, H:]
         a = (gate * torch.sigmoid(gate) if act == "swiglu" else F.gelu(gate)) * up

@@ -2,9 +2,11 @@
 legend there): one pass each, fp32 arithmetic, the same activation formulas as the fused
 grouped-GEMM epilogues (``grouped_gemm_kernels._act`` / ``_act_grad``).
 
-    forward:   a[n, c] = act(h[n, c])                   (gated: act(h[n, c]) * h[n, H + c])
-    backward:  h[n, c] := act'(h[n, c]) * da[n, c]      (gated: act'(g) * u * da at the gate,
-                                                         act(g) * da at the up half), in place
+    forward:   a[n, c] = act(h[n, c])                   (gated: act(h[n, c]) * up(h[n, H + c]))
+    backward:  h[n, c] := act'(h[n, c]) * da[n, c]      (gated: act'(g) * up(u) * da at the gate,
+                                                         act(g) * up'(u) * da at the up half), in place
+
+``up`` is the identity but for swiglu_oai (``clamp(u, -limit, limit) + 1``: ``_up``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import triton
 import triton.language as tl
 
 from moeflow.kernels.triton import check_triton_tensors, device_guard
-from moeflow.kernels.triton.grouped_gemm_kernels import TRITON_ACTIVATIONS, _act, _act_grad
+from moeflow.kernels.triton.grouped_gemm_kernels import TRITON_ACTIVATIONS, _act, _act_grad, _up, _up_grad
 
 __all__ = ["launch_activate", "launch_activate_backward_", "ACT_CODES"]
 
@@ -34,7 +36,7 @@ def _activate_kernel(h_ptr, a_ptr, N, C, s_h, s_a, ACT: tl.constexpr, GATED: tl.
     g = tl.load(h_ptr + base, mask=m, other=0.0).to(tl.float32)
     a = _act(g, ACT)
     if GATED:
-        a = a * tl.load(h_ptr + base + C, mask=m, other=0.0).to(tl.float32)
+        a = a * _up(tl.load(h_ptr + base + C, mask=m, other=0.0).to(tl.float32), ACT)
     tl.store(a_ptr + rows.to(tl.int64)[:, None] * s_a + cols[None, :], a.to(a_ptr.dtype.element_ty), mask=m)
 
 
@@ -49,8 +51,8 @@ def _activate_backward_kernel(h_ptr, da_ptr, N, C, s_h, s_da, ACT: tl.constexpr,
     da = tl.load(da_ptr + rows.to(tl.int64)[:, None] * s_da + cols[None, :], mask=m, other=0.0).to(tl.float32)
     if GATED:
         u = tl.load(h_ptr + base + C, mask=m, other=0.0).to(tl.float32)
-        tl.store(h_ptr + base, (_act_grad(g, ACT) * u * da).to(h_ptr.dtype.element_ty), mask=m)
-        tl.store(h_ptr + base + C, (_act(g, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
+        tl.store(h_ptr + base, (_act_grad(g, ACT) * _up(u, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
+        tl.store(h_ptr + base + C, (_act(g, ACT) * _up_grad(u, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
     else:
         tl.store(h_ptr + base, (_act_grad(g, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
 

@@ -9,7 +9,8 @@ costs no copy.
   (``MODE``): ``MODE_PLAIN`` (store the product), ``MODE_ACT`` (the expert's input projection:
   store the pre-activation ``h`` for backward and ``a = act(h)``; a gated activation keeps two
   accumulators, gate columns ``n`` and up columns ``H + n`` of ``w_in``, so ``h`` never makes a
-  round trip through memory before the gate multiplies it), and ``MODE_DACT`` (backward of the
+  round trip through memory before the gate multiplies it; ``act(gate) * _up(up)``, where
+  ``_up`` is the identity but for swiglu_oai), and ``MODE_DACT`` (backward of the
   output projection fused with the activation backward: ``dh = act'(h) * (dy @ w_out[e]^T)``).
   Tiles are scheduled without a host sync: the grid has ``ceil(R / BLOCK_M) + E + 1`` row tiles
   (an upper bound; the ``+ 1`` is the zero-filled tail group of the rows after the last offset),
@@ -26,7 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["TRITON_ACTIVATIONS", "MODE_PLAIN", "MODE_ACT", "MODE_DACT", "gmm_kernel", "gmm_wgrad_kernel"]
+__all__ = ["TRITON_ACTIVATIONS", "SWIGLU_OAI_ALPHA", "SWIGLU_OAI_LIMIT", "MODE_PLAIN", "MODE_ACT", "MODE_DACT",
+           "gmm_kernel", "gmm_wgrad_kernel"]
 
 # activation name -> (the ``ACT`` code of ``_act``/``_act_grad`` for its elementwise function, gated):
 # the kernels' codes for the names of ``moeflow.kernels.activation.ACTIVATIONS``, which this package
@@ -37,7 +39,11 @@ TRITON_ACTIVATIONS: dict[str, tuple[int, bool]] = {
     "relu": (3, False),
     "geglu": (1, True),
     "swiglu": (2, True),
+    "swiglu_oai": (4, True),  # gpt-oss: code 4 is its clamped gate function, and its up half is transformed (``_up``)
 }
+# swiglu_oai's constants (``moeflow.kernels.activation``'s, which a test checks these against)
+SWIGLU_OAI_ALPHA = tl.constexpr(1.702)
+SWIGLU_OAI_LIMIT = tl.constexpr(7.0)
 # the epilogues of ``gmm_kernel`` (its ``MODE``)
 MODE_PLAIN, MODE_ACT, MODE_DACT = 0, 1, 2
 
@@ -50,6 +56,9 @@ def _act(x, ACT: tl.constexpr):
         return x / (1.0 + tl.exp(-x))
     elif ACT == 3:
         return tl.maximum(x, 0.0)
+    elif ACT == 4:  # swiglu_oai's gate: g * sigmoid(alpha g) on g = min(x, limit)
+        g = tl.minimum(x, SWIGLU_OAI_LIMIT)
+        return g / (1.0 + tl.exp(g * -SWIGLU_OAI_ALPHA))
     else:
         return x
 
@@ -64,8 +73,30 @@ def _act_grad(x, ACT: tl.constexpr):
         return s * (1.0 + x * (1.0 - s))
     elif ACT == 3:
         return (x > 0).to(tl.float32)
+    elif ACT == 4:  # zero above the clamp (torch.clamp's backward passes the limit itself)
+        s = 1.0 / (1.0 + tl.exp(x * -SWIGLU_OAI_ALPHA))
+        return tl.where(x <= SWIGLU_OAI_LIMIT, s * (1.0 + x * SWIGLU_OAI_ALPHA * (1.0 - s)), 0.0)
     else:
         return tl.full(x.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _up(u, ACT: tl.constexpr):
+    """The up half of a gated activation as it multiplies the gate: itself, but for swiglu_oai
+    ``clamp(u, -limit, limit) + 1``."""
+    if ACT == 4:
+        return tl.minimum(tl.maximum(u, -SWIGLU_OAI_LIMIT), SWIGLU_OAI_LIMIT) + 1.0
+    else:
+        return u
+
+
+@triton.jit
+def _up_grad(u, ACT: tl.constexpr):
+    """``d _up(u) / du``: 1, but for swiglu_oai 0 outside ``[-limit, limit]``."""
+    if ACT == 4:
+        return ((u >= -SWIGLU_OAI_LIMIT) & (u <= SWIGLU_OAI_LIMIT)).to(tl.float32)
+    else:
+        return tl.full(u.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -141,7 +172,7 @@ def gmm_kernel(
             if GATED:
                 tl.store(pre_at + N * s_pn, acc_up.to(pre_ptr.dtype.element_ty), mask=ok)
         if GATED:
-            y = _act(acc, ACT) * acc_up
+            y = _act(acc, ACT) * _up(acc_up, ACT)
         else:
             y = _act(acc, ACT)
         tl.store(out_at, y.to(out_ptr.dtype.element_ty), mask=ok)
@@ -149,8 +180,8 @@ def gmm_kernel(
         g = tl.load(pre_at, mask=ok, other=0.0).to(tl.float32)
         if GATED:
             u = tl.load(pre_at + N * s_pn, mask=ok, other=0.0).to(tl.float32)
-            tl.store(out_at, (acc * u * _act_grad(g, ACT)).to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(out_at + N * s_on, (acc * _act(g, ACT)).to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_at, (acc * _up(u, ACT) * _act_grad(g, ACT)).to(out_ptr.dtype.element_ty), mask=ok)
+            tl.store(out_at + N * s_on, (acc * _act(g, ACT) * _up_grad(u, ACT)).to(out_ptr.dtype.element_ty), mask=ok)
         else:
             tl.store(out_at, (acc * _act_grad(g, ACT)).to(out_ptr.dtype.element_ty), mask=ok)
 
