@@ -135,7 +135,7 @@ def test_packable_is_the_one_rule_of_which_experts_are_packed():
     what ``auto`` resolves to where ``F.grouped_mm`` cannot take the shapes), a subclass that
     computes something else, experts of one's own: no."""
     assert packable(_experts())
-    assert packable(_experts(activation="gelu"))
+    assert packable(_experts(activation="gelu")) and packable(_experts(activation="swiglu_oai"))
     assert not packable(_experts(bias=True))
     assert not packable(_experts(recompute=True))
     assert not packable(_experts().to(torch.bfloat16)) and not packable(_experts().double())
@@ -151,7 +151,7 @@ def test_packable_is_the_one_rule_of_which_experts_are_packed():
 
 @needs_compiler
 @pytest.mark.reference
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "swiglu_oai"])
 def test_stand_in_equals_its_experts_and_sends_them_what_the_kernel_is_not_for(activation, monkeypatch):
     """No-grad grouped calls of a ``PackedCPUExperts`` run the kernel (twice: both products,
     eagerly and as the ``moeflow::packed_ffn`` op) and equal its experts' own output up to

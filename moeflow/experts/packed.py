@@ -37,7 +37,7 @@ def packable(experts: object) -> bool:
     ``GroupedExperts`` (exactly: a subclass may compute something else) whose no-grad grouped
     calls run the two plain grouped products the kernel replaces, i.e. no biases (the kernel has
     none), no recompute and the ``"grouped_mm"`` backend as resolved for its weights, on fp32 CPU
-    weights (the kernel's)."""
+    weights (the kernel's). Any activation: it runs between the two products in torch."""
     if type(experts) is not GroupedExperts:
         return False
     w_in, w_out = experts.w_in, experts.w_out
