@@ -166,10 +166,8 @@ def _activate_op(h_NF: torch.Tensor, activation: str) -> torch.Tensor:
 def _(h_NF, activation):  # type: ignore[no-untyped-def]
     if not triton_available(h_NF.device) or h_NF.dtype == torch.float64:
         return activate_reference(h_NF, activation)
-    from moeflow.kernels.triton.activation import ACT_CODES, launch_activate
+    from moeflow.kernels.triton.activation import launch_activate
 
-    if activation not in ACT_CODES:  # a name the kernels do not implement: the torch path
-        return activate_reference(h_NF, activation)
     return launch_activate(h_NF, activation)
 
 
@@ -189,11 +187,8 @@ def _(h_NF, da_NH, activation):  # type: ignore[no-untyped-def]
     if not triton_available(h_NF.device) or h_NF.dtype == torch.float64:
         activate_backward_reference_(h_NF, da_NH, activation)
         return
-    from moeflow.kernels.triton.activation import ACT_CODES, launch_activate_backward_
+    from moeflow.kernels.triton.activation import launch_activate_backward_
 
-    if activation not in ACT_CODES:  # a name the kernels do not implement: the torch path
-        activate_backward_reference_(h_NF, da_NH, activation)
-        return
     launch_activate_backward_(h_NF, da_NH, activation)
 
 
