@@ -78,8 +78,9 @@ class _Source:
         if got != shape:
             raise CheckpointError(f"{self.where}: tensor {name!r} (for {ours}) has shape {got}, config.json gives {shape}")
         if self.weights.dtype(name) not in _FLOATS:
+            hint = "" if self.quant else "; a quantised checkpoint names its format in config.json's quantization_config"
             raise CheckpointError(f"{self.where}: tensor {name!r} (for {ours}) is {self.weights.dtype(name)}, expected a "
-                                  "floating-point dtype (float16, bfloat16, float32 or float64)")
+                                  f"floating-point dtype (float16, bfloat16, float32 or float64){hint}")
 
     def read(self, name: str) -> torch.Tensor:
         parts = self.stored(name) or (name,)
