@@ -142,35 +142,37 @@ def rope_from_hf(fields: Fields, max_seq_len: int, default_theta: float) -> tupl
         raise CheckpointError(f"{fields.where}: rope_parameters={rope.hf!r:.60} and rope_scaling={old.hf!r:.60} "
                               "disagree (give one)")
     rope = rope or old
+    if rope is not None:
+        theta = rope.get("rope_theta", "number", theta)
+        fraction = rope.get("partial_rotary_factor", "number", fraction)
+    if not (fraction is None or 0 < fraction <= 1):
+        raise CheckpointError(f"{(rope or fields).where}: partial_rotary_factor={fraction!r} must be in (0, 1]")
+    theta, fraction = float(default_theta if theta is None else theta), float(1.0 if fraction is None else fraction)
     if rope is None:
-        return float(theta or default_theta), None, float(fraction or 1.0)
+        return theta, None, fraction
     kind = rope.get("rope_type", "str", None) or rope.get("type", "str", "default")
-    theta = rope.get("rope_theta", "number", theta or default_theta)
-    fraction = rope.get("partial_rotary_factor", "number", fraction or 1.0)
     if kind not in ("default", "linear", "yarn"):
         raise CheckpointError(f"{rope.where}.rope_type={kind!r:.40} is not supported (moeflow's GPT has 'default', "
                               "'linear' and 'yarn')")
     scaling = None
-    if kind == "linear":
-        scaling = RopeScaling(kind="linear", factor=float(rope.get("factor", "number")))
-    elif kind == "yarn":
-        original = rope.get("original_max_position_embeddings", "count", max_seq_len)
-        mscale, mscale_all = rope.get("mscale", "number", None), rope.get("mscale_all_dim", "number", None)
-        both = bool(mscale) and bool(mscale_all)
-        try:
+    try:
+        if kind == "linear":
+            scaling = RopeScaling(kind="linear", factor=float(rope.get("factor", "number")))
+        elif kind == "yarn":
+            original = rope.get("original_max_position_embeddings", "count", max_seq_len)
+            mscale, mscale_all = rope.get("mscale", "number", None), rope.get("mscale_all_dim", "number", None)
+            both = bool(mscale) and bool(mscale_all)
             scaling = RopeScaling(
                 kind="yarn", factor=float(rope.get("factor", "number", None) or max_seq_len / original),
                 original_max_seq_len=original, beta_fast=float(rope.get("beta_fast", "number", None) or 32.0),
                 beta_slow=float(rope.get("beta_slow", "number", None) or 1.0),
                 mscale=float(mscale) if both else None, mscale_all_dim=float(mscale_all) if both else None,
                 attention_factor=rope.get("attention_factor", "number", None), truncate=rope.get("truncate", "bool", True))
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"{rope.where}: {err}") from None
+    except ValueError as err:  # RopeScaling's own checks (a CheckpointError is one too: kept as it is)
+        raise err if isinstance(err, CheckpointError) else CheckpointError(f"{rope.where}: {err}") from None
     rope.mark(_ROPE_KEYS if kind != "default" else ("rope_type", "type", "rope_theta", "partial_rotary_factor"))
     rope.done(ignored=())
-    if not 0 < fraction <= 1:
-        raise CheckpointError(f"{fields.where}: partial_rotary_factor={fraction!r} must be in (0, 1]")
-    return float(theta), scaling, float(fraction)
+    return theta, scaling, fraction
 
 
 def rope_to_hf(cfg: GPTConfig) -> dict:
