@@ -20,7 +20,7 @@ from moeflow.convert.hf import FAMILIES, gpt_from_hf, gpt_to_hf
 from moeflow.convert.hf_files import HFWeights, parse_size
 from moeflow.convert.hf_tokenizer import tokenizer_output
 from moeflow.convert.mixtral import gpt_config_from_hf, hf_config_from_gpt
-from moeflow.models import MoEGPT, gpt_config
+from moeflow.models import MoEGPT
 from moeflow.models.gpt_config import RopeScaling
 
 MIXTRAL = {"model_type": "mixtral", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 24,
@@ -279,3 +279,20 @@ def test_convert_flags_refuse_clearly(tmp_path, gen, capsys, argv, words) -> Non
     err = capsys.readouterr().err
     assert err.startswith("moeflow convert: error:") and words in err and err.count("\n") == 1, err
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.e2e
+def test_train_init_from_a_converted_model_trains_with_its_own_tokenizer(tmp_path, gen, capsys) -> None:
+    """The converted checkpoint's tokenizer (not bytes) is the fine-tuning run's."""
+    _, hf = _tiny(tmp_path, gen)
+    files = _tokenizer_files(hf)
+    assert main(["convert", "--from-hf", str(hf), str(tmp_path / "ck")]) == 0
+    assert main(["train", "--device", "cpu", "--init-from", str(tmp_path / "ck"), "--out", str(tmp_path / "ft"),
+                 "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-plot",
+                 "--sample-tokens", "0"]) == 0
+    capsys.readouterr()
+    saved = read_index(json.loads((tmp_path / "ft" / "history.json").read_text())["checkpoint"])["extra"]["tokenizer"]
+    from tokenizers import Tokenizer
+
+    assert saved["kind"] == "hf" and saved["eod"] == 3
+    assert Tokenizer.from_str(saved["json"]).get_vocab() == Tokenizer.from_str(files["tokenizer.json"]).get_vocab()

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from moeflow.checkpoint.schema import CheckpointError
+from moeflow.convert.tensor_map import Entry
 from moeflow.models.gpt_config import GPTConfig, RopeScaling
 
 __all__ = ["Family", "Fields", "IGNORED", "REQUIRED", "rope_from_hf", "rope_to_hf"]
@@ -59,7 +60,7 @@ class Family:
     name: str
     config_from_hf: Callable[[dict], GPTConfig]
     hf_config_from: Callable[[GPTConfig], dict]
-    tensor_map: Callable[[GPTConfig], list]
+    tensor_map: Callable[[GPTConfig], list[Entry]]
 
 
 class Fields:

@@ -32,7 +32,7 @@ from moeflow.convert.quant import Quantization, quantization_from_config
 from moeflow.convert.tensor_map import Entry, Layout, hf_shapes
 from moeflow.models.gpt import GPTConfig, MoEGPT
 
-__all__ = ["load_hf", "save_hf", "state_dict_from_tensors", "state_dict_to_tensors", "DictWeights"]
+__all__ = ["load_hf", "save_hf", "model_from_weights", "state_dict_from_tensors", "state_dict_to_tensors", "DictWeights"]
 
 _IGNORED_TENSORS = (".rotary_emb.inv_freq",)  # RoPE's table, which older checkpoints saved: recomputed
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
