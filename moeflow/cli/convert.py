@@ -31,7 +31,8 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world-size", type=int, default=None, help="number of rank files to write")
     p.add_argument("--info", action="store_true", help="print layers, experts, shapes and files, then exit")
     p.add_argument("--from-hf", type=Path, default=None, metavar="HF_DIR",
-                   help="import a Hugging Face model directory (families: see --family)")
+                   help="import a Hugging Face model directory (config.json's model_type picks the family; an "
+                   "unsupported one is refused, naming those moeflow converts)")
     p.add_argument("--to-hf", type=Path, default=None, metavar="HF_DIR", help="export to a Hugging Face model directory")
     p.add_argument("--family", default=None, metavar="MODEL_TYPE",
                    help="with --to-hf: the family to write (a model_type moeflow converts; default: the checkpoint's "
