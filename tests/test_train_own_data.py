@@ -401,7 +401,7 @@ def test_the_utf8_byte_tokenizer_exports_to_an_equal_hugging_face_tokenizer() ->
     end-of-document token is its eos."""
     from tokenizers import Tokenizer as Raw
 
-    from moeflow.convert.hf_files import tokenizer_files
+    from moeflow.convert.hf_tokenizer import tokenizer_files
 
     ours = ByteTokenizer(encoding="utf-8", eod=True)
     files = tokenizer_files(ours.to_dict(), 257, 128)

@@ -1,0 +1,298 @@
+"""The conversion framework every family shares (``moeflow.convert``): the registry, config.json
+read so that no field is ignored, RoPE parameters, sharded safetensors read lazily and written
+with an index, and the tokenizer and generation files kept with a converted checkpoint and
+written back. Mixtral is the registered family the tests go through."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeflow.checkpoint import CheckpointError, read_index
+from moeflow.checkpoint.format import latest_checkpoint
+from moeflow.cli.main import main
+from moeflow.convert import hf_model
+from moeflow.convert.family import IGNORED, Fields, rope_from_hf, rope_to_hf
+from moeflow.convert.hf import FAMILIES, gpt_from_hf, gpt_to_hf
+from moeflow.convert.hf_files import HFWeights, parse_size
+from moeflow.convert.hf_tokenizer import tokenizer_output
+from moeflow.convert.mixtral import gpt_config_from_hf, hf_config_from_gpt
+from moeflow.models import MoEGPT
+from moeflow.models.gpt_config import RopeScaling
+
+MIXTRAL = {"model_type": "mixtral", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 24,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "max_position_embeddings": 64}
+
+
+# ------------------------------------------------------------------ config.json
+
+
+@pytest.mark.unit
+def test_the_registry_refuses_an_unknown_family_naming_the_supported_ones(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL, "model_type": "qwen3_moe"}))
+    with pytest.raises(CheckpointError, match=r"model_type 'qwen3_moe' is not supported; moeflow converts 'mixtral'"):
+        gpt_from_hf(tmp_path)
+    assert sorted(FAMILIES) == ["mixtral"] and FAMILIES["mixtral"].name == "Mixtral"
+    with pytest.raises(ValueError, match="family must be one of"):
+        gpt_to_hf(MoEGPT(gpt_config_from_hf(MIXTRAL)), tmp_path / "out", family="llama")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("edit,words", [
+    ({"qk_layernorm": True}, "qk_layernorm=True"),  # a field Mixtral does not have: refused, not dropped
+    ({"mlp_bias": False}, "mlp_bias=False"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "low_freq_factor": 1}}, "low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    ({"rope_parameters": {"rope_type": "default"}, "rope_scaling": {"type": "linear", "factor": 2}}, "disagree"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"num_local_experts": "8"}, "num_local_experts='8'"),
+    ({"partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
+])
+def test_config_fields_moeflow_cannot_express_are_refused_by_name_and_value(edit, words) -> None:
+    with pytest.raises(CheckpointError, match=words.replace("(", r"\(")):
+        gpt_config_from_hf({**MIXTRAL, **edit})
+
+
+@pytest.mark.unit
+def test_the_ignored_fields_are_only_those_of_transformers_api() -> None:
+    """Every documented field passes, whatever its value; a typo of a real field does not."""
+    cfg = gpt_config_from_hf({**MIXTRAL, **{k: "anything" for k in IGNORED if k != "model_type"}})
+    assert cfg == gpt_config_from_hf(MIXTRAL)
+    with pytest.raises(CheckpointError, match="num_local_expert=4"):
+        gpt_config_from_hf({**MIXTRAL, "num_local_expert": 4})
+    fields = Fields({"a": 1, "b": {"c": 2}}, "Test")
+    fields.get("a", "count")
+    fields.section("b")  # read: its own keys are the section's business
+    fields.done()
+
+
+@pytest.mark.unit
+def test_mixtral_head_dim_and_sliding_window_map_onto_the_attention_config() -> None:
+    cfg = gpt_config_from_hf({**MIXTRAL, "head_dim": 16, "sliding_window": 8, "rope_theta": 5e5})
+    assert (cfg.attention.head_dim, cfg.attention.sliding_window, cfg.rope_theta) == (16, 8, 5e5)
+    assert gpt_config_from_hf({**MIXTRAL, "head_dim": 8}).attention.head_dim is None  # hidden_size / heads
+    back = hf_config_from_gpt(cfg)
+    assert (back["head_dim"], back["sliding_window"], back["rope_parameters"]["rope_theta"]) == (16, 8, 5e5)
+    assert gpt_config_from_hf({**MIXTRAL, **back}) == cfg
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rope,theta,scaling", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 1e4, None),
+    ({"rope_theta": 3e5}, 3e5, None),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}, 1e4,
+     RopeScaling(kind="linear", factor=4.0)),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}}, 1e4, RopeScaling(kind="linear", factor=2.0)),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0, "beta_fast": 32.0,  # gpt-oss
+                          "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}},
+     1.5e5, RopeScaling(kind="yarn", factor=32.0, original_max_seq_len=4096, truncate=False)),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40, "beta_fast": 32, "beta_slow": 1,  # V3
+                          "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}},
+     1e4, RopeScaling(kind="yarn", factor=40.0, original_max_seq_len=4096, mscale=1.0, mscale_all_dim=1.0)),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 16,  # factor from
+                          "mscale": 0.707, "mscale_all_dim": 0}}, 1e4,  # the lengths; mscale alone is unused
+     RopeScaling(kind="yarn", factor=4.0, original_max_seq_len=16)),
+])
+def test_rope_parameters_map_both_ways(rope, theta, scaling) -> None:
+    got = rope_from_hf(Fields({**MIXTRAL, **rope}, "Test"), 64, 1e6)
+    assert got == (theta, scaling, 1.0)
+    cfg = gpt_config_from_hf({**MIXTRAL, **rope})
+    assert (cfg.rope_theta, cfg.rope_scaling) == (theta, scaling)
+    assert rope_from_hf(Fields({"rope_parameters": rope_to_hf(cfg)}, "Test"), 64, 1e6) == (theta, scaling, 1.0)
+
+
+# ------------------------------------------------------------------ weights
+
+
+def _tiny(tmp_path: Path, gen: torch.Generator, **kw: object) -> tuple[MoEGPT, Path]:
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = MoEGPT(gpt_config_from_hf({**MIXTRAL, **kw}))
+    return model, gpt_to_hf(model, tmp_path / "hf")
+
+
+@pytest.mark.reference
+def test_everything_is_checked_before_a_tensor_is_read(tmp_path, gen, monkeypatch) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model, path = _tiny(tmp_path, gen)
+    reads: list[str] = []
+    real = HFWeights.read
+    monkeypatch.setattr(HFWeights, "read", lambda self, name: (reads.append(name), real(self, name))[1])
+    back = gpt_from_hf(path)
+    stored = load_file(str(path / "model.safetensors"))
+    assert sorted(reads) == sorted(stored)  # each once
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    for name, value, words in [("model.layers.0.mlp.extra.weight", torch.ones(2), "does not know"),
+                               ("model.norm.weight", torch.ones(31), "config.json gives")]:
+        save_file({**stored, name: value}, str(path / "model.safetensors"))
+        reads.clear()
+        with pytest.raises(CheckpointError, match=words):
+            gpt_from_hf(path)
+        assert reads == []
+    del stored["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(stored, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"no tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight'"):
+        gpt_from_hf(path)
+
+
+@pytest.mark.reference
+def test_a_tied_output_projection_held_anyway_must_equal_the_embedding(tmp_path, gen) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model, path = _tiny(tmp_path, gen, tie_word_embeddings=True)
+    stored = load_file(str(path / "model.safetensors"))
+    assert "lm_head.weight" not in stored
+    save_file({**stored, "lm_head.weight": stored["model.embed_tokens.weight"].clone()}, str(path / "model.safetensors"))
+    back = gpt_from_hf(path)
+    assert back.lm_head.weight is back.embed.weight
+    save_file({**stored, "lm_head.weight": torch.randn(40, 32, generator=gen)}, str(path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="differ from embed.weight"):
+        gpt_from_hf(path)
+
+
+@pytest.mark.reference
+def test_sharded_writing_keeps_groups_whole_and_leaves_no_stale_file(tmp_path, gen) -> None:
+    model, _ = _tiny(tmp_path, gen)
+    out = gpt_to_hf(model, tmp_path / "sharded", max_shard_size="20KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(set(index["weight_map"].values())) == shards
+    experts = {v for k, v in index["weight_map"].items() if "layers.1.block_sparse_moe.experts" in k and ".w1." in k}
+    assert len(experts) == 1  # one layer's expert stack is one group, in one file
+    sizes = sum(t.numel() * t.element_size() for t in hf_model.state_dict_to_tensors(
+        model.state_dict(), FAMILIES["mixtral"], model.config).values())
+    assert index["metadata"]["total_size"] == sizes
+    back = gpt_from_hf(out)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    gpt_to_hf(model, out)  # one file now: the shards and their index go
+    assert sorted(p.name for p in out.iterdir() if "safetensors" in p.name) == ["model.safetensors"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value,size", [(1000, 1000), ("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2**31),
+                                        ("20kb", 20000), ("7", 7)])
+def test_shard_sizes_read_as_transformers_writes_them(value, size) -> None:
+    assert parse_size(value) == size
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", ["", "5XB", "-3", "1.5GB", 0, True, None])
+def test_a_bad_shard_size_is_refused_naming_the_option(value) -> None:
+    with pytest.raises(ValueError, match="--max-shard-size"):
+        parse_size(value, "--max-shard-size")
+
+
+@pytest.mark.unit
+def test_only_the_known_tokenizer_files_are_written_back() -> None:
+    with pytest.raises(CheckpointError, match="'../config.json'"):
+        tokenizer_output(None, {"../config.json": "{}"}, {}, 40, 64)
+    out = tokenizer_output(None, {"special_tokens_map.json": "{}"}, {"eos_token_id": 3}, 40, 64)
+    assert out == {"generation_config.json": json.dumps({"eos_token_id": 3}, indent=2), "special_tokens_map.json": "{}"}
+
+
+# ------------------------------------------------------------------ through transformers and the CLI
+
+
+def _tokenizer_files(path: Path) -> dict[str, str]:
+    """A small HF tokenizer with a chat end token, as a published chat model ships it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|im_end|>": 3, **{c: i + 4 for i, c in enumerate("abcdefgh ")}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<s>", "</s>", "<|im_end|>"])
+    template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    files = {"tokenizer.json": tok.to_str(pretty=True),
+             "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                                                  "eos_token": "<|im_end|>", "unk_token": "<unk>",
+                                                  "chat_template": template}, indent=1),
+             "special_tokens_map.json": json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>"}),
+             "generation_config.json": json.dumps({"bos_token_id": 1, "eos_token_id": [3, 2], "do_sample": True,
+                                                   "temperature": 0.6}),
+             "chat_template.jinja": template}
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return files
+
+
+@pytest.mark.integration
+def test_a_sharded_transformers_checkpoint_round_trips_with_its_tokenizer(tmp_path, gen, capsys) -> None:
+    """save_pretrained (sharded, small shards) -> convert --from-hf -> the checkpoint generates
+    with the model's own tokenizer and eos -> convert --to-hf (sharded) -> transformers loads the
+    same tensors, and every tokenizer and generation file comes back unchanged."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(**{k: v for k, v in MIXTRAL.items() if k != "model_type"}, bos_token_id=1,
+                                     eos_token_id=2)
+    hf = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    files = _tokenizer_files(tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "ck")]) == 0
+    assert "tokenizer" in capsys.readouterr().out
+    extra = read_index(latest_checkpoint(tmp_path / "ck"))["extra"]
+    assert extra["tokenizer"] == {"kind": "hf", "json": files["tokenizer.json"], "eod": 3}
+    assert extra["special_tokens"] == {"bos_token_id": 1, "eos_token_id": [3, 2], "pad_token_id": None}
+    assert extra["hf"] == {"model_type": "mixtral", "files": {k: v for k, v in files.items() if k != "tokenizer.json"}}
+
+    from moeflow.train import build_from_checkpoint
+
+    model, tok, _ = build_from_checkpoint(tmp_path / "ck")
+    assert tok.encode("bad") == [5, 4, 7] and tok.eod == 3 and tok.decode([5, 4, 7]) == "bad"
+    assert main(["generate", str(tmp_path / "ck"), "--prompt", "bad", "--max-new-tokens", "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("bad")
+
+    assert main(["convert", str(tmp_path / "ck"), "--to-hf", str(tmp_path / "back"), "--max-shard-size", "30KB"]) == 0
+    out = tmp_path / "back"
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    for name, text in files.items():
+        assert (out / name).read_text() == text, name
+    back = transformers.MixtralForCausalLM.from_pretrained(out)
+    a, b = hf.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    auto = transformers.AutoTokenizer.from_pretrained(out)
+    assert auto.eos_token == "<|im_end|>" and auto("bad")["input_ids"] == [5, 4, 7]
+    assert auto.apply_chat_template([{"role": "user", "content": "ab"}], tokenize=False) == "ab<|im_end|>"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("argv,words", [
+    (["convert", "{ck}", "--info", "--max-shard-size", "5GB"], "--max-shard-size 5GB goes with --to-hf"),
+    (["convert", "--from-hf", "{hf}", "{new}", "--family", "mixtral"], "--family mixtral goes with --to-hf"),
+    (["convert", "{ck}", "--to-hf", "{new}", "--max-shard-size", "lots"], "--max-shard-size must be"),
+    (["convert", "{ck}", "--to-hf", "{new}", "--family", "llama"], "--family llama: moeflow converts mixtral"),
+])
+def test_convert_flags_refuse_clearly(tmp_path, gen, capsys, argv, words) -> None:
+    _, hf = _tiny(tmp_path, gen)
+    assert main(["convert", "--from-hf", str(hf), str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    paths = {"ck": str(tmp_path / "ck"), "hf": str(hf), "new": str(tmp_path / "new")}
+    assert main([a.format(**paths) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moeflow convert: error:") and words in err and err.count("\n") == 1, err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.e2e
+def test_train_init_from_a_converted_model_trains_with_its_own_tokenizer(tmp_path, gen, capsys) -> None:
+    """The converted checkpoint's tokenizer (not bytes) is the fine-tuning run's."""
+    _, hf = _tiny(tmp_path, gen)
+    files = _tokenizer_files(hf)
+    assert main(["convert", "--from-hf", str(hf), str(tmp_path / "ck")]) == 0
+    assert main(["train", "--device", "cpu", "--init-from", str(tmp_path / "ck"), "--out", str(tmp_path / "ft"),
+                 "--steps", "1", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--no-plot",
+                 "--sample-tokens", "0"]) == 0
+    capsys.readouterr()
+    saved = read_index(json.loads((tmp_path / "ft" / "history.json").read_text())["checkpoint"])["extra"]["tokenizer"]
+    from tokenizers import Tokenizer
+
+    assert saved["kind"] == "hf" and saved["eod"] == 3
+    assert Tokenizer.from_str(saved["json"]).get_vocab() == Tokenizer.from_str(files["tokenizer.json"]).get_vocab()

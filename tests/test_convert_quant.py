@@ -1,0 +1,264 @@
+"""Quantised weights dequantised at load (``moeflow.convert.quant``): DeepSeek-V3's block-wise
+FP8 and gpt-oss's MXFP4. Random tensors are rounded to each format by a quantiser written here,
+from the formats' definitions; the dequantisation must give the rounded values to the bit, equal
+transformers' own, and the converter must load a checkpoint made here to those values."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moeflow.checkpoint import CheckpointError
+from moeflow.convert import mixtral
+from moeflow.convert.family import Family
+from moeflow.convert.hf import gpt_from_hf
+from moeflow.convert.hf_model import load_hf, save_hf, state_dict_from_tensors
+from moeflow.convert.quant import MXFP4, BlockFP8, fp8_block_dequantize, mxfp4_dequantize, quantization_from_config
+from moeflow.convert.tensor_map import Entry, fused_experts
+from moeflow.models import MoEGPT, gpt_config
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes by code; bit 3 is the sign
+
+
+# ------------------------------------------------------------------ the test-side quantisers
+
+
+def quantise_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(fp8 weight, scale_inv per block, the values they stand for)``: each block scaled so its
+    largest magnitude is FP8_MAX, rounded to float8_e4m3fn; the values as exact float64 products
+    rounded once to float32."""
+    O, I = w.shape
+    scale = torch.empty(math.ceil(O / block[0]), math.ceil(I / block[1]))
+    q = torch.empty(O, I, dtype=torch.float8_e4m3fn)
+    ref = torch.empty(O, I)
+    for a in range(scale.shape[0]):
+        for b in range(scale.shape[1]):
+            rows, cols = slice(a * block[0], (a + 1) * block[0]), slice(b * block[1], (b + 1) * block[1])
+            scale[a, b] = w[rows, cols].abs().max() / FP8_MAX
+            q[rows, cols] = (w[rows, cols] / scale[a, b]).to(torch.float8_e4m3fn)
+            ref[rows, cols] = (q[rows, cols].double() * scale[a, b].double()).float()
+    return q, scale, ref
+
+
+def quantise_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(blocks [..., G, 16], scales [..., G], the values [..., G*32])`` of ``x [..., G*32]``:
+    per block of 32 the power of two that brings the largest magnitude to at most 6, each value
+    rounded to the nearest e2m1 magnitude with its sign, packed two codes a byte (even element in
+    the low nibble), the values decoded in float64."""
+    xb = x.double().unflatten(-1, (-1, 32))
+    exp = torch.ceil(torch.log2(xb.abs().amax(-1) / 6.0)).clamp(-100, 100)
+    y = xb / torch.exp2(exp).unsqueeze(-1)
+    mags = torch.tensor(E2M1, dtype=torch.float64)
+    code = (y.abs().unsqueeze(-1) - mags).abs().argmin(-1) + 8 * (y < 0)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    signed = torch.cat([mags, -mags])
+    values = (signed[code] * torch.exp2(exp).unsqueeze(-1)).flatten(-2)
+    return blocks, (exp + 127).to(torch.uint8), values
+
+
+# ------------------------------------------------------------------ the formats
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("shape,block", [((40, 56), (16, 16)), ((200, 300), (128, 128)), ((33, 17), (8, 32))])
+def test_fp8_block_dequantisation_is_the_rounded_value_to_the_bit(gen, shape, block) -> None:
+    """Edges not divisible by the block are short blocks with their own scale."""
+    w = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen).add(0.1)
+    q, scale, ref = quantise_fp8(w, block)
+    got = fp8_block_dequantize(q, scale, block)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    assert torch.equal(BlockFP8(block).dequantize((q, scale)), ref)
+    assert (got - w).abs().max() <= w.abs().max() / 8  # the rounding of e4m3: the values are w's
+
+
+@pytest.mark.reference
+def test_mxfp4_every_code_and_nibble_decodes_as_the_format_says(gen) -> None:
+    """Random bytes and scales, decoded element by element in Python."""
+    blocks = torch.randint(0, 256, (3, 5, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (3, 5, 2), generator=gen, dtype=torch.uint8)
+    got = mxfp4_dequantize(blocks, scales)
+    assert got.shape == (3, 5, 64) and got.dtype == torch.float32
+    signed = [*E2M1, *(-m for m in E2M1)]
+    for idx in [(0, 0), (1, 3), (2, 4)]:
+        for g in range(2):
+            for j in range(16):
+                byte, s = int(blocks[idx][g, j]), int(scales[idx][g])
+                for k, code in ((2 * j, byte & 15), (2 * j + 1, byte >> 4)):
+                    want = signed[code] * 2.0 ** (s - 127)
+                    assert got[idx][g * 32 + k].item() == want and math.copysign(1, got[idx][g * 32 + k]) == \
+                        math.copysign(1, want)
+
+
+@pytest.mark.reference
+def test_mxfp4_dequantisation_is_the_rounded_value_to_the_bit(gen) -> None:
+    x = torch.randn(2, 6, 96, generator=gen) * torch.exp2(torch.randint(-6, 6, (2, 6, 96), generator=gen).float())
+    blocks, scales, values = quantise_mxfp4(x)
+    assert torch.equal(mxfp4_dequantize(blocks, scales), values.float())
+    # the checkpoint's layout: blocks run along the input dimension, the tensor is [E, I, O]
+    assert torch.equal(MXFP4().dequantize((blocks, scales)), values.float().transpose(1, 2))
+    bad = scales.clone()
+    bad[0, 0, 0] = 255
+    with pytest.raises(CheckpointError, match="255"):
+        MXFP4().dequantize((blocks, bad))
+
+
+@pytest.mark.integration
+def test_dequantisation_equals_transformers(gen) -> None:
+    pytest.importorskip("transformers")
+    from transformers.integrations import finegrained_fp8, mxfp4
+
+    x = torch.randn(3, 10, 64, generator=gen)
+    blocks, scales, _ = quantise_mxfp4(x)
+    ref = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert torch.equal(MXFP4().dequantize((blocks, scales)), ref)
+    w = torch.randn(70, 45, generator=gen)
+    q, scale, _ = quantise_fp8(w, (32, 16))
+    ref = finegrained_fp8._dequantize_fp8_weight(q, scale, [32, 16], torch.float32)
+    assert torch.equal(fp8_block_dequantize(q, scale, (32, 16)), ref)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("qc,words", [
+    ({"quant_method": "awq"}, "quant_method='awq'"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+    ("fp8", "not a JSON object"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme='static'"),
+    ({"quant_method": "fp8", "scale_fmt": "ue8m0"}, "scale_fmt='ue8m0'"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "group_size": 64}, "group_size"),
+    ({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}, "modules_to_not_convert"),
+])
+def test_unsupported_quantisation_is_refused_by_name(qc, words) -> None:
+    with pytest.raises(CheckpointError, match=words.replace("[", r"\[")):
+        quantization_from_config(qc)
+
+
+@pytest.mark.unit
+def test_published_quantisation_configs_are_read() -> None:
+    v3 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert isinstance(quantization_from_config(v3), BlockFP8) and quantization_from_config(v3).block == (128, 128)
+    oss = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                      "lm_head"], "quant_method": "mxfp4"}
+    assert isinstance(quantization_from_config(oss), MXFP4)
+    assert quantization_from_config(None) is None
+
+
+# ------------------------------------------------------------------ the converter
+
+
+def _tiny(**kw: object) -> MoEGPT:
+    cfg = dict(vocab_size=64, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, expert_hidden=32, num_experts=4,
+               max_seq_len=32, tie_embeddings=False)
+    return MoEGPT(gpt_config("tiny", **{**cfg, **kw}))
+
+
+def _edit(path, config_edit, tensors_edit) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config_edit(cfg)))
+    save_file(tensors_edit(load_file(str(path / "model.safetensors"))), str(path / "model.safetensors"))
+
+
+@pytest.mark.reference
+def test_an_fp8_checkpoint_loads_to_the_dequantised_values(tmp_path, gen) -> None:
+    """Every linear weight of the blocks in block-wise FP8 (as DeepSeek-V3 publishes them;
+    the router, norms and embeddings unquantised), with blocks that do not divide the shapes."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = _tiny(dim=48, expert_hidden=40)
+    path = mixtral.gpt_to_hf(model, tmp_path / "hf")
+    plain = load_file(str(path / "model.safetensors"))
+    block = (16, 16)
+    stored, expected = {}, {}
+    for name, t in plain.items():
+        if "self_attn" in name or ".experts." in name:
+            q, scale, ref = quantise_fp8(t, block)
+            stored.update({name: q, f"{name}_scale_inv": scale})
+            expected[name] = ref
+        else:
+            stored[name] = expected[name] = t
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    _edit(path, lambda c: {**c, "quantization_config": qc}, lambda _: stored)
+    want = state_dict_from_tensors(expected, mixtral.MIXTRAL, model.config)
+    got = gpt_from_hf(path).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(got["layers.0.ffn.experts.w_in"], model.state_dict()["layers.0.ffn.experts.w_in"])
+    half = gpt_from_hf(path, dtype=torch.bfloat16).state_dict()  # one rounding, from the float32 value
+    assert all(torch.equal(half[k], want[k].to(torch.bfloat16)) for k in want)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case,words", [
+    ("no-config", "quantization_config"),  # an fp8 weight, no quantization_config
+    ("no-scale", "expected a floating-point dtype"),  # an fp8 weight without its scale
+    ("scale-shape", "weight_scale_inv: shape"),
+    ("weight-dtype", "float8_e4m3fn"),
+])
+def test_a_damaged_fp8_checkpoint_is_refused_by_name(tmp_path, case, words) -> None:
+    torch.manual_seed(0)
+    model = _tiny(n_layers=1)
+    path = mixtral.gpt_to_hf(model, tmp_path / "hf")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    qc = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+
+    def tensors(sd: dict) -> dict:
+        q, scale, _ = quantise_fp8(sd[name], (16, 16))
+        sd.update({name: q, f"{name}_scale_inv": scale})
+        if case == "no-scale":
+            del sd[f"{name}_scale_inv"]
+        elif case == "scale-shape":
+            sd[f"{name}_scale_inv"] = scale[:, :1].contiguous()
+        elif case == "weight-dtype":
+            sd[name] = q.to(torch.float8_e5m2)
+        return sd
+
+    _edit(path, lambda c: c if case == "no-config" else {**c, "quantization_config": qc}, tensors)
+    with pytest.raises(CheckpointError, match=words):
+        gpt_from_hf(path)
+
+
+def _fused_map(cfg):  # type: ignore[no-untyped-def]
+    """Mixtral's map with gpt-oss's expert layout: ``gate_up_proj [E, D, 2H]`` with gate and up
+    interleaved, ``down_proj [E, H, D]``."""
+    out = []
+    for entry in mixtral.tensor_map(cfg):
+        layer = entry.ours.split(".")[1] if entry.ours.startswith("layers.") else None
+        if entry.ours.endswith("experts.w_in"):
+            entry = Entry(entry.ours, (fused_experts(f"model.layers.{layer}.mlp.experts.gate_up_proj", transposed=False,
+                                                     interleaved=True),))
+        elif entry.ours.endswith("experts.w_out"):
+            entry = Entry(entry.ours, (fused_experts(f"model.layers.{layer}.mlp.experts.down_proj", transposed=False),))
+        out.append(entry)
+    return out
+
+
+@pytest.mark.reference
+def test_an_mxfp4_checkpoint_loads_to_the_dequantised_values(tmp_path, gen) -> None:
+    """Fused experts stored as gpt-oss stores them in MXFP4 (``*_blocks``, ``*_scales``), read
+    through a family whose map has gpt-oss's expert layout."""
+    family = Family(model_type="mixtral", name="fused-experts", config_from_hf=mixtral.gpt_config_from_hf,
+                    hf_config_from=mixtral.hf_config_from_gpt, tensor_map=_fused_map)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = _tiny()
+    path = save_hf(model, tmp_path / "hf", family)
+    plain = load_file(str(path / "model.safetensors"))
+    stored, expected = {}, {}
+    for name, t in plain.items():
+        if name.endswith(("gate_up_proj", "down_proj")):  # [E, I, O], quantised along I
+            blocks, scales, values = quantise_mxfp4(t.transpose(1, 2))
+            stored.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+            expected[name] = values.float().transpose(1, 2)
+        else:
+            stored[name] = expected[name] = t
+    qc = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+    _edit(path, lambda c: {**c, "quantization_config": qc}, lambda _: stored)
+    want = state_dict_from_tensors(expected, family, model.config)
+    got = load_hf(path, family).state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    gate = expected["model.layers.1.mlp.experts.gate_up_proj"][..., 0::2]  # de-interleaved: gate columns first
+    assert torch.equal(got["layers.1.ffn.experts.w_in"][..., :32], gate)
