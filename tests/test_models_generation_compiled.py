@@ -2,7 +2,9 @@
 traces as one graph with no host synchronisation, equals the eager cached step, and compiled
 generation gives the eager loop's tokens (greedy and seeded sampling, one row and a
 left-padded batch, stop tokens, a sliding window, ``MoEGPT.generate``) with a bounded number of
-compilations, also after the model's dtype or mode changed between calls.
+compilations, also after the model's dtype or mode changed between calls; the same with every
+grouped-query attention option on (windows, sinks, query/key norms, biases, scaled partial
+rotary).
 
 Compiling with inductor on this CPU takes tens of seconds a shape, so every compiled test
 shares one model and the shapes of two batch sizes (1 and 3 rows) and one cache capacity (32
@@ -25,6 +27,7 @@ from moeflow.kernels import packed_cpu
 from moeflow.layer.moe import moe_layers
 from moeflow.models.compiled_decode import STOP_CHECK_EVERY, HeadProduct, _bucket, compiled_decoder
 from moeflow.models.generation import generate
+from moeflow.models.gpt_config import AttentionConfig, RopeScaling
 
 from helpers import small_gpt
 
@@ -43,6 +46,26 @@ def model() -> gpt_module.MoEGPT:
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else None
+    return m
+
+
+# every grouped-query option: block 0 slides over 3 columns (the prompts are longer), sinks,
+# per-head query/key norms, biases, clipping, YaRN on half of each 12-dim head
+EVERY_OPTION = dict(attention=AttentionConfig(head_dim=12, qk_norm="head", qkv_bias=True, o_bias=True, clip_qkv=1.5,
+                                              sliding_window=3, sliding_layers=(0,), sinks=True, rotary_fraction=0.5),
+                    rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_seq_len=8, beta_fast=8.0,
+                                             truncate=False))
+
+
+@pytest.fixture(scope="module")
+def every_option_model() -> gpt_module.MoEGPT:
+    """``model``'s shape with ``EVERY_OPTION``; every parameter drawn (norm weights around one,
+    biases and sinks nonzero)."""
+    torch.manual_seed(2)
+    m = small_gpt(max_seq_len=MAX_SEQ, **EVERY_OPTION).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.3)
     return m
 
 
@@ -137,6 +160,32 @@ def test_static_step_traces_as_one_graph(model):
         cache, logits, P = _prefilled(model, PROMPTS)
         explained = torch._dynamo.explain(model.decode_step)(logits.argmax(-1), torch.tensor(P), cache)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.reference
+def test_static_step_with_every_attention_option_is_one_graph_without_host_reads(every_option_model):
+    """Windows, sinks, query/key norms and biases keep the static step one graph with no host
+    read, equal to the eager cached step (four steps of the left-padded batch)."""
+    m = every_option_model
+    with torch.no_grad():
+        cache, logits, P = _prefilled(m, PROMPTS)
+        ref_cache, ref_logits, _ = _prefilled(m, PROMPTS)
+        ref_cache.length = P
+        pos = torch.tensor(P)
+        next_B = logits.argmax(-1)
+        with SyncCounter() as counter:
+            m.decode_step(next_B, pos, cache)
+        assert counter.seen == []
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(m.decode_step)(next_B, pos, cache)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+        cache, logits, P = _prefilled(m, PROMPTS)
+        for _ in range(4):
+            next_B = logits.argmax(-1)
+            logits = m.decode_step(next_B, pos, cache)
+            ref_logits = m.forward_cached(next_B.unsqueeze(1), ref_cache)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+            pos += 1
 
 
 @pytest.mark.reference
@@ -431,3 +480,30 @@ def test_compiled_generation_follows_the_models_dtype_and_mode_between_calls():
     m.double()
     with pytest.raises(ValueError, match="does not compile as one graph"):
         generate(m, PROMPTS, n, temperature=0, compile=True)
+
+
+@pytest.mark.e2e
+def test_compiled_generation_with_every_attention_option_gives_the_eager_steps_and_tokens(every_option_model):
+    """Windows, sinks, query/key norms, biases and scaled partial rotary, compiled: the compiled
+    step's logits equal the eager cached step's over six steps of the left-padded batch (fp32
+    rounding), and greedy generation gives the eager loop's tokens, in one compilation."""
+    m = every_option_model
+    eager = generate(m, PROMPTS, 20, temperature=0)
+    assert generate(m, PROMPTS, 20, temperature=0, compile=True).tokens == eager.tokens
+    decoder = compiled_decoder(m)
+    assert decoder.compilations == 1  # (3 rows, 32 columns)
+    P = max(map(len, PROMPTS))
+    pad_B = torch.tensor([P - len(r) for r in PROMPTS])
+    idx = torch.tensor([[0] * (P - len(r)) + r for r in PROMPTS])
+    with torch.no_grad(), decoder.generation(m):
+        cache = decoder.cache(m, pad_B, MAX_SEQ)
+        ref_cache = m.new_cache(pad_B, MAX_SEQ)
+        logits, ref_logits = m.forward_cached(idx, cache), m.forward_cached(idx, ref_cache)
+        pos = torch.tensor(P)
+        for step in range(6):
+            next_B = ref_logits.argmax(-1)
+            logits = decoder.run(next_B, pos, cache, guarded=step == 0)
+            ref_logits = m.forward_cached(next_B.unsqueeze(1), ref_cache)
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+            pos += 1
+    assert decoder.compilations == 1

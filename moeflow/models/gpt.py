@@ -22,25 +22,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.config import _int
-from moeflow.models.blocks import Block, RMSNorm, rope_cos_sin
+from moeflow.models.blocks import Block, RMSNorm
 from moeflow.models.generation import generate_tensor
-from moeflow.models.gpt_config import GPT_PRESETS, AttentionConfig, GPTConfig, gpt_config
+from moeflow.models.gpt_config import GPT_PRESETS, GPTConfig, gpt_config
 from moeflow.models.kv_cache import KVCache, static_step, step_inputs
+from moeflow.models.rope import rope_cos_sin
 
 # (GPTConfig, the presets and RMSNorm are re-exported: importers use this module)
 __all__ = ["GPTConfig", "MoEGPT", "RMSNorm", "GPT_PRESETS", "gpt_config"]
 
 
 def _refuse_unbuilt(config: GPTConfig) -> None:
-    """``ValueError`` naming a configured attention or RoPE option this decoder does not build
-    yet (never silently ignored)."""
-    default = AttentionConfig()
-    for name in ("kind", "head_dim", "qk_norm", "qkv_bias", "o_bias", "clip_qkv", "sliding_window", "sinks",
-                 "rotary_fraction", "rope_interleaved"):
-        if getattr(config.attention, name) != getattr(default, name):
-            raise ValueError(f"attention.{name}={getattr(config.attention, name)!r} is not built into MoEGPT yet")
-    if config.rope_scaling is not None:
-        raise ValueError(f"rope_scaling={config.rope_scaling!r} is not built into MoEGPT yet")
+    """``ValueError`` naming a configured attention option this decoder does not build yet
+    (never silently ignored): latent attention."""
+    if config.attention.kind != "gqa":
+        raise ValueError(f"attention.kind={config.attention.kind!r} is not built into MoEGPT yet")
 
 
 class MoEGPT(nn.Module):
@@ -59,7 +55,7 @@ class MoEGPT(nn.Module):
         self.config = config
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Embedding(config.vocab_size, config.dim, **kw)
-        self.layers = nn.ModuleList(Block(config, config.is_moe_layer(i), **kw) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, config.is_moe_layer(i), layer=i, **kw) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, **kw)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False, **kw)
         self.drop = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()  # no op per call
@@ -71,6 +67,8 @@ class MoEGPT(nn.Module):
     def _init_dense(self, std: float) -> None:
         # GPT-2's scheme: N(0, std) everywhere, output projections scaled by 1/sqrt(2 * layers)
         # so the residual stream's variance does not grow with depth. Experts init themselves.
+        # Attention biases start at zero, query/key norms at one (their modules' own start) and
+        # sinks N(0, std), as transformers starts gpt-oss's.
         nn.init.normal_(self.embed.weight, std=std)
         nn.init.normal_(self.lm_head.weight, std=std)
         for block in self.layers:
@@ -78,6 +76,8 @@ class MoEGPT(nn.Module):
             for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
                 nn.init.normal_(lin.weight, std=std)
             nn.init.normal_(attn.o_proj.weight, std=std / math.sqrt(2 * self.config.n_layers))
+            if attn.sinks is not None:
+                nn.init.normal_(attn.sinks, std=std)
 
     def forward(self, idx_BS: torch.Tensor) -> torch.Tensor:
         self._check_idx(idx_BS)
@@ -118,12 +118,13 @@ class MoEGPT(nn.Module):
         _int("capacity", capacity, minimum=1)
         if capacity > self.config.max_seq_len:
             raise ValueError(f"capacity={capacity} exceeds max_seq_len={self.config.max_seq_len}")
-        ref = self.embed.weight
-        head_dim = self.config.dim // self.config.n_heads
-        cos, sin = rope_cos_sin(capacity, head_dim, self.config.rope_theta, ref.device, ref.dtype)
-        return KVCache(n_layers=self.config.n_layers, batch=pad_B.shape[0], kv_heads=self.config.kv_heads,
-                       head_dim=head_dim, capacity=capacity, pad_B=pad_B, cos_LH=cos, sin_LH=sin,
-                       device=ref.device, dtype=ref.dtype, zeroed=zeroed)
+        ref, c = self.embed.weight, self.config
+        cos, sin = rope_cos_sin(capacity, c.rotary_dim, c.rope_theta, ref.device, ref.dtype, scaling=c.rope_scaling)
+        slides = any(c.attention.slides(i) for i in range(c.n_layers))
+        return KVCache(n_layers=c.n_layers, batch=pad_B.shape[0], kv_heads=c.kv_heads, k_dim=c.head_dim,
+                       v_dim=c.head_dim, capacity=capacity, pad_B=pad_B, cos_LR=cos, sin_LR=sin,
+                       window=c.attention.sliding_window if slides else None, device=ref.device, dtype=ref.dtype,
+                       zeroed=zeroed)
 
     def forward_cached(self, idx_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits ``[B, V]`` of the last column after appending ``idx [B, S]`` to ``cache``: the

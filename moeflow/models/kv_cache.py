@@ -11,6 +11,15 @@ column ``j`` sits at position ``j - pad_B[b]``), and the FFN/MoE of every block 
 real tokens (``StepInputs.real_T``): padding takes no expert capacity and no work, and with
 dropless experts a batch gives each row what it gets alone (up to rounding).
 
+Blocks that attend through a sliding window (``AttentionConfig.slides``) keep every column
+too and read a second mask, the first one narrowed to the last ``window`` columns of each
+query (``q - k < window``, in columns, which within a row are positions); both masks are made
+once per call (``step_inputs``) or step (``static_step``), never per block.
+
+A cache's keys and values may differ in their trailing size (``k_dim``, ``v_dim``) and hold any
+number of heads: grouped-query attention stores ``[B, G, L, Hd]`` twice, latent attention may
+store its latent as the "keys" and its rotary part as the "values".
+
 A *static* decode step (``StaticStep``, ``MoEGPT.decode_step``) has the same shapes at every
 step, so ``torch.compile`` compiles it once and CUDA graphs can replay it: the step's column is
 a device tensor ``pos``, its keys/values go into column ``pos`` of the whole cache
@@ -20,7 +29,8 @@ masked column never brings NaN from uninitialised memory). Nothing in it reads a
 host.
 
 Legend: ``B`` rows, ``G`` key/value heads, ``L`` cache capacity (columns), ``S`` columns of
-this call, ``Hd`` head dim, ``T = B*S`` token slots of this call.
+this call, ``K`` / ``V`` the trailing sizes of keys / values (``Hd``, the head dim, in
+grouped-query attention), ``R`` rotated dims of a head, ``T = B*S`` token slots of this call.
 """
 
 from __future__ import annotations
@@ -29,28 +39,39 @@ from dataclasses import dataclass
 
 import torch
 
+from moeflow.checks import _int
+
 __all__ = ["KVCache", "StepInputs", "step_inputs", "StaticStep", "static_step"]
 
 
 class KVCache:
-    """Per block, keys and values ``[B, G, L, Hd]`` preallocated for ``L = capacity`` columns;
-    ``length`` columns are filled (the same for every row: rows are left-padded). ``cos_LH``
-    and ``sin_LH`` are the rotary tables of positions ``0 .. L-1`` (``MoEGPT.new_cache``
-    computes them once per generation, not per step). ``zeroed``: the columns start as zeros
-    (a static step attends over all of them, the unwritten ones masked)."""
+    """Per block, keys ``[B, G, L, K]`` and values ``[B, G, L, V]`` preallocated for ``L =
+    capacity`` columns (``G = kv_heads``, ``K = k_dim``, ``V = v_dim``); ``length`` columns are
+    filled (the same for every row: rows are left-padded). ``cos_LR`` and ``sin_LR`` are the
+    rotary tables of positions ``0 .. L-1`` (``moeflow.models.rope``; ``MoEGPT.new_cache``
+    computes them once per generation, not per step). ``window``: the sliding window of the
+    blocks that slide (None: none does), for which every call also makes a window mask.
+    ``zeroed``: the columns start as zeros (a static step attends over all of them, the
+    unwritten ones masked)."""
 
-    def __init__(self, *, n_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 pad_B: torch.Tensor, cos_LH: torch.Tensor, sin_LH: torch.Tensor,
+    def __init__(self, *, n_layers: int, batch: int, kv_heads: int, k_dim: int, v_dim: int, capacity: int,
+                 pad_B: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor, window: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  zeroed: bool = False) -> None:
-        if cos_LH.shape != (capacity, head_dim) or sin_LH.shape != (capacity, head_dim):
-            raise ValueError(f"cos_LH and sin_LH must be [{capacity}, {head_dim}], got {tuple(cos_LH.shape)}, "
-                             f"{tuple(sin_LH.shape)}")
-        self.cos_LH, self.sin_LH = cos_LH, sin_LH
-        shape = (batch, kv_heads, capacity, head_dim)
+        for name, value in (("n_layers", n_layers), ("batch", batch), ("kv_heads", kv_heads), ("k_dim", k_dim),
+                            ("v_dim", v_dim), ("capacity", capacity)):
+            _int(name, value, minimum=0 if name == "batch" else 1)
+        if window is not None:
+            _int("window", window, minimum=1)
+        R = cos_LR.shape[-1] if cos_LR.dim() == 2 else -1
+        if cos_LR.shape != (capacity, R) or sin_LR.shape != cos_LR.shape or R < 2 or R % 2:
+            raise ValueError(f"cos_LR and sin_LR must both be [{capacity}, R] with R even, got {tuple(cos_LR.shape)}, "
+                             f"{tuple(sin_LR.shape)}")
+        self.cos_LR, self.sin_LR = cos_LR, sin_LR
+        self.window = window
         make = torch.zeros if zeroed else torch.empty
-        self.k = [make(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [make(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.k = [make((batch, kv_heads, capacity, k_dim), device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [make((batch, kv_heads, capacity, v_dim), device=device, dtype=dtype) for _ in range(n_layers)]
         self.capacity = capacity
         self.length = 0
         if pad_B.shape != (batch,):
@@ -62,24 +83,26 @@ class KVCache:
     def batch(self) -> int:
         return self.pad_B.shape[0]
 
-    def write(self, layer: int, start: int, k_BGSH: torch.Tensor, v_BGSH: torch.Tensor
+    def write(self, layer: int, start: int, k_BGSK: torch.Tensor, v_BGSV: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this call's keys/values at columns ``[start, start + S)`` of block ``layer`` and
-        return views of the filled columns ``[B, G, start + S, Hd]`` (no copy of the old ones)."""
-        end = start + k_BGSH.shape[2]
+        return views of the filled columns ``[B, G, start + S, K]``, ``[..., V]`` (no copy of
+        the old ones)."""
+        end = start + k_BGSK.shape[2]
         if end > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} columns; writing up to column {end}")
-        self.k[layer][:, :, start:end] = k_BGSH
-        self.v[layer][:, :, start:end] = v_BGSH
+        self.k[layer][:, :, start:end] = k_BGSK
+        self.v[layer][:, :, start:end] = v_BGSV
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def write_at(self, layer: int, pos: torch.Tensor, k_BG1H: torch.Tensor, v_BG1H: torch.Tensor
+    def write_at(self, layer: int, pos: torch.Tensor, k_BG1K: torch.Tensor, v_BG1V: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one column's keys/values at column ``pos`` (a 0-dim int64 device tensor) of
-        block ``layer`` and return the whole cache ``[B, G, L, Hd]`` (a static step's shapes)."""
+        block ``layer`` and return the whole cache ``[B, G, L, K]``, ``[B, G, L, V]`` (a static
+        step's shapes)."""
         index = pos.reshape(1)
-        self.k[layer].index_copy_(2, index, k_BG1H)
-        self.v[layer].index_copy_(2, index, v_BG1H)
+        self.k[layer].index_copy_(2, index, k_BG1K)
+        self.v[layer].index_copy_(2, index, v_BG1V)
         return self.k[layer], self.v[layer]
 
     def reset(self, pad_B: torch.Tensor) -> None:
@@ -106,10 +129,13 @@ class KVCache:
 class StepInputs:
     """What every block of one cached call shares (built once per call by ``step_inputs``).
 
-    ``cos/sin [B, 1, S, Hd]``: the rotary tables at each row's positions. ``mask [B, 1, S,
-    start+S]`` (bool, True = attend) or None when no row is padded, then ``causal`` tells
-    SDPA to apply the causal mask itself (a prefill) or that every cached key is visible (a
-    one-token decode). ``real_T``: flat indices of the real tokens, None when all are real."""
+    ``cos/sin [B, 1, S, R]`` (``[S, R]`` when no row is padded): the rotary tables at each
+    row's positions. ``mask [B, 1, S, start+S]`` (bool, True = attend) or None when no row is
+    padded, then ``causal`` tells SDPA to apply the causal mask itself (a prefill) or that
+    every cached key is visible (a one-token decode). ``window_mask`` (when the cache has a
+    ``window``): ``mask`` narrowed to each query's last ``window`` columns, ``[B, 1, S,
+    start+S]`` or, no row padded, ``[S, start+S]``. ``real_T``: flat indices of the real
+    tokens, None when all are real."""
 
     cache: KVCache
     start: int
@@ -118,6 +144,7 @@ class StepInputs:
     mask: torch.Tensor | None
     causal: bool
     real_T: torch.Tensor | None
+    window_mask: torch.Tensor | None = None
 
 
 def step_inputs(cache: KVCache, seq_len: int) -> StepInputs:
@@ -128,36 +155,47 @@ def step_inputs(cache: KVCache, seq_len: int) -> StepInputs:
         raise ValueError(f"a call on a filled cache (length {start}) decodes one column, got seq_len={S}")
     if start + S > cache.capacity:
         raise ValueError(f"KV cache holds {cache.capacity} columns; {start} are filled, {S} more do not fit")
-    cos_LH, sin_LH = cache.cos_LH, cache.sin_LH
-    if not cache.max_pad:
-        cos, sin = cos_LH[start:start + S], sin_LH[start:start + S]
+    cos_LR, sin_LR, W = cache.cos_LR, cache.sin_LR, cache.window
+    if not cache.max_pad and W is None:
+        cos, sin = cos_LR[start:start + S], sin_LR[start:start + S]
         return StepInputs(cache=cache, start=start, cos=cos, sin=sin, mask=None, causal=S > 1, real_T=None)
-    col_S = torch.arange(start, start + S, device=device)
+    col_S1 = torch.arange(start, start + S, device=device).unsqueeze(1)
+    key_L = torch.arange(start + S, device=device)
+    near_SL = None if W is None else col_S1 - key_L < W  # within the window (behind or ahead)
+    if near_SL is not None and not cache.max_pad:
+        cos, sin = cos_LR[start:start + S], sin_LR[start:start + S]
+        return StepInputs(cache=cache, start=start, cos=cos, sin=sin, mask=None, causal=S > 1, real_T=None,
+                          window_mask=near_SL & (key_L <= col_S1))
+    col_S = col_S1.squeeze(1)
     pad_B1 = cache.pad_B.unsqueeze(1)
     pos_BS = (col_S.unsqueeze(0) - pad_B1).clamp(min=0)  # pad columns take position 0 (unused)
-    cos, sin = cos_LH[pos_BS].unsqueeze(1), sin_LH[pos_BS].unsqueeze(1)
-    key_L = torch.arange(start + S, device=device)
+    cos, sin = cos_LR[pos_BS].unsqueeze(1), sin_LR[pos_BS].unsqueeze(1)
     # a real key at or before the query; a pad query attends to itself only (its row of the
     # softmax must not be empty, which would give NaN; its output is never read by a real token)
-    visible_BSL = (key_L >= pad_B1.unsqueeze(2)) & (key_L <= col_S.unsqueeze(1))
-    mask = (visible_BSL | (key_L == col_S.unsqueeze(1))).unsqueeze(1)
+    visible_BSL = (key_L >= pad_B1.unsqueeze(2)) & (key_L <= col_S1)
+    itself_SL = key_L == col_S1
+    mask = (visible_BSL | itself_SL).unsqueeze(1)
+    window = None if near_SL is None else ((visible_BSL & near_SL) | itself_SL).unsqueeze(1)
     # decode columns lie behind every pad: all real, and no index (nor host sync) is needed
     real_T = None if start >= cache.max_pad else (col_S.unsqueeze(0) >= pad_B1).flatten().nonzero().squeeze(1)
-    return StepInputs(cache=cache, start=start, cos=cos, sin=sin, mask=mask, causal=False, real_T=real_T)
+    return StepInputs(cache=cache, start=start, cos=cos, sin=sin, mask=mask, causal=False, real_T=real_T,
+                      window_mask=window)
 
 
 @dataclass(frozen=True)
 class StaticStep:
     """What every block of one static decode step shares (``static_step``): ``pos`` (0-dim
-    int64) the column written, ``cos/sin [B, 1, 1, Hd]`` the rotary tables at each row's
+    int64) the column written, ``cos/sin [B, 1, 1, R]`` the rotary tables at each row's
     position ``pos - pad_B``, ``mask [B, 1, 1, L]`` (True = attend) the real columns up to
-    ``pos``."""
+    ``pos``; ``window_mask`` (when the cache has a ``window``) those of them fewer than
+    ``window`` columns behind ``pos``."""
 
     cache: KVCache
     pos: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     mask: torch.Tensor
+    window_mask: torch.Tensor | None = None
 
 
 def static_step(cache: KVCache, pos: torch.Tensor) -> StaticStep:
@@ -167,8 +205,9 @@ def static_step(cache: KVCache, pos: torch.Tensor) -> StaticStep:
     L, B = cache.capacity, cache.batch
     key_L = torch.arange(L, device=cache.pad_B.device)
     pos_B = (pos - cache.pad_B).clamp(min=0)
-    cos = cache.cos_LH.index_select(0, pos_B).view(B, 1, 1, -1)
-    sin = cache.sin_LH.index_select(0, pos_B).view(B, 1, 1, -1)
-    mask = ((key_L.unsqueeze(0) >= cache.pad_B.unsqueeze(1)) & (key_L <= pos)).view(B, 1, 1, L)
-    return StaticStep(cache=cache, pos=pos, cos=cos, sin=sin, mask=mask)
+    cos = cache.cos_LR.index_select(0, pos_B).view(B, 1, 1, -1)
+    sin = cache.sin_LR.index_select(0, pos_B).view(B, 1, 1, -1)
+    visible_BL = (key_L.unsqueeze(0) >= cache.pad_B.unsqueeze(1)) & (key_L <= pos)
+    window = None if cache.window is None else (visible_BL & (pos - key_L < cache.window)).view(B, 1, 1, L)
+    return StaticStep(cache=cache, pos=pos, cos=cos, sin=sin, mask=visible_BL.view(B, 1, 1, L), window_mask=window)
 
