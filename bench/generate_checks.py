@@ -73,9 +73,11 @@ def decode_step_bytes(model, *, rows: int, cache_len: float,  # type: ignore[no-
             out["embedding"] += rows * embed.shape[1] * embed.element_size()
         else:
             out["dense"] += nbytes
-    cfg = model.config
-    head_dim = cfg.dim // cfg.n_heads
-    out["kv_cache"] = 2.0 * cfg.n_layers * rows * cfg.kv_heads * head_dim * cache_len * embed.element_size()
+    # what one cached column holds, from the model's own cache (grouped-query keys and values,
+    # or a latent attention's latent), at the step's mean length
+    one = model.new_cache(torch.zeros(rows, dtype=torch.long, device=embed.device), 1)
+    column = sum(t.numel() * t.element_size() for t in (*one.k, *one.v))
+    out["kv_cache"] = float(column * cache_len)
     out["total"] = sum(out.values())
     return out
 
