@@ -225,7 +225,7 @@ def test_dense_blocks_ffn_equals_transformers_mlp(family: str, gen: torch.Genera
     model = model.double()
     i = next(i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i))
     mlp = model.model.layers[i].mlp
-    ffn = Block(cfg, cfg.is_moe_layer(i), dtype=torch.float64).ffn
+    ffn = Block(cfg, cfg.is_moe_layer(i), layer=i, dtype=torch.float64).ffn
     assert isinstance(ffn, moeflow.experts.DenseFFN) and ffn.proj_out.weight.shape == (D, 20)
     state = ffn_from_hf(family, model.state_dict(), cfg, i)
     ffn.load_state_dict({k.removeprefix(f"layers.{i}.ffn."): v for k, v in state.items()})
