@@ -18,15 +18,19 @@ import torch
 
 from moeflow.checkpoint.schema import CheckpointError
 from moeflow.convert.family import Family
+from moeflow.convert.gpt_oss import GPT_OSS
 from moeflow.convert.hf_files import DEFAULT_SHARD_SIZE, read_hf_config
 from moeflow.convert.hf_model import load_hf, save_hf
 from moeflow.convert.hf_tokenizer import read_special_tokens, read_tokenizer
 from moeflow.convert.mixtral import MIXTRAL
+from moeflow.convert.olmoe import OLMOE
+from moeflow.convert.qwen2_moe import QWEN2_MOE
+from moeflow.convert.qwen3_moe import QWEN3_MOE
 from moeflow.models.gpt import MoEGPT
 
 __all__ = ["FAMILIES", "family_of", "gpt_from_hf", "gpt_to_hf", "import_hf"]
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL,)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, GPT_OSS)}
 
 
 def family_of(model_type: object) -> Family:
