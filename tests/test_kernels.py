@@ -23,6 +23,7 @@ from moeflow import DispatchConfig
 from moeflow.dispatch import LocalDispatcher
 from moeflow.kernels.activation import ACTIVATIONS, GATED, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moeflow.kernels.counts import count_ids
+from moeflow.kernels.grouped_mm import grouped_mm_native
 from moeflow.kernels.permute import permute_rows, unpermute_rows, unpermute_rows_reference
 from moeflow.types import RoutingResult
 
@@ -95,6 +96,29 @@ def test_grouped_mm_native_accepts_expanded_gradient(gen):
     w = torch.randn(2, 4, 8, generator=gen, requires_grad=True)
     GROUPED_MM_BACKENDS["grouped_mm"](x, w, torch.tensor([4, 10])).sum().backward()  # stride-0 grad
     torch.testing.assert_close(x.grad[:4], w.detach()[0].sum(1).expand(4, 4))
+
+
+@pytest.mark.parametrize("layout", ["EDF", "EFD view"])
+def test_grouped_mm_native_compiles_in_fp32(gen, layout):
+    """torch's fake ``grouped_mm`` takes bf16 only, so a traced fp32 call failed (the biased
+    experts of a compiled CPU decode step, gpt-oss's): under ``torch.compile`` it is the opaque
+    ``moeflow::grouped_mm``, forward and both backward products (traced by AOT autograd), equal
+    to eager."""
+    if not native_grouped_mm_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("F.grouped_mm not available here")
+    E, R, D, F = 3, 13, 8, 12
+    offs = torch.cumsum(random_counts(gen, E, R, 1), 0)
+    x = torch.randn(R, D, generator=gen)
+    w = torch.randn(E, D, F, generator=gen) if layout == "EDF" else torch.randn(E, F, D, generator=gen).transpose(1, 2)
+    g = torch.randn(R, F, generator=gen)
+    results = []
+    for fn in (grouped_mm_native, torch.compile(grouped_mm_native, fullgraph=True, backend="aot_eager")):
+        xi, wi = x.clone().requires_grad_(), w.detach().requires_grad_()
+        y = fn(xi, wi, offs)
+        y.backward(g)
+        results.append((y.detach(), xi.grad, wi.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
 
 
 def test_grouped_mm_loop_rejects_padding_rows():

@@ -62,6 +62,28 @@ def grouped_mm_loop(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tenso
     return torch.cat([x_RD[s:t] @ w_EDF[e] for e, (s, t) in enumerate(zip(starts, ends))], dim=0)
 
 
+def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm(a, b, offs=offs_E)``; under ``torch.compile`` an opaque op
+    (``moeflow::grouped_mm``) for every dtype but bf16: torch's fake implementation of
+    ``grouped_mm`` takes bf16 only, so a traced fp32 or fp16 call fails where the kernel runs
+    (the biased experts of a compiled CPU decode step: gpt-oss)."""
+    if torch.compiler.is_compiling() and a.dtype != torch.bfloat16:
+        return _grouped_mm_op(a, b, offs_E)
+    return F.grouped_mm(a, b, offs=offs_E)
+
+
+@torch.library.custom_op("moeflow::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    return F.grouped_mm(a, b, offs=offs_E)
+
+
+@_grouped_mm_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:  # [R, K] x [E, K, N] -> [R, N]
+        return a.new_empty((a.shape[0], b.shape[-1]))
+    return a.new_empty((offs_E.shape[0], a.shape[0], b.shape[-1]))  # [K, R] x [R, N] -> [E, K, N]
+
+
 class _NativeGroupedMM(torch.autograd.Function):
     """``F.grouped_mm`` forward and backward, each one grouped call.
 
@@ -74,7 +96,7 @@ class _NativeGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RD, w_EDF, offs_E):  # type: ignore[override]
         ctx.save_for_backward(x_RD, w_EDF, offs_E)
-        return F.grouped_mm(x_RD, w_EDF, offs=offs_E)
+        return _grouped(x_RD, w_EDF, offs_E)
 
     @staticmethod
     def backward(ctx, grad_RF):  # type: ignore[override]
@@ -82,15 +104,15 @@ class _NativeGroupedMM(torch.autograd.Function):
         grad_RF = grad_RF.contiguous()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = F.grouped_mm(grad_RF, w_EDF.transpose(-2, -1), offs=offs_E)
+            grad_x = _grouped(grad_RF, w_EDF.transpose(-2, -1), offs_E)
         if ctx.needs_input_grad[1]:
             if w_EDF.stride(-2) == 1 and not w_EDF.is_contiguous():
                 # w is the transposed view of an [E, F, D] tensor (e.g. a Hugging Face
                 # ``gate_up_proj``): produce dw in that layout, so it reaches the parameter
                 # without a transposing copy (faster than copying afterwards)
-                grad_w = F.grouped_mm(grad_RF.t(), x_RD, offs=offs_E).transpose(-2, -1)
+                grad_w = _grouped(grad_RF.t(), x_RD, offs_E).transpose(-2, -1)
             else:
-                grad_w = F.grouped_mm(x_RD.t(), grad_RF, offs=offs_E)
+                grad_w = _grouped(x_RD.t(), grad_RF, offs_E)
         return grad_x, grad_w, None
 
 
