@@ -177,7 +177,7 @@ def check_generate(path: Path, seed: int) -> None:
     assert generate(ours, prompts, NEW_TOKENS, temperature=0, compile=True).tokens == ref
 
 
-def _read_files(path: Path) -> dict[str, torch.Tensor]:
+def read_files(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -191,7 +191,7 @@ def check_round_trip(path: Path, out: Path) -> None:
     family = FAMILIES[ours_type := json.loads((path / "config.json").read_text())["model_type"]]
     state, cfg = ours.state_dict(), ours.config
     # the tensor map agrees with moe_blocks' FFN maps on every block (files in, files out)
-    files = _read_files(path)
+    files = read_files(path)
     for i in range(cfg.n_layers):
         for name, t in ffn_from_hf(ours_type, files, cfg, i).items():
             assert torch.equal(state[name], t), name
