@@ -13,6 +13,8 @@ transformers:
 - ``check_round_trip``: ``gpt_to_hf`` -> the family's transformers class loads it -> saved
   again -> ``gpt_from_hf``: no tensor changes, and the tensor map agrees with
   ``moeflow.convert.moe_blocks`` (``ffn_from_hf`` / ``ffn_to_hf``) on every block;
+- ``check_cli_round_trip``: ``moeflow convert --from-hf`` then ``--to-hf`` gives the same
+  config and tensors;
 - ``ep_step_case``: on 2 gloo ranks, a fine-tuning step (loss, backward, gradient reduction,
   AdamW) of the loaded model with its experts spread over the ranks equals the step of one
   process on the whole batch, in fp64;
@@ -212,6 +214,23 @@ def check_round_trip(path: Path, out: Path) -> None:
         for name, t in back.state_dict().items():
             if not name.endswith("router.load_counts"):
                 assert torch.equal(t, state[name]), (directory, name)
+
+
+def check_cli_round_trip(path: Path, out: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``moeflow convert --from-hf`` (``import_hf``: the special tokens and kept files too) then
+    ``--to-hf`` writes the family's directory back (the family kept in the checkpoint): the
+    same config and tensors as the source."""
+    from moeflow.cli.main import main
+
+    assert main(["convert", "--from-hf", str(path), str(out / "ck")]) == 0
+    assert main(["convert", str(out / "ck"), "--to-hf", str(out / "hf")]) == 0
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    assert f"({FAMILIES[model_type].name}," in capsys.readouterr().out
+    assert json.loads((out / "hf" / "config.json").read_text())["model_type"] == model_type
+    source, back = gpt_from_hf(path), gpt_from_hf(out / "hf")
+    assert back.config == source.config
+    for name, t in source.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
 
 
 def ep_step_case(rank: int, world: int, path: str) -> None:

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import moeflow
 from moeflow.config import ExpertsConfig, RouterConfig

@@ -188,6 +188,11 @@ def test_an_mxfp4_checkpoint_dequantises_to_the_reference(hf_dir, tmp_path) -> N
         assert rel_err(ours.eval()(idx), theirs(input_ids=idx).logits) <= fc.TOL[torch.float32]
 
 
+@pytest.mark.e2e
+def test_cli_convert_round_trip(hf_dir, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    fc.check_cli_round_trip(hf_dir, tmp_path, capsys)
+
+
 CASES = {"ep_step": fc.ep_step_case}
 
 

@@ -142,6 +142,11 @@ def test_round_trip_through_transformers_changes_no_tensor(hf_dir, tmp_path) -> 
     fc.check_round_trip(hf_dir, tmp_path)
 
 
+@pytest.mark.e2e
+def test_cli_convert_round_trip(hf_dir, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    fc.check_cli_round_trip(hf_dir, tmp_path, capsys)
+
+
 CASES = {"ep_step": fc.ep_step_case}
 
 

@@ -41,7 +41,7 @@ from moeflow.convert.moe_blocks import MOE_KEYS, moe_fields_from_hf, moe_fields_
 from moeflow.convert.tensor_map import Entry, Layout, fused_experts, linear_experts, same
 from moeflow.models.gpt_config import AttentionConfig, GPTConfig
 
-__all__ = ["Defaults", "open_fields", "config_from_fields", "sliding_from_layer_types", "layer_types",
+__all__ = ["SLIDING", "FULL", "Defaults", "open_fields", "config_from_fields", "sliding_from_layer_types", "layer_types",
            "check_exportable", "hf_config_common", "decoder_entries", "ffn_entries", "stacked_rows"]
 
 SLIDING, FULL = "sliding_attention", "full_attention"
