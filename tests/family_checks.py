@@ -70,7 +70,8 @@ def randomize_hf(model: torch.nn.Module, seed: int, std: dict[str, float] | None
             p.copy_((noise + (1.0 if "norm" in name else 0.0)).to(p.dtype))
 
 
-def save_random(config, path: Path, seed: int, std: dict[str, float] | None = None) -> Path:  # type: ignore[no-untyped-def]
+def save_random(config, path: Path, seed: int,  # type: ignore[no-untyped-def]
+                std: dict[str, float] | None = None) -> Path:
     """A transformers model of ``config`` with random parameters, saved sharded at ``path``."""
     model = transformers().AutoModelForCausalLM.from_config(config)
     randomize_hf(model, seed, std)

@@ -48,7 +48,8 @@ def test_config_maps_every_field() -> None:
         "max_position_embeddings", "norm_topk_prob")}))
     assert (bare.kv_heads, bare.attention.clip_qkv, bare.attention.qkv_bias, bare.router.load_balance_coef) == \
         (4, None, False, 0.01)
-    assert (bare.norm_eps, bare.rope_theta, bare.max_seq_len, bare.router.normalize_topk) == (1e-5, 10000.0, 4096, False)
+    assert (bare.norm_eps, bare.rope_theta, bare.max_seq_len, bare.router.normalize_topk) == \
+        (1e-5, 10000.0, 4096, False)
 
 
 @pytest.mark.unit
@@ -91,12 +92,14 @@ def test_export_refuses_what_olmoe_cannot_hold(change: dict, words: str) -> None
 def test_config_map_reads_what_transformers_reads() -> None:
     tf = fc.transformers()
     bare = tf.OlmoeConfig(num_experts=4, intermediate_size=8, num_experts_per_tok=2, hidden_size=32,
-                          num_attention_heads=4, num_hidden_layers=2, vocab_size=97, eos_token_id=None, pad_token_id=None)
+                          num_attention_heads=4, num_hidden_layers=2, vocab_size=97, eos_token_id=None,
+                          pad_token_id=None)
     cfg = gpt_config_from_hf(bare.to_diff_dict())
     assert (cfg.kv_heads, cfg.norm_eps, cfg.rope_theta, cfg.max_seq_len, cfg.attention.clip_qkv) == \
         (4, 1e-5, 10000.0, 4096, None)
     written = tf.OlmoeConfig.from_dict(hf_config_from_gpt(gpt_config_from_hf(SAVED)))
-    assert (written.clip_qkv, written.attention_bias, written.num_experts, written.norm_topk_prob) == (1.0, True, 4, True)
+    assert (written.clip_qkv, written.attention_bias, written.num_experts, written.norm_topk_prob) == \
+        (1.0, True, 4, True)
 
 
 @pytest.mark.integration

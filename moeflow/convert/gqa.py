@@ -41,7 +41,8 @@ from moeflow.convert.moe_blocks import MOE_KEYS, moe_fields_from_hf, moe_fields_
 from moeflow.convert.tensor_map import Entry, Layout, fused_experts, linear_experts, same
 from moeflow.models.gpt_config import AttentionConfig, GPTConfig
 
-__all__ = ["SLIDING", "FULL", "Defaults", "open_fields", "config_from_fields", "sliding_from_layer_types", "layer_types",
+__all__ = ["SLIDING", "FULL", "Defaults", "open_fields", "config_from_fields", "sliding_from_layer_types",
+           "layer_types",
            "check_exportable", "hf_config_common", "decoder_entries", "ffn_entries", "stacked_rows"]
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -184,10 +185,10 @@ def ffn_entries(model_type: str, cfg: GPTConfig, layer: int) -> list[Entry]:
                 same(f"{ours}.experts.w_out", f"{mlp}.experts.down_proj"),
                 same(f"{ours}.experts.b_out", f"{mlp}.experts.down_proj_bias")]
     per_expert = f"{mlp}.experts.{{e}}"
+    gate_up = [f"{per_expert}.gate_proj.weight", f"{per_expert}.up_proj.weight"]
     entries = [
         same(f"{ours}.router.linear.weight", f"{mlp}.gate.weight"),
-        Entry(f"{ours}.experts.w_in", (linear_experts([f"{per_expert}.gate_proj.weight", f"{per_expert}.up_proj.weight"],
-                                                      E),
+        Entry(f"{ours}.experts.w_in", (linear_experts(gate_up, E),
                                        fused_experts(f"{mlp}.experts.gate_up_proj", transposed=True))),
         Entry(f"{ours}.experts.w_out", (linear_experts([f"{per_expert}.down_proj.weight"], E),
                                         fused_experts(f"{mlp}.experts.down_proj", transposed=True))),
