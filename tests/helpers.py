@@ -11,6 +11,8 @@ Fixtures live in ``conftest.py``; everything a test module imports by name lives
 - ``needs_cuda``: skip without CUDA (with ``@pytest.mark.gpu``);
 - ``assert_offloaded_grads_equal``: an offloaded copy's loss and gradients against the model's;
 - ``ffn_operands``: random rows and expert weights for ``moeflow.experts.lean`` (either layout);
+- ``KeepFp64``: transformers' fp32 casts of fp64 tensors (norms, softmax, routers) kept in fp64,
+  so an fp64 comparison with its modules checks the formulas at fp64's precision;
 - ``file_states``: every file and folder under a directory with its hash and mtime (did an
   operation touch nothing?); ``train_tiny_run``: a one-step ``moeflow train`` run to read back;
 - torchrun jobs: ``torchrun_cmd`` (one node's agent; static or c10d rendezvous), ``TORCHRUN_ENV``,
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import moeflow
 from moeflow import DispatchConfig, RouterConfig
@@ -49,6 +52,27 @@ from moeflow.models import GPTConfig, MoEGPT
 from moeflow.parallel import all_reduce_gradients, dense_parameters, expert_parallel
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class KeepFp64(TorchFunctionMode):
+    """Inside: ``x.to(torch.float32)`` / ``x.float()`` of an fp64 tensor is ``x``, and a
+    ``dtype=torch.float32`` argument next to an fp64 tensor becomes fp64.
+
+    transformers computes its RMSNorms, eager softmax, routers and rotary tables in fp32
+    whatever the input (``.to(torch.float32)``, ``softmax(dtype=torch.float32)``, ``.float()``):
+    for fp64 inputs a downcast, which would make an fp64 comparison measure those casts (~1e-7)
+    rather than the formulas. Under this mode its modules stay in fp64 throughout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is not None and x.dtype == torch.float64:
+            to_fp32 = func is torch.Tensor.to and any(a is torch.float32 for a in (*args[1:], kwargs.get("dtype")))
+            if func is torch.Tensor.float or to_fp32:
+                return x
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- layers, models, inputs

@@ -6,7 +6,7 @@ Whole blocks (router, experts, shared experts) run on fresh random tokens with e
 parameter (and DeepSeek-V3's selection bias) redrawn: outputs, the input's gradient and every
 parameter's gradient (HF's gradients taken through the same tensor map). In fp32 against the
 modules as they are (1e-5); in fp64 at 1e-10, with the fp32 casts transformers' softmax
-routers make of fp64 logits lifted (``_KeepFp64``): otherwise the comparison would measure those
+routers make of fp64 logits lifted (``KeepFp64``, ``tests/helpers.py``): otherwise the comparison would measure those
 casts (~1e-7) and not the map. DeepSeek-V3's router computes in fp32 in transformers and in
 moeflow's map alike, so its fp64 case needs no lifting.
 """
@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import moeflow
 from moeflow.config import ExpertsConfig, RouterConfig
@@ -29,7 +28,7 @@ from moeflow.kernels.activation import activate_reference
 from moeflow.models.blocks import Block
 from moeflow.models.gpt_config import GPTConfig
 
-from helpers import rel_err
+from helpers import KeepFp64, rel_err
 
 D = 16
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -61,20 +60,6 @@ def _hf_class(dotted: str) -> type:
 
     module, name = dotted.rsplit(".", 1)
     return getattr(importlib.import_module(f"transformers.models.{module}"), name)
-
-
-class _KeepFp64(TorchFunctionMode):
-    """transformers' softmax routers take fp64 logits to fp32 (``softmax(..., dtype=torch.float)``,
-    Mixtral's ``.float()``); under this mode those casts keep fp64, nothing else changes."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = dict(kwargs or {})
-        fp64 = bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64
-        if fp64 and func in (F.softmax, torch.softmax, torch.Tensor.softmax) and kwargs.get("dtype") == torch.float32:
-            kwargs.pop("dtype")
-        if fp64 and func is torch.Tensor.float:
-            return args[0]
-        return func(*args, **kwargs)
 
 
 def _block_and_layer(family: str, dtype: torch.dtype, gen: torch.Generator):  # type: ignore[no-untyped-def]
@@ -109,7 +94,7 @@ def test_family_block_equals_transformers(family: str, dtype: torch.dtype, gen: 
     block, layer, cfg = _block_and_layer(family, dtype, gen)
     x = torch.randn(3, 7, D, generator=gen, dtype=torch.float64).mul(4 if family == "gpt_oss" else 1).to(dtype)
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with _KeepFp64():
+    with KeepFp64():
         y_hf = block(x_hf)
     y_hf = y_hf[0] if isinstance(y_hf, tuple) else y_hf  # (GptOssMLP returns the router scores too)
     y = layer(x_ours)

@@ -6,7 +6,7 @@ prefill and decode vs the static step, on a left-padded batch.
 
 transformers' RMSNorms and eager softmax compute in fp32 whatever the input (``.to(float32)``,
 ``softmax(dtype=float32)``): for fp64 inputs a downcast. The fp64 comparisons run its modules
-under ``_KeepFp64``, which keeps those computations in fp64, so they check the formulas at
+under ``KeepFp64`` (``tests/helpers.py``), which keeps those computations in fp64, so they check the formulas at
 fp64's precision; its rotary tables are fp32-only too, so in fp64 both sides take ours (their
 convention is checked against transformers' rotary modules in fp32).
 """
@@ -18,7 +18,6 @@ import math
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from moeflow.models.attention import Attention, attend, attention_reference, window_mask
 from moeflow.models.gpt import MoEGPT
@@ -27,24 +26,10 @@ from moeflow.models.kv_cache import KVCache, static_step, step_inputs
 from moeflow.models.rope import (apply_rope, apply_rope_interleaved, rope_cos_sin, rope_frequencies, softmax_scale,
                                  yarn_mscale)
 
+from helpers import KeepFp64
+
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-
-
-class _KeepFp64(TorchFunctionMode):
-    """Inside: ``x.to(torch.float32)`` / ``x.float()`` of an fp64 tensor is ``x``, and a
-    ``dtype=torch.float32`` argument next to an fp64 tensor becomes fp64 (see the docstring)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = dict(kwargs or {})
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if x is not None and x.dtype == torch.float64:
-            to_fp32 = func is torch.Tensor.to and torch.float32 in (*args[1:], kwargs.get("dtype"))
-            if func is torch.Tensor.float or to_fp32:
-                return x
-            if kwargs.get("dtype") is torch.float32:
-                kwargs["dtype"] = torch.float64
-        return func(*args, **kwargs)
 
 
 def _randomize(module: torch.nn.Module, gen: torch.Generator, std: float = 0.3) -> None:
@@ -277,7 +262,7 @@ def _compare(hf_attention, ours: Attention, hf_config, layer: int, dtype: torch.
         torch.testing.assert_close(sin[0], mine[1], rtol=0, atol=0)
     else:
         cos, sin = mine[0].expand(B, S, -1), mine[1].expand(B, S, -1)
-    with _KeepFp64():
+    with KeepFp64():
         y_ref, _ = hf_attention(xh, position_embeddings=(cos, sin), attention_mask=mask)
     y = ours(xo)
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
@@ -285,7 +270,7 @@ def _compare(hf_attention, ours: Attention, hf_config, layer: int, dtype: torch.
     hf_params = dict(hf_attention.named_parameters())
     assert sorted(names) == sorted(hf_params)
     got = _grads(y, [xo, *[p for _, p in ours.named_parameters()]], torch.Generator().manual_seed(5))
-    with _KeepFp64():
+    with KeepFp64():
         ref = _grads(y_ref, [xh, *[hf_params[n] for n in names]], torch.Generator().manual_seed(5))
     for name, a, b in zip(["x", *names], got, ref):
         torch.testing.assert_close(a, b, **TOL[dtype], msg=lambda m, name=name: f"{name}: {m}")  # type: ignore[misc]
@@ -428,10 +413,11 @@ def test_new_parameters_start_as_transformers_starts_them():
 
 
 @pytest.mark.unit
-def test_latent_attention_is_still_refused_and_everything_else_builds():
+def test_every_attention_kind_builds_and_latent_attention_refuses_grouped_key_value_heads():
     mla = AttentionConfig(kind="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-    with pytest.raises(ValueError, match="attention.kind='mla' is not built into MoEGPT yet"):
+    with pytest.raises(ValueError, match="attention.kind='mla' has a key/value head per query head: n_kv_heads=2"):
         MoEGPT(GPTConfig(**BASE, attention=mla))
+    MoEGPT(GPTConfig(**{**BASE, "n_kv_heads": None}, attention=mla))
     MoEGPT(GPTConfig(**BASE, **EVERY_OPTION["yarn-head"]))
     MoEGPT(GPTConfig(**BASE, **EVERY_OPTION["linear-proj-pairs"]))
 
