@@ -201,6 +201,32 @@ def test_chat_prompts_render_and_answer_as_in_transformers(hf_dir, tmp_path, cap
     assert (status, out) == (2, "") and err.count("\n") == 1 and "this template refuses" in err and str(ck) in err
 
 
+def test_which_chat_template_and_special_tokens_a_checkpoint_keeps() -> None:
+    """chat_template.jinja first, else tokenizer_config.json's template, a named list's
+    ``default``; special tokens from tokenizer_config.json over special_tokens_map.json, an
+    AddedToken's description by its content; malformed files named."""
+    from moeflow.cli.chat import chat_template, special_token_texts
+
+    def extra(**files: object) -> dict:
+        return {"hf": {"model_type": "mixtral", "files": {k.replace("_json", ".json").replace("_jinja", ".jinja"):
+                                                          v if isinstance(v, str) else json.dumps(v)
+                                                          for k, v in files.items()}}}
+
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    assert chat_template(extra(tokenizer_config_json={"chat_template": named}), "ck") == "D"
+    assert chat_template(extra(tokenizer_config_json={"chat_template": "C"}, chat_template_jinja="J"), "ck") == "J"
+    assert chat_template(extra(tokenizer_config_json={"eos_token": "</s>"}), "ck") is None
+    assert chat_template({"tokenizer": {"kind": "byte"}}, "ck") is None  # a moeflow run of its own
+    with pytest.raises(ValueError, match="ck: tokenizer_config.json names chat templates.*none 'default'"):
+        chat_template(extra(tokenizer_config_json={"chat_template": named[:1]}), "ck")
+    with pytest.raises(ValueError, match="ck: its kept tokenizer_config.json is not JSON"):
+        chat_template(extra(tokenizer_config_json="{oops"), "ck")
+    special = special_token_texts(extra(
+        tokenizer_config_json={"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "<|im_end|>"},
+        special_tokens_map_json={"eos_token": "</s>", "pad_token": "<pad>"}), "ck")
+    assert special == {"bos_token": "<s>", "eos_token": "<|im_end|>", "pad_token": "<pad>"}
+
+
 @pytest.mark.parametrize("offload", ["host", "disk"])
 def test_infer_offloads_a_converted_model(hf_dir, tmp_path, capsys, offload) -> None:
     """``moeflow infer CKPT --offload host|disk`` on a converted model: the offloaded run's
@@ -220,8 +246,9 @@ def test_fine_tune_a_hugging_face_directory_resume_and_export(hf_dir, tmp_path, 
     """``train --init-from HF_DIR`` trains exactly as ``--init-from`` its converted checkpoint
     (same losses), on ``--data`` tokenized with the model's tokenizer; its checkpoints carry the
     special tokens, the family and the kept files; ``--resume`` continues without the
-    directory's weights; ``convert --to-hf`` writes a Mixtral directory with the original
-    tokenizer files that transformers loads with the fine-tuned weights; ``generate --chat`` and
+    directory's weights; ``convert --to-hf`` (here after a round trip through DCP) writes a
+    Mixtral directory with the original tokenizer files that transformers loads with the
+    fine-tuned weights; ``generate --chat`` and
     ``infer --offload`` run on it."""
     from moeflow.convert.hf_files import HFWeights
     from moeflow.train import build_from_checkpoint
@@ -251,7 +278,9 @@ def test_fine_tune_a_hugging_face_directory_resume_and_export(hf_dir, tmp_path, 
     assert resumed["step"] == [1, 2, 3] and resumed["train_loss"][:2] == a["train_loss"]
     monkeypatch.undo()
 
-    assert _run(["convert", tmp_path / "a", "--to-hf", tmp_path / "out"], capsys)[0] == 0
+    assert _run(["convert", tmp_path / "a", "--to-dcp", tmp_path / "dcp"], capsys)[0] == 0  # and back, through DCP
+    assert _run(["convert", "--from-dcp", tmp_path / "dcp", tmp_path / "c"], capsys)[0] == 0
+    assert _run(["convert", tmp_path / "c", "--to-hf", tmp_path / "out"], capsys)[0] == 0
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                  "chat_template.jinja"):
         assert (tmp_path / "out" / name).read_bytes() == (hf_dir["path"] / name).read_bytes(), name

@@ -4,7 +4,7 @@ checkpoint.
     moeflow generate runs/shakespeare --prompt "ROMEO." --max-new-tokens 200
     moeflow generate runs/shakespeare --prompts-file prompts.txt --batch-size 8 --temperature 0 --eos '\\n'
     moeflow generate runs/shakespeare --offload disk --fast-memory 512MB --mode cache --temperature 0
-    moeflow generate runs/qwen3 --chat --prompt "What is a mixture of experts?"
+    moeflow generate runs/mixtral --chat --prompt "What is a mixture of experts?"
 
 A row stops at any stop token: by default every end-of-sequence id the model declares (a
 converted model's ``generation_config.json`` may list several; the checkpoint's
@@ -210,6 +210,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         args.device = device.device  # the fast tier's too, with --offload
         storage = _storage(args)
         template = None if args.chat_template is None else read_template_file(args.chat_template)
+        args.chat = args.chat or template is not None  # --chat-template implies --chat
         if args.compile and storage is not None:
             raise UsageError(f"--compile cannot go with --offload {args.offload}: the expert store moves experts "
                              "between the host and the fast tier during a step, which a compiled step cannot hold")
@@ -228,7 +229,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                              "directory without tokenizer.json); sample with transformers' tokenizer instead")
         eos = _eos_ids(args.eos, tok, _declared_eos(info["extra"], tok, model.config.vocab_size, str(args.checkpoint)))
         _check_sampling(args, model, top_k, eos)  # before the device line: a refusal is one line
-        if args.chat or template is not None:
+        if args.chat:
             prompts = _chat_prompts(prompts, info["extra"], template, str(args.checkpoint))
             encoded = [tok.encode(p, add_special_tokens=False) or [0] for p in prompts]  # they hold their own
         else:
@@ -274,7 +275,7 @@ def _generate_all(args, model, tok, prompts, encoded, new, top_k, eos) -> int:  
         for i, (ids, out) in enumerate(zip(batch, result.tokens)):
             if len(prompts) > 1:
                 print(f"### prompt {start + i + 1}")
-            print(tok.decode(out if args.chat or args.chat_template is not None else ids + out))  # a chat: the reply
+            print(tok.decode(out if args.chat else ids + out))  # a chat: the reply alone
     print(f"prefill: {_rate(*prefill)}; decode: {_rate(*decode)}; batch size {args.batch_size}", file=sys.stderr)
     return 0
 
