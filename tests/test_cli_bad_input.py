@@ -102,6 +102,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("train-init-from-and-experts", _train("--init-from", "{ckpt}", "--experts", "4"), "--init-from"),
     ("train-init-from-and-layers", _train("--init-from", "{ckpt}", "--layers", "2"), "--init-from"),
     ("train-init-from-seq-len-beyond-context", _train("--init-from", "{ckpt}", "--seq-len", "64"), "--seq-len"),
+    # a Hugging Face directory (without a tokenizer: trained on bytes, which its 64 ids cannot hold)
+    ("train-init-from-hf-no-tokenizer", _train("--init-from", "{hf_ok}"), "--init-from"),
+    ("train-init-from-hf-no-hidden-size", _train("--init-from", "{hf_no_hidden_size}"), "hidden_size"),
     *_bad("--config", "{missing}", label="missing"),
     *_bad("--config", "{dir}", label="dir"),
     *_bad("--config", "{file}", label="not-toml"),
@@ -192,6 +195,9 @@ CASES: list[tuple[str, list[str], str]] = [
       for v in ("nan", "inf", "-1")],
     ("generate-top-k-negative", ["generate", "{ckpt}", "--top-k", "-1"], "--top-k"),
     ("generate-seed-negative", ["generate", "{ckpt}", "--seed", "-1"], "--seed"),
+    ("generate-chat-no-template", ["generate", "{ckpt}", "--chat"], "{ckpt}"),
+    ("generate-chat-template-missing", ["generate", "{ckpt}", "--chat-template", "{missing}"], "--chat-template"),
+    ("generate-chat-template-dir", ["generate", "{ckpt}", "--chat-template", "{dir}"], "--chat-template"),
     *[(f"generate-fast-memory-{v}", ["generate", "{ckpt}", "--offload", "disk", "--fast-memory", v], "--fast-memory")
       for v in ("12XB", "0", "nan", "-1", "lots")],
     ("generate-fast-memory-no-offload", ["generate", "{ckpt}", "--fast-memory", "1MB"], "--offload"),

@@ -34,10 +34,10 @@ MIXTRAL = {"model_type": "mixtral", "vocab_size": 40, "hidden_size": 32, "interm
 @pytest.mark.unit
 def test_the_registry_refuses_an_unknown_family_naming_the_supported_ones(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL, "model_type": "llama"}))
-    with pytest.raises(CheckpointError, match=r"model_type 'llama' is not supported; moeflow converts .*'mixtral', "
-                                              r"'olmoe', 'qwen2_moe', 'qwen3_moe'"):
+    with pytest.raises(CheckpointError, match=r"model_type 'llama' is not supported; moeflow converts 'deepseek_v3', "
+                                              r"'gpt_oss', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'"):
         gpt_from_hf(tmp_path)
-    assert {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss"} <= set(FAMILIES)
+    assert {"deepseek_v3", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss"} <= set(FAMILIES)
     assert all(fam.model_type == key for key, fam in FAMILIES.items()) and FAMILIES["mixtral"].name == "Mixtral"
     with pytest.raises(ValueError, match="family must be one of"):
         gpt_to_hf(MoEGPT(gpt_config_from_hf(MIXTRAL)), tmp_path / "out", family="llama")
@@ -270,7 +270,7 @@ def test_a_sharded_transformers_checkpoint_round_trips_with_its_tokenizer(tmp_pa
     (["convert", "{ck}", "--info", "--max-shard-size", "5GB"], "--max-shard-size 5GB goes with --to-hf"),
     (["convert", "--from-hf", "{hf}", "{new}", "--family", "mixtral"], "--family mixtral goes with --to-hf"),
     (["convert", "{ck}", "--to-hf", "{new}", "--max-shard-size", "lots"], "--max-shard-size must be"),
-    (["convert", "{ck}", "--to-hf", "{new}", "--family", "llama"], "--family llama: moeflow converts "),
+    (["convert", "{ck}", "--to-hf", "{new}", "--family", "llama"], "--family llama: moeflow converts deepseek_v3, "),
 ])
 def test_convert_flags_refuse_clearly(tmp_path, gen, capsys, argv, words) -> None:
     _, hf = _tiny(tmp_path, gen)

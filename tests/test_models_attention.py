@@ -413,10 +413,11 @@ def test_new_parameters_start_as_transformers_starts_them():
 
 
 @pytest.mark.unit
-def test_latent_attention_is_still_refused_and_everything_else_builds():
+def test_every_attention_kind_builds_and_latent_attention_refuses_grouped_key_value_heads():
     mla = AttentionConfig(kind="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
-    with pytest.raises(ValueError, match="attention.kind='mla' is not built into MoEGPT yet"):
+    with pytest.raises(ValueError, match="attention.kind='mla' has a key/value head per query head: n_kv_heads=2"):
         MoEGPT(GPTConfig(**BASE, attention=mla))
+    MoEGPT(GPTConfig(**{**BASE, "n_kv_heads": None}, attention=mla))
     MoEGPT(GPTConfig(**BASE, **EVERY_OPTION["yarn-head"]))
     MoEGPT(GPTConfig(**BASE, **EVERY_OPTION["linear-proj-pairs"]))
 

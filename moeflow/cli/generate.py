@@ -1,8 +1,16 @@
-"""``moeflow generate``: sample text from a ``moeflow train`` checkpoint.
+"""``moeflow generate``: sample text from a ``moeflow train`` or ``moeflow convert --from-hf``
+checkpoint.
 
     moeflow generate runs/shakespeare --prompt "ROMEO." --max-new-tokens 200
     moeflow generate runs/shakespeare --prompts-file prompts.txt --batch-size 8 --temperature 0 --eos '\\n'
     moeflow generate runs/shakespeare --offload disk --fast-memory 512MB --mode cache --temperature 0
+    moeflow generate runs/mixtral --chat --prompt "What is a mixture of experts?"
+
+A row stops at any stop token: by default every end-of-sequence id the model declares (a
+converted model's ``generation_config.json`` may list several; the checkpoint's
+``extra["special_tokens"]``) and the tokenizer's end-of-document token; ``--eos`` replaces them.
+With ``--chat`` each prompt is the user's message, rendered through the model's chat template
+(``moeflow.cli.chat``), and only the replies are printed.
 
 The model runs on ``--device`` (default: CUDA where torch sees it, else the CPU; the first line on
 stderr says which and why), and sampling draws with a generator made there from ``--seed``
@@ -29,6 +37,7 @@ import math
 import sys
 from pathlib import Path
 
+from moeflow.cli.chat import read_template_file
 from moeflow.cli.errors import UsageError
 from moeflow.cli.flags import choose_device
 from moeflow.cli.offload import (
@@ -43,10 +52,11 @@ __all__ = ["add_generate", "sample", "seeded_generator"]
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="sample text from a `moeflow train` checkpoint",
-                       description="Rebuild the model and tokenizer of a `moeflow train` checkpoint (any world size "
-                       "that wrote it) and continue --prompt, or each line of --prompts-file, in batches "
-                       "(KV-cached). Prints the completions, then prefill and decode tokens/s on stderr.")
+    p = sub.add_parser("generate", help="sample text from a `moeflow train` or `moeflow convert --from-hf` checkpoint",
+                       description="Rebuild the model and tokenizer of a `moeflow train` or `moeflow convert "
+                       "--from-hf` checkpoint (any world size that wrote it) and continue --prompt, or each line of "
+                       "--prompts-file, in batches (KV-cached), or with --chat answer them through the model's chat "
+                       "template. Prints the completions, then prefill and decode tokens/s on stderr.")
     p.add_argument("checkpoint", type=Path, help="a checkpoint directory, a checkpoints root, or a train --out directory")
     p.add_argument("--prompt", default="ROMEO.\n", help="one prompt ('\\n' is a newline); default 'ROMEO.\\n'")
     p.add_argument("--prompts-file", type=Path, default=None, metavar="PATH",
@@ -56,8 +66,15 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)  # the old name of --max-new-tokens
     p.add_argument("--eos", action="append", default=None, metavar="TOKEN",
                    help="stop a row after this token: a token id, or text the tokenizer encodes as one token "
-                   "(e.g. '\\n'); repeat for several (default: the tokenizer's end-of-document token, where it has one: a "
-                   "model trained on your own documents ends one with it)")
+                   "(e.g. '\\n'); repeat for several (default: every end-of-sequence id the model declares, e.g. "
+                   "generation_config.json's list, and the tokenizer's end-of-document token, with which a model "
+                   "trained on your own documents ends one)")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is the user's message: render it through the checkpoint's chat template (kept "
+                   "from its Hugging Face directory) with the assistant's turn after it, and print only the replies "
+                   "(needs transformers: pip install 'moeflow[hf]')")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="with --chat (implied): a Jinja chat template to use instead of the checkpoint's")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--sample-top-k", type=int, default=None, metavar="K",
                    help="sample among the k most likely tokens only; 0 = all (default 40). Not the router's "
@@ -142,11 +159,27 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _eos_ids(values: list[str] | None, tok) -> list[int]:  # type: ignore[no-untyped-def]
-    if values is None and getattr(tok, "eod", None) is not None:
-        return [int(tok.eod)]  # what follows a document's end is another document
+def _declared_eos(extra: dict, tok, vocab_size: int, where: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """The stop ids a checkpoint declares: every end-of-sequence id of its ``special_tokens``
+    (a converted model's, carried on by a run fine-tuned from it: ``generation_config.json``'s,
+    which may be a list, else ``config.json``'s), then the tokenizer's end-of-document token
+    (what follows a document's end is another document), each once."""
+    from moeflow.convert.hf_tokenizer import check_special_tokens
+
+    declared = extra.get("special_tokens")
+    ids = [] if declared is None else check_special_tokens(declared, vocab_size, f"{where}: special_tokens")[
+        "eos_token_id"]
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    eod = getattr(tok, "eod", None)
+    return list(dict.fromkeys([*ids, *([int(eod)] if eod is not None else [])]))
+
+
+def _eos_ids(values: list[str] | None, tok, declared: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    """``--eos`` as token ids, or without it the ``declared`` ones."""
+    if values is None:
+        return declared
     ids = []
-    for value in values or []:
+    for value in values:
         if value.lstrip("-").isdigit():
             ids.append(int(value))
             continue
@@ -176,6 +209,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         device = choose_device("--device", args.device)
         args.device = device.device  # the fast tier's too, with --offload
         storage = _storage(args)
+        template = None if args.chat_template is None else read_template_file(args.chat_template)
+        args.chat = args.chat or template is not None  # --chat-template implies --chat
         if args.compile and storage is not None:
             raise UsageError(f"--compile cannot go with --offload {args.offload}: the expert store moves experts "
                              "between the host and the fast tier during a step, which a compiled step cannot hold")
@@ -188,13 +223,17 @@ def _run_generate(args: argparse.Namespace) -> int:
         from moeflow.train import build_from_checkpoint
 
         # offloaded experts go from the host to their store; the rest of the model to --device
-        model, tok, _ = build_from_checkpoint(str(args.checkpoint), device="cpu" if storage else device.device)
+        model, tok, info = build_from_checkpoint(str(args.checkpoint), device="cpu" if storage else device.device)
         if tok is None:
-            raise ValueError(f"{args.checkpoint}: the checkpoint has no tokenizer (converted from Hugging Face); "
-                             "sample with transformers' tokenizer instead")
-        eos = _eos_ids(args.eos, tok)
+            raise ValueError(f"{args.checkpoint}: the checkpoint has no tokenizer (converted from a Hugging Face "
+                             "directory without tokenizer.json); sample with transformers' tokenizer instead")
+        eos = _eos_ids(args.eos, tok, _declared_eos(info["extra"], tok, model.config.vocab_size, str(args.checkpoint)))
         _check_sampling(args, model, top_k, eos)  # before the device line: a refusal is one line
-        encoded = [tok.encode(p) or [0] for p in prompts]
+        if args.chat:
+            prompts = _chat_prompts(prompts, info["extra"], template, str(args.checkpoint))
+            encoded = [tok.encode(p, add_special_tokens=False) or [0] for p in prompts]  # they hold their own
+        else:
+            encoded = [tok.encode(p) or [0] for p in prompts]
         if storage is None:
             print(device.line, file=sys.stderr, flush=True)
             return _generate_all(args, model, tok, prompts, encoded, new, top_k, eos)
@@ -202,7 +241,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
         model = model.to(storage.device)
         store = offload_experts(model, storage)
-    except (CheckpointError, ValueError, TypeError) as err:
+    except (CheckpointError, ValueError, TypeError, ImportError) as err:
         return _fail(str(err))
     print(device.line, file=sys.stderr, flush=True)
     try:
@@ -236,9 +275,23 @@ def _generate_all(args, model, tok, prompts, encoded, new, top_k, eos) -> int:  
         for i, (ids, out) in enumerate(zip(batch, result.tokens)):
             if len(prompts) > 1:
                 print(f"### prompt {start + i + 1}")
-            print(tok.decode(ids + out))
+            print(tok.decode(out if args.chat else ids + out))  # a chat: the reply alone
     print(f"prefill: {_rate(*prefill)}; decode: {_rate(*decode)}; batch size {args.batch_size}", file=sys.stderr)
     return 0
+
+
+def _chat_prompts(prompts: list[str], extra: dict, template: str | None, where: str) -> list[str]:
+    """Each prompt as the user's message through the chat template (``template``, from
+    ``--chat-template``, else the checkpoint's), ready to encode (``moeflow.cli.chat``)."""
+    from moeflow.cli.chat import chat_template, render_chat, special_token_texts
+
+    template = template if template is not None else chat_template(extra, where)
+    if template is None:
+        raise ValueError(f"--chat: the checkpoint {where} has no chat template (no chat_template.jinja or "
+                         "tokenizer_config.json chat_template kept from a Hugging Face directory); give one with "
+                         "--chat-template FILE")
+    special = special_token_texts(extra, where)
+    return [render_chat(template, p, special, where) for p in prompts]
 
 
 def _rate(tokens: int, seconds: float) -> str:
@@ -258,16 +311,16 @@ def seeded_generator(model, seed: int):  # type: ignore[no-untyped-def]
 def sample(checkpoint: str, prompt: str, tokens: int, temperature: float, top_k: int | None, seed: int, *,
            device: str = "cpu") -> str:
     """``prompt`` and ``tokens`` sampled tokens after it, from the model and tokenizer of a ``moeflow
-    train`` checkpoint, run on ``device`` (``ValueError`` when it has no tokenizer, e.g. one
-    converted from Mixtral)."""
+    train`` checkpoint, run on ``device`` (``ValueError`` when it has no tokenizer: one converted
+    from a Hugging Face directory without ``tokenizer.json``)."""
     import torch
 
     from moeflow.train import build_from_checkpoint
 
     model, tok, _ = build_from_checkpoint(checkpoint, device=device)
     if tok is None:
-        raise ValueError(f"{checkpoint}: the checkpoint has no tokenizer (converted from Hugging Face); "
-                         "sample with transformers' tokenizer instead")
+        raise ValueError(f"{checkpoint}: the checkpoint has no tokenizer (converted from a Hugging Face directory "
+                         "without tokenizer.json); sample with transformers' tokenizer instead")
     ids = tok.encode(prompt) or [0]
     out = model.generate(torch.tensor([ids], device=model.lm_head.weight.device), tokens, temperature=temperature,
                          top_k=top_k, generator=seeded_generator(model, seed))

@@ -78,11 +78,13 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-recompute", dest="expert_recompute", action="store_true",
                    help="experts keep only their input rows and recompute the hidden activation in backward: "
                    "the same gradients with less activation memory, at more time")
-    p.add_argument("--init-from", dest="init_from", type=Path, default=None, metavar="CKPT",
-                   help="start from the weights of this checkpoint (or run directory): one `moeflow convert "
-                   "--from-hf` wrote, or an earlier run's; the model and tokenizer are the checkpoint's (the model "
-                   "flags above are refused, --preset and --tokenizer unused), the optimizer and step start fresh in "
-                   "a new --out (default: random initial weights)")
+    p.add_argument("--init-from", dest="init_from", type=Path, default=None, metavar="CKPT|HF_DIR",
+                   help="start from the weights of this checkpoint (or run directory: one `moeflow convert "
+                   "--from-hf` wrote, or an earlier run's) or Hugging Face model directory (config.json, safetensors, "
+                   "tokenizer.json; converted in memory, every rank reading it); the model and tokenizer are its own "
+                   "(the model flags above are refused, --preset and --tokenizer unused), the optimizer and step "
+                   "start fresh in a new --out, whose checkpoints keep its special tokens and Hugging Face files "
+                   "for generate and convert --to-hf (default: random initial weights)")
     p.add_argument("--seq-len", type=int, default=128,
                    help="model context: tokens per training sequence, and the longest prompt + output the model "
                    "takes (infer's --seq-len is a prompt length)")
@@ -280,6 +282,10 @@ def _refusal(args: argparse.Namespace, cfg, job) -> str | None:  # type: ignore[
         return "--expert-slots applies with --rebalance-every N"
     try:  # torchrun's LOCAL_WORLD_SIZE may differ between nodes: the ranks compare it once they are connected
         check_world_settings(cfg, world, args.nproc if job is None else None)
+        if cfg.init_from is not None and not cfg.resume:  # a new run reads them (a resumed one continues its own)
+            from moeflow.train.init_from import check_init_weights
+
+            check_init_weights(cfg.init_from)
         if cfg.data:  # one's own sources: they exist (their contents are read, and checked, by the run)
             from moeflow.train.lm_config import source_weight
 

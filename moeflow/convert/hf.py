@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from moeflow.checkpoint.schema import CheckpointError
+from moeflow.convert.deepseek_v3 import DEEPSEEK_V3
 from moeflow.convert.family import Family
 from moeflow.convert.gpt_oss import GPT_OSS
 from moeflow.convert.hf_files import DEFAULT_SHARD_SIZE, read_hf_config
@@ -30,7 +31,8 @@ from moeflow.models.gpt import MoEGPT
 
 __all__ = ["FAMILIES", "family_of", "gpt_from_hf", "gpt_to_hf", "import_hf"]
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, OLMOE, GPT_OSS)}
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, DEEPSEEK_V3, QWEN3_MOE, QWEN2_MOE, OLMOE,
+                                                         GPT_OSS)}
 
 
 def family_of(model_type: object) -> Family:

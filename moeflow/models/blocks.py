@@ -1,8 +1,9 @@
 """The decoder blocks of ``MoEGPT`` (legend: ``moeflow.models.gpt``): the pre-norm block around
-the attention (``moeflow.models.attention``: grouped-query, with the options of
-``AttentionConfig``; whole sequence, cached or static step) and the FFN, a ``moeflow.MoE`` on
-MoE blocks and a ``DenseFFN`` otherwise. Parameter names follow Hugging Face's Llama/Mixtral
-naming (``q_proj``, ``o_proj``).
+the attention (``AttentionConfig.kind``: grouped-query, ``moeflow.models.attention``, or
+multi-head latent, ``moeflow.models.mla``; whole sequence, cached or static step) and the FFN, a
+``moeflow.MoE`` on MoE blocks and a ``DenseFFN`` otherwise. Parameter names follow Hugging
+Face's Llama/Mixtral naming (``q_proj``, ``o_proj``) and, for latent attention, issue 47's
+design (``q_a_proj``, ``kv_a_proj``, ``kv_b_proj``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from moeflow.layer import MoE
 from moeflow.models.attention import Attention, RMSNorm
 from moeflow.models.gpt_config import GPTConfig
 from moeflow.models.kv_cache import StaticStep, StepInputs
+from moeflow.models.mla import LatentAttention
 
 # (RMSNorm is re-exported: the model's modules import it from here)
 __all__ = ["RMSNorm", "Attention", "Block"]
@@ -24,13 +26,18 @@ __all__ = ["RMSNorm", "Attention", "Block"]
 
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``; the FFN
-    is a ``moeflow.MoE`` on MoE blocks and a ``DenseFFN`` otherwise. ``layer``: the block's
-    index (whether its attention slides)."""
+    is a ``moeflow.MoE`` on MoE blocks and a ``DenseFFN`` otherwise; the attention an
+    ``Attention`` (``kind="gqa"``) or a ``LatentAttention`` (``kind="mla"``). ``layer``: the
+    block's index (whether its attention slides)."""
 
     def __init__(self, config: GPTConfig, moe: bool, *, layer: int, **kw: object) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, **kw)
-        self.attn = Attention(config, layer, **kw)
+        self.attn: Attention | LatentAttention
+        if config.attention.kind == "mla":
+            self.attn = LatentAttention(config, **kw)  # type: ignore[arg-type]
+        else:
+            self.attn = Attention(config, layer, **kw)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, **kw)
         self.ffn: nn.Module
         if moe:

@@ -1,9 +1,10 @@
 """A decoder-only MoE language model you can read on one screen (legend below).
 
 Llama/Mixtral-style blocks (``moeflow.models.blocks``): RMSNorm, rotary position embeddings,
-grouped-query attention, gated FFNs. Every ``moe_every``-th block (fairseq's ``moe_freq``: block
-``i`` is MoE when ``(i + 1) % moe_every == 0``) replaces its FFN with a ``moeflow.MoE`` layer;
-``moe_every=1`` makes every block MoE (Mixtral), 0 makes a dense model. Its shape is a
+grouped-query or multi-head latent attention (DeepSeek's: ``moeflow.models.mla``), gated FFNs.
+Every ``moe_every``-th block (fairseq's ``moe_freq``: block ``i`` is MoE when ``(i + 1) %
+moe_every == 0``) replaces its FFN with a ``moeflow.MoE`` layer; ``moe_every=1`` makes every
+block MoE (Mixtral), 0 makes a dense model. Its shape is a
 ``GPTConfig`` (``moeflow.models.gpt_config``, with the presets). Parameter names follow Hugging
 Face's Llama/Mixtral naming where there is one (``q_proj``, ``o_proj``), which keeps
 ``moeflow.convert.mixtral`` (Mixtral import/export) a table of renames.
@@ -33,10 +34,13 @@ __all__ = ["GPTConfig", "MoEGPT", "RMSNorm", "GPT_PRESETS", "gpt_config"]
 
 
 def _refuse_unbuilt(config: GPTConfig) -> None:
-    """``ValueError`` naming a configured attention option this decoder does not build yet
-    (never silently ignored): latent attention."""
-    if config.attention.kind != "gqa":
-        raise ValueError(f"attention.kind={config.attention.kind!r} is not built into MoEGPT yet")
+    """``ValueError`` naming a configured attention option this decoder does not build (never
+    silently ignored): latent attention with ``n_kv_heads`` other than ``n_heads`` (its keys and
+    values have one head per query head, expanded from the shared latent)."""
+    c = config
+    if c.attention.kind == "mla" and c.n_kv_heads not in (None, c.n_heads):
+        raise ValueError(f"attention.kind='mla' has a key/value head per query head: n_kv_heads={c.n_kv_heads} "
+                         f"must be None or n_heads={c.n_heads}")
 
 
 class MoEGPT(nn.Module):
@@ -67,16 +71,18 @@ class MoEGPT(nn.Module):
     def _init_dense(self, std: float) -> None:
         # GPT-2's scheme: N(0, std) everywhere, output projections scaled by 1/sqrt(2 * layers)
         # so the residual stream's variance does not grow with depth. Experts init themselves.
-        # Attention biases start at zero, query/key norms at one (their modules' own start) and
-        # sinks N(0, std), as transformers starts gpt-oss's.
+        # Every projection of the attention (grouped-query or latent) is drawn in the order its
+        # module defines them. Attention biases start at zero, norms at one (their modules' own
+        # start) and sinks N(0, std), as transformers starts gpt-oss's.
         nn.init.normal_(self.embed.weight, std=std)
         nn.init.normal_(self.lm_head.weight, std=std)
         for block in self.layers:
             attn = block.attn
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
-                nn.init.normal_(lin.weight, std=std)
-            nn.init.normal_(attn.o_proj.weight, std=std / math.sqrt(2 * self.config.n_layers))
-            if attn.sinks is not None:
+            for name, lin in attn.named_children():
+                if isinstance(lin, nn.Linear):
+                    out = name == "o_proj"
+                    nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.config.n_layers) if out else std)
+            if getattr(attn, "sinks", None) is not None:
                 nn.init.normal_(attn.sinks, std=std)
 
     def forward(self, idx_BS: torch.Tensor) -> torch.Tensor:
@@ -114,15 +120,21 @@ class MoEGPT(nn.Module):
     def new_cache(self, pad_B: torch.Tensor, capacity: int, *, zeroed: bool = False) -> KVCache:
         """An empty ``KVCache`` for ``len(pad_B)`` rows (``pad_B[b]`` left-pad columns in row
         ``b``) and ``capacity <= max_seq_len`` columns, on the model's device and dtype
-        (``zeroed``: filled with zeros, as ``decode_step`` needs)."""
+        (``zeroed``: filled with zeros, as ``decode_step`` needs). Grouped-query attention
+        caches keys and values ``[B, G, L, Hd]``; latent attention its latent ``[B, 1, L,
+        kv_lora_rank]`` as the "keys" and its rotated key part ``[B, 1, L, qk_rope_head_dim]``
+        as the "values" (``moeflow.models.mla``)."""
         _int("capacity", capacity, minimum=1)
         if capacity > self.config.max_seq_len:
             raise ValueError(f"capacity={capacity} exceeds max_seq_len={self.config.max_seq_len}")
         ref, c = self.embed.weight, self.config
         cos, sin = rope_cos_sin(capacity, c.rotary_dim, c.rope_theta, ref.device, ref.dtype, scaling=c.rope_scaling)
-        slides = any(c.attention.slides(i) for i in range(c.n_layers))
-        return KVCache(n_layers=c.n_layers, batch=pad_B.shape[0], kv_heads=c.kv_heads, k_dim=c.head_dim,
-                       v_dim=c.head_dim, capacity=capacity, pad_B=pad_B, cos_LR=cos, sin_LR=sin,
+        a = c.attention
+        slides = any(a.slides(i) for i in range(c.n_layers))
+        heads, k_dim, v_dim = (1, a.kv_lora_rank, a.qk_rope_head_dim) if a.kind == "mla" else (
+            c.kv_heads, c.head_dim, c.head_dim)
+        return KVCache(n_layers=c.n_layers, batch=pad_B.shape[0], kv_heads=heads, k_dim=k_dim,
+                       v_dim=v_dim, capacity=capacity, pad_B=pad_B, cos_LR=cos, sin_LR=sin,
                        window=c.attention.sliding_window if slides else None, device=ref.device, dtype=ref.dtype,
                        zeroed=zeroed)
 

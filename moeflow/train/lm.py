@@ -54,7 +54,7 @@ from moeflow.parallel import (
 )
 from moeflow.parallel.comm import ProcessGroup, all_reduce_sum, process_position
 from moeflow.train.data import load_corpus
-from moeflow.train.init_from import init_checkpoint
+from moeflow.train.init_from import check_init_weights, init_model
 from moeflow.train.lm_checkpoint import (
     MODEL_FAMILY,
     build_from_checkpoint,
@@ -105,6 +105,8 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         raise ValueError(f"exchange='two-level' groups the ranks of the whole job by node: it needs group=None and "
                          f"node_size (ranks per node, the same on every node), got node_size={node_size}")
     corpus = None if cfg.data else load_corpus(cfg.val_works)
+    if cfg.init_from is not None and not cfg.resume:  # a new run: its weights can be read (before out_dir is claimed)
+        check_init_weights(cfg.init_from)
     run = open_run(cfg, group)  # refuses another run in out_dir, claims it, finds the checkpoint to resume
     if run.finished:
         return run.history
@@ -130,9 +132,10 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     model_cfg = cfg.model_config(vocab_size=tok.vocab_size)
-    model = MoEGPT(model_cfg, device=device, dtype=getattr(torch, cfg.dtype))
     if cfg.init_from is not None and run.checkpoint is None:  # the whole model on every rank, then spread
-        load_checkpoint(init_checkpoint(cfg.init_from)[0], model, restore_rng=False)
+        model = init_model(cfg.init_from, model_cfg, dtype=getattr(torch, cfg.dtype), device=device)
+    else:  # random, or the weights of the checkpoint the run continues (loaded below)
+        model = MoEGPT(model_cfg, device=device, dtype=getattr(torch, cfg.dtype))
     if world > 1:
         hierarchy = make_groups(world, node_size=node_size).hierarchy if exchange == "two-level" else None
         expert_parallel(model, group, config=cfg.parallel_config(), hierarchy=hierarchy)

@@ -12,7 +12,8 @@ One run per directory (``out_dir``)::
                            began and on how many ranks (an elastic job changes it)
     checkpoints/step-*     the checkpoints (``moeflow.checkpoint``); their ``extra`` is
                            ``checkpoint_extra``: model family and config, dtype, tokenizer, the
-                           training config and the run id (small: no history, flat in steps)
+                           training config and the run id (small: no history, flat in steps);
+                           with ``init_from``, that model's special tokens and Hugging Face files
     training.png, tuned.json
                            the plot, the tuner's choices (``train_config.json``, which older
                            ``--nproc`` runs wrote, is removed by ``overwrite`` too)
@@ -62,7 +63,7 @@ from moeflow.checkpoint.format import checkpoint_dir
 from moeflow.models import GPTConfig, MoEGPT
 from moeflow.parallel.comm import ProcessGroup, gather_objects, process_position
 from moeflow.train.data import Tokenizer, tokenizer_from_dict
-from moeflow.train.init_from import MODEL_OVERRIDES
+from moeflow.train.init_from import MODEL_OVERRIDES, carried_extra
 from moeflow.train.lm_config import LMTrainConfig
 
 __all__ = ["MODEL_FAMILY", "RunState", "build_from_checkpoint", "checkpoint_extra", "claim_run", "claimed_by",
@@ -85,9 +86,10 @@ T = TypeVar("T")
 def checkpoint_extra(cfg: LMTrainConfig, model_cfg: GPTConfig, tok: Tokenizer, run_id: str,
                      data: dict | None = None) -> dict:
     """The ``extra`` every checkpoint of this run stores: what rebuilding and resuming need
-    (``data``: the fingerprints of one's own training and validation data)."""
+    (``data``: the fingerprints of one's own training and validation data), and with
+    ``init_from`` what generating and exporting need of that model (``carried_extra``)."""
     extra = {"family": MODEL_FAMILY, "model": model_cfg.to_dict(), "dtype": cfg.dtype, "tokenizer": tok.to_dict(),
-             "train": cfg.to_dict(), "run_id": run_id}
+             "train": cfg.to_dict(), "run_id": run_id, **carried_extra(cfg.init_extra())}
     return extra if data is None else {**extra, "data": data}
 
 
@@ -366,8 +368,8 @@ def open_run(cfg: LMTrainConfig, group: ProcessGroup | None) -> RunState:
 def build_from_checkpoint(path: str | Path, *, device: str = "cpu") -> tuple[MoEGPT, Tokenizer | None, dict]:
     """Rebuild the model and tokenizer a ``moeflow train`` (or ``moeflow convert --from-hf``)
     checkpoint was written with and load its weights (one process, whatever world size wrote
-    it). Returns ``(model, tokenizer, info)``; the tokenizer is ``None`` for a converted model,
-    whose tokenizer lives with the Hugging Face files."""
+    it). Returns ``(model, tokenizer, info)``; the tokenizer is ``None`` only for a model converted
+    from a Hugging Face directory without ``tokenizer.json``."""
     path = Path(path)
     if not (path / "index.json").exists() and latest_checkpoint(path) is None:
         if latest_checkpoint(path / "checkpoints") is None:

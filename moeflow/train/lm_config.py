@@ -258,8 +258,8 @@ class LMTrainConfig:
             raise ValueError(f"seq_len={self.seq_len} is longer than the context of the init_from model "
                              f"({model.max_seq_len} tokens)")
         if self.init_from is not None and self.init_extra().get("tokenizer") is None and model.vocab_size < 256:
-            raise ValueError(f"init_from={str(self.init_from)!r} has no tokenizer (a converted model: trained on "
-                             f"bytes) and a vocabulary of {model.vocab_size} ids, fewer than the 256 bytes")
+            raise ValueError(f"init_from={str(self.init_from)!r} has no tokenizer (a model converted without "
+                             f"tokenizer.json: trained on bytes) and a vocabulary of {model.vocab_size} ids, fewer than the 256 bytes")
         self.parallel_config()  # and the parallel settings
 
     def init_extra(self) -> dict | None:

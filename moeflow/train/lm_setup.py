@@ -53,7 +53,7 @@ def build_optimizer(model: MoEGPT, cfg: LMTrainConfig) -> torch.optim.Optimizer:
 
 
 def corpus_tokenizer(cfg: LMTrainConfig, train_text: str, group: ProcessGroup | None) -> Tokenizer:
-    if cfg.init_from is not None:  # the checkpoint's; bytes for a converted model (moeflow.train.init_from)
+    if cfg.init_from is not None:  # the model's own; bytes for one without (moeflow.train.init_from)
         saved = cfg.init_extra().get("tokenizer")  # type: ignore[union-attr]
         return ByteTokenizer() if saved is None else tokenizer_from_dict(saved)
     if cfg.tokenizer == "byte":

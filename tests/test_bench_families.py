@@ -1,0 +1,40 @@
+"""``python -m bench.families`` (the public families against transformers, whole models on the
+same weights) at tiny shapes: a row per family with both candidates' figures, greedy tokens
+compared, and bad flags refused by name. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from bench import families  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_tiny_family_run_reports_both_candidates(tmp_path):
+    out = tmp_path / "families.json"
+    assert families.main(["--families", "mixtral", "--shape", "tiny", "--repeats", "1", "--tokens", "17",
+                          "--new-tokens", "4", "--prompt-len", "5", "--hf-experts", "eager", "--no-hf-static",
+                          "--threads", "1", "--clock", "cpu", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert row["family"] == "mixtral" and row["parameters"] > 0
+    train, decode = row["train"], row["decode"]
+    assert train["tokens"] == 2 * 16 and set(train["median_s"]) == {"moeflow", "hf:eager"}
+    assert train["ratio"] == pytest.approx(train["median_s"]["hf:eager"] / train["median_s"]["moeflow"])
+    assert set(decode["tokens_per_s"]) == {"moeflow:compiled", "hf:generate"}
+    assert decode["tokens_equal"]["moeflow:compiled"] is True  # the same weights, greedy: the same tokens
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--families", "llama"], "not one of|does not convert"),
+    (["--tokens", "1"], "--tokens must be at least 2"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+])
+def test_bad_flags_are_refused_by_name(argv, match):
+    with pytest.raises(SystemExit, match=match):
+        families.main(argv)
