@@ -191,17 +191,18 @@ def read_files(path: Path) -> dict[str, torch.Tensor]:
 
 def check_round_trip(path: Path, out: Path) -> None:
     ours = gpt_from_hf(path)
-    family = FAMILIES[ours_type := json.loads((path / "config.json").read_text())["model_type"]]
+    source = json.loads((path / "config.json").read_text())
+    model_type, family = source["model_type"], FAMILIES[source["model_type"]]
     state, cfg = ours.state_dict(), ours.config
     # the tensor map agrees with moe_blocks' FFN maps on every block (files in, files out)
     files = read_files(path)
     for i in range(cfg.n_layers):
-        for name, t in ffn_from_hf(ours_type, files, cfg, i).items():
+        for name, t in ffn_from_hf(model_type, files, cfg, i).items():
             assert torch.equal(state[name], t), name
-        for name, t in ffn_to_hf(ours_type, state, cfg, i).items():
+        for name, t in ffn_to_hf(model_type, state, cfg, i).items():
             assert torch.equal(files[name], t), name
-    gpt_to_hf(ours, out / "moeflow", family=family.model_type, max_shard_size=SHARD)
-    cls = type(transformers().AutoModelForCausalLM.from_pretrained(path))
+    gpt_to_hf(ours, out / "moeflow", family=model_type, max_shard_size=SHARD)
+    cls = getattr(transformers(), source["architectures"][0])  # the family's own class, e.g. Qwen3MoeForCausalLM
     theirs, info = cls.from_pretrained(out / "moeflow", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert theirs.config.model_type == family.model_type
