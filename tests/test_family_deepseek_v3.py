@@ -395,3 +395,38 @@ def test_an_exported_model_reads_back_to_its_config():
     with torch.device("meta"):
         names = {n for n, _ in MoEGPT(cfg).named_parameters()}
     assert names <= {e.ours for e in entries} and len({e.ours for e in entries}) == len(entries)
+
+
+@pytest.mark.integration
+def test_a_stored_multi_token_prediction_block_is_left_out_with_a_warning(saved, tmp_path):
+    """Published DeepSeek-V3 checkpoints store their multi-token-prediction block after the
+    decoder's (``model.layers.{num_hidden_layers}.``, ``num_nextn_predict_layers``): left out with
+    a warning naming it, as transformers leaves it out; without the config's count, refused."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path, _ = saved
+    mtp = tmp_path / "mtp"
+    shutil.copytree(path, mtp)
+    config = json.loads((mtp / "config.json").read_text())
+    L = config["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(5)
+    extra = {f"model.layers.{L}.eh_proj.weight": torch.randn(4, 8, generator=gen),
+             f"model.layers.{L}.enorm.weight": torch.randn(4, generator=gen)}
+    save_file(extra, mtp / "model-mtp.safetensors")
+    index = json.loads((mtp / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in extra})
+    (mtp / "model.safetensors.index.json").write_text(json.dumps(index))
+    config["num_nextn_predict_layers"] = 1
+    (mtp / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=rf"2 tensor\(s\) under model\.layers\.{L}\.\* are not loaded: "
+                                        "DeepSeek-V3's multi-token-prediction block"):
+        got = gpt_from_hf(mtp)
+    want = gpt_from_hf(path)
+    for (name, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), name
+    config["num_nextn_predict_layers"] = 0
+    (mtp / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"does not know: \['model\.layers\.{L}\.eh_proj\.weight'"):
+        gpt_from_hf(mtp)

@@ -21,7 +21,7 @@ Read and changing nothing: ``head_dim`` and ``qk_head_dim`` (transformers derive
 head sizes whatever the file says), ``pretraining_tp`` (transformers' DeepSeek-V3 does not read
 it), ``num_nextn_predict_layers`` (the multi-token-prediction modules: transformers builds none
 and the logits do not depend on them; a checkpoint that stores them, as block
-``num_hidden_layers``, is refused by the loader naming those tensors), ``auto_map`` (the class
+``num_hidden_layers``, has them left out with a warning: ``left_out``), ``auto_map`` (the class
 names of DeepSeek's own Python code). DeepSeek's softmax scale reads ``mscale_all_dim`` even
 where ``mscale`` is absent (transformers' ``yarn_apply_mscale``), so it is kept then too.
 
@@ -192,5 +192,17 @@ def tensor_map(cfg: GPTConfig) -> list[Entry]:
     return entries
 
 
+def left_out(hf: dict) -> dict[str, str]:
+    """The multi-token-prediction blocks a published checkpoint stores after the decoder's
+    (``model.layers.{num_hidden_layers + j}.``, ``num_nextn_predict_layers`` of them): moeflow's
+    decoder has none, transformers does not load them either, the logits do not depend on them,
+    and ``--to-hf`` writes the model without them."""
+    layers, mtp = hf.get("num_hidden_layers"), hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0))
+    if not isinstance(layers, int) or not isinstance(mtp, int) or mtp < 0:
+        return {}
+    return {f"model.layers.{layers + j}.": "DeepSeek-V3's multi-token-prediction block (num_nextn_predict_layers): "
+            "moeflow's decoder has none, as transformers' has none" for j in range(mtp)}
+
+
 DEEPSEEK_V3 = Family(model_type="deepseek_v3", name="DeepSeek-V3", config_from_hf=gpt_config_from_hf,
-                     hf_config_from=hf_config_from_gpt, tensor_map=tensor_map)
+                     hf_config_from=hf_config_from_gpt, tensor_map=tensor_map, left_out=left_out)

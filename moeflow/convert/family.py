@@ -61,6 +61,10 @@ class Family:
     config_from_hf: Callable[[dict], GPTConfig]
     hf_config_from: Callable[[GPTConfig], dict]
     tensor_map: Callable[[GPTConfig], list[Entry]]
+    left_out: Callable[[dict], dict[str, str]] = lambda hf: {}
+    """``{tensor name prefix: why}`` of what the checkpoint of ``config.json`` ``hf`` stores and
+    moeflow leaves out on purpose (DeepSeek-V3's multi-token-prediction block): warned about at
+    load, not refused; every other tensor without a place is refused."""
 
 
 class Fields:

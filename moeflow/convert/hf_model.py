@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -88,9 +89,12 @@ class _Source:
         return self.quant.dequantize(tensors) if self.quant is not None and parts != (name,) else tensors[0]
 
 
-def _plan(family: Family, cfg: GPTConfig, source: _Source) -> list[tuple[Entry, Layout | None]]:
+def _plan(family: Family, cfg: GPTConfig, source: _Source, left_out: dict[str, str] | None = None
+          ) -> list[tuple[Entry, Layout | None]]:
     """Each entry with the layout it is read from (None: a tied entry the checkpoint omits),
-    after checking every expected tensor's presence, shape and dtype and that none is left."""
+    after checking every expected tensor's presence, shape and dtype and that none is left but
+    those under a ``left_out`` prefix (the family's, for this checkpoint), which are warned
+    about."""
     with torch.device("meta"):  # the shapes cfg gives, without memory
         meta = MoEGPT(cfg)
     want = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
@@ -113,6 +117,12 @@ def _plan(family: Family, cfg: GPTConfig, source: _Source) -> list[tuple[Entry, 
                 used.update(source.stored(name) or ())
         plan.append((entry, layout))
     unknown = sorted(n for n in source.names - used if not n.endswith(_IGNORED_TENSORS))
+    for prefix, why in (left_out or {}).items():
+        skipped = [n for n in unknown if n.startswith(prefix)]
+        if skipped:
+            warnings.warn(f"{source.where}: {len(skipped)} tensor(s) under {prefix}* are not loaded: {why}",
+                          stacklevel=3)
+            unknown = [n for n in unknown if not n.startswith(prefix)]
     if unknown:
         raise CheckpointError(f"{source.where}: HF checkpoint has tensors the {family.name} mapping does not know: "
                               f"{unknown[:5]}" + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""))
@@ -130,10 +140,11 @@ def _model_dtype(plan: list[tuple[Entry, Layout | None]], source: _Source) -> to
 
 def model_from_weights(weights: HFWeights | DictWeights, family: Family, cfg: GPTConfig,
                        quant: Quantization | None = None, *, dtype: torch.dtype | None = None,
-                       where: object = "HF checkpoint") -> MoEGPT:
-    """A ``MoEGPT`` of ``cfg`` filled from ``weights`` through ``family``'s map (module docstring)."""
+                       where: object = "HF checkpoint", left_out: dict[str, str] | None = None) -> MoEGPT:
+    """A ``MoEGPT`` of ``cfg`` filled from ``weights`` through ``family``'s map (module docstring);
+    ``left_out``: ``family.left_out(config.json)``, the stored tensors it leaves out on purpose."""
     source = _Source(weights, quant, where)
-    plan = _plan(family, cfg, source)
+    plan = _plan(family, cfg, source, left_out)
     model = MoEGPT(cfg, dtype=dtype or _model_dtype(plan, source))
     state = model.state_dict()
     with torch.no_grad():
@@ -160,7 +171,7 @@ def load_hf(path: str | os.PathLike, family: Family, *, dtype: torch.dtype | Non
     cfg = family.config_from_hf(hf)  # every field checked before a tensor is read
     quant = quantization_from_config(hf.get("quantization_config"))
     with HFWeights(path) as weights:
-        return model_from_weights(weights, family, cfg, quant, dtype=dtype, where=path)
+        return model_from_weights(weights, family, cfg, quant, dtype=dtype, where=path, left_out=family.left_out(hf))
 
 
 def state_dict_from_tensors(tensors: dict[str, torch.Tensor], family: Family, cfg: GPTConfig) -> dict[str, torch.Tensor]:

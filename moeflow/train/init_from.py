@@ -145,7 +145,8 @@ def init_model(path: str | Path, config: GPTConfig, *, dtype: torch.dtype, devic
     family = family_of(hf.get("model_type"))
     quant = quantization_from_config(hf.get("quantization_config"))
     with HFWeights(path) as weights:
-        model = model_from_weights(weights, family, config, quant, dtype=dtype, where=path)
+        model = model_from_weights(weights, family, config, quant, dtype=dtype, where=path,
+                                   left_out=family.left_out(hf))
     return model.to(device)
 
 
