@@ -102,7 +102,7 @@ def test_grouped_mm_native_accepts_expanded_gradient(gen):
 def test_grouped_mm_native_compiles_in_fp32(gen, layout):
     """torch's fake ``grouped_mm`` takes bf16 only, so a traced fp32 call failed (the biased
     experts of a compiled CPU decode step, gpt-oss's): under ``torch.compile`` it is the opaque
-    ``moeflow::grouped_mm``, forward and both backward products (traced by AOT autograd), equal
+    ``moeflow::native_grouped_mm``, forward and both backward products (traced by AOT autograd), equal
     to eager."""
     if not native_grouped_mm_supported(torch.device("cpu"), torch.float32):
         pytest.skip("F.grouped_mm not available here")

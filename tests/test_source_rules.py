@@ -15,6 +15,7 @@ CPU-only machine no run can show those bugs, so the rules are checked in the sou
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,17 @@ def test_the_checkers_see_what_they_look_for(tmp_path):
 ])
 def test_the_devices_a_group_takes_follow_its_backends(config, accepted):
     assert _accepted_device_types(config) == accepted
+
+
+def test_every_custom_op_name_is_defined_once():
+    """Two ``torch.library.custom_op`` definitions under one name replace each other at import
+    (which one a call reaches then depends on what was imported last: a fp32 grouped GEMM once
+    ran the Triton op's fake implementation in one test process and not in another)."""
+    pattern = re.compile(r"""custom_op\(\s*["'](moeflow::\w+)["']""")
+    where: dict[str, list[str]] = {}
+    for f in _sources():
+        for m in pattern.finditer(f.read_text()):
+            where.setdefault(m.group(1), []).append(_where(f, f.read_text().count("\n", 0, m.start()) + 1))
+    assert len(where) >= 5, "the checker finds too few custom ops: it is broken"
+    twice = {name: places for name, places in where.items() if len(places) > 1}
+    assert twice == {}, twice

@@ -56,8 +56,9 @@ def test_bpe_encodes_a_long_text_in_pieces_to_the_ids_of_the_whole(seed) -> None
     whole = {id(sample): bpe._tok.encode(sample).ids for sample in (text, base)}
     batches: list[int] = []
     real = bpe._tok
-    bpe._tok = type("Spy", (), {"encode": lambda self, t: real.encode(t),  # counts the pieces of each batch
-                                "encode_batch": lambda self, pieces: batches.append(len(pieces)) or real.encode_batch(pieces)})()
+    bpe._tok = type("Spy", (), {"encode": lambda self, t, **kw: real.encode(t, **kw),  # counts each batch's pieces
+                                "encode_batch": lambda self, pieces, **kw: batches.append(len(pieces))
+                                or real.encode_batch(pieces, **kw)})()
     for chunk_chars in (BPETokenizer.CHUNK_CHARS, 3):
         bpe.CHUNK_CHARS = chunk_chars
         for sample in (text, base):

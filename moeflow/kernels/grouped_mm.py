@@ -64,7 +64,7 @@ def grouped_mm_loop(x_RD: torch.Tensor, w_EDF: torch.Tensor, offs_E: torch.Tenso
 
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """``F.grouped_mm(a, b, offs=offs_E)``; under ``torch.compile`` an opaque op
-    (``moeflow::grouped_mm``) for every dtype but bf16: torch's fake implementation of
+    (``moeflow::native_grouped_mm``) for every dtype but bf16: torch's fake implementation of
     ``grouped_mm`` takes bf16 only, so a traced fp32 or fp16 call fails where the kernel runs
     (the biased experts of a compiled CPU decode step: gpt-oss)."""
     if torch.compiler.is_compiling() and a.dtype != torch.bfloat16:
@@ -72,7 +72,7 @@ def _grouped(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Te
     return F.grouped_mm(a, b, offs=offs_E)
 
 
-@torch.library.custom_op("moeflow::grouped_mm", mutates_args=())
+@torch.library.custom_op("moeflow::native_grouped_mm", mutates_args=())
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     return F.grouped_mm(a, b, offs=offs_E)
 
