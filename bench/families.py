@@ -7,11 +7,11 @@ compiled ``generate``).
     python -m bench.families --families qwen3_moe --shape tiny --repeats 2   # a quick look
 
 Each family is built by transformers from its own config class at the family's published layer
-shapes with two MoE layers (``PUBLISHED``: Qwen3-30B-A3B, Qwen2-57B-A14B, OLMoE-1B-7B,
-DeepSeek-V3 with its MLA dimensions, gpt-oss-20b, Mixtral-8x7B with fewer experts), randomly
+shapes (``PUBLISHED``: Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, Moonlight-16B-A3B for
+DeepSeek-V3's architecture, gpt-oss-20b, Mixtral-8x7B; two MoE layers, one for Mixtral), randomly
 initialised, saved with ``save_pretrained`` and read by moeflow's converter (``gpt_from_hf``):
 the same weights. What is cut to fit a 24 GiB machine with both models resident is said in each
-row's ``cut`` (the vocabulary; the routed experts where a layer alone would not fit). The
+row's ``cut`` (the vocabulary; routed experts, so that each model holds about 1 B parameters). The
 training step: ``tokens`` random tokens per row, ``--train-batch`` rows, both models in train mode
 without dropout, the gradients dropped after each step (no optimizer: its update is the same
 elementwise work for both); transformers' experts in each of ``--hf-experts`` implementations,
@@ -47,30 +47,32 @@ VOCAB = 32768  # every family's vocabulary, cut to fit both models' embeddings a
 PUBLISHED: dict[str, tuple[str, dict, str]] = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
-        intermediate_size=6144, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-        num_hidden_layers=2), "Qwen3-30B-A3B's layers; vocabulary 151,936 -> 32,768"),
+        intermediate_size=6144, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
+        num_hidden_layers=2), "Qwen3-30B-A3B's layers with 64 of its 128 experts; vocabulary 151,936 -> 32,768"),
     "qwen2_moe": ("Qwen2MoeConfig", dict(
-        hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, moe_intermediate_size=2560,
-        shared_expert_intermediate_size=20480, intermediate_size=18944, num_experts=16, num_experts_per_tok=8,
-        num_hidden_layers=2), "Qwen2-57B-A14B's layers with 16 of its 64 experts; vocabulary 151,936 -> 32,768"),
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, intermediate_size=5632, num_experts=32, num_experts_per_tok=4,
+        num_hidden_layers=2), "Qwen1.5-MoE-A2.7B's layers with 32 of its 60 experts; vocabulary 151,936 -> 32,768"),
     "olmoe": ("OlmoeConfig", dict(
         hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024, num_experts=64,
-        num_experts_per_tok=8, clip_qkv=None, num_hidden_layers=2), "OLMoE-1B-7B's layers; vocabulary 50,304 -> 32,768"),
+        num_experts_per_tok=8, clip_qkv=None, num_hidden_layers=2, eos_token_id=VOCAB - 1, pad_token_id=1),
+        "OLMoE-1B-7B's layers; vocabulary 50,304 -> 32,768"),
     "deepseek_v3": ("DeepseekV3Config", dict(
-        hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=2048,
-        intermediate_size=18432, n_routed_experts=16, num_experts_per_tok=8, n_group=8, topk_group=4,
-        n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1, num_hidden_layers=3),
-        "DeepSeek-V3's MLA and expert shapes with 16 of its 256 routed experts (groups 8, top-4 groups); "
-        "vocabulary 129,280 -> 32,768"),
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=1408,
+        intermediate_size=11264, n_routed_experts=32, num_experts_per_tok=6, n_group=1, topk_group=1,
+        n_shared_experts=2, routed_scaling_factor=2.446, first_k_dense_replace=1, num_hidden_layers=3),
+        "Moonlight-16B-A3B's layers (a published deepseek_v3 checkpoint: MLA without a query bottleneck, sigmoid "
+        "scores with the correction bias, 2 shared experts, a dense first layer) with 32 of its 64 routed experts; "
+        "vocabulary 163,840 -> 32,768. DeepSeek-V3's own layers (hidden 7,168) do not fit twice in 24 GiB"),
     "gpt_oss": ("GptOssConfig", dict(
         hidden_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64, intermediate_size=2880,
         num_local_experts=16, num_experts_per_tok=4, sliding_window=128, num_hidden_layers=2,
         layer_types=["sliding_attention", "full_attention"]),
         "gpt-oss-20b's layers with 16 of its 32 experts; vocabulary 201,088 -> 32,768"),
     "mixtral": ("MixtralConfig", dict(
-        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, num_local_experts=2,
-        num_experts_per_tok=2, num_hidden_layers=2), "Mixtral-8x7B's layers with 2 of its 8 experts; "
+        hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, num_local_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=1), "one of Mixtral-8x7B's layers with 4 of its 8 experts; "
                                                      "vocabulary 32,000 -> 32,768"),
 }
 
