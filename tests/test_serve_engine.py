@@ -346,3 +346,41 @@ def test_bad_values_are_named(model):
         engine.shutdown(drain_s=-1)
     assert [step_sizes(n) for n in (1, 2, 5, 8)] == [(1,), (1, 2), (1, 2, 4, 5), (1, 2, 4, 8)]
     assert set(FINISH_REASONS) == {"stop", "length", "timeout", "cancelled", "shutdown", "error"}
+
+
+@pytest.mark.reference
+def test_slots_step_on_the_rows_they_need_and_read_nothing_on_the_host(model, gen, monkeypatch):
+    """``Slots``: a step runs on the smallest size covering the highest decoding slot (a lone
+    request in slot 0 on one row); prefill chunks and steps (greedy and sampled rows) read no
+    tensor on the host (the engine reads an iteration's tokens once)."""
+    from moeflow.models.decoding import SamplingConfig
+    from moeflow.serve.slots import SlotRow, Slots
+
+    from test_models_generation_compiled import SyncCounter
+
+    slots = Slots(model, slots=5, capacity=32, compile=False)
+    greedy, sampled = SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, top_k=9, top_p=0.9)
+    rows = [SlotRow(slot=0, prompt=tuple(_prompts(gen, [6])[0]), sampling=greedy, generator=None),
+            SlotRow(slot=2, prompt=tuple(_prompts(gen, [3])[0]), sampling=sampled,
+                    generator=torch.Generator().manual_seed(5))]
+    sizes = []
+    real = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda n, p, c: sizes.append((n.shape[0], c.batch)) or real(n, p, c))
+    with torch.no_grad(), slots.open():
+        assert [slots.size([SlotRow(slot=s, prompt=(1,), sampling=greedy, generator=None)]) for s in range(5)] == \
+            [1, 2, 4, 4, 5]
+        assert slots.prefill(rows[0], 4) == (4, None) and rows[0].filled == 4 and rows[0].prefilling
+        seen = []
+        with SyncCounter() as counter:
+            taken, first = slots.prefill(rows[0], 4)
+        seen += counter.seen
+        rows[0].last = int(first)  # (the engine's one read of an iteration)
+        with SyncCounter() as counter:
+            tokens_R = slots.step(rows[:1], [rows[1]])
+            _, first = slots.prefill(rows[1], 4)
+        seen += counter.seen
+        rows[0].last, rows[1].last = int(tokens_R[0]), int(first)
+        with SyncCounter() as counter:
+            tokens_R = slots.step(rows, [])
+        assert seen + counter.seen == [] and taken == 2 and tokens_R.shape == (2,)
+    assert sizes == [(1, 1), (4, 4)] and [r.filled for r in rows] == [8, 4]
