@@ -103,7 +103,8 @@ def _greedy_against_generate(engine: Engine, model, gen: torch.Generator) -> Non
         else:
             assert e.reason == "length" and e.tokens == w, i
     stats = engine.stats()
-    assert stats.running == stats.queued == 0 and stats.requests_total == 7 and stats.finished == {"length": 6, "stop": 1}
+    assert stats.running == stats.queued == 0 and stats.requests_total == 7
+    assert stats.finished == {"length": 6, "stop": 1}
     assert stats.generated_tokens_total == sum(len(w) for w in want) and stats.prompt_tokens_total == sum(lengths)
     assert stats.ttft_count == 7 and stats.itl_count == stats.generated_tokens_total - 7
     assert stats.steps_total > 0 and stats.steps_total < stats.busy_rows_total  # (steps decoded several rows)
@@ -313,20 +314,25 @@ def test_bad_values_are_named(model):
     """``EngineConfig`` and ``RequestSpec`` fields on construction; what depends on the model
     at ``submit``; the step sizes (powers of two, and the slots)."""
     for bad, error, match in (
-            (dict(slots=0), ValueError, "slots must be >= 1"), (dict(max_queue=-1), ValueError, "max_queue must be >= 0"),
-            (dict(capacity=1), ValueError, "capacity must be >= 2"), (dict(prefill_chunk=0), ValueError, "prefill_chunk"),
-            (dict(compile="yes"), TypeError, "compile must be a bool"), (dict(slots=2.0), TypeError, "slots must be an int")):
+            (dict(slots=0), ValueError, "slots must be >= 1"),
+            (dict(max_queue=-1), ValueError, "max_queue must be >= 0"),
+            (dict(capacity=1), ValueError, "capacity must be >= 2"),
+            (dict(prefill_chunk=0), ValueError, "prefill_chunk"),
+            (dict(compile="yes"), TypeError, "compile must be a bool"),
+            (dict(slots=2.0), TypeError, "slots must be an int")):
         with pytest.raises(error, match=match):
             EngineConfig(**bad)
     ok = dict(prompt=(1, 2), max_tokens=3)
     for bad, error, match in (
             (dict(prompt=()), ValueError, "prompt must hold at least one token id"),
             (dict(prompt=(1, -2)), ValueError, "prompt: token ids must be >= 0, got -2"),
-            (dict(prompt=(1, "a")), TypeError, "prompt holds str"), (dict(prompt="ab"), TypeError, "prompt must be"),
+            (dict(prompt=(1, "a")), TypeError, "prompt holds str"),
+            (dict(prompt="ab"), TypeError, "prompt must be"),
             (dict(max_tokens=0), ValueError, "max_tokens must be >= 1"),
             (dict(temperature=-0.5), ValueError, "temperature must be >= 0"),
             (dict(temperature=float("nan")), ValueError, "temperature must be finite"),
-            (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"), (dict(top_k=-1), ValueError, "top_k must be >= 0"),
+            (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+            (dict(top_k=-1), ValueError, "top_k must be >= 0"),
             (dict(seed=-3), ValueError, "seed must be >= 0"), (dict(seed=2**63), ValueError, "seed must be < 2"),
             (dict(stop_ids=(True,)), TypeError, "stop_ids holds bool"),
             (dict(timeout_s=0), ValueError, "timeout_s must be > 0")):
@@ -337,7 +343,8 @@ def test_bad_values_are_named(model):
     assert engine.capacity == 10 and Engine(model, EngineConfig()).capacity == MAX_SEQ
     for bad, match in ((dict(prompt=(1, 61)), "prompt: token ids must be below the vocabulary size 61, got 61"),
                        (dict(stop_ids={70}), "stop_ids: token ids must be below"),
-                       (dict(prompt=tuple(range(8)), max_tokens=3), "max_tokens: the prompt's 8 tokens and max_tokens=3")):
+                       (dict(prompt=tuple(range(8)), max_tokens=3),
+                        "max_tokens: the prompt's 8 tokens and max_tokens=3")):
         with pytest.raises(ValueError, match=match):
             engine.submit(RequestSpec(**{**ok, **bad}), Events())
     with pytest.raises(ValueError, match="capacity=64 exceeds the model's max_seq_len=48"):
