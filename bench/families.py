@@ -16,7 +16,8 @@ training step: ``tokens`` random tokens per row, ``--train-batch`` rows, both mo
 without dropout, the gradients dropped after each step (no optimizer: its update is the same
 elementwise work for both); transformers' experts in each of ``--hf-experts`` implementations,
 the fastest taken. Decoding: ``--prompt-len`` random prompt tokens, ``--new-tokens`` greedy
-tokens; the candidates take turns within every repeat (medians); greedy tokens are compared.
+tokens, for each batch size of ``--decode-batch``; the candidates take turns within every repeat
+(medians); greedy tokens are compared.
 
 Legend: ``B`` rows, ``S`` tokens a row.
 """
@@ -164,11 +165,12 @@ def _hf_loss(hf, impl: str, idx_BS: torch.Tensor) -> torch.Tensor:  # type: igno
     return hf(input_ids=idx_BS[:, :-1], labels=idx_BS[:, :-1].clone()).loss
 
 
-def _decode_rows(args: argparse.Namespace, hf, model, clock) -> dict:  # type: ignore[no-untyped-def]
-    """Greedy decoding: moeflow compiled against transformers' default ``generate`` and its
-    static-cache compiled ``generate`` (each warmed up until it settles), in turn."""
+def _decode_rows(args: argparse.Namespace, hf, model, clock, batch: int) -> dict:  # type: ignore[no-untyped-def]
+    """Greedy decoding of ``batch`` rows: moeflow compiled against transformers' default
+    ``generate`` and its static-cache compiled ``generate`` (each warmed up until it settles),
+    in turn."""
     gen = torch.Generator().manual_seed(args.seed + 2)
-    idx_BS = torch.randint(0, hf.config.vocab_size, (args.decode_batch, args.prompt_len), generator=gen)
+    idx_BS = torch.randint(0, hf.config.vocab_size, (batch, args.prompt_len), generator=gen)
     n = args.new_tokens
     hf.set_experts_implementation(args.hf_experts[0])
     static = HFStaticGenerate(hf) if args.hf_static else None
@@ -180,9 +182,9 @@ def _decode_rows(args: argparse.Namespace, hf, model, clock) -> dict:  # type: i
             if name != "hf:generate"}
     cands["hf:generate"]()
     med, tokens = take_turns(cands, args.repeats)
-    steps = args.decode_batch * (n - 1)
+    steps = batch * (n - 1)
     rates = {name: steps / dec for name, (_, dec) in med.items()}
-    out = {"tokens_per_s": rates, "warm_up_calls": {k: v["calls"] for k, v in warm.items()},
+    out = {"batch": batch, "tokens_per_s": rates, "warm_up_calls": {k: v["calls"] for k, v in warm.items()},
            "tokens_equal": {name: tokens[name] == tokens["hf:generate"] for name in tokens},
            "compiled_over_default": rates["moeflow:compiled"] / rates["hf:generate"]}
     if static is not None:
@@ -202,14 +204,17 @@ def run_family(family: str, args: argparse.Namespace) -> dict:
     print(f"  train step: moeflow {row['train']['tokens_per_s']['moeflow']:,.0f} tok/s, "
           f"{row['train']['hf_best']} {row['train']['tokens_per_s'][row['train']['hf_best']]:,.0f} tok/s: "
           f"{row['train']['ratio']:.2f}x", flush=True)
-    with torch.no_grad():
-        row["decode"] = _decode_rows(args, hf, model, clock)
-    d = row["decode"]
-    print(f"  decode: moeflow compiled {d['tokens_per_s']['moeflow:compiled']:,.0f} tok/s, transformers' generate "
-          f"{d['tokens_per_s']['hf:generate']:,.0f}: {d['compiled_over_default']:.2f}x"
-          + (f"; static-cache compiled {d['tokens_per_s']['hf:static']:,.0f}: {d['compiled_over_static']:.2f}x"
-             if "compiled_over_static" in d else "")
-          + f"; tokens equal: {d['tokens_equal']}", flush=True)
+    row["decode"] = []
+    for batch in args.decode_batch:
+        with torch.no_grad():
+            d = _decode_rows(args, hf, model, clock, batch)
+        row["decode"].append(d)
+        rates = d["tokens_per_s"]
+        print(f"  decode B={batch}: moeflow compiled {rates['moeflow:compiled']:,.0f} tok/s, transformers' generate "
+              f"{rates['hf:generate']:,.0f}: {d['compiled_over_default']:.2f}x"
+              + (f"; static-cache compiled {rates['hf:static']:,.0f}: {d['compiled_over_static']:.2f}x"
+                 if "compiled_over_static" in d else "")
+              + f"; tokens equal: {d['tokens_equal']}", flush=True)
     del hf, model
     gc.collect()
     return row
@@ -221,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=["published", "tiny"], default="published")
     p.add_argument("--tokens", type=int, default=257, help="tokens a training row (S + 1)")
     p.add_argument("--train-batch", type=int, default=2)
-    p.add_argument("--decode-batch", type=int, default=1)
+    p.add_argument("--decode-batch", default="1,8", help="comma-separated rows of the decoding runs")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--hf-experts", default="grouped_mm,eager", help="transformers' experts implementations (first: decode's)")
@@ -238,9 +243,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, default_json: Path | None = None) -> int:
     args = _parser().parse_args(argv)
-    for name in ("tokens", "train_batch", "decode_batch", "prompt_len", "new_tokens", "repeats", "threads"):
+    try:
+        args.decode_batch = [int(b) for b in args.decode_batch.split(",") if b]
+    except ValueError:
+        raise SystemExit(f"--decode-batch: comma-separated integers, got {args.decode_batch!r}") from None
+    if not args.decode_batch or min(args.decode_batch) < 1:
+        raise SystemExit(f"--decode-batch: every batch must be at least 1, got {args.decode_batch}")
+    for name in ("tokens", "train_batch", "prompt_len", "new_tokens", "repeats", "threads"):
         if getattr(args, name) < (2 if name in ("tokens", "new_tokens") else 1):
             raise SystemExit(f"--{name.replace('_', '-')} must be at least {2 if name in ('tokens', 'new_tokens') else 1}")
+    if args.max_warmups < 3:  # bench.generate_runs.warm_until_settled compares the last calls of at least 3
+        raise SystemExit(f"--max-warmups must be at least 3, got {args.max_warmups}")
     args.hf_experts = [s for s in args.hf_experts.split(",") if s]
     families = [f for f in args.families.split(",") if f]
     from moeflow.convert.hf import FAMILIES

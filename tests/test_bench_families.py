@@ -18,12 +18,14 @@ pytestmark = pytest.mark.e2e
 def test_a_tiny_family_run_reports_both_candidates(tmp_path):
     out = tmp_path / "families.json"
     assert families.main(["--families", "mixtral", "--shape", "tiny", "--repeats", "1", "--tokens", "17",
-                          "--new-tokens", "4", "--prompt-len", "5", "--hf-experts", "eager", "--no-hf-static",
+                          "--new-tokens", "4", "--prompt-len", "5", "--decode-batch", "1,2", "--hf-experts", "eager", "--no-hf-static",
                           "--threads", "1", "--clock", "cpu", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     assert row["family"] == "mixtral" and row["parameters"] > 0
-    train, decode = row["train"], row["decode"]
+    train = row["train"]
+    assert [d["batch"] for d in row["decode"]] == [1, 2]
+    decode = row["decode"][1]
     assert train["tokens"] == 2 * 16 and set(train["median_s"]) == {"moeflow", "hf:eager"}
     assert train["ratio"] == pytest.approx(train["median_s"]["hf:eager"] / train["median_s"]["moeflow"])
     assert set(decode["tokens_per_s"]) == {"moeflow:compiled", "hf:generate"}
@@ -34,6 +36,9 @@ def test_a_tiny_family_run_reports_both_candidates(tmp_path):
     (["--families", "llama"], "not one of|does not convert"),
     (["--tokens", "1"], "--tokens must be at least 2"),
     (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--decode-batch", "1,0"], "--decode-batch: every batch must be at least 1"),
+    (["--decode-batch", "x"], "--decode-batch: comma-separated integers"),
+    (["--max-warmups", "2"], "--max-warmups must be at least 3"),
 ])
 def test_bad_flags_are_refused_by_name(argv, match):
     with pytest.raises(SystemExit, match=match):
