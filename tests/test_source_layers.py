@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("checkpoint", "compat", "bench"),
     ("models",),
     ("train", "convert"),
+    ("serve",),
     ("cli",),
     ("__main__",),
 )

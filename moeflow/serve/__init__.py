@@ -1,0 +1,3 @@
+"""``moeflow serve``: an OpenAI-compatible HTTP server with continuous batching over fixed decode
+slots (issue 48). ``engine.py`` is the batching engine (one thread owns the model); the HTTP
+layer sits on top of it. The public names are imported from their modules."""
