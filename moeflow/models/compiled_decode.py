@@ -10,7 +10,10 @@ checked on the device, the host reading whether every row has stopped once every
 ``STOP_CHECK_EVERY`` steps (the eager loop reads every step's tokens). A step has no host
 synchronisation (``tests/test_models_generation_compiled.py`` checks it); sampling runs eagerly
 between steps. Past ``max_seq_len`` the window slides as in the eager loop (those steps run
-eagerly: each re-runs the window).
+eagerly: each re-runs the window). The engine of ``moeflow serve`` decodes its slots through
+the same step (``CompiledDecoder.slot_cache``): one cache of ``slots`` rows, a graph per row
+view ``[0, n)`` with a column per row (``pos [n]``: the slots hold requests of different
+lengths).
 
 On the CPU three more things, each equal up to rounding: the head's product runs after the
 compiled graph in one fixed layout (``HeadProduct``); inductor writes the graph's wrapper in
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -190,16 +193,7 @@ class CompiledDecoder:
         cache = self.caches.pop(key, None)
         if cache is None:
             cache = model.new_cache(pad_B, capacity, zeroed=True)
-            if self.cuda:  # the step writes into the cache: CUDA graphs need it at fixed addresses
-                for t in (*cache.k, *cache.v):
-                    torch._dynamo.mark_static_address(t)
-            try:
-                self._warm_up(model, cache, pad_B)
-            except torch._dynamo.exc.TorchDynamoException as err:  # e.g. a host read in a custom layer
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise ValueError(f"compile=True: this model's decode step does not compile as one graph ({first}); "
-                                 "generate without compile") from err
-            self.compilations += 1
+            self._prepare(model, cache, per_row=False)
             while len(self.caches) >= self.max_caches:
                 self.caches.pop(next(iter(self.caches)))
         else:
@@ -207,12 +201,40 @@ class CompiledDecoder:
         self.caches[key] = cache  # the most recently used last
         return cache
 
-    def _warm_up(self, model, cache, pad_B: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    def slot_cache(self, model, slots: int, capacity: int, sizes: Sequence[int]):  # type: ignore[no-untyped-def]
+        """The decode slots of ``moeflow serve``: a zeroed cache of ``slots`` rows and
+        ``capacity`` columns, no row padded, and for each ``n`` of ``sizes`` its row view ``[0,
+        n)`` (``KVCache.rows``), the step compiled and warmed up for each view with a column per
+        row (``pos [n]``), inside ``generation``. Made anew on every call and not kept here: its
+        engine keeps it (and the views: CUDA graphs replay on their addresses)."""
+        if self.state is None:
+            raise RuntimeError("CompiledDecoder.slot_cache runs inside CompiledDecoder.generation")
+        cache = model.new_cache(torch.zeros(slots, dtype=torch.long, device=self.device), capacity, zeroed=True)
+        views = {n: cache.rows(0, n) for n in sizes}
+        for view in views.values():
+            self._prepare(model, view, per_row=True)
+        return cache, views
+
+    def _prepare(self, model, cache, *, per_row: bool) -> None:  # type: ignore[no-untyped-def]
+        """Fix the cache's addresses (CUDA graphs), compile and warm up the step for it."""
+        if self.cuda:  # the step writes into the cache: CUDA graphs need it at fixed addresses
+            for t in (*cache.k, *cache.v):
+                torch._dynamo.mark_static_address(t)
+        try:
+            self._warm_up(model, cache, cache.pad_B.clone(), per_row=per_row)
+        except torch._dynamo.exc.TorchDynamoException as err:  # e.g. a host read in a custom layer
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"compile=True: this model's decode step does not compile as one graph ({first}); "
+                             "generate without compile") from err
+        self.compilations += 1
+
+    def _warm_up(self, model, cache, pad_B: torch.Tensor, *, per_row: bool) -> None:  # type: ignore[no-untyped-def]
         """Compile (where no graph of this shape and state exists yet) and run the step once per
-        needed call, guards evaluated; the model's buffers (a router's balance counters, which a
-        step in training mode adds to) and the cache are as before afterwards."""
+        needed call, guards evaluated, with ``pos`` 0-dim or a column per row (``per_row``); the
+        model's buffers (a router's balance counters, which a step in training mode adds to) and
+        the cache are as before afterwards."""
         tokens_B = torch.zeros(cache.batch, dtype=torch.long, device=self.device)
-        pos = torch.zeros((), dtype=torch.long, device=self.device)
+        pos = torch.zeros(cache.batch if per_row else (), dtype=torch.long, device=self.device)
         saved = [(b, b.clone()) for m in model.modules() if not isinstance(m, PackedCPUExperts)
                  for b in m.buffers(recurse=False)]
         with _recompile_room(warm_up=True):

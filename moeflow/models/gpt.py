@@ -140,9 +140,10 @@ class MoEGPT(nn.Module):
 
     def forward_cached(self, idx_BS: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits ``[B, V]`` of the last column after appending ``idx [B, S]`` to ``cache``: the
-        prompt into an empty cache (prefill; left-pad columns as ``cache.pad_B`` says), or one
-        token per row (decode). Equal to ``self(whole sequence)[:, -1]`` up to rounding. Each
-        block runs its usual layers (the MoE's dispatcher and experts included), on the new
+        prompt into an empty cache (prefill; left-pad columns as ``cache.pad_B`` says), a chunk
+        of it behind the ``cache.length`` columns filled before (a prompt prefilled in pieces),
+        or one token per row (decode). Equal to ``self(whole sequence)[:, -1]`` up to rounding.
+        Each block runs its usual layers (the MoE's dispatcher and experts included), on the new
         columns only."""
         self._check_idx(idx_BS)
         if idx_BS.shape[0] != cache.batch:
@@ -156,12 +157,15 @@ class MoEGPT(nn.Module):
 
     def decode_step(self, next_B: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits ``[B, V]`` after appending token ``next_B[b]`` to row ``b`` at column ``pos``
-        (a 0-dim int64 device tensor, ``pos < cache.capacity``; the columns before it filled by a
-        prefill and earlier steps) of a zeroed cache (``new_cache(..., zeroed=True)``).
+        (an int64 device tensor below ``cache.capacity``, the columns before it filled by a
+        prefill and earlier steps: 0-dim, the same column in every row, or ``[B]``, row ``b`` at
+        column ``pos[b]``, as the decode slots of ``moeflow serve`` hold requests of different
+        lengths) of a zeroed cache (``new_cache(..., zeroed=True)``).
 
-        The *static* decode step: its shapes depend on the cache alone and nothing in it reads
-        a tensor on the host, so ``torch.compile(fullgraph=True)`` compiles it once per batch
-        size and cache capacity, and CUDA graphs replay it (``generate(..., compile=True)``).
+        The *static* decode step: its shapes depend on the cache (and the rank of ``pos``) alone
+        and nothing in it reads a tensor on the host, so ``torch.compile(fullgraph=True)``
+        compiles it once per batch size, cache capacity and rank of ``pos``, and CUDA graphs
+        replay it (``generate(..., compile=True)``).
         It attends over all ``L`` columns (the unwritten ones masked): more attention work than
         ``forward_cached`` on a short cache, the price of one shape for every step. Equal to
         ``forward_cached`` up to rounding. The caller advances ``pos``; ``cache.length`` is not

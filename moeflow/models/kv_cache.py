@@ -26,7 +26,16 @@ a device tensor ``pos``, its keys/values go into column ``pos`` of the whole cac
 (``index_copy_``), and the queries attend over all ``L`` columns through a mask that hides the
 pad columns and the columns not yet written (which hold zeros: ``KVCache(zeroed=True)``, so a
 masked column never brings NaN from uninitialised memory). Nothing in it reads a value on the
-host.
+host. ``pos`` may also be ``[B]``, a column per row (the decode slots of ``moeflow serve``, each
+row a request of its own length): row ``b`` writes column ``pos[b]`` (a scatter), sits at
+rotary position ``pos[b] - pad_B[b]`` and attends to its real columns up to ``pos[b]``.
+
+A call may also append several columns to a filled cache (a prompt prefilled in chunks between
+decode steps): the chunk's queries see every earlier column and, within the chunk, the columns
+up to their own, through an explicit mask (SDPA's ``is_causal`` aligns its triangle to the top
+left, right only when the chunk starts at column 0). ``KVCache.rows`` is a cache over some
+rows of another one, sharing its storage: what a call on the view writes lands in the big
+cache, and the view keeps its own ``length`` (a slot's prefill runs on its row's view).
 
 Legend: ``B`` rows, ``G`` key/value heads, ``L`` cache capacity (columns), ``S`` columns of
 this call, ``K`` / ``V`` the trailing sizes of keys / values (``Hd``, the head dim, in
@@ -97,13 +106,34 @@ class KVCache:
 
     def write_at(self, layer: int, pos: torch.Tensor, k_BG1K: torch.Tensor, v_BG1V: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one column's keys/values at column ``pos`` (a 0-dim int64 device tensor) of
-        block ``layer`` and return the whole cache ``[B, G, L, K]``, ``[B, G, L, V]`` (a static
-        step's shapes)."""
-        index = pos.reshape(1)
-        self.k[layer].index_copy_(2, index, k_BG1K)
-        self.v[layer].index_copy_(2, index, v_BG1V)
-        return self.k[layer], self.v[layer]
+        """Store one column's keys/values at column ``pos`` (an int64 device tensor: 0-dim, the
+        same column in every row, or ``[B]``, row ``b`` at column ``pos[b]``) of block ``layer``
+        and return the whole cache ``[B, G, L, K]``, ``[B, G, L, V]`` (a static step's shapes)."""
+        k, v = self.k[layer], self.v[layer]
+        if pos.dim() == 0:
+            k.index_copy_(2, pos.reshape(1), k_BG1K)
+            v.index_copy_(2, pos.reshape(1), v_BG1V)
+        else:  # a column per row: scatter along the columns
+            B, G = k_BG1K.shape[:2]
+            k.scatter_(2, pos.view(B, 1, 1, 1).expand(B, G, 1, k_BG1K.shape[-1]), k_BG1K)
+            v.scatter_(2, pos.view(B, 1, 1, 1).expand(B, G, 1, v_BG1V.shape[-1]), v_BG1V)
+        return k, v
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A cache over rows ``[start, stop)`` of this one sharing its storage (its keys, values
+        and ``pad_B`` are views: a call on it writes into this cache), with the same rotary
+        tables and window and a ``length`` of its own, 0 (the caller sets it to the columns its
+        rows hold). ``reset`` on the view zeroes its rows here; ``keep_rows`` detaches it."""
+        _int("start", start, minimum=0)
+        _int("stop", stop, minimum=start + 1)
+        if stop > self.batch:
+            raise ValueError(f"stop={stop} is past the cache's {self.batch} rows")
+        view = object.__new__(KVCache)
+        view.__dict__.update(self.__dict__)
+        view.k, view.v = [t[start:stop] for t in self.k], [t[start:stop] for t in self.v]
+        view.pad_B, view.length = self.pad_B[start:stop], 0
+        view.max_pad = int(view.pad_B.max()) if self.max_pad else 0  # (no read where no row is padded)
+        return view
 
     def reset(self, pad_B: torch.Tensor) -> None:
         """Empty the cache for new rows of the same count (``pad_B``), in place: the same
@@ -149,23 +179,26 @@ class StepInputs:
 
 def step_inputs(cache: KVCache, seq_len: int) -> StepInputs:
     """``StepInputs`` of a call writing ``seq_len`` columns behind the ``cache.length`` filled
-    ones: a prefill (``seq_len`` columns into an empty cache) or a decode step (one column)."""
+    ones: a prefill (``seq_len`` columns into an empty cache), a chunk of a prompt behind
+    earlier ones, or a decode step (one column)."""
     start, S, device = cache.length, seq_len, cache.pad_B.device
-    if start and S != 1:
-        raise ValueError(f"a call on a filled cache (length {start}) decodes one column, got seq_len={S}")
+    _int("seq_len", S, minimum=1)
     if start + S > cache.capacity:
         raise ValueError(f"KV cache holds {cache.capacity} columns; {start} are filled, {S} more do not fit")
     cos_LR, sin_LR, W = cache.cos_LR, cache.sin_LR, cache.window
-    if not cache.max_pad and W is None:
+    chunk = start > 0 and S > 1  # behind filled columns: SDPA's causal triangle would sit top left
+    if not cache.max_pad and W is None and not chunk:
         cos, sin = cos_LR[start:start + S], sin_LR[start:start + S]
         return StepInputs(cache=cache, start=start, cos=cos, sin=sin, mask=None, causal=S > 1, real_T=None)
     col_S1 = torch.arange(start, start + S, device=device).unsqueeze(1)
     key_L = torch.arange(start + S, device=device)
     near_SL = None if W is None else col_S1 - key_L < W  # within the window (behind or ahead)
-    if near_SL is not None and not cache.max_pad:
+    if not cache.max_pad:
         cos, sin = cos_LR[start:start + S], sin_LR[start:start + S]
-        return StepInputs(cache=cache, start=start, cos=cos, sin=sin, mask=None, causal=S > 1, real_T=None,
-                          window_mask=near_SL & (key_L <= col_S1))
+        upto_SL = key_L <= col_S1
+        return StepInputs(cache=cache, start=start, cos=cos, sin=sin, mask=upto_SL if chunk else None,
+                          causal=S > 1 and not chunk, real_T=None,
+                          window_mask=None if near_SL is None else near_SL & upto_SL)
     col_S = col_S1.squeeze(1)
     pad_B1 = cache.pad_B.unsqueeze(1)
     pos_BS = (col_S.unsqueeze(0) - pad_B1).clamp(min=0)  # pad columns take position 0 (unused)
@@ -184,11 +217,11 @@ def step_inputs(cache: KVCache, seq_len: int) -> StepInputs:
 
 @dataclass(frozen=True)
 class StaticStep:
-    """What every block of one static decode step shares (``static_step``): ``pos`` (0-dim
-    int64) the column written, ``cos/sin [B, 1, 1, R]`` the rotary tables at each row's
-    position ``pos - pad_B``, ``mask [B, 1, 1, L]`` (True = attend) the real columns up to
-    ``pos``; ``window_mask`` (when the cache has a ``window``) those of them fewer than
-    ``window`` columns behind ``pos``."""
+    """What every block of one static decode step shares (``static_step``): ``pos`` (int64,
+    0-dim or ``[B]``) the column written (in every row, or per row), ``cos/sin [B, 1, 1, R]``
+    the rotary tables at each row's position ``pos - pad_B``, ``mask [B, 1, 1, L]`` (True =
+    attend) the row's real columns up to its ``pos``; ``window_mask`` (when the cache has a
+    ``window``) those of them fewer than ``window`` columns behind ``pos``."""
 
     cache: KVCache
     pos: torch.Tensor
@@ -199,15 +232,18 @@ class StaticStep:
 
 
 def static_step(cache: KVCache, pos: torch.Tensor) -> StaticStep:
-    """``StaticStep`` of a one-column step writing column ``pos`` (a 0-dim int64 tensor on the
-    cache's device, ``pos < cache.capacity``: the caller keeps count). Every shape depends on
-    the cache alone; no value is read on the host."""
+    """``StaticStep`` of a one-column step writing column ``pos`` (an int64 tensor on the
+    cache's device, 0-dim or ``[B]``; below ``cache.capacity``: the caller keeps count). Every
+    shape depends on the cache and the rank of ``pos`` alone; no value is read on the host."""
     L, B = cache.capacity, cache.batch
+    if pos.dim() not in (0, 1) or (pos.dim() == 1 and pos.shape[0] != B):
+        raise ValueError(f"pos must be 0-dim or [{B}] (a column per row), got shape {tuple(pos.shape)}")
     key_L = torch.arange(L, device=cache.pad_B.device)
-    pos_B = (pos - cache.pad_B).clamp(min=0)
-    cos = cache.cos_LR.index_select(0, pos_B).view(B, 1, 1, -1)
-    sin = cache.sin_LR.index_select(0, pos_B).view(B, 1, 1, -1)
-    visible_BL = (key_L.unsqueeze(0) >= cache.pad_B.unsqueeze(1)) & (key_L <= pos)
-    window = None if cache.window is None else (visible_BL & (pos - key_L < cache.window)).view(B, 1, 1, L)
+    col = pos.unsqueeze(1) if pos.dim() else pos  # [B, 1] or 0-dim: broadcasts against [B, L]
+    rot_B = (pos - cache.pad_B).clamp(min=0)
+    cos = cache.cos_LR.index_select(0, rot_B).view(B, 1, 1, -1)
+    sin = cache.sin_LR.index_select(0, rot_B).view(B, 1, 1, -1)
+    visible_BL = (key_L.unsqueeze(0) >= cache.pad_B.unsqueeze(1)) & (key_L <= col)
+    window = None if cache.window is None else (visible_BL & (col - key_L < cache.window)).view(B, 1, 1, L)
     return StaticStep(cache=cache, pos=pos, cos=cos, sin=sin, mask=visible_BL.view(B, 1, 1, L), window_mask=window)
 

@@ -1,0 +1,194 @@
+"""The KV cache's pieces for continuous batching (``moeflow serve``): row views sharing a cache's
+storage (``KVCache.rows``), a prompt prefilled in chunks behind filled columns
+(``forward_cached`` on a filled cache), and the static decode step with a column per row
+(``decode_step`` with ``pos [B]``), for every attention kind (grouped-query plain, with sliding
+windows, sinks, query/key norms and scaled rotary, and latent attention's absorbed step): each
+row's logits equal the whole sequence's (fp64), eager, and compiled on a row view.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeflow.models.compiled_decode import compiled_decoder
+from moeflow.models.gpt import MoEGPT
+from moeflow.models.kv_cache import static_step
+
+from helpers import small_gpt
+from test_models_attention import every_option_gpt
+from test_models_generation_compiled import SyncCounter
+from test_models_mla import _randomize, mla_gpt
+
+KINDS = ["gqa", "yarn-head", "linear-proj-pairs", "mla"]  # (the two middle ones slide, sink and norm)
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def kind_gpt(kind: str, dtype: torch.dtype, gen: torch.Generator) -> MoEGPT:
+    """A 3-block MoE model of the attention kind, every parameter drawn (max_seq_len 32)."""
+    if kind == "mla":
+        return mla_gpt(dtype, gen)
+    if kind == "gqa":
+        model = small_gpt(max_seq_len=32).to(dtype).eval()
+        _randomize(model, gen)
+        return model
+    return every_option_gpt(kind, dtype, gen)
+
+
+def _whole(model: MoEGPT, row: list[int]) -> torch.Tensor:
+    return model(torch.tensor([row]))[0, -1]
+
+
+def _prompt(gen: torch.Generator, n: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+@pytest.mark.unit
+def test_row_views_share_the_caches_storage_and_bad_rows_are_named():
+    """What a view writes lands in the big cache's rows; the view keeps its own length and a
+    view of the padding; rows out of range and a ``pos`` of the wrong shape are named."""
+    model = small_gpt(max_seq_len=16)
+    cache = model.new_cache(torch.tensor([0, 2, 1, 0]), 8, zeroed=True)
+    cache.length = 5
+    view = cache.rows(1, 3)
+    assert view.batch == 2 and view.length == 0 and view.max_pad == 2 and view.capacity == 8
+    assert view.window == cache.window and view.cos_LR is cache.cos_LR
+    k = torch.randn(2, 2, 3, 8)
+    view.write(1, 0, k, k + 1)
+    assert torch.equal(cache.k[1][1:3, :, :3], k) and torch.equal(cache.v[1][1:3, :, :3], k + 1)
+    assert cache.k[1][0].eq(0).all() and cache.k[1][3].eq(0).all() and cache.length == 5
+    view.pad_B.copy_(torch.tensor([3, 4]))
+    assert cache.pad_B.tolist() == [0, 3, 4, 0]
+    one = model.new_cache(torch.zeros(3, dtype=torch.long), 8).rows(2, 3)
+    assert one.max_pad == 0 and one.batch == 1
+    for start, stop, match in ((-1, 2, "start must be >= 0"), (2, 2, "stop must be >= 3"), (1, 5, "stop=5 is past")):
+        with pytest.raises(ValueError, match=match):
+            cache.rows(start, stop)
+    with pytest.raises(ValueError, match=r"pos must be 0-dim or \[4\]"):
+        static_step(cache, torch.tensor([1, 2]))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_prefilled_in_chunks_gives_the_whole_sequences_logits(kind, gen):
+    """fp64: one prompt in chunks of 5, 1, 4 and 3 columns (each behind the filled ones) gives
+    after every chunk the whole prefix's last logits and the one-shot prefill's cache; a
+    left-padded batch in chunks (the first ones partly pad) gives each row's."""
+    model = kind_gpt(kind, torch.float64, gen)
+    V = model.config.vocab_size
+    prompt = _prompt(gen, 13, V)
+    with torch.no_grad():
+        cache, once = model.new_cache(torch.zeros(1, dtype=torch.long), 16), model.new_cache(torch.zeros(1, dtype=torch.long), 16)
+        model.forward_cached(torch.tensor([prompt]), once)
+        col = 0
+        for size in (5, 1, 4, 3):
+            logits = model.forward_cached(torch.tensor([prompt[col:col + size]]), cache)
+            col += size
+            torch.testing.assert_close(logits[0], _whole(model, prompt[:col]), **TOL)
+        assert cache.length == 13
+        for a, b in zip((*cache.k, *cache.v), (*once.k, *once.v)):
+            torch.testing.assert_close(a[:, :, :13], b[:, :, :13], **TOL)
+
+        rows = [_prompt(gen, n, V) for n in (9, 3, 6)]
+        P = 9
+        idx = torch.tensor([[0] * (P - len(r)) + r for r in rows])
+        cache = model.new_cache(torch.tensor([P - len(r) for r in rows]), 16)
+        for start, stop in ((0, 4), (4, 7), (7, 9)):
+            logits = model.forward_cached(idx[:, start:stop], cache)
+            for b, r in enumerate(rows):
+                real = stop - (P - len(r))
+                if real > 0:  # (a row still all pad has no logits to check)
+                    torch.testing.assert_close(logits[b], _whole(model, r[:real]), **TOL)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_slots_with_a_column_per_row_give_each_rows_whole_sequence(kind, gen):
+    """fp64, four slots of one zeroed cache: prompts of 7, 2 and 11 tokens prefilled in chunks
+    of 4 on their rows' views (slots 0, 1, 3), slot 2 holding the first 4 columns of a
+    9-token prompt; six static steps over all four rows with ``pos [4]`` (each decoding row at
+    its own column, slot 2 given a dummy token at its next column) give each decoding row its
+    whole sequence's logits; then slot 2's prefill goes on and gives its prompt's. A step with
+    every column equal gives the 0-dim step's logits."""
+    model = kind_gpt(kind, torch.float64, gen)
+    V = model.config.vocab_size
+    cache = model.new_cache(torch.zeros(4, dtype=torch.long), 32, zeroed=True)
+    rows = {0: _prompt(gen, 7, V), 1: _prompt(gen, 2, V), 3: _prompt(gen, 11, V)}
+    waiting = _prompt(gen, 9, V)
+
+    def prefill(slot: int, tokens: list[int], start: int) -> torch.Tensor:
+        view = cache.rows(slot, slot + 1)
+        view.length = start
+        for col in range(start, len(tokens), 4):
+            logits = model.forward_cached(torch.tensor([tokens[col:col + 4]]), view)
+        return logits[0]
+
+    with torch.no_grad():
+        last = {s: prefill(s, r, 0) for s, r in rows.items()}
+        prefill(2, waiting[:4], 0)
+        for _ in range(6):
+            for s, r in rows.items():
+                torch.testing.assert_close(last[s], _whole(model, r), **TOL)
+                r.append(int(last[s].argmax()))
+            next_B = torch.tensor([rows[s][-1] if s in rows else 0 for s in range(4)])
+            pos_B = torch.tensor([len(rows[s]) - 1 if s in rows else 4 for s in range(4)])
+            logits = model.decode_step(next_B, pos_B, cache)
+            last = {s: logits[s] for s in rows}
+        torch.testing.assert_close(prefill(2, waiting, 4), _whole(model, waiting), **TOL)
+
+        same = model.new_cache(torch.tensor([0, 1, 3]), 16, zeroed=True)
+        other = model.new_cache(torch.tensor([0, 1, 3]), 16, zeroed=True)
+        idx = torch.randint(0, V, (3, 6), generator=gen)
+        model.forward_cached(idx, same), model.forward_cached(idx, other)
+        next_B = torch.randint(0, V, (3,), generator=gen)
+        torch.testing.assert_close(model.decode_step(next_B, torch.tensor([6, 6, 6]), same),
+                                   model.decode_step(next_B, torch.tensor(6), other), **TOL)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", ["yarn-head", "mla"])
+def test_a_step_with_a_column_per_row_is_one_graph_without_host_reads(kind, gen):
+    """``pos [B]`` keeps the static step free of host reads and one graph (windows, sinks,
+    latent attention's absorbed form)."""
+    model = kind_gpt(kind, torch.float32, gen)
+    cache = model.new_cache(torch.zeros(3, dtype=torch.long), 16, zeroed=True)
+    next_B, pos_B = torch.randint(0, 61, (3,), generator=gen), torch.tensor([4, 0, 9])
+    with torch.no_grad():
+        model.decode_step(next_B, pos_B, cache)  # (the experts' backend probe runs on a first call)
+        with SyncCounter() as counter:
+            model.decode_step(next_B, pos_B, cache)
+        assert counter.seen == []
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model.decode_step)(next_B, pos_B, cache)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.e2e
+def test_compiled_slot_steps_on_a_row_view_equal_the_eager_steps(gen):
+    """``CompiledDecoder.slot_cache``: four slots, the step compiled for the view of rows [0, 2)
+    (one graph); rows 0 and 1 prefilled with prompts of 6 and 3 tokens; five compiled steps
+    with ``pos [2]`` give the eager step's logits (fp32, wide weights) and write the same
+    columns into the big cache, rows 2 and 3 untouched."""
+    model = small_gpt(max_seq_len=32).eval()
+    _randomize(model, gen)
+    prompts = [_prompt(gen, 6, 61), _prompt(gen, 3, 61)]
+    decoder = compiled_decoder(model)
+    with torch.no_grad(), decoder.generation(model):
+        cache, views = decoder.slot_cache(model, 4, 32, (2,))
+        ref = model.new_cache(torch.zeros(2, dtype=torch.long), 32, zeroed=True)
+        assert set(views) == {2} and views[2].batch == 2 and decoder.compilations == 1
+        logits, ref_logits = [], []
+        for s, p in enumerate(prompts):
+            for c in (cache, ref):
+                view = c.rows(s, s + 1)
+                (logits if c is cache else ref_logits).append(model.forward_cached(torch.tensor([p]), view)[0])
+        next_B, pos_B = torch.stack(ref_logits).argmax(-1), torch.tensor([6, 3])
+        for step in range(5):
+            got = decoder.run(next_B, pos_B, views[2], guarded=step == 0)
+            want = model.decode_step(next_B, pos_B, ref)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            next_B, pos_B = want.argmax(-1), pos_B + 1
+        for a, b in zip((*cache.k, *cache.v), (*ref.k, *ref.v)):
+            torch.testing.assert_close(a[:2], b, rtol=1e-5, atol=1e-5)
+            assert a[2:].eq(0).all()
+    assert decoder.compilations == 1
