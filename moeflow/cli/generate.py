@@ -39,13 +39,7 @@ from pathlib import Path
 
 from moeflow.cli.errors import UsageError
 from moeflow.cli.flags import choose_device
-from moeflow.cli.offload import (
-    add_storage_flags,
-    check_budget,
-    layout_line,
-    storage_config,
-    store_lines,
-)
+from moeflow.cli.offload import add_storage_flags, check_budget, layout_line, offload_storage, store_lines
 
 __all__ = ["add_generate", "declared_eos", "read_template_file", "sample", "seeded_generator"]
 
@@ -91,21 +85,6 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     add_storage_flags(p, offload_help="hold the routed experts in host memory or on disk and stream them through "
                       "--fast-memory (default: none, the whole model in memory)", mode_default="cache")
     p.set_defaults(func=_run_generate)
-
-
-def _storage(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The ``StorageConfig`` of the storage flags, or ``None`` without ``--offload``
-    (``UsageError`` for a bad value, or a storage flag given without ``--offload``)."""
-    if args.offload is None:
-        given = [flag for flag, value in (
-            ("--fast-memory", args.fast_memory), ("--mode", args.mode), ("--ring-slots", args.ring_slots),
-            ("--prefetch", args.prefetch), ("--dir", args.dir), ("--disk-reads", args.disk_reads),
-            ("--evict-page-cache", args.evict_page_cache or None)) if value is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)} only applies with --offload host|disk (the experts held outside "
-                             "the model)")
-        return None
-    return storage_config(args, mode_default="cache")
 
 
 def read_template_file(path: Path) -> str:
@@ -215,7 +194,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompts = _prompts(args)
         device = choose_device("--device", args.device)
         args.device = device.device  # the fast tier's too, with --offload
-        storage = _storage(args)
+        storage = offload_storage(args, mode_default="cache")
         template = None if args.chat_template is None else read_template_file(args.chat_template)
         args.chat = args.chat or template is not None  # --chat-template implies --chat
         if args.compile and storage is not None:
