@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from moeflow.serve.engine import Engine, EngineClosed, Event, QueueFull, RequestSpec
-from moeflow.serve.metrics import CONTENT_TYPE, ServeMetrics
+from moeflow.serve.metrics import CONTENT_TYPE, CountAnswers, ServeMetrics
 from moeflow.serve.protocol import (
     ApiError,
     ChatRequest,
@@ -228,43 +228,8 @@ def create_app(engine: Engine, text: ModelText, *, model_name: str, timeout_s: f
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(_CountAnswers, metrics=state.metrics)
+    app.add_middleware(CountAnswers, metrics=state.metrics, endpoints=ENDPOINTS)
     return app
-
-
-class _CountAnswers:
-    """ASGI middleware counting every answer by endpoint and status
-    (``moeflow_http_requests_total``): a plain wrapper of ``send`` (Starlette's
-    ``BaseHTTPMiddleware`` would stand between a stream and its disconnect). An exception that
-    escapes the app is a 500 (Starlette's outermost middleware answers it), a request left
-    without an answer a 499 (the client went away)."""
-
-    def __init__(self, app, *, metrics: ServeMetrics) -> None:  # type: ignore[no-untyped-def]
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
-        answered = []
-
-        async def counting_send(message) -> None:  # type: ignore[no-untyped-def]
-            if message["type"] == "http.response.start":
-                answered.append(message["status"])
-                self.metrics.answered(endpoint, message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        except Exception:
-            if not answered:
-                answered.append(500)
-                self.metrics.answered(endpoint, 500)
-            raise
-        finally:
-            if not answered:  # the client went away before any answer (a disconnected wait)
-                self.metrics.answered(endpoint, 499)
 
 
 async def _body(request: Request) -> bytes:
@@ -304,8 +269,8 @@ def _checked_prompt(state: ServeState, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-async def _generate(request: Request, state: ServeState, req, prompts: list[list[int]], limit: int, *,  # type: ignore[no-untyped-def]
-                    chat: bool, limit_param: str = "max_tokens") -> Response:
+async def _generate(request: Request, state: ServeState, req: CompletionRequest | ChatRequest, prompts: list[list[int]],
+                    limit: int, *, chat: bool, limit_param: str = "max_tokens") -> Response:
     """Submit every choice, then answer whole or as a stream."""
     if state.draining:
         raise ApiError(503, "the server is shutting down", code="shutting_down")

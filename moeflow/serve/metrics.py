@@ -4,7 +4,9 @@ the app's own: two apps in one process (the tests) never share or collide, and n
 
 What the HTTP layer counts and times itself:
 
-- ``moeflow_http_requests_total{endpoint, status}``: every answered request (a refusal too);
+- ``moeflow_http_requests_total{endpoint, status}``: every answered request (a refusal too),
+  counted by ``CountAnswers``, an ASGI middleware (other paths count as ``other``: a scan of
+  random URLs makes no new series);
 - ``moeflow_time_to_first_token_seconds``: from the engine accepting a request to its first
   token, and ``moeflow_inter_token_latency_seconds``: between two tokens of one request
   (histograms). Both are read on the engine thread when the token is known (``Engine`` calls a
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["ServeMetrics", "CONTENT_TYPE"]
+__all__ = ["ServeMetrics", "CountAnswers", "CONTENT_TYPE"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text exposition format
 
@@ -84,3 +86,38 @@ class ServeMetrics:
     def render(self) -> bytes:
         """The Prometheus text of every metric (the engine's read now)."""
         return generate_latest(self.registry)
+
+
+class CountAnswers:
+    """ASGI middleware counting every answer by endpoint and status
+    (``moeflow_http_requests_total``): a plain wrapper of ``send`` (Starlette's
+    ``BaseHTTPMiddleware`` would stand between a stream and its disconnect). An exception that
+    escapes the app is a 500 (Starlette's outermost middleware answers it), a request left
+    without an answer a 499 (the client went away)."""
+
+    def __init__(self, app, *, metrics: ServeMetrics, endpoints: tuple[str, ...]) -> None:  # type: ignore[no-untyped-def]
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in self.endpoints else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+        answered = []
+
+        async def counting_send(message) -> None:  # type: ignore[no-untyped-def]
+            if message["type"] == "http.response.start":
+                answered.append(message["status"])
+                self.metrics.answered(endpoint, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not answered:
+                answered.append(500)
+                self.metrics.answered(endpoint, 500)
+            raise
+        finally:
+            if not answered:  # the client went away before any answer (a disconnected wait)
+                self.metrics.answered(endpoint, 499)

@@ -17,7 +17,8 @@ Here the first ``SIGTERM`` or ``SIGINT`` drains instead:
 3. uvicorn then closes the socket and waits for the answers in flight to go out (they all have
    their final events by now), up to ``GRACEFUL_S``; ``run_server`` returns and the command exits 0.
 
-A second signal during the drain exits at once (uvicorn's forced exit).
+A second signal during the drain stops waiting for answers to go out (uvicorn's forced exit);
+the drain itself still ends within ``drain_s``, as the engine's thread must finish its step.
 """
 
 from __future__ import annotations
@@ -81,4 +82,4 @@ def run_server(app, *, sock: socket.socket, drain_s: float, log_level: str = "in
     finally:
         state.draining = True
         if not server.drained.is_set():  # uvicorn stopped another way (startup failed, forced exit)
-            state.engine.shutdown(drain_s=0.0)
+            state.engine.shutdown(drain_s=0.0)  # (during a drain: waits for it, which ends in drain_s)
