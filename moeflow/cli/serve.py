@@ -190,7 +190,10 @@ def _serve(args, model, tok, extra, config, template, name, sock) -> int:  # typ
                      template=template, where=where)
     engine = Engine(model, config)  # ValueError (a model --compile cannot compile): one line
     app = create_app(engine, text, model_name=name, timeout_s=args.timeout)
-    engine.start()
+    try:
+        engine.start()  # compiled: compiles and warms the step up first
+    except RuntimeError as err:
+        raise UsageError(str(err), status=1) from None
     host, port = sock.getsockname()[:2]
     print(f"moeflow serve: {name!r} on http://{host}:{port} ({config.slots} slots of {engine.capacity} tokens, "
           f"queue {config.max_queue}{', compiled' if config.compile else ''}; chat template "
