@@ -423,12 +423,21 @@ def test_chat_without_a_chat_template_is_a_400_saying_so(small) -> None:
         small.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}])
 
 
-def test_sigterm_ends_the_requests_in_flight_and_exits_0(tiny, tmp_path) -> None:
-    """Two requests running and one waiting: SIGTERM stops admission (503), the waiting one ends
+def test_an_unexpected_error_is_a_500_and_sigterm_ends_the_requests_in_flight_and_exits_0(tiny, tmp_path) -> None:
+    """A request that raises where nothing expects it is a 500 and the server serves on. Then,
+    two requests running and one waiting: SIGTERM stops admission (503), the waiting one ends
     "shutdown", the running ones finish or end "shutdown" after the grace period, every stream
     ends with [DONE], and the server exits 0."""
+    (tmp_path / "boom.jinja").write_text("{% for m in messages %}{{ (1 / 0) if m['content'] == 'boom' else "
+                                         "m['content'] }}{% endfor %}")
     s = Server(tiny["bare"], tmp_path / "term.log", "--max-concurrency", "2", "--max-queue", "2",
-               "--shutdown-grace", "0.5")
+               "--shutdown-grace", "0.5", "--chat-template", str(tmp_path / "boom.jinja"))
+    # first, a request that raises where nothing expects it (a template dividing by zero): a 500
+    # naming the error, and the server serves on
+    boom = s.http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "boom"}]})
+    assert boom.status_code == 500 and "ZeroDivisionError" in boom.json()["error"]["message"]
+    assert s.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "fine"}],
+                                            max_tokens=3).usage.completion_tokens == 3
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": LONG, "stream": True}
 
     def stream() -> list[str]:
@@ -497,3 +506,20 @@ def test_a_taken_port_or_a_missing_model_is_refused_before_loading(tiny, tmp_pat
     assert status == 2 and "cannot listen" in err and "--port" in err and "device:" not in err  # nothing loaded
     assert _main(["serve", str(tmp_path / "nothing")]) == 2
     assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_a_checkpoint_serves_as_the_directory_it_was_converted_from(tiny, tmp_path, capsys) -> None:
+    """``moeflow serve`` takes a moeflow checkpoint (``build_from_checkpoint``) or a Hugging Face
+    directory (converted in memory): the same weights, tokenizer, stop ids and chat template."""
+    from moeflow.cli.generate import declared_eos
+    from moeflow.cli.serve import load_served_model
+    from moeflow.convert.chat import chat_template
+
+    assert _main(["convert", "--from-hf", str(tiny["path"]), str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    (a, tok_a, extra_a), (b, tok_b, extra_b) = (load_served_model(p, "cpu") for p in (tiny["path"], tmp_path / "ck"))
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert all(torch.equal(x, b.state_dict()[k]) for k, x in a.state_dict().items())
+    assert tok_a.encode(PROMPT) == tok_b.encode(PROMPT) == tiny["tok"].encode(PROMPT)
+    assert declared_eos(extra_a, tok_a, len(VOCAB), "a") == declared_eos(extra_b, tok_b, len(VOCAB), "b") == tiny["eos"]
+    assert chat_template(extra_a, "a") == chat_template(extra_b, "b") == TEMPLATE
