@@ -78,7 +78,8 @@ def test_a_prompt_prefilled_in_chunks_gives_the_whole_sequences_logits(kind, gen
     V = model.config.vocab_size
     prompt = _prompt(gen, 13, V)
     with torch.no_grad():
-        cache, once = model.new_cache(torch.zeros(1, dtype=torch.long), 16), model.new_cache(torch.zeros(1, dtype=torch.long), 16)
+        one_row = torch.zeros(1, dtype=torch.long)
+        cache, once = model.new_cache(one_row, 16), model.new_cache(one_row, 16)
         model.forward_cached(torch.tensor([prompt]), once)
         col = 0
         for size in (5, 1, 4, 3):
@@ -192,3 +193,4 @@ def test_compiled_slot_steps_on_a_row_view_equal_the_eager_steps(gen):
             torch.testing.assert_close(a[:2], b, rtol=1e-5, atol=1e-5)
             assert a[2:].eq(0).all()
     assert decoder.compilations == 1
+

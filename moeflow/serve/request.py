@@ -1,6 +1,8 @@
-"""The engine of ``moeflow serve``: continuous batching over fixed decode slots (issue 48).
-
-Interface first (the HTTP layer is written against it); the loop follows.
+"""What the serving engine (``moeflow.serve.engine``) takes and gives: its configuration
+(``EngineConfig``), a request (``RequestSpec``; ``Request``, the submitted one), the events a
+request's callback receives (``Event``), the engine's counters (``EngineStats``) and the two
+refusals of ``Engine.submit`` (``QueueFull``, ``EngineClosed``). ``moeflow.serve.engine``
+re-exports every name: import them from there.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 from moeflow.checks import _int
 
-__all__ = ["EngineConfig", "RequestSpec", "Event", "Request", "Engine", "EngineStats", "QueueFull", "EngineClosed",
+__all__ = ["EngineConfig", "RequestSpec", "Event", "Request", "EngineStats", "QueueFull", "EngineClosed",
            "FINISH_REASONS"]
 
 # the final event's reasons: a stop id drawn, max_tokens reached, the request's timeout, cancelled
@@ -136,19 +138,21 @@ class Event:
     detail: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     """A submitted request (``Engine.submit`` makes it). ``cancel`` is thread-safe; the engine
     frees the request's slot before its next step and sends exactly one final event.
     ``finish_reason`` is None until the final event went out (``wait`` waits for it);
     ``prompt_tokens`` / ``completion_tokens`` count the prompt and the generated tokens (a drawn
-    stop id included); ``submitted_at`` / ``first_token_at`` are ``time.monotonic()`` readings."""
+    stop id included); ``submitted_at`` / ``first_token_at`` / ``last_token_at`` are
+    ``time.monotonic()`` readings (the engine's; read them after ``wait``)."""
 
     id: int
     spec: RequestSpec
     on_event: Callable[[Event], None] = field(repr=False)
     submitted_at: float = 0.0
     first_token_at: float | None = None
+    last_token_at: float | None = None
     completion_tokens: int = 0
     finish_reason: str | None = None
     _cancel: str | None = field(default=None, repr=False)
@@ -204,38 +208,3 @@ class EngineStats:
     itl_count: int
 
 
-class Engine:
-    """Continuous batching of ``RequestSpec``s over ``config.slots`` decode slots of one model.
-
-    ``Engine(model, config)`` takes a ``MoEGPT`` (any ``moeflow.models.decoding.Decoder``) on
-    its device and puts it in eval mode; from ``start`` on the engine's thread owns it (no other
-    thread may call it). ``submit`` / ``Request.cancel`` / ``shutdown`` / ``stats`` are
-    thread-safe. ``capacity``: the cache columns per slot (``config.capacity`` or the model's
-    ``max_seq_len``)."""
-
-    def __init__(self, model, config: EngineConfig) -> None:  # type: ignore[no-untyped-def]
-        raise NotImplementedError("the engine's loop follows in the next commits")
-
-    @property
-    def capacity(self) -> int:
-        raise NotImplementedError
-
-    def start(self) -> None:
-        """Start the engine thread (once); requests submitted before wait in the queue."""
-        raise NotImplementedError
-
-    def submit(self, spec: RequestSpec, on_event: Callable[[Event], None]) -> Request:
-        """Queue ``spec``; ``on_event`` receives its events (``Event``) on the engine thread.
-        Raises ``QueueFull`` (``slots + max_queue`` requests running or waiting),
-        ``EngineClosed`` (after ``shutdown`` began) and ``ValueError`` naming the field (an id
-        past the vocabulary, ``len(prompt) + max_tokens > capacity``)."""
-        raise NotImplementedError
-
-    def shutdown(self, *, drain_s: float) -> None:
-        """Stop admission (``submit`` raises ``EngineClosed``), end the queued requests with
-        ``"shutdown"``, let the running ones finish for up to ``drain_s`` seconds, end those
-        left with ``"shutdown"``, and join the engine thread."""
-        raise NotImplementedError
-
-    def stats(self) -> EngineStats:
-        raise NotImplementedError

@@ -1,0 +1,393 @@
+"""The serving engine (``moeflow.serve.engine``): continuous batching over fixed decode slots.
+
+Concurrent greedy requests of different prompt lengths and ``max_tokens`` (more than the slots:
+some wait, some join a running batch) give exactly the tokens of sequential ``generate`` calls,
+eager and compiled; a seeded request gives ``generate``'s sampled tokens with the same seed, alone
+and in a mixed batch; a cancelled request frees its slot; ``QueueFull`` past ``slots +
+max_queue``; a timeout, a shutdown with requests in flight, a step that raises (its requests end
+with ``"error"``, the next request is served); bad values named; an offloaded model (experts in
+an expert store, eager) gives ``generate``'s tokens.
+
+An fp32 model with weights drawn wide (std 0.3) so greedy picks are far from ties (the engine's
+chunked prefill and whole-cache static step round differently from ``generate``'s loop).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+
+import moeflow
+from moeflow.models.generation import generate
+from moeflow.serve.engine import (FINISH_REASONS, Engine, EngineClosed, EngineConfig, Event, QueueFull, Request,
+                                  RequestSpec)
+from moeflow.serve.slots import step_sizes
+from moeflow.storage import StorageConfig, offload_experts, slot_bytes
+
+from helpers import small_gpt
+
+MAX_SEQ = 48
+WAIT_S = 60  # a generous bound on any wait: a failure, not a slow machine, should end a test
+
+
+@pytest.fixture(scope="module")
+def model() -> moeflow.models.MoEGPT:
+    torch.manual_seed(0)
+    m = small_gpt(max_seq_len=MAX_SEQ).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else None
+    return m
+
+
+class Events:
+    """A request's callback: keeps its events; ``first`` is set on its first token event; an
+    optional ``each`` runs on every event (on the engine thread)."""
+
+    def __init__(self, each=None) -> None:  # type: ignore[no-untyped-def]
+        self.events: list[Event] = []
+        self.first = threading.Event()
+        self.each = each
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+        if event.token is not None:
+            self.first.set()
+        if self.each is not None:
+            self.each(event)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token for e in self.events if e.token is not None]
+
+    @property
+    def reason(self) -> str | None:
+        final = [e for e in self.events if e.finish_reason is not None]
+        assert len(final) == 1 and self.events[-1] is final[0], self.events  # exactly one, last
+        return final[0].finish_reason
+
+
+def _prompts(gen: torch.Generator, lengths: list[int]) -> list[list[int]]:
+    return [torch.randint(0, 61, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _wait(requests: list[Request]) -> None:
+    for r in requests:
+        assert r.wait(WAIT_S), f"request {r.id} did not end"
+
+
+def _greedy_against_generate(engine: Engine, model, gen: torch.Generator) -> None:  # type: ignore[no-untyped-def]
+    """Seven greedy requests (prompts of 1 to 21 tokens, 1 to 14 new tokens, one with a stop id
+    met on its way): three submitted before the start, four once the first has a token (they
+    join a running batch, some wait for a slot); each gives ``generate``'s tokens alone."""
+    lengths, maxes = [9, 2, 21, 5, 1, 13, 7], [6, 14, 3, 9, 11, 1, 8]
+    prompts = _prompts(gen, lengths)
+    want = [generate(model, [p], n, temperature=0).tokens[0] for p, n in zip(prompts, maxes)]
+    stop = want[3][4]  # request 3 stops at its fifth token (or earlier, where the id came before)
+    want[3] = want[3][:want[3].index(stop) + 1]
+    specs = [RequestSpec(prompt=p, max_tokens=n, temperature=0, stop_ids={stop} if i == 3 else frozenset())
+             for i, (p, n) in enumerate(zip(prompts, maxes))]
+    events = [Events() for _ in specs]
+    requests = [engine.submit(s, e) for s, e in zip(specs[:3], events)]
+    engine.start()
+    assert events[0].first.wait(WAIT_S)
+    requests += [engine.submit(s, e) for s, e in zip(specs[3:], events[3:])]
+    _wait(requests)
+    for i, (e, w) in enumerate(zip(events, want)):
+        if i == 3:
+            assert e.reason == "stop" and e.tokens == w[:-1] and requests[i].completion_tokens == len(w)
+        else:
+            assert e.reason == "length" and e.tokens == w, i
+    stats = engine.stats()
+    assert stats.running == stats.queued == 0 and stats.requests_total == 7
+    assert stats.finished == {"length": 6, "stop": 1}
+    assert stats.generated_tokens_total == sum(len(w) for w in want) and stats.prompt_tokens_total == sum(lengths)
+    assert stats.ttft_count == 7 and stats.itl_count == stats.generated_tokens_total - 7
+    assert stats.steps_total > 0 and stats.steps_total < stats.busy_rows_total  # (steps decoded several rows)
+
+
+@pytest.mark.reference
+def test_concurrent_greedy_requests_give_sequential_generates_tokens(model, gen):
+    engine = Engine(model, EngineConfig(slots=4, max_queue=8, prefill_chunk=5))
+    try:
+        _greedy_against_generate(engine, model, gen)
+    finally:
+        engine.shutdown(drain_s=0)
+
+
+@pytest.mark.e2e
+def test_compiled_concurrent_greedy_requests_give_sequential_generates_tokens(model, gen):
+    """The same, the decode step compiled (two slots: one graph for one row, one for two)."""
+    engine = Engine(model, EngineConfig(slots=2, max_queue=8, prefill_chunk=5, compile=True))
+    try:
+        _greedy_against_generate(engine, model, gen)
+    finally:
+        engine.shutdown(drain_s=0)
+
+
+@pytest.mark.reference
+def test_seeded_sampling_gives_generates_tokens_alone_and_in_a_mixed_batch(model, gen):
+    """A sampled request (temperature, top-k, top-p, a seed) gives ``generate``'s tokens with a
+    generator of that seed, alone and among greedy and other sampled requests."""
+    sampling = dict(temperature=0.9, top_k=12, top_p=0.95)
+    prompts = _prompts(gen, [6, 11, 3, 8])
+    want = generate(model, [prompts[0]], 12, generator=torch.Generator().manual_seed(1234), **sampling).tokens[0]
+    engine = Engine(model, EngineConfig(slots=4, prefill_chunk=4))
+    engine.start()
+    try:
+        alone = Events()
+        _wait([engine.submit(RequestSpec(prompt=prompts[0], max_tokens=12, seed=1234, **sampling), alone)])
+        mixed = [Events() for _ in prompts]
+        specs = [RequestSpec(prompt=prompts[1], max_tokens=9, temperature=0),
+                 RequestSpec(prompt=prompts[2], max_tokens=15, seed=99, temperature=1.3),
+                 RequestSpec(prompt=prompts[0], max_tokens=12, seed=1234, **sampling),
+                 RequestSpec(prompt=prompts[3], max_tokens=5, temperature=0.7)]  # (drawn from the OS)
+        _wait([engine.submit(s, e) for s, e in zip(specs, mixed)])
+    finally:
+        engine.shutdown(drain_s=0)
+    assert alone.tokens == want and mixed[2].tokens == want
+    assert mixed[1].tokens == generate(model, [prompts[2]], 15, temperature=1.3,
+                                       generator=torch.Generator().manual_seed(99)).tokens[0]
+
+
+@pytest.mark.reference
+def test_a_cancelled_request_frees_its_slot(model, gen):
+    """One slot: a long request cancelled after its third token (from its own callback, on the
+    engine thread) ends ``"cancelled"`` with no token after; the request waiting behind it gets
+    the slot and ``generate``'s tokens; cancelling an ended request changes nothing."""
+    prompts = _prompts(gen, [7, 4])
+    engine = Engine(model, EngineConfig(slots=1, max_queue=2))
+    holder: list[Request] = []
+    first = Events(each=lambda e: len(first.tokens) == 3 and holder[0].cancel())
+    second = Events()
+    holder.append(engine.submit(RequestSpec(prompt=prompts[0], max_tokens=40, temperature=0), first))
+    later = engine.submit(RequestSpec(prompt=prompts[1], max_tokens=6, temperature=0), second)
+    engine.start()
+    try:
+        _wait([holder[0], later])
+    finally:
+        engine.shutdown(drain_s=0)
+    assert first.reason == "cancelled" and len(first.tokens) == 3 and holder[0].finish_reason == "cancelled"
+    assert second.reason == "length" and second.tokens == generate(model, [prompts[1]], 6, temperature=0).tokens[0]
+    holder[0].cancel()
+    assert first.reason == "cancelled"
+    with pytest.raises(ValueError, match="reason must be one of"):
+        later.cancel("bored")
+
+
+@pytest.mark.reference
+def test_queue_full_past_slots_and_max_queue_then_closed_after_shutdown(model):
+    engine = Engine(model, EngineConfig(slots=2, max_queue=1))
+    spec = RequestSpec(prompt=(1, 2, 3), max_tokens=2, temperature=0)
+    events = [Events() for _ in range(3)]
+    requests = [engine.submit(spec, e) for e in events]
+    with pytest.raises(QueueFull, match=r"3 requests are running or waiting \(slots=2, max_queue=1\)"):
+        engine.submit(spec, Events())
+    assert engine.stats().queued == 3 and engine.stats().rejected_total == 1
+    engine.start()
+    _wait(requests)
+    assert [e.reason for e in events] == ["length"] * 3
+    engine.submit(spec, Events()).wait(WAIT_S)  # room again
+    engine.shutdown(drain_s=0)
+    with pytest.raises(EngineClosed):
+        engine.submit(spec, Events())
+
+
+@pytest.mark.reference
+def test_timeouts_end_running_and_queued_requests(model):
+    """A running request whose callback takes 50 ms a token, with a 0.3 s timeout, ends
+    ``"timeout"`` after a few tokens; the request queued behind it (one slot) with 0.1 s ends
+    ``"timeout"`` without a token."""
+    engine = Engine(model, EngineConfig(slots=1))
+    slow, queued = Events(each=lambda e: time.sleep(0.05)), Events()
+    requests = [engine.submit(RequestSpec(prompt=(5, 6, 7), max_tokens=40, temperature=0, timeout_s=0.3), slow),
+                engine.submit(RequestSpec(prompt=(8,), max_tokens=4, temperature=0, timeout_s=0.1), queued)]
+    engine.start()
+    try:
+        _wait(requests)
+    finally:
+        engine.shutdown(drain_s=0)
+    assert slow.reason == "timeout" and 0 < len(slow.tokens) < 40
+    assert queued.reason == "timeout" and queued.tokens == []
+    assert engine.stats().finished == {"timeout": 2}
+
+
+@pytest.mark.reference
+def test_shutdown_ends_the_requests_in_flight_and_joins(model):
+    """Two slots busy with slow requests and one waiting: ``shutdown(drain_s=0.2)`` ends the
+    waiting one ``"shutdown"`` at once and the running ones ``"shutdown"`` after the drain (a
+    short one finishes within it: ``"length"``); the thread is gone and nothing is admitted."""
+    engine = Engine(model, EngineConfig(slots=2, max_queue=2))
+    slow = [Events(each=lambda e: time.sleep(0.05)) for _ in range(2)]
+    waiting = Events()
+    short = RequestSpec(prompt=(3, 4), max_tokens=2, temperature=0)
+    long = RequestSpec(prompt=(5, 6, 7), max_tokens=40, temperature=0)
+    requests = [engine.submit(short, slow[0]), engine.submit(long, slow[1]), engine.submit(long, waiting)]
+    engine.start()
+    assert slow[1].first.wait(WAIT_S)
+    engine.shutdown(drain_s=0.2)
+    assert all(r.done for r in requests) and not engine._thread.is_alive()
+    assert [slow[0].reason, slow[1].reason, waiting.reason] == ["length", "shutdown", "shutdown"]
+    assert 0 < len(slow[1].tokens) < 40 and waiting.tokens == []
+    with pytest.raises(EngineClosed):
+        engine.submit(short, Events())
+    engine.shutdown(drain_s=0)  # (again: nothing left to do)
+    never = Engine(model, EngineConfig(slots=1))
+    queued = Events()
+    request = never.submit(short, queued)
+    never.shutdown(drain_s=1)  # never started: the queued request still ends
+    assert request.done and queued.reason == "shutdown"
+
+
+@pytest.mark.reference
+def test_a_step_that_raises_ends_its_requests_with_error_and_the_engine_goes_on(model, gen, monkeypatch):
+    """A decode step that raises ends the two requests in it (``"error"``, the exception's
+    text); a prefill that raises ends its request only; a callback that raises ends its own
+    request. The requests after them get ``generate``'s tokens."""
+    engine = Engine(model, EngineConfig(slots=2))
+    real_step, real_prefill = model.decode_step, model.forward_cached
+    fail = {"step": 1, "prefill": 0}
+
+    def step(*args):  # type: ignore[no-untyped-def]
+        if fail["step"]:
+            fail["step"] -= 1
+            raise RuntimeError("planted step failure")
+        return real_step(*args)
+
+    def prefill(idx, cache):  # type: ignore[no-untyped-def]
+        if fail["prefill"]:
+            fail["prefill"] -= 1
+            raise RuntimeError("planted prefill failure")
+        return real_prefill(idx, cache)
+
+    monkeypatch.setattr(model, "decode_step", step)
+    monkeypatch.setattr(model, "forward_cached", prefill)
+    prompts = _prompts(gen, [4, 6, 5])
+    spec = [RequestSpec(prompt=p, max_tokens=5, temperature=0) for p in prompts]
+    broken = [Events(), Events()]
+    both = [engine.submit(spec[0], broken[0]), engine.submit(spec[1], broken[1])]  # (one iteration prefills both)
+    engine.start()
+    try:
+        _wait(both)
+        assert [e.reason for e in broken] == ["error", "error"]
+        assert all(len(e.tokens) == 1 and "planted step failure" in e.events[-1].detail for e in broken)
+        fail["prefill"] = 1
+        alone, after, raising = Events(), Events(), Events(each=lambda e: 1 / 0)
+        _wait([engine.submit(spec[0], alone), engine.submit(spec[2], after), engine.submit(spec[1], raising)])
+    finally:
+        engine.shutdown(drain_s=0)
+    assert alone.reason == "error" and "planted prefill failure" in alone.events[-1].detail
+    assert after.reason == "length" and after.tokens == generate(model, [prompts[2]], 5, temperature=0).tokens[0]
+    assert raising.reason == "error" and raising.events[-1].detail == "the request's event callback raised"
+    assert engine.stats().running == 0
+
+
+@pytest.mark.reference
+def test_an_offloaded_model_gives_generates_tokens(model, gen):
+    """Experts in an expert store (host home tier, a cache of half the experts), eager: three
+    concurrent greedy requests give the in-memory model's ``generate`` tokens; compile is
+    refused up front."""
+    offloaded = copy.deepcopy(model)
+    per_expert = slot_bytes(moeflow.moe_layers(offloaded)[0].experts, single=True)
+    prompts = _prompts(gen, [5, 9, 2])
+    want = [generate(model, [p], 8, temperature=0).tokens[0] for p in prompts]
+    with offload_experts(offloaded, StorageConfig(offload="host", mode="cache", fast_memory=2 * per_expert)):
+        with pytest.raises(ValueError, match="compile=True needs every MoE layer to hold GroupedExperts"):
+            Engine(offloaded, EngineConfig(compile=True))
+        engine = Engine(offloaded, EngineConfig(slots=4, prefill_chunk=4))
+        engine.start()
+        events = [Events() for _ in prompts]
+        try:
+            _wait([engine.submit(RequestSpec(prompt=p, max_tokens=8, temperature=0), e)
+                   for p, e in zip(prompts, events)])
+        finally:
+            engine.shutdown(drain_s=0)
+    assert [e.tokens for e in events] == want
+
+
+@pytest.mark.unit
+def test_bad_values_are_named(model):
+    """``EngineConfig`` and ``RequestSpec`` fields on construction; what depends on the model
+    at ``submit``; the step sizes (powers of two, and the slots)."""
+    for bad, error, match in (
+            (dict(slots=0), ValueError, "slots must be >= 1"),
+            (dict(max_queue=-1), ValueError, "max_queue must be >= 0"),
+            (dict(capacity=1), ValueError, "capacity must be >= 2"),
+            (dict(prefill_chunk=0), ValueError, "prefill_chunk"),
+            (dict(compile="yes"), TypeError, "compile must be a bool"),
+            (dict(slots=2.0), TypeError, "slots must be an int")):
+        with pytest.raises(error, match=match):
+            EngineConfig(**bad)
+    ok = dict(prompt=(1, 2), max_tokens=3)
+    for bad, error, match in (
+            (dict(prompt=()), ValueError, "prompt must hold at least one token id"),
+            (dict(prompt=(1, -2)), ValueError, "prompt: token ids must be >= 0, got -2"),
+            (dict(prompt=(1, "a")), TypeError, "prompt holds str"),
+            (dict(prompt="ab"), TypeError, "prompt must be"),
+            (dict(max_tokens=0), ValueError, "max_tokens must be >= 1"),
+            (dict(temperature=-0.5), ValueError, "temperature must be >= 0"),
+            (dict(temperature=float("nan")), ValueError, "temperature must be finite"),
+            (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+            (dict(top_k=-1), ValueError, "top_k must be >= 0"),
+            (dict(seed=-3), ValueError, "seed must be >= 0"), (dict(seed=2**63), ValueError, "seed must be < 2"),
+            (dict(stop_ids=(True,)), TypeError, "stop_ids holds bool"),
+            (dict(timeout_s=0), ValueError, "timeout_s must be > 0")):
+        with pytest.raises(error, match=match):
+            RequestSpec(**{**ok, **bad})
+    assert RequestSpec(prompt=[4, 5], max_tokens=1, stop_ids=[3, 3]).stop_ids == frozenset({3})
+    engine = Engine(model, EngineConfig(slots=1, capacity=10))
+    assert engine.capacity == 10 and Engine(model, EngineConfig()).capacity == MAX_SEQ
+    for bad, match in ((dict(prompt=(1, 61)), "prompt: token ids must be below the vocabulary size 61, got 61"),
+                       (dict(stop_ids={70}), "stop_ids: token ids must be below"),
+                       (dict(prompt=tuple(range(8)), max_tokens=3),
+                        "max_tokens: the prompt's 8 tokens and max_tokens=3")):
+        with pytest.raises(ValueError, match=match):
+            engine.submit(RequestSpec(**{**ok, **bad}), Events())
+    with pytest.raises(ValueError, match="capacity=64 exceeds the model's max_seq_len=48"):
+        Engine(model, EngineConfig(capacity=64))
+    with pytest.raises(ValueError, match="drain_s must be a number >= 0"):
+        engine.shutdown(drain_s=-1)
+    assert [step_sizes(n) for n in (1, 2, 5, 8)] == [(1,), (1, 2), (1, 2, 4, 5), (1, 2, 4, 8)]
+    assert set(FINISH_REASONS) == {"stop", "length", "timeout", "cancelled", "shutdown", "error"}
+
+
+@pytest.mark.reference
+def test_slots_step_on_the_rows_they_need_and_read_nothing_on_the_host(model, gen, monkeypatch):
+    """``Slots``: a step runs on the smallest size covering the highest decoding slot (a lone
+    request in slot 0 on one row); prefill chunks and steps (greedy and sampled rows) read no
+    tensor on the host (the engine reads an iteration's tokens once)."""
+    from moeflow.models.decoding import SamplingConfig
+    from moeflow.serve.slots import SlotRow, Slots
+
+    from test_models_generation_compiled import SyncCounter
+
+    slots = Slots(model, slots=5, capacity=32, compile=False)
+    greedy, sampled = SamplingConfig(temperature=0), SamplingConfig(temperature=0.8, top_k=9, top_p=0.9)
+    rows = [SlotRow(slot=0, prompt=tuple(_prompts(gen, [6])[0]), sampling=greedy, generator=None),
+            SlotRow(slot=2, prompt=tuple(_prompts(gen, [3])[0]), sampling=sampled,
+                    generator=torch.Generator().manual_seed(5))]
+    sizes = []
+    real = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda n, p, c: sizes.append((n.shape[0], c.batch)) or real(n, p, c))
+    with torch.no_grad(), slots.open():
+        assert [slots.size([SlotRow(slot=s, prompt=(1,), sampling=greedy, generator=None)]) for s in range(5)] == \
+            [1, 2, 4, 4, 5]
+        assert slots.prefill(rows[0], 4) == (4, None) and rows[0].filled == 4 and rows[0].prefilling
+        seen = []
+        with SyncCounter() as counter:
+            taken, first = slots.prefill(rows[0], 4)
+        seen += counter.seen
+        rows[0].last = int(first)  # (the engine's one read of an iteration)
+        with SyncCounter() as counter:
+            tokens_R = slots.step(rows[:1], [rows[1]])
+            _, first = slots.prefill(rows[1], 4)
+        seen += counter.seen
+        rows[0].last, rows[1].last = int(tokens_R[0]), int(first)
+        with SyncCounter() as counter:
+            tokens_R = slots.step(rows, [])
+        assert seen + counter.seen == [] and taken == 2 and tokens_R.shape == (2,)
+    assert sizes == [(1, 1), (4, 4)] and [r.filled for r in rows] == [8, 4]
