@@ -363,6 +363,10 @@ def test_bad_input_is_a_400_naming_the_field(server) -> None:
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), (body, r.text)
         assert param is None or param in r.json()["error"]["message"]
     assert server.http.get("/v1/nothing").status_code == 404
+    from moeflow.serve.app import MAX_BODY_BYTES
+
+    huge = server.http.post("/v1/completions", content=b" " * (MAX_BODY_BYTES + 1))
+    assert huge.status_code == 413 and "more than" in huge.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):
         server.client.completions.create(model=NAME, prompt="a", temperature=2.5)
     assert server.client.completions.create(model=NAME, prompt="a", max_tokens=1).choices[0].finish_reason
@@ -523,3 +527,26 @@ def test_a_checkpoint_serves_as_the_directory_it_was_converted_from(tiny, tmp_pa
     assert tok_a.encode(PROMPT) == tok_b.encode(PROMPT) == tiny["tok"].encode(PROMPT)
     assert declared_eos(extra_a, tok_a, len(VOCAB), "a") == declared_eos(extra_b, tok_b, len(VOCAB), "b") == tiny["eos"]
     assert chat_template(extra_a, "a") == chat_template(extra_b, "b") == TEMPLATE
+
+
+def test_offloaded_experts_serve_the_same_tokens(tiny, tmp_path) -> None:
+    """``--offload disk`` with a fast tier holding a few of the experts only: concurrent greedy
+    answers are still ``generate``'s on the in-memory model."""
+    from moeflow.cli.offload import expert_bytes
+
+    budget = expert_bytes(tiny["model"]) // 4
+    s = Server(tiny["path"], tmp_path / "offload.log", "--max-concurrency", "4", "--context", str(SERVED),
+               "--offload", "disk", "--fast-memory", str(budget), "--dir", str(tmp_path / "tier"))
+    try:
+        prompts = [PROMPT, "a dog", "sat on the mat", "x"]
+
+        def ask(prompt: str) -> tuple[str, str, int]:
+            c = s.client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+            return c.choices[0].text, c.choices[0].finish_reason, c.usage.completion_tokens
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, prompts))
+        assert got == [reference(tiny, tiny["tok"].encode(p), 12) for p in prompts]
+    finally:
+        assert s.stop() == 0, s.log.read_text()[-3000:]
+    assert "peak fast-tier bytes" in s.log.read_text()  # the store's report on the way out

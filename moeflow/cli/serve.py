@@ -32,7 +32,7 @@ from pathlib import Path
 from moeflow.cli.errors import UsageError
 from moeflow.cli.flags import choose_device, env_threads, float_at_least, int_at_least
 from moeflow.cli.generate import declared_eos, read_template_file
-from moeflow.cli.offload import add_storage_flags, offload_storage
+from moeflow.cli.offload import add_storage_flags, check_budget, layout_line, offload_storage, store_lines
 
 __all__ = ["add_serve", "load_served_model"]
 
@@ -172,8 +172,12 @@ def _run_serve(args: argparse.Namespace) -> int:
         from moeflow.storage import offload_experts
 
         model = model.to(storage.device)
-        with offload_experts(model, storage):
-            return _serve(args, model, tok, extra, config, template, name, sock)
+        with offload_experts(model, storage) as store:
+            status = _serve(args, model, tok, extra, config, template, name, sock)
+            print(f"experts in {storage.offload}, fast tier {layout_line(store, storage)}", file=sys.stderr)
+            print("\n".join(store_lines(store, storage)), file=sys.stderr)
+            check_budget(store, storage)
+        return status
     finally:
         sock.close()
 

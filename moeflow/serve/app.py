@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from moeflow.serve.engine import Engine, EngineClosed, Event, QueueFull, RequestSpec
 from moeflow.serve.metrics import CONTENT_TYPE, CountAnswers, ServeMetrics
@@ -237,10 +238,13 @@ async def _body(request: Request) -> bytes:
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is {size} bytes, more than {MAX_BODY_BYTES}")
     body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is more than {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is more than {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:  # gone while sending the body: nobody reads an answer
+        raise ApiError(499, "the client disconnected before its request was read") from None
     return body
 
 
