@@ -82,6 +82,13 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_serve)
 
 
+def _flag_names(message: str) -> str:
+    """An engine's message with its fields spelled as the flags that set them."""
+    for field, flag in _ENGINE_FLAGS:
+        message = re.sub(rf"(?<![\w-]){field}(?!\w)", flag, message)
+    return message
+
+
 def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from moeflow.serve.engine import EngineConfig
 
@@ -89,10 +96,7 @@ def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         return EngineConfig(slots=args.max_concurrency, max_queue=args.max_queue, capacity=args.context,
                             prefill_chunk=args.prefill_chunk, compile=args.compile)
     except (ValueError, TypeError) as err:
-        message = str(err)
-        for field, flag in _ENGINE_FLAGS:
-            message = re.sub(rf"(?<![\w-]){field}(?!\w)", flag, message)
-        raise UsageError(message) from None
+        raise UsageError(_flag_names(str(err))) from None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -147,7 +151,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.port > 65535:
         raise UsageError(f"--port must be a TCP port, 0 to 65535, got {args.port}")
     device = choose_device("--device", args.device)
-    args.device = device.device  # the fast tier's too, with --offload
+    args.device, args.device_line = device.device, device.line  # the fast tier's too, with --offload
     storage = offload_storage(args, mode_default="cache")
     if args.compile and storage is not None:
         raise UsageError(f"--compile cannot go with --offload {args.offload}: the expert store moves experts between "
@@ -162,7 +166,6 @@ def _run_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     sock = _listen(args.host, args.port)
     try:
-        print(device.line, file=sys.stderr, flush=True)
         try:
             model, tok, extra = load_served_model(args.checkpoint, "cpu" if storage else device.device)
         except CheckpointError as err:
@@ -192,8 +195,12 @@ def _serve(args, model, tok, extra, config, template, name, sock) -> int:  # typ
     vocab = model.config.vocab_size
     text = ModelText(tok, eos_ids=declared_eos(extra, tok, vocab, where), vocab_size=vocab, extra=extra,
                      template=template, where=where)
-    engine = Engine(model, config)  # ValueError (a model --compile cannot compile): one line
+    try:
+        engine = Engine(model, config)
+    except ValueError as err:  # --context past the model's max_seq_len, a model --compile cannot compile
+        raise UsageError(_flag_names(str(err))) from None
     app = create_app(engine, text, model_name=name, timeout_s=args.timeout)
+    print(args.device_line, file=sys.stderr, flush=True)  # after every check: a refusal is one line
     try:
         engine.start()  # compiled: compiles and warms the step up first
     except RuntimeError as err:
