@@ -215,6 +215,22 @@ CASES: list[tuple[str, list[str], str]] = [
     *[(f"generate-device-{v}", ["generate", "{ckpt}", "--device", v], "--device")
       for v in (*(["cuda"] if _NO_CUDA else []), "cuda:99", "nonsense")],
     ("generate-offload-device-nonsense", ["generate", "{ckpt}", "--offload", "host", "--device", "tpu"], "--device"),
+    # ---- serve (--port 0: a case a check lets through fails on no busy port; none may reach serving)
+    ("serve-missing", ["serve", "{missing}"], "{missing}"),
+    ("serve-file", ["serve", "{file}", "--port", "0"], "{file}"),
+    ("serve-empty-dir", ["serve", "{dir}", "--port", "0"], "{dir}"),
+    ("serve-garbage", ["serve", "{garbage_ckpt}", "--port", "0"], "index.json"),
+    *[(f"serve-port-{v}", ["serve", "{ckpt}", "--port", v], "--port") for v in ("70000", "-1", "x")],
+    *[(f"serve-{flag[2:]}-{v}", ["serve", "{ckpt}", "--port", "0", flag, v], flag) for flag, v in (
+        ("--max-concurrency", "0"), ("--max-queue", "-1"), ("--prefill-chunk", "0"), ("--context", "1"),
+        ("--context", "100000"), ("--timeout", "0"), ("--timeout", "nan"), ("--shutdown-grace", "-1"),
+        ("--threads", "0"), ("--host", ""), ("--model-name", ""))],
+    ("serve-chat-template-missing", ["serve", "{ckpt}", "--port", "0", "--chat-template", "{missing}"],
+     "--chat-template"),
+    ("serve-fast-memory-no-offload", ["serve", "{ckpt}", "--port", "0", "--fast-memory", "1MB"], "--offload"),
+    ("serve-compile-offload", ["serve", "{ckpt}", "--port", "0", "--offload", "host", "--compile"], "--compile"),
+    ("serve-mode-bad", ["serve", "{ckpt}", "--port", "0", "--offload", "disk", "--mode", "x"], "--mode"),
+    ("serve-device-nonsense", ["serve", "{ckpt}", "--port", "0", "--device", "tpu"], "--device"),
     # ---- infer
     *[(f"infer-fast-memory-{v}", ["infer", *_INFER, "--fast-memory", v], "--fast-memory")
       for v in ("abc", "-1", "0", "nan")],

@@ -174,7 +174,7 @@ def test_chat_prompts_render_and_answer_as_in_transformers(hf_dir, tmp_path, cap
     and the reply is transformers' greedy reply; a template that raises is one line naming the
     checkpoint."""
     from moeflow.checkpoint.format import latest_checkpoint
-    from moeflow.cli.chat import chat_template, render_chat, special_token_texts
+    from moeflow.convert.chat import chat_template, render_chat, special_token_texts
 
     ck = _convert(hf_dir, tmp_path, capsys)
     extra = read_index(latest_checkpoint(ck))["extra"]
@@ -205,7 +205,7 @@ def test_which_chat_template_and_special_tokens_a_checkpoint_keeps() -> None:
     """chat_template.jinja first, else tokenizer_config.json's template, a named list's
     ``default``; special tokens from tokenizer_config.json over special_tokens_map.json, an
     AddedToken's description by its content; malformed files named."""
-    from moeflow.cli.chat import chat_template, special_token_texts
+    from moeflow.convert.chat import chat_template, special_token_texts
 
     def extra(**files: object) -> dict:
         return {"hf": {"model_type": "mixtral", "files": {k.replace("_json", ".json").replace("_jinja", ".jinja"):

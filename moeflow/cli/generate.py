@@ -10,7 +10,7 @@ A row stops at any stop token: by default every end-of-sequence id the model dec
 converted model's ``generation_config.json`` may list several; the checkpoint's
 ``extra["special_tokens"]``) and the tokenizer's end-of-document token; ``--eos`` replaces them.
 With ``--chat`` each prompt is the user's message, rendered through the model's chat template
-(``moeflow.cli.chat``), and only the replies are printed.
+(``moeflow.convert.chat``), and only the replies are printed.
 
 The model runs on ``--device`` (default: CUDA where torch sees it, else the CPU; the first line on
 stderr says which and why), and sampling draws with a generator made there from ``--seed``
@@ -37,18 +37,11 @@ import math
 import sys
 from pathlib import Path
 
-from moeflow.cli.chat import read_template_file
 from moeflow.cli.errors import UsageError
 from moeflow.cli.flags import choose_device
-from moeflow.cli.offload import (
-    add_storage_flags,
-    check_budget,
-    layout_line,
-    storage_config,
-    store_lines,
-)
+from moeflow.cli.offload import add_storage_flags, check_budget, layout_line, offload_storage, store_lines
 
-__all__ = ["add_generate", "sample", "seeded_generator"]
+__all__ = ["add_generate", "declared_eos", "read_template_file", "sample", "seeded_generator"]
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -94,19 +87,12 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_generate)
 
 
-def _storage(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """The ``StorageConfig`` of the storage flags, or ``None`` without ``--offload``
-    (``UsageError`` for a bad value, or a storage flag given without ``--offload``)."""
-    if args.offload is None:
-        given = [flag for flag, value in (
-            ("--fast-memory", args.fast_memory), ("--mode", args.mode), ("--ring-slots", args.ring_slots),
-            ("--prefetch", args.prefetch), ("--dir", args.dir), ("--disk-reads", args.disk_reads),
-            ("--evict-page-cache", args.evict_page_cache or None)) if value is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)} only applies with --offload host|disk (the experts held outside "
-                             "the model)")
-        return None
-    return storage_config(args, mode_default="cache")
+def read_template_file(path: Path) -> str:
+    """The text of ``--chat-template FILE`` (``ValueError`` naming the flag)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--chat-template {path}: cannot read it ({err})") from None
 
 
 def _fail(message: str) -> int:
@@ -159,7 +145,7 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _declared_eos(extra: dict, tok, vocab_size: int, where: str) -> list[int]:  # type: ignore[no-untyped-def]
+def declared_eos(extra: dict, tok, vocab_size: int, where: str) -> list[int]:  # type: ignore[no-untyped-def]
     """The stop ids a checkpoint declares: every end-of-sequence id of its ``special_tokens``
     (a converted model's, carried on by a run fine-tuned from it: ``generation_config.json``'s,
     which may be a list, else ``config.json``'s), then the tokenizer's end-of-document token
@@ -208,7 +194,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompts = _prompts(args)
         device = choose_device("--device", args.device)
         args.device = device.device  # the fast tier's too, with --offload
-        storage = _storage(args)
+        storage = offload_storage(args, mode_default="cache")
         template = None if args.chat_template is None else read_template_file(args.chat_template)
         args.chat = args.chat or template is not None  # --chat-template implies --chat
         if args.compile and storage is not None:
@@ -227,7 +213,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         if tok is None:
             raise ValueError(f"{args.checkpoint}: the checkpoint has no tokenizer (converted from a Hugging Face "
                              "directory without tokenizer.json); sample with transformers' tokenizer instead")
-        eos = _eos_ids(args.eos, tok, _declared_eos(info["extra"], tok, model.config.vocab_size, str(args.checkpoint)))
+        eos = _eos_ids(args.eos, tok, declared_eos(info["extra"], tok, model.config.vocab_size, str(args.checkpoint)))
         _check_sampling(args, model, top_k, eos)  # before the device line: a refusal is one line
         if args.chat:
             prompts = _chat_prompts(prompts, info["extra"], template, str(args.checkpoint))
@@ -282,8 +268,8 @@ def _generate_all(args, model, tok, prompts, encoded, new, top_k, eos) -> int:  
 
 def _chat_prompts(prompts: list[str], extra: dict, template: str | None, where: str) -> list[str]:
     """Each prompt as the user's message through the chat template (``template``, from
-    ``--chat-template``, else the checkpoint's), ready to encode (``moeflow.cli.chat``)."""
-    from moeflow.cli.chat import chat_template, render_chat, special_token_texts
+    ``--chat-template``, else the checkpoint's), ready to encode (``moeflow.convert.chat``)."""
+    from moeflow.convert.chat import chat_template, render_chat, special_token_texts
 
     template = template if template is not None else chat_template(extra, where)
     if template is None:

@@ -1,7 +1,7 @@
-"""``moeflow`` command line: ``moeflow [--debug] bench|train|prepare-data|generate|infer|train-vision|a2a-model|convert ...``.
+"""``moeflow`` command line: ``moeflow [--debug] bench|train|prepare-data|generate|infer|serve|train-vision|a2a-model|convert ...``.
 
 This module builds the parser and dispatches; each command family lives in its own module
-(``bench``, ``convert``, ``train``, ``generate``, ``infer``), which adds its subcommands with an
+(``bench``, ``convert``, ``train``, ``generate``, ``infer``, ``serve``), which adds its subcommands with an
 ``add_*(sub)`` function that sets ``func``, the handler returning the exit status.
 
 How a command fails (``moeflow.cli.errors``): one line ``moeflow <command>: error: ...`` on
@@ -28,6 +28,7 @@ from moeflow.cli.errors import UsageError, error_line
 from moeflow.cli.flags import finite_float
 from moeflow.cli.generate import add_generate
 from moeflow.cli.infer import add_infer
+from moeflow.cli.serve import add_serve
 from moeflow.cli.train import add_train
 from moeflow.cli.train_vision import add_train_vision
 
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_data(sub)
     add_generate(sub)
     add_infer(sub)
+    add_serve(sub)
     add_train_vision(sub)
     for command in sub.choices.values():  # `moeflow train ... --debug` too; SUPPRESS keeps the global one
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)

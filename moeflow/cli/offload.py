@@ -1,4 +1,4 @@
-"""What ``moeflow infer`` and ``moeflow generate`` share to run a model with its experts
+"""What ``moeflow infer``, ``moeflow generate`` and ``moeflow serve`` share to run a model with its experts
 offloaded: the storage flags, the ``StorageConfig`` they build (checked before any work), the
 store built from a model, and the report of what the store moved.
 
@@ -19,7 +19,8 @@ from pathlib import Path
 from moeflow.cli.errors import UsageError
 from moeflow.cli.flags import DEVICE_HELP, check_device, check_output_dir, choose_device, int_at_least
 
-__all__ = ["add_storage_flags", "check_budget", "expert_bytes", "layout_line", "storage_config", "store_lines"]
+__all__ = ["add_storage_flags", "check_budget", "expert_bytes", "layout_line", "offload_storage", "storage_config",
+           "store_lines"]
 
 # (flag, attribute, value when not given) of the storage flags, in the order they are documented
 # (--device when not given: ``moeflow.cli.flags.default_device()``, CUDA where available)
@@ -71,6 +72,22 @@ def storage_config(args: argparse.Namespace, *, mode_default: str = "ring"):  # 
                              evict_page_cache=args.evict_page_cache, disk_reads=args.disk_reads, device=args.device)
     except (ValueError, TypeError) as err:
         raise UsageError(_flag_names(str(err))) from None
+
+
+def offload_storage(args: argparse.Namespace, *, mode_default: str = "cache"):  # type: ignore[no-untyped-def]
+    """For a command whose offload is optional (``generate``, ``serve``): the ``StorageConfig`` of
+    the storage flags, or ``None`` without ``--offload`` (``UsageError`` for a bad value, or a
+    storage flag given without ``--offload``)."""
+    if args.offload is None:
+        given = [flag for flag, value in (
+            ("--fast-memory", args.fast_memory), ("--mode", args.mode), ("--ring-slots", args.ring_slots),
+            ("--prefetch", args.prefetch), ("--dir", args.dir), ("--disk-reads", args.disk_reads),
+            ("--evict-page-cache", args.evict_page_cache or None)) if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} only applies with --offload host|disk (the experts held outside "
+                             "the model)")
+        return None
+    return storage_config(args, mode_default=mode_default)
 
 
 def _flag_names(message: str) -> str:

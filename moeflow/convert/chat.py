@@ -1,5 +1,8 @@
-"""Chat templates for ``moeflow generate --chat``: a prompt as the user's message, rendered
-through the model's own template into the text the model was trained to answer.
+"""Chat templates: a conversation rendered through the model's own template into the text the
+model was trained to answer. ``moeflow generate --chat`` renders each prompt as the user's one
+message; ``moeflow serve``'s ``/v1/chat/completions`` renders a request's messages. Both use this
+module, which sits with the tokenizer files it reads (``moeflow.convert.hf_tokenizer``), below
+the command line and the server.
 
 The template is the one a checkpoint keeps of its Hugging Face directory (``extra["hf"]
 ["files"]``, ``moeflow.convert.hf_tokenizer``): ``chat_template.jinja`` where present (transformers
@@ -13,18 +16,17 @@ loop controls, the named special tokens such as ``bos_token``) are transformers'
 therefore rendered by transformers' own renderer (``render_jinja_template``: its sandboxed Jinja
 environment, the same globals and filters, the special tokens passed as
 ``apply_chat_template`` passes them), not by a copy of it here: the text is exactly what
-``tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-tokenize=False)`` gives. It needs transformers (the ``hf`` extra; jinja2 comes with it). The
-rendered text holds its special tokens as text, so it is encoded without the tokenizer adding
-its own (``add_special_tokens=False``), as transformers encodes it.
+``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`` gives.
+It needs transformers (the ``hf`` extra; jinja2 comes with it). The rendered text holds its
+special tokens as text, so it is encoded without the tokenizer adding its own
+(``add_special_tokens=False``), as transformers encodes it.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-__all__ = ["SPECIAL_TOKEN_NAMES", "chat_template", "read_template_file", "render_chat", "special_token_texts"]
+__all__ = ["SPECIAL_TOKEN_NAMES", "chat_template", "render_chat", "render_messages", "special_token_texts"]
 
 # the named special tokens transformers passes a template (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -80,27 +82,24 @@ def special_token_texts(extra: dict, where: str) -> dict[str, str]:
     return out
 
 
-def read_template_file(path: Path) -> str:
-    """The text of ``--chat-template FILE`` (``ValueError`` naming the flag)."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"--chat-template {path}: cannot read it ({err})") from None
-
-
-def render_chat(template: str, prompt: str, special: dict[str, str], where: str) -> str:
-    """``prompt`` as one user message, rendered through ``template`` with the assistant's
-    generation prompt after it (module docstring); ``ValueError`` naming ``where`` for a
-    template that does not render, ``ImportError`` without transformers."""
+def render_messages(template: str, messages: list[dict], special: dict[str, str], where: str) -> str:
+    """``messages`` (``[{"role": ..., "content": text}, ...]``) rendered through ``template`` with
+    the assistant's generation prompt after them (module docstring); ``ValueError`` naming
+    ``where`` for a template that does not render them (one that refuses a role with
+    ``raise_exception``, say), ``ImportError`` without transformers."""
     try:
         import jinja2
         from transformers.utils.chat_template_utils import render_jinja_template
     except ImportError as err:
-        raise ImportError("--chat renders the model's chat template with transformers' renderer: "
-                          "pip install 'moeflow[hf]'") from err
+        raise ImportError("a chat template is rendered with transformers' renderer: pip install 'moeflow[hf]'") from err
     try:
-        rendered, _ = render_jinja_template(conversations=[[{"role": "user", "content": prompt}]],
-                                            chat_template=template, add_generation_prompt=True, **special)
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
+                                            add_generation_prompt=True, **special)
     except jinja2.exceptions.TemplateError as err:
         raise ValueError(f"{where}: the chat template does not render ({type(err).__name__}: {err})") from None
     return rendered[0]
+
+
+def render_chat(template: str, prompt: str, special: dict[str, str], where: str) -> str:
+    """``prompt`` as one user message through ``template`` (``render_messages``)."""
+    return render_messages(template, [{"role": "user", "content": prompt}], special, where)
