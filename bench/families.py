@@ -161,8 +161,11 @@ def _train_rows(args: argparse.Namespace, hf, model, clock) -> dict:  # type: ig
 
 
 def _hf_loss(hf, impl: str, idx_BS: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """transformers' own loss over the targets moeflow's ``loss`` takes: every next token. Its
+    ``labels`` alone would be shifted inside, dropping the last row position's target."""
     hf.set_experts_implementation(impl)
-    return hf(input_ids=idx_BS[:, :-1], labels=idx_BS[:, :-1].clone()).loss
+    targets = idx_BS[:, 1:].contiguous()
+    return hf(input_ids=idx_BS[:, :-1], labels=targets, shift_labels=targets).loss
 
 
 def _decode_rows(args: argparse.Namespace, hf, model, clock, batch: int) -> dict:  # type: ignore[no-untyped-def]

@@ -4,9 +4,11 @@ compared, and bad flags refused by name. No timing is asserted."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -30,6 +32,19 @@ def test_a_tiny_family_run_reports_both_candidates(tmp_path):
     assert train["ratio"] == pytest.approx(train["median_s"]["hf:eager"] / train["median_s"]["moeflow"])
     assert set(decode["tokens_per_s"]) == {"moeflow:compiled", "hf:generate"}
     assert decode["tokens_equal"]["moeflow:compiled"] is True  # the same weights, greedy: the same tokens
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_both_models_take_the_same_loss(tmp_path, family):
+    """The train step times the same loss: every next token of the row (transformers' ``labels``
+    alone are shifted inside and drop the last target)."""
+    args = argparse.Namespace(seed=0, shape="tiny", prompt_len=5, new_tokens=4, tokens=17)
+    hf, model = families._build(family, args, tmp_path)
+    idx_BS = torch.randint(0, hf.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model.loss(idx_BS[:, :-1], idx_BS[:, 1:])
+        theirs = families._hf_loss(hf, "eager", idx_BS)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("argv, match", [
