@@ -400,6 +400,8 @@ def test_the_families_stage_runs_capped_beside_others_and_everything_alone(tmp_p
     figures = families.stage_families(ctx, 520.0)
     assert figures["mode"] == "alone" and "--decode-families" not in ran[-1]
     assert _flag(ran[-1], "--decode-batch") == "1,8" and families.ALONE_COMMAND not in figures["summary"]
+    assert figures["summary"].endswith("the rest: python -m bench.families --device cuda --dtype bfloat16 "
+                                       "--families mixtral")
     smoke = Context(device="cpu", tiny=True, out=tmp_path, env={}, selected=("families",))
     assert families.stage_families(smoke, 120.0)["mode"] == "tiny"
     assert (_flag(ran[-1], "--shape"), _flag(ran[-1], "--dtype"), _flag(ran[-1], "--decode-families")) == (

@@ -19,11 +19,12 @@ on the host, and compiling the two decoders at each batch size):
     tiny     ``--smoke`` (and ``--tiny`` on CUDA): all six at test shapes, the train step, and
              decoding for Mixtral alone (batch 2): the stage's every path, in seconds.
 
-Families a run did not reach are named with the reason (``not run``). The stage fails when
-``bench.families`` fails or runs out of time (the families it finished are kept in its figures),
-or when a family's two models do not give the same first-step loss (relative difference over
-``LOSS_RTOL``, or not finite: the same weights and tokens must). Tokens are reported, not
-required: in bf16 a random model's nearly tied logits let another kernel order flip an argmax.
+Families a run did not reach are named with the reason (``not run``; alone, with the
+``bench.families`` command that runs them). The stage fails when ``bench.families`` fails or
+runs out of time (the families it finished are kept in its figures), or when a family's two
+models do not give the same first-step loss (relative difference over ``LOSS_RTOL``, or not
+finite: the same weights and tokens must). Tokens are reported, not required: in bf16 a random
+model's nearly tied logits let another kernel order flip an argmax.
 """
 
 from __future__ import annotations
@@ -165,4 +166,7 @@ def stage_families(ctx: Context, timeout_s: float) -> dict:
     if not report["rows"]:
         raise StageFailed("no family ran: " + "; ".join(lines), figures)
     tail = f" | the rest alone: {ALONE_COMMAND}" if mode == "capped" else ""
+    if mode == "alone" and report.get("not_run"):
+        tail = (f" | the rest: python -m bench.families --device {ctx.device} --dtype {ctx.dtype} --families "
+                + ",".join(report["not_run"]))
     return {**figures, "summary": f"{mode}: " + " | ".join(lines) + tail}
