@@ -315,7 +315,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="both models' weights and activations (default float32)")
     p.add_argument("--shape", choices=SHAPES, default=None,
-                   help="published (the CPU's cuts), gpu (fewer cuts), tiny (tests); default: gpu on CUDA, else published")
+                   help="published (the CPU's cuts), gpu (fewer cuts), tiny (tests); "
+                        "default: gpu on CUDA, else published")
     p.add_argument("--tokens", type=int, default=257, help="tokens a training row (S + 1)")
     p.add_argument("--train-batch", type=int, default=2)
     p.add_argument("--decode-batch", default="1,8", help="comma-separated rows of the decoding runs")
@@ -380,8 +381,8 @@ def _check(args: argparse.Namespace) -> argparse.Namespace:
 
     missing = [f for f in args.families if f not in FAMILIES]
     if missing or not args.families:
-        raise SystemExit(f"--families: moeflow does not convert {', '.join(missing)} yet ({', '.join(sorted(FAMILIES))})"
-                         if missing else "--families: name at least one")
+        raise SystemExit(f"--families: moeflow does not convert {', '.join(missing)} yet "
+                         f"({', '.join(sorted(FAMILIES))})" if missing else "--families: name at least one")
     args.decode_families = args.families if args.decode_families is None else _names(args.decode_families)
     stray = [f for f in args.decode_families if f not in args.families]
     if stray:
@@ -397,7 +398,8 @@ def _write(path: Path | None, args: argparse.Namespace, rows: list[dict], not_ru
     if path is None:
         return
     cuda = args.device.type == "cuda"
-    report = {"bench": "families", "date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
+    report = {"bench": "families", "date": time.strftime("%Y-%m-%d"),
+              "machine": platform.processor() or platform.machine(),
               "device": str(args.device), "device_name": torch.cuda.get_device_name(args.device) if cuda else None,
               "threads": args.threads, "clock": args.clock, "dtype": args.dtype, "shape": args.shape,
               "torch": torch.__version__, "args": {k: v for k, v in vars(args).items() if k != "json"},

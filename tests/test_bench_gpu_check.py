@@ -334,7 +334,8 @@ def _families_report() -> dict:
     def train(ratio: float, loss: float = 10.397) -> dict:
         return {"tokens": 512, "median_s": {"moeflow": 0.01, "hf:grouped_mm": 0.01 * ratio}, "hf_best": "hf:grouped_mm",
                 "ratio": ratio, "ratios": {"hf:grouped_mm": ratio}, "tokens_per_s": {},
-                "first_loss": {"moeflow": 10.397, "hf:grouped_mm": loss}, "peak_gib": {"moeflow": 9.25, "hf:grouped_mm": 10.5}}
+                "first_loss": {"moeflow": 10.397, "hf:grouped_mm": loss},
+                "peak_gib": {"moeflow": 9.25, "hf:grouped_mm": 10.5}}
 
     def decode(batch: int, over_default: float, over_static: float, static_same: bool) -> dict:
         return {"batch": batch, "tokens_per_s": {}, "compiled_over_default": over_default,
@@ -346,7 +347,8 @@ def _families_report() -> dict:
              "decode": [decode(1, 9.5, 1.21, True), decode(8, 7.25, 1.1, False)]},
             {"family": "olmoe", "parameters": 973_000_000, "train": train(1.12), "decode": []}]
     return {"device": "cuda", "dtype": "bfloat16", "shape": "gpu", "rows": rows,
-            "not_run": {"mixtral": "time cap: 20 s left of --time-cap 505, under 1.3x the longest family so far (60 s)"}}
+            "not_run": {"mixtral": "time cap: 20 s left of --time-cap 505, under 1.3x the longest family so far "
+                                   "(60 s)"}}
 
 
 @pytest.mark.unit
@@ -388,7 +390,8 @@ def test_the_families_stage_runs_capped_beside_others_and_everything_alone(tmp_p
     figures = families.stage_families(ctx, 100.0)
     capped = ran[-1]
     assert figures["mode"] == "capped" and _flag(capped, "--decode-families") == ""  # the train step only
-    assert (_flag(capped, "--device"), _flag(capped, "--dtype"), _flag(capped, "--shape")) == ("cuda", "bfloat16", "gpu")
+    assert (_flag(capped, "--device"), _flag(capped, "--dtype"), _flag(capped, "--shape")) == (
+        "cuda", "bfloat16", "gpu")
     assert _flag(capped, "--hf-experts") == "grouped_mm" and _flag(capped, "--families").split(",")[0] == "olmoe"
     assert float(_flag(capped, "--time-cap")) == 100.0 - families.STARTUP_S and _flag(capped, "--repeats") == "3"
     assert figures["summary"].startswith("capped: qwen3_moe (1.38 B): train 1.42x")
