@@ -253,8 +253,20 @@ def _decode_rows(args: argparse.Namespace, hf, model, clock, batch: int) -> dict
         cands["hf:static"] = lambda: static(idx_BS, n, clock)
     peaks = {name: PeakMemory(args.device) for name in cands}
     cands = {name: peaks[name].wrap(run) for name, run in cands.items()}
-    warm = {name: warm_until_settled(run, max_calls=args.max_warmups) for name, run in cands.items()
-            if name != "hf:generate"}
+    warm, failed = {}, {}
+    for name, run in list(cands.items()):
+        if name == "hf:generate":
+            continue
+        try:
+            warm[name] = warm_until_settled(run, max_calls=args.max_warmups)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            if name != "hf:static":
+                raise
+            # transformers' static cache with sliding-window layers (gpt-oss) recompiles at every
+            # step until dynamo's limit: that candidate is reported as failed, the others run on
+            failed[name] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+            del cands[name], peaks[name]
+            static = None
     cands["hf:generate"]()
     med, tokens = take_turns(cands, args.repeats)
     steps = batch * (n - 1)
@@ -263,6 +275,8 @@ def _decode_rows(args: argparse.Namespace, hf, model, clock, batch: int) -> dict
            "tokens_equal": {name: tokens[name] == tokens["hf:generate"] for name in tokens},
            "compiled_over_default": rates["moeflow:compiled"] / rates["hf:generate"],
            "peak_gib": {name: pk.gib for name, pk in peaks.items()}}
+    if failed:
+        out["failed"] = failed
     if static is not None:
         out["compiled_over_static"] = rates["moeflow:compiled"] / rates["hf:static"]
     return out
@@ -298,6 +312,7 @@ def run_family(family: str, args: argparse.Namespace) -> dict:
               f"{_gib(peak['hf:generate'])}: {d['compiled_over_default']:.2f}x"
               + (f"; static-cache compiled {rates['hf:static']:,.0f}{_gib(peak['hf:static'])}: "
                  f"{d['compiled_over_static']:.2f}x" if "compiled_over_static" in d else "")
+              + "".join(f"; {k} failed ({v})" for k, v in d.get("failed", {}).items())
               + f"; tokens equal: {d['tokens_equal']}", flush=True)
     del hf, model
     gc.collect()
