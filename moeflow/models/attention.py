@@ -1,6 +1,7 @@
 """Grouped-query attention of ``MoEGPT``'s blocks (legend: ``moeflow.models.gpt``; here also
-``L`` key columns, ``R`` rotated dims of a head), with every option of ``AttentionConfig``
-for ``kind="gqa"``, and the RMSNorm the blocks and the query/key norms share.
+``L`` key columns, ``R`` rotated dims of a head, ``M = N/G*S`` query rows of one key/value
+head), with every option of ``AttentionConfig`` for ``kind="gqa"``, and the RMSNorm the blocks
+and the query/key norms share.
 
 Per block: ``q_proj`` / ``k_proj`` / ``v_proj`` (biases with ``qkv_bias``, Qwen2-MoE and
 gpt-oss), the query/key norms (``qk_norm="head"``: over each head's ``Hd`` dims, Qwen3-MoE;
@@ -77,8 +78,12 @@ def attention_reference(q_BNSH: torch.Tensor, k_BGLH: torch.Tensor, v_BGLH: torc
     ``Hd ** -0.5``."""
     B, N, S, Hd = q_BNSH.shape
     G, L = k_BGLH.shape[1], k_BGLH.shape[2]
-    q5 = q_BNSH.view(B, G, N // G, S, Hd)
-    logits = (q5 @ k_BGLH.unsqueeze(2).transpose(-1, -2)) * (Hd ** -0.5 if scale is None else scale)  # [B,G,N/G,S,L]
+    # the N/G query heads of a key/value head as more query rows of it ([B, G, N/G*S, Hd]: a
+    # view of contiguous queries, else one copy): one product per key/value head, and no
+    # broadcast copy of the keys and values per query head
+    q_BGMH = q_BNSH.reshape(B, G, N // G * S, Hd)
+    logits_BGML = (q_BGMH @ k_BGLH.transpose(-1, -2)) * (Hd ** -0.5 if scale is None else scale)
+    logits = logits_BGML.view(B, G, N // G, S, L)
     if mask is not None:
         logits = logits.masked_fill(~_as_4d(mask).unsqueeze(2), float("-inf"))
     if sinks_N is not None:
@@ -87,7 +92,7 @@ def attention_reference(q_BNSH: torch.Tensor, k_BGLH: torch.Tensor, v_BGLH: torc
     else:
         probs = torch.softmax(logits, dim=-1)
     probs = F.dropout(probs, p=dropout_p) if dropout_p else probs
-    return (probs @ v_BGLH.unsqueeze(2)).view(B, N, S, -1)
+    return (probs.reshape(B, G, N // G * S, L) @ v_BGLH).view(B, N, S, -1)
 
 
 def attend(q_BNSH: torch.Tensor, k_BGLH: torch.Tensor, v_BGLH: torch.Tensor, *, mask: torch.Tensor | None,
