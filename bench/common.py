@@ -1,7 +1,8 @@
 """What the benchmarks share: where the repository and the results are, the environment a
 benchmark's child process needs to import both ``moeflow`` and ``bench`` from this checkout,
-device synchronisation, the device's copy bandwidth, and a count of what ``torch.compile`` did
-during a call (``CompileWatch``). torch is imported where it is used: the GPU check's
+device synchronisation, the device's copy bandwidth, the device memory a candidate's calls
+reach (``PeakMemory``), and a count of what ``torch.compile`` did during a call
+(``CompileWatch``). torch is imported where it is used: the GPU check's
 orchestrator imports this module and stays light."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["REPO", "RESULTS", "child_env", "sync", "copy_bandwidth_gbps", "CompileWatch"]
+__all__ = ["REPO", "RESULTS", "child_env", "sync", "copy_bandwidth_gbps", "PeakMemory", "CompileWatch"]
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout: ``moeflow/`` and ``bench/`` side by side
 RESULTS = REPO / "bench" / "results"
@@ -74,6 +75,43 @@ def copy_bandwidth_gbps(device: torch.device | str, *, nbytes: int | None = None
             dst.copy_(src)
             seconds.append(time.perf_counter() - t0)
     return 2 * src.numel() * src.element_size() / statistics.median(seconds) / 1e9
+
+
+class PeakMemory:
+    """The most device memory held during any call that ``wrap`` watched: on CUDA the caching
+    allocator's ``max_memory_allocated``, its peak counter reset before each watched call, so
+    that candidates taking turns in one process each get their own peak (what the others keep
+    allocated between their calls, such as their weights or caches, counts in every peak: compare
+    the peaks, not their sizes alone). ``bytes`` is None on the CPU, where the candidates share
+    one process's resident set and no counter tells them apart, and before any call."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.bytes: int | None = None
+
+    def wrap(self, fn):  # type: ignore[no-untyped-def]
+        """``fn`` with its calls watched (the same arguments and result)."""
+        if self.device.type != "cuda":
+            return fn
+
+        def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.synchronize(self.device)
+                peak = int(torch.cuda.max_memory_allocated(self.device))
+                self.bytes = peak if self.bytes is None else max(self.bytes, peak)
+        return watched
+
+    @property
+    def gib(self) -> float | None:
+        return None if self.bytes is None else self.bytes / 2**30
 
 
 class _RecompileMessages(logging.Handler):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import REPO
-from bench.gpu_check import cli, generation, training
+from bench.gpu_check import cli, families, generation, training
 from bench.gpu_check.cli import STAGES
 from bench.gpu_check.gpu_tests import TRAINER_TEST, collected_counts, gpu_test_files, junit_counts
 from bench.gpu_check.runner import (FORMAT, NO_CUDA, REPORT_KEYS, STAGE_KEYS, STATUSES, Context, Stage, StageFailed,
@@ -82,6 +82,16 @@ def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     rows = {r["stage"]: r for r in fig["profile"]["rows"]}
     assert set(PROFILE_STAGES) <= set(rows) and fig["profile"]["unit"] == "cpu"
     assert sum(r["ms"] for r in rows.values()) == pytest.approx(fig["profile"]["total_ms"])
+    fam = fig["families"]
+    assert fam["mode"] == "tiny" and fam["not_run"] == {} and (fam["device"], fam["dtype"]) == ("cpu", "float32")
+    assert [r["family"] for r in fam["rows"]] == list(families.GPU_ORDER)  # all six, the train step each
+    assert all(r["train"]["first_loss"]["hf:grouped_mm"] == pytest.approx(r["train"]["first_loss"]["moeflow"],
+                                                                           rel=1e-5) for r in fam["rows"])
+    assert all(v["train_baseline"] == "hf:grouped_mm" and v["train"] > 0 for v in fam["ratios"].values())
+    (decode,) = fam["ratios"]["mixtral"]["decode"].values()  # decoding for one family, at one batch size
+    assert decode["over_default"] > 0 and decode["over_static"] > 0
+    assert decode["tokens_equal"] == {"moeflow:compiled": True, "hf:generate": True, "hf:static": True}  # fp32
+    assert stages["families"]["summary"].startswith("tiny: olmoe (")
 
 
 def _ctx(tmp_path: Path) -> Context:
@@ -315,3 +325,109 @@ def test_the_decode_stage_fails_on_differing_fp32_tokens_and_shows_like_with_lik
     report["hf_static"] = "not run (--hf-static off)"
     line = generation.decode_summary(report)
     assert "no transformers static-cache compiled baseline (not run (--hf-static off))" in line
+
+
+def _families_report() -> dict:
+    """A ``bench.families`` report as a CUDA run writes it (bf16, peaks), as the families stage
+    reads it: a family that decoded at two batch sizes (the static candidate's tokens parted at
+    one), a train-only one under the issue's 1.3x target, and one the time cap left out."""
+    def train(ratio: float, loss: float = 10.397) -> dict:
+        return {"tokens": 512, "median_s": {"moeflow": 0.01, "hf:grouped_mm": 0.01 * ratio}, "hf_best": "hf:grouped_mm",
+                "ratio": ratio, "ratios": {"hf:grouped_mm": ratio}, "tokens_per_s": {},
+                "first_loss": {"moeflow": 10.397, "hf:grouped_mm": loss},
+                "peak_gib": {"moeflow": 9.25, "hf:grouped_mm": 10.5}}
+
+    def decode(batch: int, over_default: float, over_static: float, static_same: bool) -> dict:
+        return {"batch": batch, "tokens_per_s": {}, "compiled_over_default": over_default,
+                "compiled_over_static": over_static, "peak_gib": {"moeflow:compiled": 7.5, "hf:generate": 7.0,
+                                                                  "hf:static": 8.25},
+                "tokens_equal": {"moeflow:compiled": True, "hf:generate": True, "hf:static": static_same}}
+
+    rows = [{"family": "qwen3_moe", "parameters": 1_380_000_000, "train": train(1.42),
+             "decode": [decode(1, 9.5, 1.21, True), decode(8, 7.25, 1.1, False)]},
+            {"family": "olmoe", "parameters": 973_000_000, "train": train(1.12), "decode": []}]
+    return {"device": "cuda", "dtype": "bfloat16", "shape": "gpu", "rows": rows,
+            "not_run": {"mixtral": "time cap: 20 s left of --time-cap 505, under 1.3x the longest family so far "
+                                   "(60 s)"}}
+
+
+@pytest.mark.unit
+def test_the_families_lines_read_a_gpu_report():
+    q, o, m = families.family_lines(_families_report())
+    assert q == ("qwen3_moe (1.38 B): train 1.42x transformers grouped_mm, peak 9.2 / 10.5 GiB; decode B=1 9.50x "
+                 "default, 1.21x static, tokens equal, peak 7.5 / 8.2 GiB; decode B=8 7.25x default, 1.10x static, "
+                 "tokens differ: hf:static, peak 7.5 / 8.2 GiB")
+    assert o == "olmoe (0.97 B): train 1.12x transformers grouped_mm (under the 1.3x target), peak 9.2 / 10.5 GiB"
+    assert m.startswith("mixtral: not run (time cap: 20 s left")
+    figures = families.families_figures(_families_report())
+    assert figures["ratios"]["qwen3_moe"]["decode"][8] == {"over_default": 7.25, "over_static": 1.1, "tokens_equal": {
+        "moeflow:compiled": True, "hf:generate": True, "hf:static": False}}
+    assert figures["ratios"]["olmoe"] == {"train": 1.12, "train_baseline": "hf:grouped_mm", "decode": {}}
+
+
+def _fake_families(report: dict | None, ran: list[list[str]], fail: str | None = None):
+    """A ``run_command`` standing in for ``bench.families``: records the argv, writes ``report``
+    where ``--json`` says, then fails with ``fail`` when given (as a timeout would)."""
+    def run(ctx: Context, log: str, argv: list[str], timeout_s: float):
+        ran.append(argv)
+        if report is not None:
+            Path(argv[argv.index("--json") + 1]).write_text(json.dumps(report))
+        if fail:
+            raise StageFailed(fail)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+    return run
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.unit
+def test_the_families_stage_runs_capped_beside_others_and_everything_alone(tmp_path, monkeypatch):
+    ran: list[list[str]] = []
+    monkeypatch.setattr(families, "run_command", _fake_families(_families_report(), ran))
+    ctx = Context(device="cuda", tiny=False, out=tmp_path, env={}, selected=("decode", "families"))
+    figures = families.stage_families(ctx, 100.0)
+    capped = ran[-1]
+    assert figures["mode"] == "capped" and _flag(capped, "--decode-families") == ""  # the train step only
+    assert (_flag(capped, "--device"), _flag(capped, "--dtype"), _flag(capped, "--shape")) == (
+        "cuda", "bfloat16", "gpu")
+    assert _flag(capped, "--hf-experts") == "grouped_mm" and _flag(capped, "--families").split(",")[0] == "olmoe"
+    assert float(_flag(capped, "--time-cap")) == 100.0 - families.STARTUP_S and _flag(capped, "--repeats") == "3"
+    assert figures["summary"].startswith("capped: qwen3_moe (1.38 B): train 1.42x")
+    assert "mixtral: not run (time cap" in figures["summary"] and families.ALONE_COMMAND in figures["summary"]
+    assert "olmoe (0.97 B)" in ctx.printed[-1] and figures["not_run"] == _families_report()["not_run"]
+    with pytest.raises(StageSkipped, match="--stages families --budget 540"):  # too little left beside the others
+        families.stage_families(ctx, families.CAPPED_MIN_S - 1)
+    ctx.selected = ("families",)
+    figures = families.stage_families(ctx, 520.0)
+    assert figures["mode"] == "alone" and "--decode-families" not in ran[-1]
+    assert _flag(ran[-1], "--decode-batch") == "1,8" and families.ALONE_COMMAND not in figures["summary"]
+    assert figures["summary"].endswith("the rest: python -m bench.families --device cuda --dtype bfloat16 "
+                                       "--families mixtral")
+    smoke = Context(device="cpu", tiny=True, out=tmp_path, env={}, selected=("families",))
+    assert families.stage_families(smoke, 120.0)["mode"] == "tiny"
+    assert (_flag(ran[-1], "--shape"), _flag(ran[-1], "--dtype"), _flag(ran[-1], "--decode-families")) == (
+        "tiny", "float32", "mixtral")
+
+
+@pytest.mark.unit
+def test_the_families_stage_fails_on_other_losses_and_keeps_what_a_timeout_left(tmp_path, monkeypatch):
+    ctx = Context(device="cuda", tiny=False, out=tmp_path, env={}, selected=("families",))
+    report = _families_report()
+    report["rows"][1]["train"]["first_loss"]["hf:grouped_mm"] = 10.9  # 5% off: not the same model
+    monkeypatch.setattr(families, "run_command", _fake_families(report, []))
+    with pytest.raises(StageFailed, match="olmoe: first-step loss moeflow 10.3970, hf:grouped_mm 10.9000") as failed:
+        families.stage_families(ctx, 520.0)
+    assert failed.value.figures["ratios"]["qwen3_moe"]["train"] == 1.42  # what it measured is kept
+    report["rows"][1]["train"]["first_loss"]["moeflow"] = float("nan")
+    with pytest.raises(StageFailed, match="olmoe moeflow: loss nan"):
+        families.stage_families(ctx, 520.0)
+    monkeypatch.setattr(families, "run_command", _fake_families(_families_report(), [], fail="timed out after 520 s"))
+    with pytest.raises(StageFailed, match="timed out") as failed:
+        families.stage_families(ctx, 520.0)
+    assert [r["family"] for r in failed.value.figures["rows"]] == ["qwen3_moe", "olmoe"]
+    monkeypatch.setattr(families, "run_command", _fake_families(None, [], fail="exit status 1: ImportError: x"))
+    with pytest.raises(StageFailed, match="ImportError") as failed:
+        families.stage_families(ctx, 520.0)
+    assert failed.value.figures == {}

@@ -25,8 +25,14 @@ with the repository root on ``PYTHONPATH``. Stages, in order (each module's docs
                against fp32, the fraction of the memory-bandwidth limit (``generation``)
     overlap    ``bench.gpu_overlap`` on one GPU (NCCL loopback exchange, degrees 1, 2, 4) (``overlap``)
     profile    ``bench.stage_profile`` on the DeepSeek-like layer (``profiling``)
+    families   ``bench.families``: issue 47's six public families against transformers on the
+               same weights in bf16, the train step against ``grouped_mm`` experts, compiled
+               decode against default and static-cache compiled ``generate``, peak memory; in
+               the whole run the train step of the families that fit in what the budget leaves,
+               all of it alone: ``python -m bench.gpu_check --stages families --budget 540``
+               (``families``)
 
-It prints a progress line per stage, the hf-layer and profile tables, and last one summary
+It prints a progress line per stage, the hf-layer, profile and families tables, and last one summary
 table (stage, status ``ok`` / ``FAILED`` / ``skipped`` with the reason, seconds, key figures);
 writes the JSON report (``--json``; keys in ``runner.REPORT_KEYS`` and ``runner.STAGE_KEYS``,
 ``runner.FORMAT`` names its version) and keeps the logs, traces and per-stage JSON under
@@ -34,9 +40,10 @@ writes the JSON report (``--json``; keys in ``runner.REPORT_KEYS`` and ``runner.
 
 Smoke mode (``--smoke``): the same stages on CPU at tiny shapes, fp32, gloo instead of NCCL, the
 Triton interpreter (``TRITON_INTERPRET=1`` in the subprocesses' environment) where Triton runs
-(not in hf-layer's ``triton`` column: seconds per call), the stages of the training run and the
-others in two chains at once (``--jobs 2``); ``tests/test_bench_gpu_check.py`` runs it so the
-script cannot rot between GPU runs. On CUDA the stages run one at a time (``--jobs 1``).
+(not in hf-layer's ``triton`` column: seconds per call), the stages of the training run (and
+families, which balances the chains) and the others in two chains at once (``--jobs 2``);
+``tests/test_bench_gpu_check.py`` runs it so the script cannot rot between GPU runs. On CUDA the
+stages run one at a time (``--jobs 1``).
 
 The package: ``runner`` (what every stage shares: ``Stage``, ``Context``, ``run_command``,
 ``run_stages``, the summary and the report's format), a module per stage or group of related

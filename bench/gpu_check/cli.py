@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO
+from bench.gpu_check.families import stage_families
 from bench.gpu_check.generation import stage_decode, stage_generate
 from bench.gpu_check.gpu_tests import stage_gpu_tests
 from bench.gpu_check.hf_layer import stage_hf_layer, worker_hf
@@ -42,6 +43,10 @@ STAGES = [
     Stage("decode", stage_decode, 240, 150),
     Stage("overlap", stage_overlap, 45, 90),
     Stage("profile", stage_profile, 40, 90),
+    # last: on CUDA it takes what the others left (alone, nearly the whole budget: the stage's
+    # docstring). In the training run's chain though it does not read the run: with the smoke's
+    # two jobs that chain is the shorter one
+    Stage("families", stage_families, 520, 120, "run"),
 ]
 
 WORKERS = {"hf": worker_hf, "profile": worker_profile, "dcp": worker_dcp}
