@@ -29,8 +29,8 @@ after the server stopped, one after the other (each with the device to itself: i
 memory is its own), in ``--dtype`` on ``--device``, on the token ids the server's tokenizer
 gives the same prompts: moeflow's ``generate`` (``gpt_from_hf(dir, dtype=)``, compiled as the
 server) and transformers' ``generate`` (its default dynamic cache), one request at a time. The
-JSON is written after every level, so a run that fails or is killed keeps what it measured
-(``complete``: false).
+JSON is written after every level and baseline, so a run that fails or is killed keeps what it
+measured (``complete``: false).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.common import RESULTS, PeakMemory, child_env, sync
@@ -244,10 +245,12 @@ def _quantile(sorted_x: list[float], q: float) -> float:
     return sorted_x[lo] + (sorted_x[hi] - sorted_x[lo]) * (pos - lo)
 
 
-def _sequential(args: argparse.Namespace, path: Path, prompts: list[str]) -> dict:
+def _sequential(args: argparse.Namespace, path: Path, prompts: list[str],
+                done: Callable[[dict], None] = lambda rows: None) -> dict:
     """The ``--baselines``, one request at a time over the same prompts and weights, in
     ``--dtype`` on ``--device``, each built, timed and dropped before the next: tokens/s,
-    latency per request, peak device memory (None on the CPU)."""
+    latency per request, peak device memory (None on the CPU). ``done(rows)`` after each (the
+    report written: a run killed in the slow transformers loop keeps moeflow's row)."""
     import torch
     import transformers
 
@@ -294,6 +297,7 @@ def _sequential(args: argparse.Namespace, path: Path, prompts: list[str]) -> dic
         rows[BASELINES[key]] = {"requests": len(ids), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
                                 "latency_p50_s": statistics.median(lat), "latency_p99_s": _quantile(lat, 0.99),
                                 "peak_gib": peak.gib}
+        done(rows)
         del one
         torch._dynamo.reset()  # the compiled graphs (and their CUDA graph pools) hold the model: gone with it
         if device.type == "cuda":
@@ -417,15 +421,19 @@ def main(argv: list[str] | None = None, default_json: Path | None = None) -> int
             _stop(server)
         if cuda:
             print(f"the server's device memory: {report['server_device_gib']:.2f} GiB at most", flush=True)
-        report["sequential"] = seq = _sequential(args, path, prompts)
+
+        def baseline_done(rows: dict) -> None:
+            report.update(sequential=rows, summary=_summary(levels, rows))
+            _write(path_json, report)
+
+        seq = _sequential(args, path, prompts, baseline_done)
     for name, row in seq.items():
         peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.2f} GiB"
         print(f"{name:>22}: {row['tokens_per_s']:8.1f} tok/s, latency p50 {row['latency_p50_s']:.2f} s "
               f"p99 {row['latency_p99_s']:.2f} s (one request at a time{peak})", flush=True)
-    report["summary"] = _summary(levels, seq)
+    report.update(sequential=seq, summary=_summary(levels, seq), complete=True)
     for k, v in report["summary"].items():
         print(f"{k}: {v:.2f}", flush=True)
-    report["complete"] = True
     _write(path_json, report)
     if path_json is not None:
         print(f"wrote {path_json}", file=sys.stderr)

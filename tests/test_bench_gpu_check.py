@@ -525,6 +525,10 @@ def test_the_serve_stage_runs_reduced_beside_others_everything_alone_and_tiny_on
     assert "--no-compile" in ran[-1]  # eager on the CPU; compiled on CUDA, even tiny
     assert "--compile" in serve.stage_argv(Context(device="cuda", tiny=True, out=tmp_path, env={}), "tiny", 90.0,
                                            tmp_path / "s.json")
+    real = serve.importlib.util.find_spec
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None if name == "uvicorn" else real(name))
+    with pytest.raises(StageSkipped, match="not installed here: uvicorn \\(moeflow serve needs the serve extra"):
+        serve.stage_serve(ctx, 520.0)
 
 
 @pytest.mark.unit

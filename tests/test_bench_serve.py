@@ -155,6 +155,22 @@ def test_a_failed_request_ends_the_run_with_the_server_log_and_keeps_the_levels_
     assert report["complete"] is False and [r["concurrency"] for r in report["serve"]] == [1]
     assert (report["vocab"], report["parameters"], report["dtype"], report["device"]) == (9, 99, "float32", "cpu")
 
+    # every level served, then the run dies in transformers' loop: moeflow's row and the ratio are kept
+    monkeypatch.setattr(serve, "_level", lambda url, prompts, c, n, max_tokens: level(url, prompts, 16, n, max_tokens))
+
+    def baselines(args, path, prompts, done):  # type: ignore[no-untyped-def]
+        done({"moeflow generate": {"tokens_per_s": 12.0, "peak_gib": None}})
+        raise MemoryError("transformers generate")
+
+    monkeypatch.setattr(serve, "_sequential", baselines)
+    monkeypatch.setattr(serve, "_start_server", lambda args, path, port, log: subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"]))
+    with pytest.raises(MemoryError):
+        serve.main(["--shape", "tiny", "--concurrency", "16", "--slots", "16", "--requests", "2", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and list(report["sequential"]) == ["moeflow generate"]
+    assert report["summary"] == {"c16_over_sequential_generate": 0.5}  # 6 tok/s at 16 over 12 one at a time
+
 
 @pytest.mark.e2e
 @pytest.mark.slow

