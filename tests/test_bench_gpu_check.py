@@ -5,7 +5,9 @@ Triton interpreter), so the script cannot rot between GPU runs: every stage repo
 skipped for want of CUDA) and the JSON report has its documented keys. And the runner's own
 rules, with stand-in stages: a failing, raising or timed-out stage is recorded and the next one
 runs, the time budget skips what it cannot fit, two chains keep the stages' order; pytest's JUnit
-XML and collect-only output are read right."""
+XML and collect-only output are read right. And the stages that read a benchmark's JSON (decode,
+families, serve): their lines from CUDA-shaped reports, their runs' arguments per mode, their
+skips and failures (what a failed run measured kept; serve's with its server's log tail)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench.common import REPO
-from bench.gpu_check import cli, families, generation, training
+from bench.gpu_check import cli, families, generation, serve, training
 from bench.gpu_check.cli import STAGES
 from bench.gpu_check.gpu_tests import TRAINER_TEST, collected_counts, gpu_test_files, junit_counts
 from bench.gpu_check.runner import (FORMAT, NO_CUDA, REPORT_KEYS, STAGE_KEYS, STATUSES, Context, Stage, StageFailed,
@@ -92,6 +94,13 @@ def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     assert decode["over_default"] > 0 and decode["over_static"] > 0
     assert decode["tokens_equal"] == {"moeflow:compiled": True, "hf:generate": True, "hf:static": True}  # fp32
     assert stages["families"]["summary"].startswith("tiny: olmoe (")
+    srv = fig["serve"]
+    assert (srv["mode"], srv["device"], srv["dtype"], srv["shape"], srv["complete"]) == (
+        "tiny", "cpu", "float32", "tiny", True)
+    assert [r["concurrency"] for r in srv["levels"]] == [1, 2] and all(r["tokens"] > 0 for r in srv["levels"])
+    assert set(srv["sequential"]) == {"moeflow generate", "transformers generate"}
+    assert stages["serve"]["summary"].startswith("tiny: Qwen3-MoE --shape tiny, 0.2 M, float32 on cpu: tok/s c=1 ")
+    assert "moeflow serve: 'moeflow' on http://127.0.0.1:" in (out / serve.SERVER_LOG).read_text()
 
 
 def _ctx(tmp_path: Path) -> Context:
@@ -431,3 +440,118 @@ def test_the_families_stage_fails_on_other_losses_and_keeps_what_a_timeout_left(
     with pytest.raises(StageFailed, match="ImportError") as failed:
         families.stage_families(ctx, 520.0)
     assert failed.value.figures == {}
+
+
+def _serve_report() -> dict:
+    """A ``bench.serve`` report as the stage reads it: a CPU run's JSON (its keys as written),
+    its figures made those of a CUDA run at ``--shape gpu`` (bf16, the server's device memory,
+    the baselines' peaks), alone: four levels and both baselines."""
+    def level(c: int, tok_s: float, ttft: float, p50: float, p99: float) -> dict:
+        return {"concurrency": c, "requests": 32, "tokens": 2048, "wall_s": 2048 / tok_s, "tokens_per_s": tok_s,
+                "ttft_p50_s": ttft, "latency_p50_s": p50, "latency_p99_s": p99, "server_device_gib": 6.5 + c / 32}
+
+    def seq(tok_s: float, peak: float) -> dict:
+        return {"requests": 32, "tokens": 2048, "wall_s": 2048 / tok_s, "tokens_per_s": tok_s,
+                "latency_p50_s": 64 / tok_s, "latency_p99_s": 66 / tok_s, "peak_gib": peak}
+
+    return {"bench": "serve", "date": "2026-11-28", "machine": "x86_64", "device": "cuda",
+            "device_name": "NVIDIA H100 80GB HBM3", "threads": 4, "dtype": "bfloat16", "shape": "gpu",
+            "torch": "2.11.0+cu128", "complete": True, "vocab": 32768, "parameters": 2_700_000_000,
+            "serve": [level(1, 150.0, 0.012, 0.43, 0.45), level(8, 1000.0, 0.02, 0.5, 0.6),
+                      level(16, 1800.0, 0.03, 0.55, 0.7), level(32, 3000.0, 0.05, 0.65, 0.9)],
+            "server_device_gib": 7.5, "sequential": {"moeflow generate": seq(200.0, 5.75),
+                                                     "transformers generate": seq(40.0, 5.5)},
+            "summary": {"c16_over_sequential_generate": 9.0, "c8_p99_over_lone_latency": 0.6 / 0.43}}
+
+
+@pytest.mark.unit
+def test_the_serve_line_reads_a_gpu_report():
+    line = serve.serve_line(_serve_report())
+    assert line == ("Qwen3-MoE --shape gpu, 2.70 B, bfloat16 on cuda: tok/s c=1 150, c=8 1,000, c=16 1,800, "
+                    "c=32 3,000; c16 / sequential generate 9.00x; c8 p99 / lone 1.40x; TTFT p50 c=1 12 ms, c=8 20 ms, "
+                    "c=16 30 ms, c=32 50 ms; one at a time: moeflow generate 200 tok/s (peak 5.8 GiB), transformers "
+                    "generate 40 tok/s (peak 5.5 GiB); server device memory 7.5 GiB")
+    report = _serve_report()
+    report["serve"], report["summary"], report["complete"] = report["serve"][:1], {}, False  # a level, then killed
+    report["sequential"], report["server_device_gib"] = {}, None
+    assert serve.serve_line(report) == ("Qwen3-MoE --shape gpu, 2.70 B, bfloat16 on cuda: tok/s c=1 150; TTFT p50 "
+                                        "c=1 12 ms; incomplete")
+    figures = serve.serve_figures(_serve_report())
+    assert figures["ratios"]["c16_over_sequential_generate"] == 9.0 and figures["server_device_gib"] == 7.5
+    assert [r["concurrency"] for r in figures["levels"]] == [1, 8, 16, 32] and figures["parameters"] == 2.7e9
+
+
+def _fake_serve(report: dict | None, ran: list[list[str]], fail: str | None = None, log: str | None = None):
+    """A ``run_command`` standing in for ``bench.serve``: records the argv, writes ``report``
+    where ``--json`` says and ``log`` where ``--server-log`` says, then fails with ``fail``."""
+    def run(ctx: Context, name: str, argv: list[str], timeout_s: float):
+        ran.append(argv)
+        if report is not None:
+            Path(_flag(argv, "--json")).write_text(json.dumps(report))
+        if log is not None:
+            Path(_flag(argv, "--server-log")).parent.mkdir(parents=True, exist_ok=True)
+            Path(_flag(argv, "--server-log")).write_text(log)
+        if fail:
+            raise StageFailed(fail)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+    return run
+
+
+@pytest.mark.unit
+def test_the_serve_stage_runs_reduced_beside_others_everything_alone_and_tiny_on_the_cpu(tmp_path, monkeypatch):
+    ran: list[list[str]] = []
+    monkeypatch.setattr(serve, "run_command", _fake_serve(_serve_report(), ran))
+    ctx = Context(device="cuda", tiny=False, out=tmp_path, env={}, selected=("decode", "serve", "families"))
+    figures = serve.stage_serve(ctx, 300.0)
+    capped = ran[-1]
+    assert figures["mode"] == "capped" and figures["summary"].startswith("capped: Qwen3-MoE --shape gpu, 2.70 B")
+    assert figures["summary"].endswith(f"c=32 and transformers' generate: {serve.ALONE_COMMAND}")
+    assert (_flag(capped, "--device"), _flag(capped, "--dtype"), _flag(capped, "--shape")) == (
+        "cuda", "bfloat16", "gpu")
+    assert (_flag(capped, "--concurrency"), _flag(capped, "--slots"), _flag(capped, "--baselines")) == (
+        "1,8,16", "16", "moeflow")
+    assert "--compile" in capped and _flag(capped, "--start-timeout") == "300"
+    with pytest.raises(StageSkipped, match="--stages serve --budget 540"):  # too little left beside the others
+        serve.stage_serve(ctx, serve.CAPPED_MIN_S - 1)
+    ctx.selected = ("serve",)
+    figures = serve.stage_serve(ctx, 520.0)
+    assert figures["mode"] == "alone" and serve.ALONE_COMMAND not in figures["summary"]
+    assert (_flag(ran[-1], "--concurrency"), _flag(ran[-1], "--slots"), _flag(ran[-1], "--baselines")) == (
+        "1,8,16,32", "32", "moeflow,transformers")
+    smoke = Context(device="cpu", tiny=True, out=tmp_path, env={}, selected=("serve",))
+    assert serve.stage_serve(smoke, 90.0)["mode"] == "tiny"
+    assert (_flag(ran[-1], "--shape"), _flag(ran[-1], "--dtype"), _flag(ran[-1], "--concurrency")) == (
+        "tiny", "float32", "1,2")
+    assert "--no-compile" in ran[-1]  # eager on the CPU; compiled on CUDA, even tiny
+    assert "--compile" in serve.stage_argv(Context(device="cuda", tiny=True, out=tmp_path, env={}), "tiny", 90.0,
+                                           tmp_path / "s.json")
+    real = serve.importlib.util.find_spec
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None if name == "uvicorn" else real(name))
+    with pytest.raises(StageSkipped, match="not installed here: uvicorn \\(moeflow serve needs the serve extra"):
+        serve.stage_serve(ctx, 520.0)
+
+
+@pytest.mark.unit
+def test_the_serve_stage_fails_with_the_server_log_and_keeps_the_levels_it_finished(tmp_path, monkeypatch):
+    ctx = Context(device="cuda", tiny=False, out=tmp_path, env={}, selected=("serve",))
+    partial = _serve_report()
+    partial["serve"], partial["complete"], partial["summary"] = partial["serve"][:2], False, {}
+    log = "device: cuda (--device cuda)\n" + "".join(f"line {i}\n" for i in range(20)) + "RuntimeError: CUDA oops\n"
+    monkeypatch.setattr(serve, "run_command", _fake_serve(partial, [], log=log, fail=(
+        "exit status 1: a request at concurrency 16 failed: RuntimeError: the request ended with finish_reason "
+        "'error'")))
+    (rec,) = run_stages([Stage("serve", serve.stage_serve, 520, 90)], ctx, 540, progress=lambda _: None)
+    assert rec["status"] == "FAILED" and "finish_reason 'error'" in rec["reason"].splitlines()[0]
+    assert rec["reason"].endswith("line 13\nline 14\nline 15\nline 16\nline 17\nline 18\nline 19\n"
+                                  "RuntimeError: CUDA oops") and "line 12" not in rec["reason"]
+    assert [r["concurrency"] for r in rec["figures"]["levels"]] == [1, 8] and rec["figures"]["complete"] is False
+    # the server never started: no JSON, the log says why
+    monkeypatch.setattr(serve, "run_command", _fake_serve(None, [], log="ValueError: the model has no tokenizer\n",
+                                                          fail="exit status 1: moeflow serve did not start"))
+    with pytest.raises(StageFailed, match="did not start\n.*last lines:\nValueError: the model has no tokenizer") as e:
+        serve.stage_serve(ctx, 520.0)
+    assert e.value.figures == {"mode": "alone"}
+    # killed before it wrote anything or started the server
+    monkeypatch.setattr(serve, "run_command", _fake_serve(None, [], fail="timed out after 520 s"))
+    with pytest.raises(StageFailed, match="^timed out after 520 s$"):
+        serve.stage_serve(ctx, 520.0)

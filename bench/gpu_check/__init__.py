@@ -25,6 +25,13 @@ with the repository root on ``PYTHONPATH``. Stages, in order (each module's docs
                against fp32, the fraction of the memory-bandwidth limit (``generation``)
     overlap    ``bench.gpu_overlap`` on one GPU (NCCL loopback exchange, degrees 1, 2, 4) (``overlap``)
     profile    ``bench.stage_profile`` on the DeepSeek-like layer (``profiling``)
+    serve      ``bench.serve`` (issue 48): ``moeflow serve`` on a 2.7 B Qwen3-MoE-shaped model in
+               bf16, compiled, under streamed greedy load: tokens/s per concurrency, concurrency 16
+               over sequential ``generate``, p99 at 8 over a lone request, TTFT, the server's
+               device memory; in the whole run a reduced run (concurrency 1, 8, 16) when the
+               budget leaves the time for it, else skipped; the full levels and transformers'
+               ``generate`` alone: ``python -m bench.gpu_check --stages serve --budget 540``
+               (``serve``)
     families   ``bench.families``: issue 47's six public families against transformers on the
                same weights in bf16, the train step against ``grouped_mm`` experts, compiled
                decode against default and static-cache compiled ``generate``, peak memory; in

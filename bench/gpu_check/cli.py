@@ -24,6 +24,7 @@ from bench.gpu_check.overlap import stage_overlap
 from bench.gpu_check.profiling import stage_profile, worker_profile
 from bench.gpu_check.runner import (FORMAT, Context, Stage, child_env, device_name, run_stages, summary_table,
                                     versions)
+from bench.gpu_check.serve import stage_serve
 from bench.gpu_check.training import stage_dcp, stage_resume, stage_train, worker_dcp
 
 __all__ = ["STAGES", "WORKERS", "DESCRIPTION", "main"]
@@ -43,6 +44,9 @@ STAGES = [
     Stage("decode", stage_decode, 240, 150),
     Stage("overlap", stage_overlap, 45, 90),
     Stage("profile", stage_profile, 40, 90),
+    # before families (which takes what the others leave); beside other stages it runs a reduced
+    # run or is skipped, alone the full levels (the stage's docstring)
+    Stage("serve", stage_serve, 520, 90),
     # last: on CUDA it takes what the others left (alone, nearly the whole budget: the stage's
     # docstring). In the training run's chain though it does not read the run: with the smoke's
     # two jobs that chain is the shorter one
