@@ -259,7 +259,7 @@ def _decode_rows(args: argparse.Namespace, hf, model, clock, batch: int) -> dict
             continue
         try:
             warm[name] = warm_until_settled(run, max_calls=args.max_warmups)
-        except torch._dynamo.exc.TorchDynamoException as err:
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as err:
             if name != "hf:static":
                 raise
             # transformers' static cache with sliding-window layers (gpt-oss) recompiles at every
