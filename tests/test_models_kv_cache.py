@@ -187,7 +187,11 @@ def test_compiled_slot_steps_on_a_row_view_equal_the_eager_steps(gen):
         for step in range(5):
             got = decoder.run(next_B, pos_B, views[2], guarded=step == 0)
             want = model.decode_step(next_B, pos_B, ref)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            # fp32 rounding relative to the logits' scale: the compiled step sums in another order
+            # (packed experts, the head's own layout, the kernel's build flags), which a fresh
+            # clone's CI saw reach 2.5e-6 of the scale; a wrong column or position is O(scale)
+            scale = float(want.abs().max())
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
             next_B, pos_B = want.argmax(-1), pos_B + 1
         for a, b in zip((*cache.k, *cache.v), (*ref.k, *ref.v)):
             torch.testing.assert_close(a[:2], b, rtol=1e-5, atol=1e-5)
