@@ -48,12 +48,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from moeflow.checkpoint.schema import CheckpointError
 from moeflow.convert.family import IGNORED, Family, Fields, rope_from_hf, rope_to_hf
 from moeflow.convert.moe_blocks import MOE_IGNORED, MOE_KEYS, moe_fields_from_hf, moe_fields_to_hf
-from moeflow.convert.tensor_map import Entry, Layout, fused_experts, linear_experts, same
+from moeflow.convert.tensor_map import Entry, dense_ffn, fused_experts, linear_experts, same
 from moeflow.models.gpt_config import AttentionConfig, GPTConfig
 
 __all__ = ["DEEPSEEK_V3", "gpt_config_from_hf", "hf_config_from_gpt", "tensor_map"]
@@ -142,25 +140,6 @@ def hf_config_from_gpt(cfg: GPTConfig) -> dict:
     }
 
 
-def _stacked_rows(*hf: str) -> Layout:
-    """``F.linear`` weights stored apart (gate, up: ``[H, D]`` each) <-> one ``[2H, D]`` (gate
-    rows, then up): a ``DenseFFN``'s or the shared experts' ``proj_in``."""
-    n = len(hf)
-
-    def load(ts):  # type: ignore[no-untyped-def]
-        return torch.cat(list(ts)).contiguous()
-
-    def save(t: torch.Tensor):  # type: ignore[no-untyped-def]
-        return tuple(part.contiguous() for part in t.chunk(n))
-
-    return Layout(tuple(hf), load, save)
-
-
-def _dense(ours: str, hf: str) -> list[Entry]:
-    return [Entry(f"{ours}.proj_in.weight", (_stacked_rows(f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),)),
-            same(f"{ours}.proj_out.weight", f"{hf}.down_proj.weight")]
-
-
 def tensor_map(cfg: GPTConfig) -> list[Entry]:
     """Every ``MoEGPT`` tensor of a DeepSeek-V3 and where it lives (the module docstring)."""
     E = cfg.num_experts
@@ -174,7 +153,7 @@ def tensor_map(cfg: GPTConfig) -> list[Entry]:
                     for mine, theirs in attention.items()]
         ffn, mlp = f"{ours}.ffn", f"{hf}.mlp"
         if not cfg.is_moe_layer(i):
-            entries += _dense(ffn, mlp)
+            entries += dense_ffn(ffn, mlp)
             continue
         per_expert = f"{mlp}.experts.{{e}}"
         entries += [
@@ -187,7 +166,7 @@ def tensor_map(cfg: GPTConfig) -> list[Entry]:
                                            fused_experts(f"{mlp}.experts.down_proj", transposed=True))),
         ]
         if cfg.num_shared_experts:
-            entries += _dense(f"{ffn}.shared", f"{mlp}.shared_experts")
+            entries += dense_ffn(f"{ffn}.shared", f"{mlp}.shared_experts")
     entries.append(same("lm_head.weight", "lm_head.weight", tied_to="embed.weight" if cfg.tie_embeddings else None))
     return entries
 

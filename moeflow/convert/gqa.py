@@ -33,17 +33,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from moeflow.checkpoint.schema import CheckpointError
 from moeflow.convert.family import Fields, rope_from_hf, rope_to_hf
 from moeflow.convert.moe_blocks import MOE_KEYS, moe_fields_from_hf, moe_fields_to_hf
-from moeflow.convert.tensor_map import Entry, Layout, fused_experts, linear_experts, same
+from moeflow.convert.tensor_map import Entry, dense_ffn, fused_experts, linear_experts, same
 from moeflow.models.gpt_config import AttentionConfig, GPTConfig
 
 __all__ = ["SLIDING", "FULL", "Defaults", "open_fields", "config_from_fields", "sliding_from_layer_types",
            "layer_types",
-           "check_exportable", "hf_config_common", "decoder_entries", "ffn_entries", "stacked_rows"]
+           "check_exportable", "hf_config_common", "decoder_entries", "ffn_entries"]
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -151,30 +149,11 @@ def hf_config_common(cfg: GPTConfig, model_type: str, architecture: str) -> dict
     }
 
 
-def stacked_rows(*hf: str) -> Layout:
-    """``F.linear`` weights stored apart (gate, up: ``[H, D]`` each) <-> one ``[2H, D]`` (gate
-    rows, then up): a ``DenseFFN`` 's or the shared experts' ``proj_in``."""
-    n = len(hf)
-
-    def load(ts):  # type: ignore[no-untyped-def]
-        return torch.cat(list(ts)).contiguous()
-
-    def save(t: torch.Tensor):  # type: ignore[no-untyped-def]
-        return tuple(part.contiguous() for part in t.chunk(n))
-
-    return Layout(tuple(hf), load, save)
-
-
-def _dense(ours: str, hf: str) -> list[Entry]:
-    return [Entry(f"{ours}.proj_in.weight", (stacked_rows(f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),)),
-            same(f"{ours}.proj_out.weight", f"{hf}.down_proj.weight")]
-
-
 def ffn_entries(model_type: str, cfg: GPTConfig, layer: int) -> list[Entry]:
     """Block ``layer``'s FFN tensors in ``model_type`` 's checkpoints (module docstring)."""
     ours, mlp, E = f"layers.{layer}.ffn", f"model.layers.{layer}.mlp", cfg.num_experts
     if not cfg.is_moe_layer(layer):
-        return _dense(ours, mlp)
+        return dense_ffn(ours, mlp)
     if model_type == "gpt_oss":
         return [same(f"{ours}.router.linear.weight", f"{mlp}.router.weight"),
                 same(f"{ours}.router.linear.bias", f"{mlp}.router.bias"),
@@ -194,7 +173,7 @@ def ffn_entries(model_type: str, cfg: GPTConfig, layer: int) -> list[Entry]:
                                         fused_experts(f"{mlp}.experts.down_proj", transposed=True))),
     ]
     if model_type == "qwen2_moe":
-        entries += _dense(f"{ours}.shared", f"{mlp}.shared_expert")
+        entries += dense_ffn(f"{ours}.shared", f"{mlp}.shared_expert")
         entries.append(same(f"{ours}.shared.gate.weight", f"{mlp}.shared_expert_gate.weight"))
     return entries
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Entry", "Layout", "rename", "same", "linear_experts", "fused_experts", "hf_shapes"]
+__all__ = ["Entry", "Layout", "rename", "same", "linear_experts", "fused_experts", "stacked_rows", "dense_ffn",
+           "hf_shapes"]
 
 Tensors = Sequence[torch.Tensor]
 
@@ -102,6 +103,27 @@ def fused_experts(hf: str, *, transposed: bool, interleaved: bool = False) -> La
         return ((t.transpose(-1, -2) if transposed else t).contiguous(),)
 
     return Layout((hf,), load, save)
+
+
+def stacked_rows(*hf: str) -> Layout:
+    """``F.linear`` weights stored apart (gate, up: ``[H, D]`` each) <-> one ``[2H, D]`` (gate
+    rows, then up): a ``DenseFFN``'s or the shared experts' ``proj_in``."""
+    n = len(hf)
+
+    def load(ts):  # type: ignore[no-untyped-def]
+        return torch.cat(list(ts)).contiguous()
+
+    def save(t: torch.Tensor):  # type: ignore[no-untyped-def]
+        return tuple(part.contiguous() for part in t.chunk(n))
+
+    return Layout(tuple(hf), load, save)
+
+
+def dense_ffn(ours: str, hf: str) -> list[Entry]:
+    """A gated FFN ``ours`` (``proj_in`` gate and up stacked, ``proj_out``) stored as ``hf``'s
+    ``gate_proj``, ``up_proj`` and ``down_proj``: dense layers and shared experts."""
+    return [Entry(f"{ours}.proj_in.weight", (stacked_rows(f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),)),
+            same(f"{ours}.proj_out.weight", f"{hf}.down_proj.weight")]
 
 
 def hf_shapes(layout: Layout, shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
