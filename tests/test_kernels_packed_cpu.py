@@ -26,6 +26,7 @@ from moeflow.kernels.grouped_mm import grouped_mm_loop
 from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, STRIP, pack_weight, packed_grouped_mm
 from moeflow.layer.moe import moe_layers
 from moeflow.models.compiled_decode import CompiledDecoder
+from moeflow.models.packed_dense import PackedCPULinear
 
 from helpers import random_counts, small_gpt
 
@@ -49,15 +50,20 @@ def _case(seed: int, E: int, K: int, N: int, R: int, empty: int = 0):
     (4, 8, 48, 3, 2),    # fewer rows than experts
 ])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_packed_product_equals_the_reference(E, K, N, R, empty, threads):
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_product_equals_the_reference(E, K, N, R, empty, threads, bias):
+    """With a bias, each row's expert's bias row is added (the products start from it)."""
     x_RK, w_EKN, counts_E = _case(E * 1000 + K * 10 + N + R, E, K, N, R, empty)
+    b_EN = torch.randn(E, N, generator=torch.Generator().manual_seed(N)) if bias else None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y_RN = packed_grouped_mm(x_RK, pack_weight(w_EKN), counts_E, N)
+        y_RN = packed_grouped_mm(x_RK, pack_weight(w_EKN), counts_E, N, b_EN)
     finally:
         torch.set_num_threads(before)
     ref_RN = grouped_mm_loop(x_RK.double(), w_EKN.double(), counts_E.cumsum(0))
+    if bias:
+        ref_RN[:int(counts_E.sum())] += b_EN.double().repeat_interleave(counts_E, dim=0)
     assert y_RN.shape == (R, N) and y_RN.dtype == torch.float32
     torch.testing.assert_close(y_RN.double(), ref_RN, rtol=1e-5, atol=1e-5)
 
@@ -111,6 +117,10 @@ def test_pack_layout_and_bad_input():
         packed_grouped_mm(x, p, counts.float(), 20)
     with pytest.raises(ValueError, match="counts_E"):
         packed_grouped_mm(x, p, torch.tensor([4]), 20)
+    with pytest.raises(ValueError, match="bias_En"):
+        packed_grouped_mm(x, p, counts, 20, torch.zeros(2, 21))
+    with pytest.raises(ValueError, match="bias_En"):
+        packed_grouped_mm(x, p, counts, 20, torch.zeros(2, 20, dtype=torch.float64))
 
 
 def _experts(seed: int = 0, *, activation: str = "swiglu", E: int = 4, D: int = 16, H: int = 24, **kw) -> GroupedExperts:
@@ -130,13 +140,13 @@ def _rows(seed: int, E: int, R: int, D: int = 16, empty: int = 1) -> tuple[torch
 
 @pytest.mark.unit
 def test_packable_is_the_one_rule_of_which_experts_are_packed():
-    """fp32 CPU built-in experts without biases or recompute whose backend resolves to
-    ``grouped_mm``: yes; biases, recompute, another dtype, the ``loop`` backend (chosen, or
+    """fp32 CPU built-in experts without recompute whose backend resolves to ``grouped_mm``
+    (with or without biases): yes; recompute, another dtype, the ``loop`` backend (chosen, or
     what ``auto`` resolves to where ``F.grouped_mm`` cannot take the shapes), a subclass that
     computes something else, experts of one's own: no."""
     assert packable(_experts())
     assert packable(_experts(activation="gelu")) and packable(_experts(activation="swiglu_oai"))
-    assert not packable(_experts(bias=True))
+    assert packable(_experts(bias=True)) and packable(_experts(bias=True, activation="swiglu_oai"))
     assert not packable(_experts(recompute=True))
     assert not packable(_experts().to(torch.bfloat16)) and not packable(_experts().double())
     assert not packable(_experts(backend="loop"))
@@ -146,19 +156,20 @@ def test_packable_is_the_one_rule_of_which_experts_are_packed():
     assert not packable(ModuleExperts([torch.nn.Linear(16, 16) for _ in range(4)]))
     assert not packable(torch.nn.Linear(16, 16))
     with pytest.raises(ValueError, match="packable"):
-        PackedCPUExperts(_experts(bias=True))
+        PackedCPUExperts(_experts(recompute=True))
 
 
 @needs_compiler
 @pytest.mark.reference
-@pytest.mark.parametrize("activation", ["swiglu", "gelu", "swiglu_oai"])
-def test_stand_in_equals_its_experts_and_sends_them_what_the_kernel_is_not_for(activation, monkeypatch):
+@pytest.mark.parametrize("activation, bias", [("swiglu", False), ("gelu", False), ("swiglu_oai", True),
+                                              ("swiglu", True)])
+def test_stand_in_equals_its_experts_and_sends_them_what_the_kernel_is_not_for(activation, bias, monkeypatch):
     """No-grad grouped calls of a ``PackedCPUExperts`` run the kernel (twice: both products,
     eagerly and as the ``moeflow::packed_ffn`` op) and equal its experts' own output up to
     rounding, on fresh random rows with an empty expert; calls in grad mode (with the experts'
     gradients, exactly), under autocast, of more than ``MAX_ROWS_PER_EXPERT`` rows per expert,
     of no rows or in the padded layout go to the experts themselves, unchanged."""
-    experts = _experts(activation=activation)
+    experts = _experts(activation=activation, bias=bias)  # (biases drawn N(0, 0.2^2) too: not zeros)
     stand_in = PackedCPUExperts(experts)
     assert stand_in.num_experts == 4 and stand_in.source is experts
     assert list(stand_in.parameters()) == [] and stand_in.state_dict() == {}  # no second copy of the model's weights
@@ -171,7 +182,7 @@ def test_stand_in_equals_its_experts_and_sends_them_what_the_kernel_is_not_for(a
         torch.testing.assert_close(stand_in(x, counts), ref, rtol=1e-5, atol=1e-6)
         assert len(calls) == 2
         op = torch.ops.moeflow.packed_ffn(x, stand_in.packed_in, stand_in.packed_out, counts, activation,
-                                          stand_in.width_in, stand_in.width_out)
+                                          stand_in.width_in, stand_in.width_out, stand_in.bias_in, stand_in.bias_out)
         torch.testing.assert_close(op, ref, rtol=1e-5, atol=1e-6)
         assert len(calls) == 4
         many, many_counts = _rows(6, 4, MAX_ROWS_PER_EXPERT * 4 + 1, empty=0)
@@ -224,6 +235,18 @@ def test_stand_in_repacks_into_the_same_memory_after_any_change():
         torch.testing.assert_close(stand_in(x, counts), wider(x, counts), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="not packable"):
         stand_in.repack(_experts().to(torch.bfloat16))
+    biased = _experts(3, bias=True)
+    with torch.no_grad():  # biases are copied in, then copied into the same memory after a change
+        stand_in.repack(biased)
+        first_bias = stand_in.bias_in
+        assert torch.equal(first_bias, biased.b_in) and first_bias is not biased.b_in
+        biased.b_in.data.add_(1.0)
+        biased.b_out.mul_(-1.0)
+        stand_in.repack(biased)
+        assert stand_in.bias_in is first_bias and torch.equal(first_bias, biased.b_in)
+        torch.testing.assert_close(stand_in(x, counts), biased(x, counts), rtol=1e-5, atol=1e-6)
+        stand_in.repack(experts)  # no biases again: none held
+        assert stand_in.bias_in is None and stand_in.bias_out is None
     with torch.inference_mode():
         frozen = _experts(2)
         frozen_in = PackedCPUExperts(frozen)
@@ -234,25 +257,40 @@ def test_stand_in_repacks_into_the_same_memory_after_any_change():
 @pytest.mark.reference
 def test_the_decoder_swaps_stand_ins_in_for_a_generation_and_always_back():
     """``CompiledDecoder.generation`` puts a ``PackedCPUExperts`` in place of every packable MoE
-    layer's experts (a layer cast to bf16 keeps its own), the same stand-in object generation
-    after generation (a compiled step reads its buffers), and puts every layer's experts back on
-    the way out, also when the generation fails; a layer no longer packable loses its stand-in."""
+    layer's experts (a layer cast to bf16 keeps its own) and a ``PackedCPULinear`` in place of
+    every plain fp32 linear but the head (which ``HeadProduct`` packs), the same stand-in objects
+    generation after generation (a compiled step reads their buffers), and puts every module back
+    on the way out, also when the generation fails; a module no longer packable loses its
+    stand-in."""
     model = small_gpt(n_layers=4)  # MoE on blocks 1 and 3
     layers = moe_layers(model)
     experts = [layer.experts for layer in layers]
+    linears = {name: m for name, m in model.named_modules() if type(m) is torch.nn.Linear and m is not model.lm_head}
+    assert "layers.0.attn.q_proj" in linears and len(linears) >= 8  # q, k, v, o of each block, the routers
     decoder = CompiledDecoder(model)  # (nothing compiles before a step runs)
     with torch.no_grad():
         with decoder.generation(model):
             assert all(isinstance(layer.experts, PackedCPUExperts) for layer in layers)
             assert [layer.experts.source for layer in layers] == experts
-            assert decoder.head is not None and decoder.head.weight_DV is not None
-            stand_ins = dict(decoder.stand_ins)
-        assert [layer.experts for layer in layers] == experts and decoder.head.weight_DV is None
+            for name, linear in linears.items():
+                stand_in = model.get_submodule(name)
+                assert isinstance(stand_in, PackedCPULinear) and stand_in.source is linear
+                assert stand_in.weight is linear.weight  # code that reads .weight reads the linear's
+            assert model.lm_head is not None and type(model.lm_head) is torch.nn.Linear
+            assert decoder.head is not None and decoder.head.packed is not None
+            stand_ins, linear_stand_ins = dict(decoder.stand_ins), dict(decoder.linear_stand_ins)
+        assert [layer.experts for layer in layers] == experts and decoder.head.packed is None
+        assert all(model.get_submodule(name) is linear for name, linear in linears.items())
         layers[0].experts.to(torch.bfloat16)
+        model.layers[0].attn.q_proj.to(torch.float64)
         with pytest.raises(RuntimeError, match="inside"), decoder.generation(model):
             assert layers[0].experts is experts[0] and layers[1].experts is stand_ins[1]
+            assert model.layers[0].attn.q_proj is linears["layers.0.attn.q_proj"]
+            assert model.layers[0].attn.k_proj is linear_stand_ins["layers.0.attn.k_proj"]
             raise RuntimeError("a failure inside the generation")
         assert [layer.experts for layer in layers] == experts and list(decoder.stand_ins) == [1]
+        assert all(model.get_submodule(name) is linear for name, linear in linears.items())
+        assert "layers.0.attn.q_proj" not in decoder.linear_stand_ins
 
 
 @pytest.mark.unit

@@ -35,48 +35,54 @@ __all__ = ["packable", "PackedCPUExperts", "packed_ffn"]
 def packable(experts: object) -> bool:
     """The one rule for which experts a ``PackedCPUExperts`` stands in for: the built-in
     ``GroupedExperts`` (exactly: a subclass may compute something else) whose no-grad grouped
-    calls run the two plain grouped products the kernel replaces, i.e. no biases (the kernel has
-    none), no recompute and the ``"grouped_mm"`` backend as resolved for its weights, on fp32 CPU
-    weights (the kernel's). Any activation: it runs between the two products in torch."""
+    calls run the two grouped products the kernel replaces (with or without biases: the kernel
+    starts each product from its bias), i.e. no recompute and the ``"grouped_mm"`` backend as
+    resolved for its weights, on fp32 CPU weights (the kernel's). Any activation: it runs
+    between the two products in torch."""
     if type(experts) is not GroupedExperts:
         return False
     w_in, w_out = experts.w_in, experts.w_out
-    return (experts.b_in is None and experts.b_out is None and not experts.config.recompute
+    return (not experts.config.recompute
             and w_in.dtype == w_out.dtype == torch.float32 and w_in.device.type == w_out.device.type == "cpu"
             and experts.grouped_backend(w_in.device, w_in.dtype) == "grouped_mm")
 
 
 def packed_ffn(x_RD: torch.Tensor, packed_in: torch.Tensor, packed_out: torch.Tensor, counts_E: torch.Tensor, *,
-               activation: str, width_in: int, width_out: int) -> torch.Tensor:
-    """``act(x W_in[e]) W_out[e]`` per expert over packed weights (``pack_weight`` of ``w_in
-    [E, D, F]`` and ``w_out [E, H, D]``; ``width_in = F``, ``width_out = D``) for rows grouped
-    by expert (``counts_E``): ``[R, D]``. Under ``torch.compile``: one opaque op."""
+               activation: str, width_in: int, width_out: int, b_in: torch.Tensor | None = None,
+               b_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x W_in[e] + b_in[e]) W_out[e] + b_out[e]`` per expert over packed weights
+    (``pack_weight`` of ``w_in [E, D, F]`` and ``w_out [E, H, D]``; ``width_in = F``,
+    ``width_out = D``; the biases ``[E, F]`` and ``[E, D]`` optional) for rows grouped by expert
+    (``counts_E``): ``[R, D]``. Under ``torch.compile``: one opaque op."""
     if torch.compiler.is_compiling():
-        return _packed_ffn_op(x_RD, packed_in, packed_out, counts_E, activation, width_in, width_out)
-    return _packed_ffn(x_RD, packed_in, packed_out, counts_E, activation, width_in, width_out)
+        return _packed_ffn_op(x_RD, packed_in, packed_out, counts_E, activation, width_in, width_out, b_in, b_out)
+    return _packed_ffn(x_RD, packed_in, packed_out, counts_E, activation, width_in, width_out, b_in, b_out)
 
 
 def _packed_ffn(x_RD: torch.Tensor, packed_in: torch.Tensor, packed_out: torch.Tensor, counts_E: torch.Tensor,
-                activation: str, width_in: int, width_out: int) -> torch.Tensor:
-    h_RF = packed_grouped_mm(x_RD, packed_in, counts_E, width_in)
-    return packed_grouped_mm(activate_reference(h_RF, activation), packed_out, counts_E, width_out)
+                activation: str, width_in: int, width_out: int, b_in: torch.Tensor | None,
+                b_out: torch.Tensor | None) -> torch.Tensor:
+    h_RF = packed_grouped_mm(x_RD, packed_in, counts_E, width_in, b_in)
+    return packed_grouped_mm(activate_reference(h_RF, activation), packed_out, counts_E, width_out, b_out)
 
 
 @torch.library.custom_op("moeflow::packed_ffn", mutates_args=())
 def _packed_ffn_op(x_RD: torch.Tensor, packed_in: torch.Tensor, packed_out: torch.Tensor, counts_E: torch.Tensor,
-                   activation: str, width_in: int, width_out: int) -> torch.Tensor:
-    return _packed_ffn(x_RD, packed_in, packed_out, counts_E, activation, width_in, width_out)
+                   activation: str, width_in: int, width_out: int, b_in: torch.Tensor | None,
+                   b_out: torch.Tensor | None) -> torch.Tensor:
+    return _packed_ffn(x_RD, packed_in, packed_out, counts_E, activation, width_in, width_out, b_in, b_out)
 
 
 @_packed_ffn_op.register_fake
-def _(x_RD, packed_in, packed_out, counts_E, activation, width_in, width_out):  # type: ignore[no-untyped-def]
+def _(x_RD, packed_in, packed_out, counts_E, activation, width_in, width_out, b_in, b_out):  # type: ignore[no-untyped-def]
     return x_RD.new_empty((x_RD.shape[0], width_out))
 
 
 class PackedCPUExperts(nn.Module):
     """A decode-only stand-in for ``experts`` (a ``GroupedExperts`` that ``packable`` accepts):
     its FFN over packed copies of the weights (``packed_in [E, S, D, 16]``, ``packed_out [E, S',
-    H, 16]``, buffers that are not saved), the experts themselves for the calls the kernel is not
+    H, 16]``, and copies ``bias_in``/``bias_out`` of the biases, or None: buffers that are not
+    saved), the experts themselves for the calls the kernel is not
     for (module docstring). It holds the experts without making them a submodule (``source``):
     while it stands in, the model's parameters are not counted twice. ``repack`` packs (again)
     from the experts' weights as they are, into the same memory where the shapes allow, which is
@@ -87,10 +93,12 @@ class PackedCPUExperts(nn.Module):
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__()
         if not packable(experts):
-            raise ValueError(f"experts must be fp32 CPU GroupedExperts without biases or recompute on the grouped_mm "
+            raise ValueError(f"experts must be fp32 CPU GroupedExperts without recompute on the grouped_mm "
                              f"backend (moeflow.experts.packed.packable), got {type(experts).__name__}")
         self.register_buffer("packed_in", pack_weight(experts.w_in), persistent=False)
         self.register_buffer("packed_out", pack_weight(experts.w_out), persistent=False)
+        for name, b in (("bias_in", experts.b_in), ("bias_out", experts.b_out)):
+            self.register_buffer(name, None if b is None else b.detach().clone(), persistent=False)
         self._take(experts)
 
     def _take(self, experts: GroupedExperts) -> None:
@@ -106,6 +114,10 @@ class PackedCPUExperts(nn.Module):
             raise ValueError(f"experts are not packable (moeflow.experts.packed.packable): {type(experts).__name__}")
         for name, w in (("packed_in", experts.w_in), ("packed_out", experts.w_out)):
             setattr(self, name, _pack_into(w, getattr(self, name)))
+        for name, b in (("bias_in", experts.b_in), ("bias_out", experts.b_out)):
+            old = getattr(self, name)
+            setattr(self, name, None if b is None else old.copy_(b) if old is not None and old.shape == b.shape
+                    else b.detach().clone())
         self._take(experts)
 
     def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -114,7 +126,7 @@ class PackedCPUExperts(nn.Module):
                 or torch.is_grad_enabled() or torch.is_autocast_enabled(expert_in.device.type)):
             return self.source(expert_in, counts_E)
         return packed_ffn(expert_in, self.packed_in, self.packed_out, counts_E, activation=self.activation,
-                          width_in=self.width_in, width_out=self.width_out)
+                          width_in=self.width_in, width_out=self.width_out, b_in=self.bias_in, b_out=self.bias_out)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, activation={self.activation}, packs of {type(self.source).__name__}"

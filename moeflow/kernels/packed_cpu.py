@@ -244,11 +244,14 @@ def pack_weight(w_EKN: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
     return out.copy_(packed)
 
 
-def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.Tensor, n: int) -> torch.Tensor:
+def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.Tensor, n: int,
+                      bias_En: torch.Tensor | None = None) -> torch.Tensor:
     """``[R, n]``: ``x_RK``'s rows of expert ``e`` (``counts_E[e]`` of them, in expert order)
-    times expert ``e``'s weight, packed by ``pack_weight`` from ``[E, K, n]``; rows past
-    ``counts_E.sum()`` are zeros. fp32 CPU tensors; the product itself runs outside torch, on
-    ``torch.get_num_threads()`` OpenMP threads (the kernel is built on the first call)."""
+    times expert ``e``'s weight, packed by ``pack_weight`` from ``[E, K, n]``, plus expert
+    ``e``'s row of ``bias_En`` when given (the products start from it: one pass, no second
+    read of the output); rows past ``counts_E.sum()`` are zeros. fp32 CPU tensors; the product
+    itself runs outside torch, on ``torch.get_num_threads()`` OpenMP threads (the kernel is
+    built on the first call)."""
     if x_RK.dtype != torch.float32 or x_RK.device.type != "cpu" or x_RK.dim() != 2:
         raise ValueError(f"x_RK must be a 2-d fp32 CPU tensor, got {x_RK.dtype} {tuple(x_RK.shape)} on {x_RK.device}")
     if w_ESKP.dim() != 4 or w_ESKP.shape[-1] != STRIP or w_ESKP.shape[2] != x_RK.shape[1] \
@@ -261,10 +264,16 @@ def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.
     if counts_E.shape != (E,) or counts_E.dtype.is_floating_point or counts_E.device.type != "cpu":
         raise ValueError(f"counts_E must be an integer CPU tensor of shape ({E},), got {counts_E.dtype} "
                          f"{tuple(counts_E.shape)} on {counts_E.device}")
+    if bias_En is not None and (bias_En.shape != (E, n) or bias_En.dtype != torch.float32
+                                or bias_En.device.type != "cpu"):
+        raise ValueError(f"bias_En must be an fp32 CPU tensor of shape ({E}, {n}), got {bias_En.dtype} "
+                         f"{tuple(bias_En.shape)} on {bias_En.device}")
     x = x_RK.contiguous()
     counts = counts_E.to(torch.int64).contiguous()
+    bias = None if bias_En is None else bias_En.detach().contiguous()
     y_RN = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     if x.shape[0] and n:
         _library().packed_grouped_mm(x.data_ptr(), x.shape[0], x.shape[1], w_ESKP.data_ptr(), E, n,
-                                     counts.data_ptr(), y_RN.data_ptr(), torch.get_num_threads())
+                                     counts.data_ptr(), 0 if bias is None else bias.data_ptr(), y_RN.data_ptr(),
+                                     torch.get_num_threads())
     return y_RN

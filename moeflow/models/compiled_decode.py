@@ -16,11 +16,14 @@ view ``[0, n)`` with a column per row (``pos [n]``: the slots hold requests of d
 lengths).
 
 On the CPU three more things, each equal up to rounding: the head's product runs after the
-compiled graph in one fixed layout (``HeadProduct``); inductor writes the graph's wrapper in
-C++ (``cpp_wrapper``: the kernels and the expert op are called without a Python line between
-them); and for the length of each generation every MoE layer whose experts ``packable``
-accepts computes with a ``PackedCPUExperts`` in their place (packed copies of the fp32 expert
-weights and a few-row kernel: ``moeflow.experts.packed``), put back in a ``finally``.
+compiled graph in one fixed layout (``HeadProduct``: the few-row kernel over a packed copy of
+an fp32 head); inductor writes the graph's wrapper in C++ (``cpp_wrapper``: the kernels and the
+packed ops are called without a Python line between them); and for the length of each
+generation every MoE layer whose experts ``packable`` accepts computes with a
+``PackedCPUExperts`` in their place, and every plain fp32 ``nn.Linear`` but the head
+(``packable_linear``: the attention's projections, dense and shared FFNs, routers) with a
+``PackedCPULinear`` (packed copies of the weights and a few-row kernel: ``moeflow.experts.
+packed``, ``moeflow.models.packed_dense``), all put back in a ``finally``.
 
 A compiled step runs with dynamo's guards skipped (``skip_guard_eval_unsafe``), so what it was
 traced for must hold whenever it runs: the caches are kept per shape *and* per the state the
@@ -46,6 +49,7 @@ from moeflow.experts.packed import PackedCPUExperts, packable
 from moeflow.kernels.packed_cpu import packed_cpu_available
 from moeflow.layer.moe import moe_layers
 from moeflow.models.decoding import Generation, SamplingConfig, _check_prompts, _left_padded, _prefill, sample_next
+from moeflow.models.packed_dense import HeadProduct, PackedCPULinear, packable_linear
 
 __all__ = ["CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct", "generate_compiled"]
 
@@ -59,38 +63,6 @@ def _bucket(columns: int, max_seq_len: int) -> int:
     return min(max_seq_len, max(16, 1 << max(0, columns - 1).bit_length()))
 
 
-class HeadProduct:
-    """The output projection of the CPU's compiled decode step: logits ``[B, V] = h [B, D] @
-    W_DV``, over a contiguous ``[D, V]`` copy of the head's weight ``W [V, D]``.
-
-    One layout for every batch size and machine, chosen by a fixed rule (never by timing it),
-    so the logits depend on the inputs alone: layouts sum in different orders, and a layout
-    picked by a clock could make greedy tokens depend on the machine's load. This one because a
-    decode step's head product has a few rows and a weight that comes from memory, which the
-    BLAS ran faster from the ``[D, V]`` copy than through ``F.linear`` in most of the cases
-    recorded in ``docs/benchmarks.md`` (not all: a fixed rule gives up a little on some CPUs
-    and batch sizes to keep the tokens independent of timing). ``begin`` takes the copy from
-    the weight as it is (so the product follows the weight through training between calls):
-    the head's memory once more while a generation runs; ``end`` drops it."""
-
-    def __init__(self) -> None:
-        self.weight_DV: torch.Tensor | None = None
-
-    def begin(self, weight_VD: torch.Tensor) -> None:
-        """Before a generation: the ``[D, V]`` copy of the head's weight as it is now."""
-        self.weight_DV = weight_VD.detach().t().contiguous()
-
-    def end(self) -> None:
-        """After a generation: drop the copy."""
-        self.weight_DV = None
-
-    def __call__(self, h_BD: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` of the normed hidden states ``h [B, D]`` (between ``begin`` and ``end``)."""
-        if self.weight_DV is None:
-            raise RuntimeError("HeadProduct.begin comes first: it takes the head's weight")
-        return h_BD @ self.weight_DV
-
-
 def _head_outside(model) -> bool:  # type: ignore[no-untyped-def]
     """Whether the compiled step leaves the head to a ``HeadProduct`` (a plain bias-free
     ``nn.Linear`` head on the CPU; on CUDA the head stays inside the graph CUDA graphs replay)."""
@@ -98,10 +70,10 @@ def _head_outside(model) -> bool:  # type: ignore[no-untyped-def]
     return model.embed.weight.device.type == "cpu" and type(head) is torch.nn.Linear and head.bias is None
 
 
-def _traced_state(model, packed: tuple[int, ...]) -> tuple:  # type: ignore[no-untyped-def]
+def _traced_state(model, packed: tuple) -> tuple:  # type: ignore[no-untyped-def]
     """What a compiled step depends on besides its shapes and is not read from its inputs each
     call: the model's dtype, every module's ``training`` flag (dropout, router noise and
-    balance counters), and the MoE layers whose experts are packed (``packed``)."""
+    balance counters), and the MoE layers and linears that are packed (``packed``)."""
     return model.embed.weight.dtype, tuple(m.training for m in model.modules()), packed
 
 
@@ -129,6 +101,7 @@ class CompiledDecoder:
         self.cuda = self.device.type == "cuda"
         self.head = HeadProduct() if _head_outside(model) else None
         self.stand_ins: dict[int, PackedCPUExperts] = {}  # MoE layer index -> its packed experts (CPU)
+        self.linear_stand_ins: dict[str, PackedCPULinear] = {}  # a linear's qualified name -> its stand-in (CPU)
         self.step = torch.compile(model.decode_step if self.head is None else model.decode_hidden,
                                   fullgraph=True, dynamic=False, mode="reduce-overhead" if self.cuda else None,
                                   options={"cpp_wrapper": True} if self.device.type == "cpu" else None)
@@ -143,7 +116,7 @@ class CompiledDecoder:
         experts that ``packable`` accepts (packed from the weights as they are now; where the
         kernel does not build, none) and the head's weight as it is now; all put back, and the
         head's copy dropped, on the way out, whatever happens inside."""
-        swapped: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []  # (parent, attribute, original)
         try:
             packed = self._pack(model, swapped) if self.device.type == "cpu" else ()
             if self.head is not None:
@@ -152,8 +125,8 @@ class CompiledDecoder:
             yield
         finally:
             self.state = None
-            for layer, experts in reversed(swapped):
-                layer.experts = experts
+            for parent, name, original in reversed(swapped):
+                setattr(parent, name, original)
             if self.head is not None:
                 self.head.end()
 
@@ -161,17 +134,22 @@ class CompiledDecoder:
         """What the first generation needs once, before its clock starts: on the CPU, with a
         MoE layer to pack, the packed kernel built (``packed_cpu_available``: seconds, once per
         machine, like a compilation)."""
-        if self.device.type == "cpu" and any(packable(layer.experts) for layer in moe_layers(model)):
+        if self.device.type == "cpu" and (any(packable(layer.experts) for layer in moe_layers(model))
+                                          or self.head is not None):
             packed_cpu_available()
 
-    def _pack(self, model, swapped: list) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
-        """Put a ``PackedCPUExperts`` in place of each packable layer's experts (recording the
-        swaps in ``swapped``); the indices of those layers."""
+    def _pack(self, model, swapped: list) -> tuple:  # type: ignore[no-untyped-def]
+        """Put a ``PackedCPUExperts`` in place of each packable layer's experts and a
+        ``PackedCPULinear`` in place of each packable linear but the head (recording the swaps
+        in ``swapped``); the indices of those layers and the names of those linears."""
         layers = moe_layers(model)
         wanted = [i for i, layer in enumerate(layers) if packable(layer.experts)]
+        linears = [name for name, m in model.named_modules() if m is not model.lm_head and packable_linear(m)]
         for i in [i for i in self.stand_ins if i not in wanted]:
             del self.stand_ins[i]  # (its memory)
-        if not wanted or not packed_cpu_available():  # (the kernel is built on the first such call)
+        for name in [n for n in self.linear_stand_ins if n not in linears]:
+            del self.linear_stand_ins[name]
+        if not (wanted or linears) or not packed_cpu_available():  # (the kernel is built on the first such call)
             return ()
         for i in wanted:
             experts = layers[i].experts
@@ -180,9 +158,20 @@ class CompiledDecoder:
                 stand_in = self.stand_ins[i] = PackedCPUExperts(experts)
             else:
                 stand_in.repack(experts)
-            swapped.append((layers[i], experts))
+            swapped.append((layers[i], "experts", experts))
             layers[i].experts = stand_in
-        return tuple(wanted)
+        for name in linears:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            linear = getattr(parent, attr)
+            stand_in = self.linear_stand_ins.get(name)
+            if stand_in is None:
+                stand_in = self.linear_stand_ins[name] = PackedCPULinear(linear)
+            else:
+                stand_in.repack(linear)
+            swapped.append((parent, attr, linear))
+            setattr(parent, attr, stand_in)
+        return tuple(wanted), tuple(linears)
 
     def cache(self, model, pad_B: torch.Tensor, capacity: int):  # type: ignore[no-untyped-def]
         """A zeroed cache of ``capacity`` columns for these rows (``pad_B``), with the step
@@ -235,7 +224,7 @@ class CompiledDecoder:
         the cache are as before afterwards."""
         tokens_B = torch.zeros(cache.batch, dtype=torch.long, device=self.device)
         pos = torch.zeros(cache.batch if per_row else (), dtype=torch.long, device=self.device)
-        saved = [(b, b.clone()) for m in model.modules() if not isinstance(m, PackedCPUExperts)
+        saved = [(b, b.clone()) for m in model.modules() if not isinstance(m, (PackedCPUExperts, PackedCPULinear))
                  for b in m.buffers(recurse=False)]
         with _recompile_room(warm_up=True):
             for _ in range(3 if self.cuda else 1):  # CUDA graphs record on the second or third call
