@@ -296,11 +296,13 @@ def run_family(family: str, args: argparse.Namespace) -> dict:
            "build_s": time.monotonic() - t0,
            "resident_gib": torch.cuda.memory_allocated(args.device) / 2**30 if cuda else None}
     print(f"{family}: {params / 1e6:,.1f} M parameters ({row['cut']})", flush=True)
-    train = row["train"] = _train_rows(args, hf, model, synced(CLOCKS[args.clock], args.device))
-    best = train["hf_best"]
-    print(f"  train step: moeflow {train['tokens_per_s']['moeflow']:,.0f} tok/s{_gib(train['peak_gib']['moeflow'])}, "
-          f"{best} {train['tokens_per_s'][best]:,.0f} tok/s{_gib(train['peak_gib'][best])}: {train['ratio']:.2f}x; "
-          f"first losses {', '.join(f'{k} {v:.4f}' for k, v in train['first_loss'].items())}", flush=True)
+    row["train"] = None  # (--no-train: the decoding rows alone)
+    if args.train:
+        train = row["train"] = _train_rows(args, hf, model, synced(CLOCKS[args.clock], args.device))
+        best = train["hf_best"]
+        print(f"  train step: moeflow {train['tokens_per_s']['moeflow']:,.0f} tok/s{_gib(train['peak_gib']['moeflow'])}, "
+              f"{best} {train['tokens_per_s'][best]:,.0f} tok/s{_gib(train['peak_gib'][best])}: {train['ratio']:.2f}x; "
+              f"first losses {', '.join(f'{k} {v:.4f}' for k, v in train['first_loss'].items())}", flush=True)
     row["decode"] = []
     for batch in (args.decode_batch if family in args.decode_families else []):
         with torch.no_grad():
@@ -334,6 +336,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default: gpu on CUDA, else published")
     p.add_argument("--tokens", type=int, default=257, help="tokens a training row (S + 1)")
     p.add_argument("--train-batch", type=int, default=2)
+    p.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the train step (--no-train: the decoding rows alone; the report's train is null)")
     p.add_argument("--decode-batch", default="1,8", help="comma-separated rows of the decoding runs")
     p.add_argument("--decode-families", default=None,
                    help="comma-separated families that also decode (default: all of --families; '': none)")

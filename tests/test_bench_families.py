@@ -74,6 +74,16 @@ def test_bf16_models_and_a_train_only_run(tmp_path):
         assert losses["hf:grouped_mm"] == pytest.approx(losses["moeflow"], rel=1e-2)  # bf16 rounding apart
 
 
+def test_a_decode_only_run(tmp_path):
+    """``--no-train``: the decoding rows alone, the report's ``train`` null."""
+    out = tmp_path / "families.json"
+    assert families.main(["--families", "gpt_oss", *TINY, "--no-train", "--decode-batch", "2", "--hf-experts", "eager",
+                          "--no-hf-static", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["train"] is None and [d["batch"] for d in row["decode"]] == [2]
+    assert row["decode"][0]["tokens_equal"]["moeflow:compiled"] is True
+
+
 def test_the_time_cap_starts_a_family_only_while_one_fits(tmp_path):
     out = tmp_path / "families.json"
     assert families.main(["--families", "olmoe,mixtral", "--decode-families", "", *TINY, "--hf-experts", "eager",
