@@ -129,6 +129,31 @@ def test_compiled_concurrent_greedy_requests_give_sequential_generates_tokens(mo
         engine.shutdown(drain_s=0)
 
 
+@pytest.mark.unit
+def test_the_engine_runs_its_steps_with_its_own_threads(model):
+    """The engine's thread sets its torch threads (``EngineConfig.threads``, default the
+    process's when the engine is made), whatever the calling thread has: its events arrive on
+    that thread with them; the calling thread's own threads are left as they were."""
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    try:
+        torch.set_num_threads(1)
+        for config, want in ((EngineConfig(slots=1, threads=2), 2), (EngineConfig(slots=1), 1)):
+            engine = Engine(model, config)
+            engine.start()
+            try:
+                request = engine.submit(RequestSpec(prompt=(1, 2), max_tokens=2, temperature=0.0),
+                                        lambda event: seen.append(torch.get_num_threads()))
+                request._done.wait(60)
+            finally:
+                engine.shutdown(drain_s=0)
+            assert seen and set(seen) == {want}, (config, seen)
+            assert torch.get_num_threads() == 1
+            seen.clear()
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.reference
 def test_seeded_sampling_gives_generates_tokens_alone_and_in_a_mixed_batch(model, gen):
     """A sampled request (temperature, top-k, top-p, a seed) gives ``generate``'s tokens with a
@@ -319,6 +344,7 @@ def test_bad_values_are_named(model):
             (dict(capacity=1), ValueError, "capacity must be >= 2"),
             (dict(prefill_chunk=0), ValueError, "prefill_chunk"),
             (dict(compile="yes"), TypeError, "compile must be a bool"),
+            (dict(threads=0), ValueError, "threads must be >= 1"),
             (dict(slots=2.0), TypeError, "slots must be an int")):
         with pytest.raises(error, match=match):
             EngineConfig(**bad)

@@ -74,7 +74,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions instead of the model's own")
     p.add_argument("--threads", type=int_at_least(1), default=None,
-                   help="torch threads (default: OMP_NUM_THREADS when set, else torch's default)")
+                   help="torch threads of the engine, which runs every step (default: OMP_NUM_THREADS when set, "
+                        "else torch's default); the model loads on one")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log every request (uvicorn's access log, on stderr)")
     add_storage_flags(p, offload_help="hold the routed experts in host memory or on disk and stream them through "
@@ -90,11 +91,14 @@ def _flag_names(message: str) -> str:
 
 
 def _engine_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import torch
+
     from moeflow.serve.engine import EngineConfig
 
     try:
         return EngineConfig(slots=args.max_concurrency, max_queue=args.max_queue, capacity=args.context,
-                            prefill_chunk=args.prefill_chunk, compile=args.compile)
+                            prefill_chunk=args.prefill_chunk, compile=args.compile,
+                            threads=args.threads or env_threads() or torch.get_num_threads())
     except (ValueError, TypeError) as err:
         raise UsageError(_flag_names(str(err))) from None
 
@@ -161,9 +165,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     name = args.model_name if args.model_name is not None else args.checkpoint.resolve().name
     if not name:
         raise UsageError("--model-name must not be empty")
-    threads = args.threads or env_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    # the engine's thread runs every step with the threads (EngineConfig.threads); this thread
+    # loads the model on one, so that it never holds a second OpenMP pool (which would stop the
+    # engine's workers from spin-waiting between a step's parallel regions)
+    torch.set_num_threads(1)
     sock = _listen(args.host, args.port)
     try:
         try:

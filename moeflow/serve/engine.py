@@ -68,6 +68,7 @@ class Engine:
         self.config, self.model = config, model.eval()
         self.vocab_size: int = model.config.vocab_size
         self._capacity: int = config.capacity or max_seq
+        self._threads: int = config.threads or torch.get_num_threads()
         self._slots = Slots(model, slots=config.slots, capacity=self._capacity, compile=config.compile)
         self._cond = threading.Condition()
         self._pending: deque[Request] = deque()  # submitted, waiting for a slot
@@ -171,6 +172,7 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            torch.set_num_threads(self._threads)  # this thread's own OpenMP threads (EngineConfig.threads)
             with torch.no_grad(), self._slots.open():
                 self._started.set()
                 while self._iterate():

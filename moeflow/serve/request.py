@@ -41,13 +41,22 @@ class EngineConfig:
     request's ``len(prompt) + max_tokens`` must fit. ``prefill_chunk``: prompt tokens prefilled
     between two decode steps (a long prompt does not stall the running requests). ``compile``:
     the decode step compiled (``moeflow.models.compiled_decode``); a model whose step cannot be
-    one graph (offloaded or expert-parallel experts) is refused with a ``ValueError``."""
+    one graph (offloaded or expert-parallel experts) is refused with a ``ValueError``.
+    ``threads``: torch threads of the engine's thread, which runs every step (None: the
+    process's ``torch.get_num_threads()`` when the engine is made). Why the engine sets them on
+    its own thread: OpenMP (libgomp, torch's) stops its idle workers from spin-waiting once the
+    process holds more OpenMP threads than cores, and then every parallel region of a step
+    (hundreds) waits for its workers to wake. A second thread pool beside the engine's, such as
+    the one the main thread gets by running torch with several threads, is enough for that:
+    ``moeflow serve`` keeps its main thread at one torch thread from the start and gives the
+    engine the threads."""
 
     slots: int = 8
     max_queue: int = 64
     capacity: int | None = None
     prefill_chunk: int = 64
     compile: bool = False
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         _int("slots", self.slots, minimum=1)
@@ -55,6 +64,8 @@ class EngineConfig:
         if self.capacity is not None:
             _int("capacity", self.capacity, minimum=2)
         _int("prefill_chunk", self.prefill_chunk, minimum=1)
+        if self.threads is not None:
+            _int("threads", self.threads, minimum=1)
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be a bool, got {type(self.compile).__name__} {self.compile!r}")
 
