@@ -14,7 +14,8 @@ package's texts (its vocabulary is the model's: the texts give all 32,768 ids of
 gpu``, so the corpus and the trainer's merges stay as they are). The server reads that directory
 as a user's Hugging Face directory, in its stored dtype (``moeflow serve`` has no dtype flag: the
 directory's dtype is ``--dtype``). It runs in a child process (``python -m moeflow serve
---device``) on 127.0.0.1, its output in a log file (``--server-log``; its access log off, so the
+--device``, its ``--context`` the longest request of the run, prompt and ``--max-tokens``, as
+``generate`` sizes its cache to the request: ``--context`` to choose) on 127.0.0.1, its output in a log file (``--server-log``; its access log off, so the
 log's tail is its start, warnings and errors: what a failure prints). The client streams every
 request (``stream: true``, greedy, ``max_tokens`` tokens) through httpx2 (the client openai
 uses), stamping the first content chunk (time to first token) and the last (latency); a request
@@ -105,7 +106,8 @@ def _build(args: argparse.Namespace, root: Path) -> tuple[Path, list[str], dict]
                                       eos_token_id=tok.eos_token_id, bos_token_id=None, tie_word_embeddings=False)
     with torch.device(args.device):  # transformers' own way to build on a device (the module docstring)
         hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
-    meta = {"vocab": len(tok), "parameters": sum(p.numel() for p in hf.parameters())}
+    meta = {"vocab": len(tok), "parameters": sum(p.numel() for p in hf.parameters()),
+            "context": args.context or max(len(tok.encode(p)) for p in prompts) + args.max_tokens}
     path = root / "model"
     hf.save_pretrained(path)
     tok.save_pretrained(path)
@@ -145,10 +147,11 @@ def _server_failure(what: str, proc: subprocess.Popen, log: Path) -> str:
     return f"{what} (moeflow serve {state}; its log {log}, last lines:)\n{_log_tail(log)}"
 
 
-def _start_server(args: argparse.Namespace, path: Path, port: int, log: Path) -> subprocess.Popen:
+def _start_server(args: argparse.Namespace, path: Path, port: int, log: Path, context: int) -> subprocess.Popen:
     import httpx2 as httpx
 
     cmd = [sys.executable, "-m", "moeflow", "serve", str(path), "--host", "127.0.0.1", "--port", str(port),
+           "--context", str(context),
            "--device", str(args.device), "--model-name", "moeflow", "--threads", str(args.threads),
            "--max-concurrency", str(args.slots), "--max-queue", str(4 * max(args.concurrency) + args.requests),
            "--no-access-log", "--compile" if args.compile else "--no-compile"]
@@ -317,6 +320,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=64, help="about this many prompt tokens a request")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--slots", type=int, default=32, help="the server's --max-concurrency")
+    p.add_argument("--context", type=int, default=None,
+                   help="the server's --context, its cache columns a slot (default: the longest request of the run, "
+                        "prompt and max tokens, as generate sizes its cache to the request)")
     p.add_argument("--baselines", default="moeflow,transformers",
                    help="comma-separated, of moeflow (generate) and transformers (generate); '' for none")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
@@ -341,6 +347,8 @@ def _check(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("requests", "prompt_len", "max_tokens", "slots", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.context is not None and args.context < 2:
+        raise SystemExit(f"--context must be at least 2, got {args.context}")
     if not args.concurrency or min(args.concurrency) < 1 or max(args.concurrency) > args.slots:
         raise SystemExit(f"--concurrency: every level must be in [1, --slots={args.slots}], got {args.concurrency}")
     if not args.start_timeout > 0:  # nan too
@@ -401,7 +409,7 @@ def main(argv: list[str] | None = None, default_json: Path | None = None) -> int
         port = _free_port()
         url = f"http://127.0.0.1:{port}/v1/completions"
         before = _device_used(args.device)
-        server = _start_server(args, path, port, log)
+        server = _start_server(args, path, port, log, meta["context"])
         try:
             for c in args.concurrency:
                 try:

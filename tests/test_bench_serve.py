@@ -33,6 +33,7 @@ from bench import serve  # noqa: E402
     (["--baselines", "moeflow,moeflow"], "--baselines: a name twice"),
     (["--device", "gpu"], "--device: cpu or cuda\\[:N\\], got 'gpu'"),
     (["--device", "cuda:x"], "--device: cpu or cuda\\[:N\\], got 'cuda:x'"),
+    (["--context", "1"], "--context must be at least 2, got 1"),
 ])
 def test_bad_flags_are_refused_by_name(argv, match):
     with pytest.raises(SystemExit, match=match):
@@ -121,7 +122,7 @@ def test_a_server_that_does_not_start_ends_the_run_with_its_log(tmp_path):
                                                     "--start-timeout", "120", "--no-compile", "--threads", "1"]))
     log = tmp_path / "server.log"
     with pytest.raises(SystemExit) as ended:
-        serve._start_server(args, tmp_path / "no-model", serve._free_port(), log)
+        serve._start_server(args, tmp_path / "no-model", serve._free_port(), log, 64)
     message = str(ended.value)
     assert message.startswith("moeflow serve did not start (moeflow serve exited with 2; its log")
     assert "no such checkpoint or Hugging Face directory" in message and message.endswith(log.read_text().strip())
@@ -133,8 +134,8 @@ def test_a_failed_request_ends_the_run_with_the_server_log_and_keeps_the_levels_
     log.write_text("moeflow serve: 'moeflow' on http://127.0.0.1:1\nERROR: the decode step failed: CUDA error\n")
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the server, still up
     stopped = []
-    monkeypatch.setattr(serve, "_build", lambda args, root: (root, ["p1", "p2"], {"vocab": 9, "parameters": 99}))
-    monkeypatch.setattr(serve, "_start_server", lambda args, path, port, log: stand_in)
+    monkeypatch.setattr(serve, "_build", lambda args, root: (root, ["p1", "p2"], {"vocab": 9, "parameters": 99, "context": 64}))
+    monkeypatch.setattr(serve, "_start_server", lambda args, path, port, log, context: stand_in)
     monkeypatch.setattr(serve, "_stop", lambda proc: (proc.kill(), proc.wait(), stopped.append(proc)))
 
     async def level(url: str, prompts: list[str], c: int, n: int, max_tokens: int) -> dict:
@@ -163,7 +164,7 @@ def test_a_failed_request_ends_the_run_with_the_server_log_and_keeps_the_levels_
         raise MemoryError("transformers generate")
 
     monkeypatch.setattr(serve, "_sequential", baselines)
-    monkeypatch.setattr(serve, "_start_server", lambda args, path, port, log: subprocess.Popen(
+    monkeypatch.setattr(serve, "_start_server", lambda args, path, port, log, context: subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)"]))
     with pytest.raises(MemoryError):
         serve.main(["--shape", "tiny", "--concurrency", "16", "--slots", "16", "--requests", "2", "--json", str(out)])
@@ -190,4 +191,6 @@ def test_a_tiny_run_in_bf16_reports_every_level_and_both_baselines(tmp_path):
     # greedy on the same bf16 weights: the server and both baselines generate as many tokens
     assert report["sequential"]["moeflow generate"]["tokens"] == report["sequential"]["transformers generate"]["tokens"]
     assert report["serve"][0]["tokens"] == report["sequential"]["moeflow generate"]["tokens"]
-    assert "moeflow serve: 'moeflow' on http://127.0.0.1:" in log.read_text()  # its log, kept where asked
+    # its log, kept where asked; its slots sized to the longest request (as generate sizes its cache)
+    assert f"slots of {report['context']} tokens" in log.read_text() and report["context"] >= 8 + 5
+    assert "moeflow serve: 'moeflow' on http://127.0.0.1:" in log.read_text()
