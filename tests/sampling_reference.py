@@ -22,7 +22,8 @@ import math
 
 import torch
 
-__all__ = ["reference_probs", "boundary_margin", "chi2_sf", "assert_draws_fit", "pit_values", "assert_uniform"]
+__all__ = ["reference_probs", "boundary_margin", "chi2_sf", "assert_draws_fit", "pit_values", "assert_uniform",
+           "assert_generation_fits"]
 
 
 def _kept(z: list[float], top_k: int, top_p: float) -> tuple[list[int], float]:
@@ -145,3 +146,31 @@ def assert_uniform(u_N: torch.Tensor, *, bins: int, alpha: float, what: str = ""
     stat, dof = _chi_square(counts, [N / bins] * bins)
     pvalue = chi2_sf(stat, dof)
     assert pvalue > alpha, f"{what}: chi-square {stat:.1f} on {dof} degrees of freedom, p = {pvalue:.3g}; counts {counts}"
+
+
+def assert_generation_fits(model, prompts: list[list[int]], tokens: list[list[int]], fields: dict, seed: int,  # type: ignore[no-untyped-def]
+                           *, alpha: float, bins: int = 10) -> int:
+    """The new ``tokens`` of each prompt (a generation without stop tokens) against the
+    reference: each draw's distribution is ``reference_probs`` (``fields``: the sampling) of the
+    model's whole-sequence forward (``model(idx)``, the uncached reference) at the position
+    before it, and the randomised probability integral transforms of all draws must be uniform
+    (chi-square over ``bins`` bins at ``alpha``). A step whose logits sit within 1e-4 of a cut
+    is left out: the loops compute their logits in another order, and which steps are left out
+    depends on the history only, so the rest stay independent and uniform. Returns the number
+    of draws tested."""
+    by_length: dict[int, list[int]] = {}
+    for b, (p, t) in enumerate(zip(prompts, tokens)):
+        by_length.setdefault(len(p) + len(t), []).append(b)
+    probs, draws = [], []
+    for rows in by_length.values():  # rows of one length run as one batch, without padding
+        seq_BS = torch.tensor([prompts[b] + tokens[b] for b in rows], dtype=torch.long, device="cpu")
+        with torch.no_grad():
+            logits_BSV = model(seq_BS[:, :-1]).double()
+        for i, b in enumerate(rows):
+            for s in range(len(prompts[b]) - 1, seq_BS.shape[1] - 1):
+                if boundary_margin(logits_BSV[i, s], **fields) > 1e-4:
+                    probs.append(reference_probs(logits_BSV[i, s], **fields))
+                    draws.append(int(seq_BS[i, s + 1]))
+    u = pit_values(torch.tensor(draws, device="cpu"), torch.stack(probs), torch.Generator(device="cpu").manual_seed(seed))
+    assert_uniform(u, bins=bins, alpha=alpha, what=str(fields))
+    return len(draws)

@@ -25,7 +25,7 @@ from moeflow.models.decoding import SamplingConfig, sample_next
 from moeflow.models.generation import generate, generate_uncached
 
 from helpers import small_gpt
-from sampling_reference import assert_draws_fit, assert_uniform, boundary_margin, pit_values, reference_probs
+from sampling_reference import assert_draws_fit, assert_generation_fits, boundary_margin, reference_probs
 
 pytestmark = pytest.mark.reference
 
@@ -181,31 +181,6 @@ def model():  # type: ignore[no-untyped-def]
     return m
 
 
-def assert_generation_fits(model, prompts_BP: torch.Tensor, tokens: list[list[int]], fields: dict,  # type: ignore[no-untyped-def]
-                           seed: int, *, bins: int = 10, alpha: float = ALPHA) -> int:
-    """The new ``tokens`` of each row of ``prompts_BP`` (no stop tokens: all of one length)
-    against the reference: each draw's distribution is ``reference_probs`` of the model's full
-    forward (``model(idx)``, the uncached reference) at the position before it; their
-    randomised probability integral transforms must be uniform (chi-square over ``bins`` bins at
-    ``alpha``). A step whose logits sit within 1e-4 of a cut is left out: the loops' logits are
-    computed in another order, and which steps are left out depends on the history only, so
-    the rest stay independent and uniform. Returns the number of draws tested."""
-    n = len(tokens[0])
-    seq_BS = torch.cat([prompts_BP, torch.tensor(tokens, dtype=torch.long, device="cpu")], dim=1)
-    with torch.no_grad():
-        logits_BSV = model(seq_BS[:, :-1]).double()
-    P = prompts_BP.shape[1]
-    probs, draws = [], []
-    for b in range(seq_BS.shape[0]):
-        for s in range(P - 1, P - 1 + n):
-            if boundary_margin(logits_BSV[b, s], **fields) > 1e-4:
-                probs.append(reference_probs(logits_BSV[b, s], **fields))
-                draws.append(int(seq_BS[b, s + 1]))
-    u = pit_values(torch.tensor(draws, device="cpu"), torch.stack(probs), torch.Generator().manual_seed(seed))
-    assert_uniform(u, bins=bins, alpha=alpha, what=str(fields))
-    return len(draws)
-
-
 @pytest.mark.parametrize("uncached", [False, True], ids=["generate", "generate_uncached"])
 @pytest.mark.parametrize("case", list(GEN_CASES))
 def test_generation_draws_each_token_from_the_reference(model, gen, case: str, uncached: bool) -> None:
@@ -219,7 +194,7 @@ def test_generation_draws_each_token_from_the_reference(model, gen, case: str, u
         tokens = generate_uncached(model, prompts_BP, 12, generator=g, **fields)
     else:
         tokens = generate(model, prompts_BP, 12, generator=g, **fields).tokens
-    assert assert_generation_fits(model, prompts_BP, tokens, fields, seed=1) > 700
+    assert assert_generation_fits(model, prompts_BP.tolist(), tokens, fields, seed=1, alpha=ALPHA) > 700
 
 
 def test_alpha_is_the_stated_false_failure_rate() -> None:
