@@ -64,6 +64,10 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     "parallel/tuner": (["moeflow/parallel/placement/tuner.py"],
                        ["test_parallel_tuner.py", "test_parallel_exchange.py", "test_parallel_dispatcher.py",
                         "test_parallel_assignment.py", "test_layer_matrix.py"]),
+    # how the next token is chosen and the loops that choose it (eager, uncached, compiled)
+    "models/sampling": (["moeflow/models/decoding.py", "moeflow/models/generation.py"],
+                        ["test_sampling_distribution.py", "test_models_generation.py",
+                         "test_models_generation_compiled.py"]),
 }
 
 
