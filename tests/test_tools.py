@@ -72,6 +72,10 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
         assert work["pytest_add_cli_args_test_selection"] == files
         assert {k: v for k, v in work.items() if k not in ("only_mutate", "pytest_add_cli_args_test_selection")} == \
             {k: v for k, v in configured.items() if k not in ("only_mutate", "pytest_add_cli_args_test_selection")}
+        # pytest's own settings too: without them pytest reads the repository's, whose pythonpath
+        # puts the unmutated moeflow ahead of the mutated copy
+        pytest_work = tomllib.loads(run.work_config(package, (root / "pyproject.toml").read_text()))["tool"]["pytest"]
+        assert pytest_work == tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"], package
     assert "tests/test_experts_recompute_chunks.py" in run.test_files("experts")  # globs expand
 
     monkeypatch.setitem(run.PACKAGES, "nothing", (["moeflow/x/*"], ["test_no_such_*.py"]))

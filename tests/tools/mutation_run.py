@@ -86,13 +86,22 @@ def test_files(package: str, tests: Path = ROOT / "tests") -> list[str]:
 
 def work_config(package: str, pyproject: str) -> str:
     """``pyproject.toml`` for the package's work directory: the repository's ``[tool.mutmut]``
-    with the package's modules and test files, as TOML text."""
-    config = dict(tomllib.loads(pyproject)["tool"]["mutmut"])
+    with the package's modules and test files, and its ``[tool.pytest.ini_options]``, as TOML
+    text.
+
+    The pytest section must be there: mutmut runs pytest in ``mutants/<package>/mutants/`` (its
+    copy of this file), and pytest takes its settings from the nearest ``pyproject.toml`` that
+    has that section. Without it, that was the repository's own, whose ``pythonpath = ["."]``
+    put the repository ahead of the mutated copy on ``sys.path``: every test imported the
+    unmutated ``moeflow``, and mutmut found no test covering any mutant."""
+    tool = tomllib.loads(pyproject)["tool"]
+    config = dict(tool["mutmut"])
     config["only_mutate"] = PACKAGES[package][0]
     config["pytest_add_cli_args_test_selection"] = test_files(package)
-    lines = ["[tool.mutmut]"]
-    for key, value in config.items():
-        lines.append(f"{key} = {_toml(value)}")
+    lines = []
+    for section, values in (("mutmut", config), ("pytest.ini_options", tool["pytest"]["ini_options"])):
+        lines.append(f"[tool.{section}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
     return "\n".join(lines) + "\n"
 
 
