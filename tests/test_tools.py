@@ -83,7 +83,7 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
         run.test_files("nothing")
 
     fake = tmp_path / "repo"
-    for name in ("moeflow", "tests"):
+    for name in ("moeflow", "tests", "bench"):
         (fake / name).mkdir(parents=True)
         (fake / name / "a.py").write_text("x = 1\n")
     (fake / "tests" / "test_routing.py").write_text("")
@@ -95,6 +95,7 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     work = run.prepare("parallel/tuner")
     assert work == fake / "mutants" / "parallel-tuner"
     assert (work / "moeflow" / "a.py").read_text() == "x = 1\n" and not (work / "moeflow" / "__pycache__").exists()
+    assert (work / "bench" / "a.py").read_text() == "x = 1\n"  # tests import the harness
     config = (work / "pyproject.toml").stat().st_mtime_ns
     (fake / "moeflow" / "a.py").write_text("x = 2\n")
     (work / "tests" / "stale.py").write_text("")
