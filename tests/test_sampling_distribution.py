@@ -159,6 +159,38 @@ def test_the_sampler_is_handed_the_reference_probabilities(gen, monkeypatch) -> 
                 torch.testing.assert_close(got, want, rtol=rtol, atol=0, msg=f"{case} {dtype} row {b}")
 
 
+def test_without_cuts_even_the_tiniest_probabilities_stay(monkeypatch) -> None:
+    """``top_k=0`` and ``top_p=1`` cut nothing: with one token holding all but 2e-10 of the mass
+    (its fp32 probability rounds to 1, so a top-p pass at p = 1 would see the mass before every
+    other token already at 1 and drop them), every other token keeps its probability of about
+    1.4e-11 in what ``torch.multinomial`` is handed."""
+    handed: list[torch.Tensor] = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda probs, *a, **k: handed.append(probs) or multinomial(probs, *a, **k))
+    logits_BV = torch.zeros(2, V)
+    logits_BV[0, 3], logits_BV[1, 11] = 25.0, 25.0
+    sample_next(logits_BV, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    probs_BV = handed.pop()
+    assert float(probs_BV[0, 3]) == 1.0  # the rounding that would let a cut at p = 1 drop the rest
+    for b in range(2):
+        torch.testing.assert_close(probs_BV[b].double(), reference_probs(logits_BV[b], temperature=1.0), rtol=1e-6, atol=0)
+        assert bool((probs_BV[b] > 0).all())
+
+
+def test_the_draw_runs_where_draw_device_puts_it(monkeypatch) -> None:
+    """``sample_next`` asks ``draw_device`` where to draw, with the caller's generator and the
+    probabilities' device (it decides between drawing in place and a copy to the generator's
+    device; on a machine without CUDA both are the CPU, so the question itself is checked)."""
+    import moeflow.models.decoding as decoding
+
+    asked: list[tuple] = []
+    real = decoding.draw_device
+    monkeypatch.setattr(decoding, "draw_device", lambda g, device: asked.append((g, device)) or real(g, device))
+    for g in (torch.Generator().manual_seed(1), None):
+        sample_next(ROW_A.float()[None], SamplingConfig(temperature=0.8, top_p=0.9), g)
+        assert asked.pop() == (g, torch.device("cpu")) and not asked
+
+
 # ----------------------------------------------------------------------------- generation loops
 
 GEN_CASES = {

@@ -28,7 +28,11 @@ def test_equivalent_file_needs_a_reason_per_mutant(tmp_path):
     # the project's own list parses, and every name in it is a mutant of a configured package
     for name in report.read_equivalent():
         assert report.package_of(name) in {"routing", "dispatch", "layer", "experts", "kernels",
-                                          "parallel/assignment", "parallel/exchange", "parallel/tuner"}, name
+                                          "parallel/assignment", "parallel/exchange", "parallel/tuner",
+                                          "models/sampling"}, name
+    assert report.package_of("moeflow.models.decoding.x_sample_next__mutmut_3") == "models/sampling"
+    assert report.package_of("moeflow.models.generation.x_generate__mutmut_1") == "models/sampling"
+    assert report.package_of("moeflow.models.gpt.xǁMoEGPTǁloss__mutmut_1") == "models/gpt"
 
 
 def test_scores_per_package_leave_out_equivalents_and_unrun(tmp_path):
