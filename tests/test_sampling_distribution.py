@@ -191,6 +191,20 @@ def test_the_draw_runs_where_draw_device_puts_it(monkeypatch) -> None:
         assert asked.pop() == (g, torch.device("cpu")) and not asked
 
 
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    (dict(top_k=-1), ValueError, r"^top_k must be >= 0, got -1$"),
+    (dict(top_k=True), TypeError, r"^top_k must be an int, got bool True$"),
+    (dict(top_p=True), TypeError, r"^top_p must be a number, got bool True$"),
+    (dict(top_p="high"), TypeError, r"^top_p must be a number, got str 'high'$"),
+    (dict(temperature=True), TypeError, r"^temperature must be a number, got bool True$"),
+])
+def test_a_bad_sampling_setting_is_named_in_its_error(fields: dict, error: type, message: str) -> None:
+    """The whole message names the field (not a word that contains it) and the value: a bool is
+    no number here, though Python counts it as an int."""
+    with pytest.raises(error, match=message):
+        SamplingConfig(**fields)
+
+
 # ----------------------------------------------------------------------------- generation loops
 
 GEN_CASES = {
