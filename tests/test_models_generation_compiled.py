@@ -30,6 +30,7 @@ from moeflow.models.generation import generate
 from moeflow.models.gpt_config import AttentionConfig, RopeScaling
 
 from helpers import small_gpt
+from sampling_reference import assert_generation_fits
 
 MAX_SEQ = 32
 # prompts of a left-padded batch (3 rows) and of one row
@@ -507,3 +508,21 @@ def test_compiled_generation_with_every_attention_option_gives_the_eager_steps_a
             torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
             pos += 1
     assert decoder.compilations == 1
+
+
+@pytest.mark.e2e
+def test_compiled_generation_draws_each_token_from_the_reference(model):
+    """The compiled loop's draws follow the reference distribution (``tests/sampling_reference.py``)
+    of each step's context, not only the eager loop's tokens at one seed: 40 generations of the
+    left-padded batch, 26 tokens each (about 3100 draws with temperature, top-k and top-p), on
+    the shapes compiled above (3 rows, 32 columns: no new compilation); the randomised
+    probability integral transforms are uniform by chi-square at alpha = 1e-6 (10 bins)."""
+    fields = dict(temperature=0.8, top_k=12, top_p=0.9)
+    g = torch.Generator(device="cpu").manual_seed(23)
+    prompts, tokens = [], []
+    for _ in range(40):
+        prompts += PROMPTS
+        tokens += generate(model, PROMPTS, 26, generator=g, compile=True, **fields).tokens
+    assert all(len(t) == 26 for t in tokens)
+    assert assert_generation_fits(model, prompts, tokens, fields, seed=4, alpha=1e-6) > 3000
+    assert compiled_decoder(model).compilations <= 2

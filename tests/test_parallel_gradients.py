@@ -36,6 +36,37 @@ def test_clip_grad_norm_matches_torch_on_one_process(gen) -> None:
         clip_grad_norm_(model, 0.0)
 
 
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clipping_leaves_gradients_below_the_limit_untouched_and_scales_those_above_to_it(gen, dtype) -> None:
+    """Both sides of clipping: gradients whose global norm is below ``max_norm`` (by half, and by
+    0.1%) stay bit for bit what they were, never scaled up to the limit; above it (3x, and by
+    0.1%) every gradient is scaled by one factor, ``max_norm / (norm + 1e-6)`` (torch's), so the norm after
+    is ``max_norm`` and the direction is kept. The returned norm is the norm before, both times."""
+    model = small_gpt().to(dtype)
+    idx = torch.randint(0, 61, (2, 10), generator=gen)
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    before = _grads(model)
+    norm = float(torch.cat([g.double().flatten() for g in before]).norm())
+    for limit in (2 * norm, norm * 1.001):
+        got = clip_grad_norm_(model, limit)
+        assert float(got) == pytest.approx(norm, rel=1e-12)
+        assert all(torch.equal(a, b) for a, b in zip(_grads(model), before)), limit
+    rtol = 1e-6 if dtype == torch.float32 else 1e-12
+    for limit in (norm / 3, norm * 0.999):
+        for p, g in zip((p for p in model.parameters() if p.grad is not None), before):
+            p.grad = g.clone()
+        assert float(clip_grad_norm_(model, limit)) == pytest.approx(norm, rel=1e-12)
+        after = _grads(model)
+        for a, b in zip(after, before):
+            torch.testing.assert_close(a, b * (limit / (norm + 1e-6)), rtol=rtol, atol=0)
+        assert float(torch.cat([g.double().flatten() for g in after]).norm()) == pytest.approx(limit, rel=1e-6)
+
+
 def _case_ddp(rank: int, world: int) -> None:
     """DDP averages dense gradients only; expert gradients stay this rank's own."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -115,10 +146,57 @@ def _case_all_reduce_none_grads(rank: int, world: int) -> None:
     assert a.grad.tolist() == [1.0] * 3 and b.grad.tolist() == [float(world - 1)] * 2
 
 
+def _case_clip_both_sides(rank: int, world: int) -> None:
+    """Clipping over ranks: the expert gradients are sharded, the dense ones replicated, so the
+    global norm pools every rank's experts. Below it (by 1%) every gradient on every rank stays
+    bit for bit; at a limit above each rank's own norm (dense + its experts) but below the
+    global one, every rank still scales (a rank that looked at its own norm alone would not),
+    all by one factor, and the norm after is the limit."""
+    from moeflow.parallel import dense_parameters, expert_parameters
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), seeded_layer(8, 2, 0.0, "position", "combine", seed=5))
+    expert_parallel(model)
+    x = torch.randn(10 + rank, D, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    model(x).square().sum().backward()
+    all_reduce_gradients(dense_parameters(model), None)  # dense gradients replicated, as DDP leaves them
+    # the gradients rescaled: dense ones of norm 0.3, each rank's experts of norm 1 (the model's
+    # own put nearly all of the norm on one rank), so each rank's own norm (1.04) is well below
+    # the global one (1.45)
+    for params, target in ((dense_parameters(model), 0.3), (expert_parameters(model), 1.0)):
+        scale = target / float(torch.cat([p.grad.flatten() for p in params]).norm())
+        for p in params:
+            p.grad.mul_(scale)
+    before = _grads(model)
+    dense = {id(p) for p in dense_parameters(model)}
+    sq_dense = sum(float(p.grad.square().sum()) for p in model.parameters() if id(p) in dense)
+    sq_own = torch.tensor(sum(float(p.grad.square().sum()) for p in model.parameters() if id(p) not in dense),
+                          dtype=torch.float64)
+    own = (sq_dense + float(sq_own)) ** 0.5
+    dist.all_reduce(sq_own)
+    norm = (sq_dense + float(sq_own)) ** 0.5
+    owns = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(owns, torch.tensor(own, dtype=torch.float64))
+    highest_own = max(float(o) for o in owns)
+    assert highest_own < norm * 0.9, (owns, norm)  # the case needs a limit between the two
+    assert float(clip_grad_norm_(model, norm * 1.01)) == pytest.approx(norm, rel=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), before))
+    limit = (highest_own + norm) / 2
+    assert float(clip_grad_norm_(model, limit)) == pytest.approx(norm, rel=1e-12)
+    for a, b in zip(_grads(model), before):
+        torch.testing.assert_close(a, b * (limit / (norm + 1e-6)), rtol=1e-12, atol=0)
+    sq_after = torch.tensor(sum(float(p.grad.square().sum()) for p in model.parameters() if id(p) not in dense),
+                            dtype=torch.float64)
+    dist.all_reduce(sq_after)
+    sq_after += sum(float(p.grad.square().sum()) for p in model.parameters() if id(p) in dense)
+    assert float(sq_after) ** 0.5 == pytest.approx(limit, rel=1e-6)
+
+
 CASES = {  # looked up by the spawned ranks
     "ddp": _case_ddp,
     "fsdp2": _case_fsdp2,
     "none_grads": _case_all_reduce_none_grads,
+    "clip": _case_clip_both_sides,
 }
 
 
@@ -136,3 +214,8 @@ def test_fsdp2_ignores_expert_parameters():
 @pytest.mark.distributed
 def test_all_reduce_gradients_with_missing_grads():
     spawn_ranks(2, __name__, "none_grads")
+
+
+@pytest.mark.distributed
+def test_clipping_over_ranks_holds_on_both_sides_of_the_global_norm():
+    spawn_ranks(2, __name__, "clip")

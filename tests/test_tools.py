@@ -28,7 +28,11 @@ def test_equivalent_file_needs_a_reason_per_mutant(tmp_path):
     # the project's own list parses, and every name in it is a mutant of a configured package
     for name in report.read_equivalent():
         assert report.package_of(name) in {"routing", "dispatch", "layer", "experts", "kernels",
-                                          "parallel/assignment", "parallel/exchange", "parallel/tuner"}, name
+                                          "parallel/assignment", "parallel/exchange", "parallel/tuner",
+                                          "models/sampling"}, name
+    assert report.package_of("moeflow.models.decoding.x_sample_next__mutmut_3") == "models/sampling"
+    assert report.package_of("moeflow.models.generation.x_generate__mutmut_1") == "models/sampling"
+    assert report.package_of("moeflow.models.gpt.xǁMoEGPTǁloss__mutmut_1") == "models/gpt"
 
 
 def test_scores_per_package_leave_out_equivalents_and_unrun(tmp_path):
@@ -61,7 +65,7 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     configured = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
     assert sorted(m for mods, _ in run.PACKAGES.values() for m in mods) == sorted(configured["only_mutate"])
     assert set(run.PACKAGES) == {"routing", "dispatch", "layer", "experts", "kernels", "parallel/assignment",
-                                 "parallel/exchange", "parallel/tuner"}
+                                 "parallel/exchange", "parallel/tuner", "models/sampling"}
     for package in run.PACKAGES:
         files = run.test_files(package)
         assert files and len(files) == len(set(files)) and all((root / f).is_file() for f in files), package
@@ -72,6 +76,10 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
         assert work["pytest_add_cli_args_test_selection"] == files
         assert {k: v for k, v in work.items() if k not in ("only_mutate", "pytest_add_cli_args_test_selection")} == \
             {k: v for k, v in configured.items() if k not in ("only_mutate", "pytest_add_cli_args_test_selection")}
+        # pytest's own settings too: without them pytest reads the repository's, whose pythonpath
+        # puts the unmutated moeflow ahead of the mutated copy
+        pytest_work = tomllib.loads(run.work_config(package, (root / "pyproject.toml").read_text()))["tool"]["pytest"]
+        assert pytest_work == tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"], package
     assert "tests/test_experts_recompute_chunks.py" in run.test_files("experts")  # globs expand
 
     monkeypatch.setitem(run.PACKAGES, "nothing", (["moeflow/x/*"], ["test_no_such_*.py"]))
@@ -79,7 +87,7 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
         run.test_files("nothing")
 
     fake = tmp_path / "repo"
-    for name in ("moeflow", "tests"):
+    for name in ("moeflow", "tests", "bench"):
         (fake / name).mkdir(parents=True)
         (fake / name / "a.py").write_text("x = 1\n")
     (fake / "tests" / "test_routing.py").write_text("")
@@ -91,6 +99,7 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     work = run.prepare("parallel/tuner")
     assert work == fake / "mutants" / "parallel-tuner"
     assert (work / "moeflow" / "a.py").read_text() == "x = 1\n" and not (work / "moeflow" / "__pycache__").exists()
+    assert (work / "bench" / "a.py").read_text() == "x = 1\n"  # tests import the harness
     config = (work / "pyproject.toml").stat().st_mtime_ns
     (fake / "moeflow" / "a.py").write_text("x = 2\n")
     (work / "tests" / "stale.py").write_text("")

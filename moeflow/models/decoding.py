@@ -44,7 +44,9 @@ class Decoder(Protocol):
 
     def __call__(self, idx_BS: torch.Tensor) -> torch.Tensor: ...
 
-    def new_cache(self, pad_B: torch.Tensor, capacity: int, *, zeroed: bool = False) -> Any: ...
+    # a protocol's members are what isinstance checks: a mutant's trampoline would add members no
+    # model has (the signature is not code that runs)
+    def new_cache(self, pad_B: torch.Tensor, capacity: int, *, zeroed: bool = False) -> Any: ...  # pragma: no mutate
 
     def forward_cached(self, idx_BS: torch.Tensor, cache: Any) -> torch.Tensor: ...
 

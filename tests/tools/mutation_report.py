@@ -41,18 +41,21 @@ def category(code: int | None) -> str:
     return "other"
 
 
-# the parallel modules under mutation, reported one by one, by module (their rows' names)
+# the parallel and models modules under mutation, reported by module (their rows' names)
 PARALLEL_ROWS = {"exchange.assignment": "parallel/assignment", "exchange.alltoall": "parallel/exchange",
                  "placement.tuner": "parallel/tuner"}
+MODELS_ROWS = {"decoding": "models/sampling", "generation": "models/sampling"}
 
 
 def package_of(mutant: str) -> str:
-    """``moeflow.routing.scores.x_f__mutmut_3`` -> ``routing``; the parallel modules are
-    reported one by one (``moeflow.parallel.placement.tuner.x_...`` -> ``parallel/tuner``)."""
+    """``moeflow.routing.scores.x_f__mutmut_3`` -> ``routing``; the parallel and models
+    modules are reported by module (``moeflow.parallel.placement.tuner.x_...`` ->
+    ``parallel/tuner``, ``moeflow.models.decoding.x_...`` -> ``models/sampling``)."""
     parts = mutant.split(".")
-    if parts[1] == "parallel":
+    if parts[1] in ("parallel", "models"):
         module = ".".join(parts[2:-1])
-        return PARALLEL_ROWS.get(module, "parallel/" + module.replace(".", "/"))
+        rows = PARALLEL_ROWS if parts[1] == "parallel" else MODELS_ROWS
+        return rows.get(module, parts[1] + "/" + module.replace(".", "/"))
     return parts[1]
 
 

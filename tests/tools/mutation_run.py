@@ -64,7 +64,17 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     "parallel/tuner": (["moeflow/parallel/placement/tuner.py"],
                        ["test_parallel_tuner.py", "test_parallel_exchange.py", "test_parallel_dispatcher.py",
                         "test_parallel_assignment.py", "test_layer_matrix.py"]),
+    # how the next token is chosen and the loops that choose it. Not test_models_generation_compiled.py:
+    # its tests count compilations of shapes the tests before them compiled, and mutmut runs a
+    # mutant's covering tests in an order of its own (its clean run fails there)
+    "models/sampling": (["moeflow/models/decoding.py", "moeflow/models/generation.py"],
+                        ["test_sampling_distribution.py", "test_models_generation.py"]),
 }
+
+
+# what a work directory holds a copy of: the code, the tests, and the benchmark harness some tests
+# import (``bench``; ``also_copy`` in ``[tool.mutmut]`` takes it on into mutmut's own copy)
+COPIED = ("moeflow", "tests", "bench")
 
 
 def test_files(package: str, tests: Path = ROOT / "tests") -> list[str]:
@@ -82,13 +92,22 @@ def test_files(package: str, tests: Path = ROOT / "tests") -> list[str]:
 
 def work_config(package: str, pyproject: str) -> str:
     """``pyproject.toml`` for the package's work directory: the repository's ``[tool.mutmut]``
-    with the package's modules and test files, as TOML text."""
-    config = dict(tomllib.loads(pyproject)["tool"]["mutmut"])
+    with the package's modules and test files, and its ``[tool.pytest.ini_options]``, as TOML
+    text.
+
+    The pytest section must be there: mutmut runs pytest in ``mutants/<package>/mutants/`` (its
+    copy of this file), and pytest takes its settings from the nearest ``pyproject.toml`` that
+    has that section. Without it, that was the repository's own, whose ``pythonpath = ["."]``
+    put the repository ahead of the mutated copy on ``sys.path``: every test imported the
+    unmutated ``moeflow``, and mutmut found no test covering any mutant."""
+    tool = tomllib.loads(pyproject)["tool"]
+    config = dict(tool["mutmut"])
     config["only_mutate"] = PACKAGES[package][0]
     config["pytest_add_cli_args_test_selection"] = test_files(package)
-    lines = ["[tool.mutmut]"]
-    for key, value in config.items():
-        lines.append(f"{key} = {_toml(value)}")
+    lines = []
+    for section, values in (("mutmut", config), ("pytest.ini_options", tool["pytest"]["ini_options"])):
+        lines.append(f"[tool.{section}]")
+        lines += [f"{key} = {_toml(value)}" for key, value in values.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -114,12 +133,12 @@ def work_dir(package: str) -> Path:
 
 
 def prepare(package: str) -> Path:
-    """The package's work directory with fresh copies of ``moeflow/`` and ``tests/`` and its
+    """The package's work directory with fresh copies of ``COPIED`` and its
     ``pyproject.toml`` (rewritten only when it changed: mutmut reruns everything when it does)."""
     work = work_dir(package)
     work.mkdir(parents=True, exist_ok=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for name in ("moeflow", "tests"):
+    for name in COPIED:
         shutil.rmtree(work / name, ignore_errors=True)
         shutil.copytree(ROOT / name, work / name, ignore=ignore)
     config = work_config(package, (ROOT / "pyproject.toml").read_text())
