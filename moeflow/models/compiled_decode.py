@@ -90,11 +90,12 @@ class CompiledDecoder:
     On the CPU, with a plain ``nn.Linear`` head, the compiled graph is ``MoEGPT.decode_hidden``
     and the head's product runs after it through ``head`` (a ``HeadProduct``); elsewhere the
     graph is the whole ``decode_step``. On the CPU the graph's wrapper is C++ (inductor's
-    ``cpp_wrapper``) and ``generation`` puts packed experts in place (``stand_ins``, one per MoE
-    layer index, kept between generations so that the compiled step reads the same buffers,
-    packed again each time); on CUDA, CUDA graphs replay the step, so no wrapper code runs per
-    step. While a generation runs, the model's packed layers hold stand-ins instead of their
-    experts: the model must not be used by another thread then."""
+    ``cpp_wrapper``) and ``generation`` puts packed experts and linears in place (``stand_ins``,
+    one per MoE layer index, ``linear_stand_ins``, one per linear's name; kept between
+    generations so that the compiled step reads the same buffers, packed again each time); on
+    CUDA, CUDA graphs replay the step, so no wrapper code runs per step. While a generation
+    runs, the model holds stand-ins instead of those modules: it must not be used by another
+    thread then."""
 
     def __init__(self, model, *, max_caches: int = 4) -> None:  # type: ignore[no-untyped-def]
         self.device = model.embed.weight.device

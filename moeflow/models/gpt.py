@@ -175,7 +175,7 @@ class MoEGPT(nn.Module):
     def decode_hidden(self, next_B: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """``decode_step`` without the head: the normed last hidden state ``[B, D]`` whose
         ``lm_head`` is the step's logits (the CPU's compiled decoder multiplies the head itself,
-        in a layout of its own: ``moeflow.models.compiled_decode.HeadProduct``)."""
+        in a layout of its own: ``moeflow.models.packed_dense.HeadProduct``)."""
         step = static_step(cache, pos)
         x_BSD = self.embed(next_B.unsqueeze(1))
         for i, block in enumerate(self.layers):
