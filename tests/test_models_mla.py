@@ -340,6 +340,10 @@ def test_compiled_generation_gives_the_eager_steps_and_tokens(fp32_model):
             next_B = ref_logits.argmax(-1)
             logits = decoder.run(next_B, pos, cache, guarded=step == 0)
             ref_logits = m.forward_cached(next_B.unsqueeze(1), ref_cache)
-            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+            # fp32 rounding relative to the logits' scale: the compiled step's products (packed
+            # projections and head) sum in another order than the eager step's BLAS head, and the
+            # cache carries each path's own keys into the next steps; a wrong column or position
+            # differs by the logits' own scale
+            torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5 * float(ref_logits.abs().max()))
             pos += 1
     assert decoder.compilations == 1
