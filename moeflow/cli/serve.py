@@ -38,7 +38,7 @@ __all__ = ["add_serve", "load_served_model"]
 
 # EngineConfig's fields as the flags that set them (its messages name the fields)
 _ENGINE_FLAGS = (("max_queue", "--max-queue"), ("prefill_chunk", "--prefill-chunk"), ("slots", "--max-concurrency"),
-                 ("capacity", "--context"), ("compile", "--compile"))
+                 ("capacity", "--context"), ("compile", "--compile"), ("threads", "--threads"))
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from moeflow.experts.ffn import GroupedExperts
 from moeflow.kernels.activation import activate_reference
-from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, pack_weight, packed_grouped_mm
+from moeflow.kernels.packed_cpu import MAX_ROWS_PER_EXPERT, copy_into, pack_into, pack_weight, packed_grouped_mm
 
 __all__ = ["packable", "PackedCPUExperts", "packed_ffn"]
 
@@ -98,7 +98,7 @@ class PackedCPUExperts(nn.Module):
         self.register_buffer("packed_in", pack_weight(experts.w_in), persistent=False)
         self.register_buffer("packed_out", pack_weight(experts.w_out), persistent=False)
         for name, b in (("bias_in", experts.b_in), ("bias_out", experts.b_out)):
-            self.register_buffer(name, None if b is None else b.detach().clone(), persistent=False)
+            self.register_buffer(name, copy_into(b, None), persistent=False)
         self._take(experts)
 
     def _take(self, experts: GroupedExperts) -> None:
@@ -113,11 +113,9 @@ class PackedCPUExperts(nn.Module):
         if not packable(experts):
             raise ValueError(f"experts are not packable (moeflow.experts.packed.packable): {type(experts).__name__}")
         for name, w in (("packed_in", experts.w_in), ("packed_out", experts.w_out)):
-            setattr(self, name, _pack_into(w, getattr(self, name)))
+            setattr(self, name, pack_into(w, getattr(self, name)))
         for name, b in (("bias_in", experts.b_in), ("bias_out", experts.b_out)):
-            old = getattr(self, name)
-            setattr(self, name, None if b is None else old.copy_(b) if old is not None and old.shape == b.shape
-                    else b.detach().clone())
+            setattr(self, name, copy_into(b, getattr(self, name)))
         self._take(experts)
 
     def forward(self, expert_in: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -131,9 +129,3 @@ class PackedCPUExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, activation={self.activation}, packs of {type(self.source).__name__}"
 
-
-def _pack_into(w_EKN: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """``pack_weight(w_EKN)``, into ``old`` when it has the pack's shape."""
-    E, K, N = w_EKN.shape
-    shape = (E, -(-N // old.shape[-1]), K, old.shape[-1])
-    return pack_weight(w_EKN, out=old if tuple(old.shape) == shape else None)

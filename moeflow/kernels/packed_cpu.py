@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["STRIP", "KERNEL_CACHE", "BUILD_TIMEOUT_S", "MAX_ROWS_PER_EXPERT", "packed_cpu_available", "pack_weight",
-           "packed_grouped_mm"]
+           "pack_into", "copy_into", "packed_grouped_mm"]
 
 STRIP = 16  # columns per strip of a packed weight (two 8-wide vectors of the kernel)
 SOURCE = Path(__file__).parent / "csrc" / "packed_grouped_mm.cpp"
@@ -242,6 +242,24 @@ def pack_weight(w_EKN: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
         raise ValueError(f"out must be a contiguous fp32 [{E}, {S}, {K}, {STRIP}] tensor, got "
                          f"{out.dtype} {tuple(out.shape)}")
     return out.copy_(packed)
+
+
+def pack_into(w_EKN: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+    """``pack_weight(w_EKN)``, into ``old`` (a former pack) when it has the pack's shape: a
+    repack keeps the memory a compiled step reads."""
+    E, K, N = w_EKN.shape
+    fits = old is not None and tuple(old.shape) == (E, -(-N // STRIP), K, STRIP)
+    return pack_weight(w_EKN, out=old if fits else None)
+
+
+def copy_into(t: torch.Tensor | None, old: torch.Tensor | None) -> torch.Tensor | None:
+    """A detached copy of ``t`` (None for None), into ``old`` when it has ``t``'s shape: what a
+    stand-in holds of a bias, kept at the same address across repacks."""
+    if t is None:
+        return None
+    if old is not None and old.shape == t.shape:
+        return old.copy_(t)
+    return t.detach().clone()
 
 
 def packed_grouped_mm(x_RK: torch.Tensor, w_ESKP: torch.Tensor, counts_E: torch.Tensor, n: int,

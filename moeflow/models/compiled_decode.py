@@ -132,11 +132,13 @@ class CompiledDecoder:
                 self.head.end()
 
     def prepare(self, model) -> None:  # type: ignore[no-untyped-def]
-        """What the first generation needs once, before its clock starts: on the CPU, with a
-        MoE layer to pack, the packed kernel built (``packed_cpu_available``: seconds, once per
-        machine, like a compilation)."""
-        if self.device.type == "cpu" and (any(packable(layer.experts) for layer in moe_layers(model))
-                                          or self.head is not None):
+        """What the first generation needs once, before its clock starts: on the CPU, with
+        anything to pack (experts, linears, the head), the packed kernel built
+        (``packed_cpu_available``: seconds, once per machine, like a compilation)."""
+        if self.device.type != "cpu":
+            return
+        if (self.head is not None or any(packable(layer.experts) for layer in moe_layers(model))
+                or any(packable_linear(m) for m in model.modules())):
             packed_cpu_available()
 
     def _pack(self, model, swapped: list) -> tuple:  # type: ignore[no-untyped-def]

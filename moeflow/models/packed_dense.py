@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeflow.kernels.packed_cpu import pack_weight, packed_cpu_available, packed_grouped_mm
+from moeflow.kernels.packed_cpu import copy_into, pack_into, packed_cpu_available, packed_grouped_mm
 
 __all__ = ["MAX_DENSE_ROWS", "packable_linear", "PackedCPULinear", "HeadProduct", "packed_linear"]
 
@@ -64,11 +64,8 @@ def _(x_RK, packed, bias_N, n):  # type: ignore[no-untyped-def]
 
 
 def _pack(weight_NK: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
-    """``pack_weight(W^T[None])``, into ``old`` when it has the pack's shape."""
-    N, K = weight_NK.shape
-    w = weight_NK.detach().t().unsqueeze(0)
-    fits = old is not None and tuple(old.shape) == (1, -(-N // old.shape[-1]), K, old.shape[-1])
-    return pack_weight(w, out=old if fits else None)
+    """A linear's weight ``[N, K]`` packed as one expert's ``W^T``, into ``old`` where it fits."""
+    return pack_into(weight_NK.detach().t().unsqueeze(0), old)
 
 
 class PackedCPULinear(nn.Module):
@@ -101,16 +98,14 @@ class PackedCPULinear(nn.Module):
             raise ValueError(f"linear must be a plain nn.Linear with fp32 CPU weights (moeflow.models.packed_dense."
                              f"packable_linear), got {type(linear).__name__}")
         self.packed = _pack(linear.weight, self.packed)
-        b, old = linear.bias, self.bias_copy
-        self.bias_copy = None if b is None else old.copy_(b) if old is not None and old.shape == b.shape \
-            else b.detach().clone()
+        self.bias_copy = copy_into(linear.bias, self.bias_copy)
         object.__setattr__(self, "source", linear)  # (not a submodule: see the class docstring)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.train(linear.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, self.in_features)
-        if (x.dim() < 1 or rows == 0 or rows > MAX_DENSE_ROWS or x.dtype != torch.float32
+        if (rows == 0 or rows > MAX_DENSE_ROWS or x.dtype != torch.float32
                 or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)):
             return self.source(x)
         y_RN = packed_linear(x.reshape(rows, self.in_features), self.packed, self.bias_copy, self.out_features)
