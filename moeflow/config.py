@@ -45,6 +45,8 @@ GroupScore = Literal["max", "top2_sum"]
 DropPolicy = Literal["position", "score", "bpr"]
 WeightAt = Literal["combine", "dispatch"]
 ExpertsBackend = Literal["auto", "grouped_mm", "loop", "triton"]
+FP8Recipe = Literal["rowwise"]
+FP8Gemm = Literal["scaled_grouped_mm", "reference"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +294,15 @@ class ExpertsConfig:
     backward run over (None: about 8, sized from the hidden activation). Fewer chunks are fewer,
     larger kernel calls (faster on a CPU shared with other work) at a higher backward peak; the
     gradients do not depend on it.
+    ``fp8``: ``"rowwise"`` runs the routed experts' grouped GEMMs in float8 e4m3 with one fp32
+    scale per row of each operand (``moeflow.experts.fp8``: forward, and backward with e4m3
+    gradients); the weights stay in their own dtype (bf16/fp32 master weights and optimizer
+    state) and are quantised on the fly each call. None (default): no FP8. Needs a CUDA device
+    of compute capability 8.9 or later with ``torch._scaled_grouped_mm`` (a clear error at the
+    first forward elsewhere), no biases, no ``recompute``, and ``dim``/``hidden`` multiples of 16.
+    ``fp8_gemm``: ``"scaled_grouped_mm"`` (default: the fast CUDA path) or ``"reference"`` (the
+    same quantisation, products dequantised to fp32: any device; what the CPU tests run).
+    (No 128-block recipe: torch 2.11's grouped FP8 GEMM on Hopper takes row-wise fp32 scales only.)
     """
 
     activation: Activation = "swiglu"
@@ -300,9 +311,20 @@ class ExpertsConfig:
     init_std: float = 0.02
     recompute: bool = False
     recompute_chunks: int | None = None
+    fp8: FP8Recipe | None = None
+    fp8_gemm: FP8Gemm = "scaled_grouped_mm"
 
     def __post_init__(self) -> None:
         _choice("activation", self.activation, Activation)
+        if self.fp8 is not None:
+            _choice("fp8", self.fp8, FP8Recipe)
+            if self.bias:
+                raise ValueError(f"fp8={self.fp8!r} needs experts without biases (bias=False), got bias=True")
+            if self.recompute:
+                raise ValueError(f"fp8={self.fp8!r} does not combine with recompute=True (its backward saves the rows)")
+        _choice("fp8_gemm", self.fp8_gemm, FP8Gemm)
+        if self.fp8 is None and self.fp8_gemm != "scaled_grouped_mm":
+            raise ValueError(f"fp8_gemm={self.fp8_gemm!r} applies with fp8 set (e.g. fp8='rowwise'), got fp8=None")
         _choice("experts backend", self.backend, ExpertsBackend)
         _float("init_std", self.init_std, minimum=0.0)
         if not isinstance(self.recompute, bool):
