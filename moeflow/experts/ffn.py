@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moeflow.config import ExpertsConfig
+from moeflow.experts.fp8 import check_fp8_shapes, fp8_grouped_ffn
 from moeflow.experts.lean import lean_ffn, lean_ffn_no_grad
 from moeflow.experts.slices import cut_hidden_slice, join_hidden_slices  # (re-exported: importers use this module)
 from moeflow.kernels.activation import ACTIVATIONS, GATED
@@ -104,6 +105,8 @@ class GroupedExperts(nn.Module):
         self.num_experts, self.dim, self.hidden = num_experts, dim, hidden
         self._backends: dict[tuple, str] = {}  # grouped_backend's answers
         width = 2 * hidden if self.config.gated else hidden
+        if self.config.fp8 is not None:  # (the device is checked at the first forward: modules move)
+            check_fp8_shapes(dim, hidden, width)
         kw = {"device": device, "dtype": dtype}
         self.w_in = nn.Parameter(torch.empty(num_experts, dim, width, **kw))
         self.w_out = nn.Parameter(torch.empty(num_experts, hidden, dim, **kw))
@@ -190,6 +193,9 @@ class GroupedExperts(nn.Module):
         raise ValueError(f"expert_in must be [E, C, D] or [R, D], got shape {tuple(expert_in.shape)}")
 
     def _forward_padded(self, x_ECD: torch.Tensor) -> torch.Tensor:
+        if self.config.fp8 is not None:  # the [E, C, D] slots as E groups of C rows
+            counts_E = torch.full(x_ECD.shape[:1], x_ECD.shape[1], device=x_ECD.device, dtype=torch.int64)
+            return self._forward_grouped(x_ECD.flatten(0, 1), counts_E).view(x_ECD.shape)
         if self.b_in is None and self.b_out is None:
             x_ECD, w_in, w_out = autocast_cast(x_ECD, x_ECD, self.w_in, self.w_out)
             return lean_ffn(x_ECD, w_in, w_out, None, activation=self.config.activation, gemm="bmm",
@@ -224,12 +230,15 @@ class GroupedExperts(nn.Module):
         """The keyword arguments of ``grouped_ffn`` this module's config sets (activation,
         backend, recompute and its chunks). The expert-parallel strategies run the same FFN on
         weights they gather or slice, and take them from here so none is dropped on the way."""
+        fp8 = {} if self.config.fp8 is None else {"fp8": self.config.fp8, "fp8_gemm": self.config.fp8_gemm}
         return {"activation": self.config.activation, "backend": self.config.backend,
-                "recompute": self.config.recompute, "recompute_chunks": self.config.recompute_chunks}
+                "recompute": self.config.recompute, "recompute_chunks": self.config.recompute_chunks, **fp8}
 
     def _forward_grouped(self, x_RD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         x_RD, w_in, w_out, b_in, b_out = autocast_cast(x_RD, x_RD, self.w_in, self.w_out, self.b_in, self.b_out)
         cfg = self.config
+        if cfg.fp8 is not None:  # (no biases: ExpertsConfig checks)
+            return fp8_grouped_ffn(x_RD, counts_E, w_in, w_out, activation=cfg.activation, gemm=cfg.fp8_gemm)
         return _grouped_ffn(self.grouped_backend(x_RD.device, x_RD.dtype), x_RD, counts_E, w_in, w_out,  # type: ignore[arg-type]
                             b_in, b_out, cfg.activation, cfg.recompute, cfg.recompute_chunks)
 
@@ -246,6 +255,7 @@ def grouped_ffn(
     backend: str = "auto",
     recompute: bool = False,
     recompute_chunks: int | None = None,
+    fp8: str | None = None, fp8_gemm: str = "scaled_grouped_mm",
 ) -> torch.Tensor:
     """``y_RD = act(x_RD W_in[e] + b_in[e]) W_out[e] + b_out[e]`` on rows grouped by expert.
 
@@ -264,7 +274,12 @@ def grouped_ffn(
     there (``lean_ffn``, or ``torch.utils.checkpoint`` around the other paths); the same
     gradients, less memory between forward and backward, one more GEMM in backward;
     ``recompute_chunks``: ``ExpertsConfig.recompute_chunks`` (``lean_ffn``'s ``chunks``).
+    ``fp8``, ``fp8_gemm``: ``ExpertsConfig``'s; ``fp8="rowwise"`` runs ``moeflow.experts.fp8``.
     """
+    if fp8 is not None:
+        if fp8 != "rowwise" or b_in_EF is not None or b_out_ED is not None or recompute:
+            raise ValueError(f"grouped_ffn: fp8={fp8!r} needs fp8='rowwise', no biases and recompute=False")
+        return fp8_grouped_ffn(x_RD, counts_E, w_in_EDF, w_out_EHD, activation=activation, gemm=fp8_gemm)  # type: ignore[arg-type]
     dims = (w_in_EDF.shape[-2], w_in_EDF.shape[-1], w_out_EHD.shape[-2])
     name = resolve_grouped_mm_backend(backend, x_RD.device, x_RD.dtype, dims)
     return _grouped_ffn(name, x_RD, counts_E, w_in_EDF, w_out_EHD, b_in_EF, b_out_ED, activation, recompute,

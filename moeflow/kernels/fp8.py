@@ -10,7 +10,7 @@ element is below ``amax / 28672`` (``2^-6 * 448``), where subnormals start.
 - ``quantize_reference``: that rule in plain fp32 torch, per row or per 128-block; every device.
 - ``quantize_rows``: per row, the same rule as one Triton kernel (``moeflow.kernels.triton.fp8``:
   the amax, the scaling and the cast in one program per row, where eager torch takes five passes
-  over the tensor) on CUDA or under the Triton interpreter, else the reference.
+  over the tensor) on CUDA, else the reference.
 - ``scaled_grouped_mm``: ``torch._scaled_grouped_mm`` (CUDA, compute capability 8.9+; torch
   2.11 takes e4m3 operands, fp32 row-wise scales and int32 group ends ``offs``, and returns
   bf16), in its two forms: ``[M, K] x [G, K, N] -> [M, N]`` (groups of rows) and
@@ -30,7 +30,7 @@ import torch
 from moeflow.kernels.triton import triton_available
 
 __all__ = ["E4M3_MAX", "FP8_DTYPE", "ALIGN", "quantize_reference", "dequantize", "quantize_rows",
-           "scaled_grouped_mm", "scaled_grouped_mm_reference", "fp8_supported", "check_fp8_device"]
+           "scaled_grouped_mm", "scaled_grouped_mm_reference", "fp8_supported", "check_fp8_device", "cuda_capability"]
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -63,9 +63,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, *, block: int | None = None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise ``quantize_reference`` for ``x [..., N]`` (last dimension contiguous): one Triton
-    kernel where Triton runs on ``x``'s device, the reference elsewhere."""
-    if x.dim() >= 2 and x.shape[-1] > 0 and x.stride(-1) == 1 and triton_available(x.device):
+    """Row-wise ``quantize_reference`` for ``x [..., N]``: one Triton kernel on CUDA (last
+    dimension contiguous, Triton importable), the reference elsewhere (never the CPU interpreter,
+    which is for the kernel's tests: ``quantize_rows_triton``)."""
+    if (x.device.type == "cuda" and x.dim() >= 2 and x.shape[-1] > 0 and x.stride(-1) == 1
+            and triton_available(x.device)):
         from moeflow.kernels.triton.fp8 import quantize_rows_triton
 
         q, scale = quantize_rows_triton(x.reshape(-1, x.shape[-1]))
@@ -78,6 +80,12 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def cuda_capability(device: torch.device | str) -> tuple[int, int]:
+    """The compute capability of a CUDA ``device`` (read once per device)."""
+    device = torch.device(device)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def fp8_supported(device: torch.device | str) -> tuple[bool, str]:
     """Can ``scaled_grouped_mm`` run on ``device``? ``(answer, why not)``."""
     device = torch.device(device)
@@ -85,7 +93,7 @@ def fp8_supported(device: torch.device | str) -> tuple[bool, str]:
         return False, f"device {device.type} has no FP8 grouped GEMM (it needs CUDA, compute capability 8.9+)"
     if not hasattr(torch, "_scaled_grouped_mm"):
         return False, f"torch {torch.__version__} has no torch._scaled_grouped_mm"
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = cuda_capability(device)
     if cap < (8, 9):
         return False, f"CUDA compute capability {cap[0]}.{cap[1]} has no FP8 tensor cores (needs 8.9+)"
     return True, ""

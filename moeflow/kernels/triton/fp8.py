@@ -5,6 +5,15 @@
 once for its amax and once more (from cache for rows up to a few hundred KiB) to scale, clamp,
 cast and store it. Eager torch takes abs, amax, divide, clamp and cast, five passes with fp32
 intermediates; this is one read of the input (plus the cached re-read) and one 1-byte write.
+``fp8_weight_grouped_mm_triton(x_RK, w_q_EKN, scale_EN, offs_E)``: ``out[rows of e] = (x[rows of
+e] @ w_q[e]) * scale[e]``, the weight-only FP8 product (reference:
+``moeflow.experts.fp8_weights.fp8_weight_grouped_mm_reference``): the e4m3 weight tiles are read
+as they are stored (1 byte an element, half of bf16's) and widened to ``x``'s dtype in
+registers; the per-output-column scale factors out of the sum, so it is applied once to the
+fp32 accumulator. Grid: ``(column tiles, E, row tiles of the whole input)``, an upper bound
+needing no host read of the group sizes; a program past its expert's rows returns at once (meant
+for the few rows of decode).
+
 The division is IEEE round-to-nearest (``div_rn``), as torch's, and the rounding to e4m3 is
 done on the bits (``_round_e4m3``), so the codes equal the reference's.
 """
@@ -17,7 +26,7 @@ import triton.language as tl
 
 from moeflow.kernels.triton import check_triton_tensors, device_guard
 
-__all__ = ["quantize_rows_triton"]
+__all__ = ["quantize_rows_triton", "fp8_weight_grouped_mm_triton"]
 
 E4M3_MAX = 448.0
 
@@ -29,11 +38,11 @@ def _round_e4m3(q):
     carry into the exponent when its cast rounds up across a power of two, and flushes
     subnormals). Normal range (``|q| >= 2^-6``): 3 mantissa bits kept on the bits; subnormal
     range: multiples of ``2^-9``, by adding and subtracting ``1.5 * 2^14`` (whose fp32 spacing is
-    ``2^-9``)."""
+    ``2^-9``) to ``|q|``, with ``q``'s sign bit put back."""
     bits = q.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # RNE: drop 20 of fp32's 23 mantissa bits
-    subnormal = (q + 24576.0) - 24576.0
-    return tl.where(tl.abs(q) >= 0.015625, bits.to(tl.float32, bitcast=True), subnormal)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # RNE: drop 20 of fp32's 23 mantissa bits
+    tiny = ((tl.abs(q) + 24576.0) - 24576.0).to(tl.int32, bitcast=True) | (bits & -0x80000000)  # (keeps -0)
+    return tl.where(tl.abs(q) >= 0.015625, normal, tiny).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -71,3 +80,63 @@ def quantize_rows_triton(x_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     with device_guard(x_MN):
         _quantize_rows_kernel[(m,)](x_MN, q, scale, n, x_MN.stride(0), BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return q, scale
+
+
+@triton.jit
+def _fp8_weight_gmm_kernel(x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, K, N,
+                           stride_xr, stride_we, stride_wk, stride_se, stride_or,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    e = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    start = tl.where(e > 0, tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0).to(tl.int64)
+    end = tl.load(offs_ptr + e).to(tl.int64)
+    row0 = start + pid_m * BM
+    if row0 >= end:
+        return
+    rows = row0 + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + rows[:, None] * stride_xr + ks[None, :], mask=(rows[:, None] < end) & (ks[None, :] < K),
+                    other=0.0)
+        w = tl.load(w_ptr + e * stride_we + ks[:, None] * stride_wk + cols[None, :],
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(x, w.to(x.dtype), acc)
+    scale = tl.load(s_ptr + e * stride_se + cols, mask=cols < N, other=0.0)
+    out = acc * scale[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < end) & (cols[None, :] < N))
+
+
+def fp8_weight_grouped_mm_triton(x_RK: torch.Tensor, w_q_EKN: torch.Tensor, scale_EN: torch.Tensor,
+                                 offs_E: torch.Tensor) -> torch.Tensor:
+    """``x [R, K]`` (bf16/fp16/fp32, last dimension contiguous), ``w_q [E, K, N]`` e4m3 (last
+    dimension contiguous), ``scale [E, N]`` fp32, ``offs_E`` the inclusive group ends (``offs[-1]
+    == R``) -> ``[R, N]`` in ``x``'s dtype. Rows past ``offs[-1]`` are left unwritten."""
+    if x_RK.dim() != 2 or w_q_EKN.dim() != 3 or x_RK.shape[1] != w_q_EKN.shape[1]:
+        raise ValueError(f"fp8_weight_grouped_mm_triton: x [R, K] and w [E, K, N] expected, got {tuple(x_RK.shape)} "
+                         f"and {tuple(w_q_EKN.shape)}")
+    if (w_q_EKN.dtype != torch.float8_e4m3fn or scale_EN.dtype != torch.float32
+            or scale_EN.shape != (w_q_EKN.shape[0], w_q_EKN.shape[2])):
+        raise ValueError(f"fp8_weight_grouped_mm_triton: w must be float8_e4m3fn with fp32 scale [E, N], got "
+                         f"{w_q_EKN.dtype} and scale {scale_EN.dtype} {tuple(scale_EN.shape)}")
+    if x_RK.shape[0] > 16 * 65535:
+        raise ValueError(f"fp8_weight_grouped_mm_triton: at most {16 * 65535} rows (the grid's row axis), got {x_RK.shape[0]}")
+    if x_RK.stride(1) != 1 or w_q_EKN.stride(2) != 1 or scale_EN.stride(1) != 1:
+        raise ValueError("fp8_weight_grouped_mm_triton: x, w and scale need a contiguous last dimension")
+    check_triton_tensors("fp8_weight_grouped_mm_triton", x=x_RK, w=w_q_EKN)
+    r, k = x_RK.shape
+    n_e, _, n = w_q_EKN.shape
+    out = torch.empty(r, n, device=x_RK.device, dtype=x_RK.dtype)
+    if r == 0:
+        return out
+    offs = offs_E.to(device=x_RK.device, dtype=torch.int32)
+    bm, bn, bk = 16, 64, 128
+    grid = (triton.cdiv(n, bn), n_e, triton.cdiv(r, bm))
+    with device_guard(x_RK):
+        _fp8_weight_gmm_kernel[grid](x_RK, w_q_EKN, scale_EN, offs, out, k, n, x_RK.stride(0),
+                                     w_q_EKN.stride(0), w_q_EKN.stride(1), scale_EN.stride(0), out.stride(0),
+                                     BM=bm, BN=bn, BK=bk, num_warps=4)
+    return out
