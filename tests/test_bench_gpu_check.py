@@ -59,6 +59,10 @@ def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     timed = [m for r in hf for m in r["impl"].values()]
     assert all(m["fwd_bwd_ms"] > 0 and (m["rel_err"] is None or m["rel_err"] < 1e-5) for m in timed)
     assert "moeflow triton" in fig["hf-layer"]["not_run"]
+    fp8 = fig["fp8"]  # the emulated FP8 layer: a few percent from fp32, never equal; weight-only likewise
+    assert set(fp8["layer"]) == {"tiny"} and not fp8["failures"] and len(fp8["weight_only"]) == 3
+    assert all(0.005 < e < 0.12 for e in fp8["layer"]["tiny"]["rel_err"].values())
+    assert all(0.005 < w["rel_err"] < 0.12 and w["fp8_ms"] > 0 for w in fp8["weight_only"])
     assert fig["train"]["checkpoint_step"] == 4 and fig["resume"]["checkpoint_step"] == 6
     assert fig["resume"]["resumed_from"] == 4
     assert fig["dcp"]["saved_equal"] and fig["dcp"]["converted_equal"] and fig["dcp"]["optimizer_tensors"] > 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bench.common import REPO
 from bench.gpu_check.families import stage_families
+from bench.gpu_check.fp8 import stage_fp8
 from bench.gpu_check.generation import stage_decode, stage_generate
 from bench.gpu_check.gpu_tests import stage_gpu_tests
 from bench.gpu_check.hf_layer import stage_hf_layer, worker_hf
@@ -42,6 +43,7 @@ STAGES = [
     Stage("generate", stage_generate, 40, 90, "run"),
     Stage("infer", stage_infer, 30, 90, "run"),
     Stage("decode", stage_decode, 240, 150),
+    Stage("fp8", stage_fp8, 90, 90),
     Stage("overlap", stage_overlap, 45, 90),
     Stage("profile", stage_profile, 40, 90),
     # before families (which takes what the others leave); beside other stages it runs a reduced
