@@ -30,8 +30,8 @@ from moeflow.experts.fp8 import fp8_grouped_ffn, pad_groups  # noqa: E402
 from moeflow.experts.fp8_weights import (FP8WeightExperts, fp8_weight_grouped_mm,  # noqa: E402
                                          fp8_weight_grouped_mm_reference, quantize_experts_fp8)
 from moeflow.kernels.activation import activate_reference as activate  # noqa: E402
-from moeflow.kernels.fp8 import (E4M3_MAX, dequantize, fp8_supported, quantize_reference,  # noqa: E402
-                                 quantize_rows, scaled_grouped_mm, scaled_grouped_mm_reference)
+from moeflow.kernels.fp8 import (E4M3_MAX, dequantize, fp8_supported, quantize_columns_t,  # noqa: E402
+                                 quantize_reference, quantize_rows, scaled_grouped_mm, scaled_grouped_mm_reference)
 from moeflow.kernels.triton import interpreter_active  # noqa: E402
 
 from helpers import needs_cuda, random_counts  # noqa: E402
@@ -102,6 +102,21 @@ def test_triton_row_quantiser_gives_the_reference_codes(shape, dtype):
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
     wide = torch.randn(shape[0], shape[1] + 5, generator=gen).to(dtype)[:, 2:shape[1] + 2]  # a row stride > N
     assert torch.equal(quantize_rows_triton(wide)[0].view(torch.uint8), quantize_reference(wide)[0].view(torch.uint8))
+
+
+@interpreted
+@pytest.mark.parametrize("shape", [(37, 45), (3, 70, 130), (200, 16)])
+def test_triton_column_quantiser_gives_the_reference_codes_transposed(shape):
+    from moeflow.kernels.triton.fp8 import quantize_columns_t_triton
+
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(*shape, generator=gen) * 3
+    x[..., 0] = 0  # an all-zero column
+    x[..., 1] *= torch.logspace(-7, 0, shape[-2])
+    q, s = quantize_columns_t_triton(x)
+    qr, sr = quantize_reference(x.transpose(-2, -1))
+    assert q.is_contiguous() and q.shape == (*shape[:-2], shape[-1], shape[-2])
+    assert torch.equal(q.view(torch.uint8), qr.contiguous().view(torch.uint8)) and torch.equal(s, sr)
 
 
 # ----------------------------------------------------------------------------- grouped products
@@ -346,6 +361,10 @@ def test_gpu_triton_fp8_kernels_match_their_references():
     q, s = quantize_rows(x)
     qr, sr = quantize_reference(x)
     assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    for t in (x, x.view(10, 100, 4100), x.t()):  # columns: 2-D, 3-D, and a transposed view (rows then)
+        q, s = quantize_columns_t(t)
+        qr, sr = quantize_reference(t.transpose(-2, -1))
+        assert q.is_contiguous() and torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.contiguous().view(torch.uint8))
     if torch.cuda.get_device_capability() >= (8, 9):
         w_q, scale = quantize_reference(torch.randn(4, 512, 256, device="cuda", generator=gen))
         w_q = w_q.transpose(-2, -1).contiguous()

@@ -10,7 +10,7 @@ row along the contracted dimension, and returns bf16 (the fast path) or fp32 (th
                y  = a  W_out     a = act(h) per row over H;  W_out per output column (over H)
     backward   da = dy W_out^T   dy per row over D;  W_out per row (over D)
                dx = dh W_in^T    dh per row over F;  W_in per row (over F)
-               dW_out = a^T dy   a and dy per column over all rows (transposed copies)
+               dW_out = a^T dy   a and dy per column over all rows (written transposed)
                dW_in  = x^T dh   x and dh likewise
 
 Gradients are quantised to e4m3 like the rest (torch 2.11's grouped FP8 GEMM takes e4m3
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from moeflow.kernels.activation import ACTIVATIONS, activate, activate_backward_
-from moeflow.kernels.fp8 import (ALIGN, check_fp8_device, quantize_rows, scaled_grouped_mm,
+from moeflow.kernels.fp8 import (ALIGN, check_fp8_device, quantize_columns_t, quantize_rows, scaled_grouped_mm,
                                  scaled_grouped_mm_reference)
 
 __all__ = ["fp8_grouped_ffn", "pad_groups", "FP8_GEMMS"]
@@ -70,12 +70,6 @@ def _mm(gemm: str, a, b, scale_a, scale_b, offs, dtype: torch.dtype) -> torch.Te
     return scaled_grouped_mm(a, b, scale_a, scale_b, offs).to(dtype)
 
 
-def _quantize_t(x_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, N]`` quantised per column (over all M rows), as ``[N, M]`` e4m3 with ``[N]``
-    scales: a transposed copy, then rows."""
-    return quantize_rows(x_MN.t().contiguous())
-
-
 class _FP8FFN(torch.autograd.Function):
     """The six FP8 products of the module docstring on padded rows; saves ``x``, ``h`` and the
     weights (the weights' quantised copies are remade in backward, each in the orientation its
@@ -85,12 +79,12 @@ class _FP8FFN(torch.autograd.Function):
     def forward(ctx, x_PD, w_in_EDF, w_out_EHD, offs_E, activation, gemm):  # type: ignore[override]
         n_e = w_in_EDF.shape[0]
         x_q, x_s = quantize_rows(x_PD)
-        w_in_q, w_in_s = quantize_rows(w_in_EDF.transpose(-2, -1).contiguous())  # [E, F, D], [E, F]
+        w_in_q, w_in_s = quantize_columns_t(w_in_EDF)  # [E, F, D], [E, F]
         h_PF = _mm(gemm, x_q, w_in_q.transpose(-2, -1), x_s, w_in_s, offs_E, x_PD.dtype)
         a_PH = activate(h_PF, activation)
         a_q, a_s = quantize_rows(a_PH)
         del a_PH
-        w_out_q, w_out_s = quantize_rows(w_out_EHD.transpose(-2, -1).contiguous())  # [E, D, H], [E, D]
+        w_out_q, w_out_s = quantize_columns_t(w_out_EHD)  # [E, D, H], [E, D]
         y_PD = _mm(gemm, a_q, w_out_q.transpose(-2, -1), a_s, w_out_s, offs_E, x_PD.dtype)
         ctx.save_for_backward(x_PD, h_PF, w_in_EDF, w_out_EHD, offs_E)
         ctx.activation, ctx.gemm, ctx.n_e = activation, gemm, n_e
@@ -106,9 +100,9 @@ class _FP8FFN(torch.autograd.Function):
         da_PH = _mm(gemm, dy_q, w_out_q.transpose(-2, -1), dy_s, w_out_s, offs_E, dtype)
         del dy_q, w_out_q
         a_PH = activate(h_PF, ctx.activation)
-        a_t_q, a_t_s = _quantize_t(a_PH)  # [H, P], [H]
+        a_t_q, a_t_s = quantize_columns_t(a_PH)  # [H, P], [H]
         del a_PH
-        dy_t_q, dy_t_s = _quantize_t(dy_PD)  # [D, P], [D]
+        dy_t_q, dy_t_s = quantize_columns_t(dy_PD)  # [D, P], [D]
         d_w_out = _mm(gemm, a_t_q, dy_t_q.t(), a_t_s.repeat(n_e), dy_t_s.repeat(n_e), offs_E, w_out_EHD.dtype)
         del a_t_q, dy_t_q
         dh_PF = activate_backward_(h_PF, da_PH, ctx.activation)  # h is dead: dh overwrites it
@@ -117,8 +111,8 @@ class _FP8FFN(torch.autograd.Function):
         w_in_q, w_in_s = quantize_rows(w_in_EDF.contiguous())  # [E, D, F] over F, [E, D]
         dx_PD = _mm(gemm, dh_q, w_in_q.transpose(-2, -1), dh_s, w_in_s, offs_E, dtype)
         del dh_q, w_in_q
-        x_t_q, x_t_s = _quantize_t(x_PD)  # [D, P]
-        dh_t_q, dh_t_s = _quantize_t(dh_PF)  # [F, P]
+        x_t_q, x_t_s = quantize_columns_t(x_PD)  # [D, P]
+        dh_t_q, dh_t_s = quantize_columns_t(dh_PF)  # [F, P]
         d_w_in = _mm(gemm, x_t_q, dh_t_q.t(), x_t_s.repeat(n_e), dh_t_s.repeat(n_e), offs_E, w_in_EDF.dtype)
         return dx_PD, d_w_in, d_w_out, None, None, None
 

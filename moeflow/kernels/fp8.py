@@ -10,7 +10,8 @@ element is below ``amax / 28672`` (``2^-6 * 448``), where subnormals start.
 - ``quantize_reference``: that rule in plain fp32 torch, per row or per 128-block; every device.
 - ``quantize_rows``: per row, the same rule as one Triton kernel (``moeflow.kernels.triton.fp8``:
   the amax, the scaling and the cast in one program per row, where eager torch takes five passes
-  over the tensor) on CUDA, else the reference.
+  over the tensor) on CUDA, else the reference; ``quantize_columns_t``: per column, written
+  transposed (Triton on CUDA: no transposed bf16 copy), else the reference.
 - ``scaled_grouped_mm``: ``torch._scaled_grouped_mm`` (CUDA, compute capability 8.9+; torch
   2.11 takes e4m3 operands, fp32 row-wise scales and int32 group ends ``offs``, and returns
   bf16), in its two forms: ``[M, K] x [G, K, N] -> [M, N]`` (groups of rows) and
@@ -30,7 +31,7 @@ import torch
 from moeflow.kernels.triton import triton_available
 
 __all__ = ["E4M3_MAX", "FP8_DTYPE", "ALIGN", "quantize_reference", "dequantize", "quantize_rows",
-           "scaled_grouped_mm", "scaled_grouped_mm_reference", "fp8_supported", "check_fp8_device", "cuda_capability"]
+           "quantize_columns_t", "scaled_grouped_mm", "scaled_grouped_mm_reference", "fp8_supported", "check_fp8_device", "cuda_capability"]
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -73,6 +74,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, scale = quantize_rows_triton(x.reshape(-1, x.shape[-1]))
         return q.reshape(x.shape), scale.reshape(x.shape[:-1])
     return quantize_reference(x)
+
+
+def quantize_columns_t(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., M, N]`` quantised per column over its ``M`` rows, returned transposed:
+    ``(q [..., N, M] e4m3 contiguous, scale [..., N])`` = ``quantize_reference`` of
+    ``x.transpose(-2, -1)``. On CUDA two Triton kernels that read ``x`` in place (no transposed
+    bf16 copy); elsewhere the reference."""
+    if x.device.type == "cuda" and x.dim() in (2, 3) and x.numel() and triton_available(x.device):
+        if x.stride(-2) == 1 and x.stride(-1) != 1:  # the transpose of a row-major tensor: its rows
+            return quantize_rows(x.transpose(-2, -1))
+        if x.stride(-1) == 1:
+            from moeflow.kernels.triton.fp8 import quantize_columns_t_triton
+
+            return quantize_columns_t_triton(x)
+    q, scale = quantize_reference(x.transpose(-2, -1))
+    return q.contiguous(), scale
 
 
 @lru_cache(maxsize=None)

@@ -5,6 +5,12 @@
 once for its amax and once more (from cache for rows up to a few hundred KiB) to scale, clamp,
 cast and store it. Eager torch takes abs, amax, divide, clamp and cast, five passes with fp32
 intermediates; this is one read of the input (plus the cached re-read) and one 1-byte write.
+``quantize_columns_t_triton(x [B, M, N]) -> (q [B, N, M] e4m3, scale [B, N])``: one scale per
+column over the M rows, written transposed (the layout the grouped GEMM wants for the operand
+whose K is the rows: the weight gradient's, and the weights' in forward): two kernels, the
+column amax of a slab of rows per program (``atomic_max`` across slabs), then a tiled
+scale-cast-transpose; the input is read twice, no bf16 transposed copy is made.
+
 ``fp8_weight_grouped_mm_triton(x_RK, w_q_EKN, scale_EN, offs_E)``: ``out[rows of e] = (x[rows of
 e] @ w_q[e]) * scale[e]``, the weight-only FP8 product (reference:
 ``moeflow.experts.fp8_weights.fp8_weight_grouped_mm_reference``): the e4m3 weight tiles are read
@@ -26,7 +32,7 @@ import triton.language as tl
 
 from moeflow.kernels.triton import check_triton_tensors, device_guard
 
-__all__ = ["quantize_rows_triton", "fp8_weight_grouped_mm_triton"]
+__all__ = ["quantize_rows_triton", "quantize_columns_t_triton", "fp8_weight_grouped_mm_triton"]
 
 E4M3_MAX = 448.0
 
@@ -80,6 +86,63 @@ def quantize_rows_triton(x_MN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     with device_guard(x_MN):
         _quantize_rows_kernel[(m,)](x_MN, q, scale, n, x_MN.stride(0), BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return q, scale
+
+
+@triton.jit
+def _column_amax_kernel(x_ptr, amax_ptr, M, N, stride_xb, stride_xm, ROWS: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr):
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    row_start = tl.program_id(1) * ROWS
+    b = tl.program_id(2).to(tl.int64)
+    x_b = x_ptr + b * stride_xb
+    amax = tl.zeros([BN], dtype=tl.float32)
+    for r0 in range(row_start, row_start + ROWS, BM):
+        rows = r0 + tl.arange(0, BM)
+        v = tl.load(x_b + rows[:, None].to(tl.int64) * stride_xm + cols[None, :],
+                    mask=(rows[:, None] < M) & (cols[None, :] < N), other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+    tl.atomic_max(amax_ptr + b * N + cols, amax, mask=cols < N)
+
+
+@triton.jit
+def _cast_transposed_kernel(x_ptr, scale_ptr, q_ptr, M, N, stride_xb, stride_xm, BM: tl.constexpr, BN: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    b = tl.program_id(2).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    v = tl.load(x_ptr + b * stride_xb + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + b * N + cols, mask=cols < N, other=1.0)
+    q = _round_e4m3(tl.clamp(tl.math.div_rn(v, scale[None, :]), -E4M3_MAX, E4M3_MAX))
+    out = q_ptr + b * N * M + cols[None, :].to(tl.int64) * M + rows[:, None]
+    tl.store(out, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_columns_t_triton(x_BMN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [B, M, N]`` or ``[M, N]`` (last dimension contiguous) -> ``(q [B, N, M] / [N, M] e4m3
+    contiguous, scale [B, N] / [N] fp32)``: ``quantize_reference`` of ``x``'s transpose."""
+    flat = x_BMN.dim() == 2
+    x3 = x_BMN.unsqueeze(0) if flat else x_BMN
+    if x3.dim() != 3 or x3.stride(2) != 1:
+        raise ValueError(f"quantize_columns_t_triton: x must be [M, N] or [B, M, N] with a contiguous last dimension, "
+                         f"got shape {tuple(x_BMN.shape)} strides {x_BMN.stride()}")
+    check_triton_tensors("quantize_columns_t_triton", x=x_BMN)
+    nb, m, n = x3.shape
+    q = torch.empty(nb, n, m, device=x3.device, dtype=torch.float8_e4m3fn)
+    amax = torch.zeros(nb, n, device=x3.device, dtype=torch.float32)
+    if m and n and nb:
+        bm, bn = 32, 128
+        rows = max(bm, min(1024, triton.next_power_of_2(triton.cdiv(m, 64))))  # ~64 slabs of rows per column tile
+        with device_guard(x3):
+            _column_amax_kernel[(triton.cdiv(n, bn), triton.cdiv(m, rows), nb)](
+                x3, amax, m, n, x3.stride(0), x3.stride(1), ROWS=rows, BM=bm, BN=bn, num_warps=4)
+    scale = amax.clamp_(min=1e-12).div_(E4M3_MAX)
+    if m and n and nb:
+        bm, bn = 64, 64
+        with device_guard(x3):
+            _cast_transposed_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), nb)](
+                x3, scale, q, m, n, x3.stride(0), x3.stride(1), BM=bm, BN=bn, num_warps=4)
+    return (q[0], scale[0]) if flat else (q, scale)
 
 
 @triton.jit
