@@ -63,6 +63,7 @@ def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     assert set(fp8["layer"]) == {"tiny"} and not fp8["failures"] and len(fp8["weight_only"]) == 3
     assert all(0.005 < e < 0.12 for e in fp8["layer"]["tiny"]["rel_err"].values())
     assert all(0.005 < w["rel_err"] < 0.12 and w["fp8_ms"] > 0 for w in fp8["weight_only"])
+    assert fp8["train"]["steps"] == 4 and 0 < abs(fp8["train"]["rel_diff"]) < 0.02
     assert fig["train"]["checkpoint_step"] == 4 and fig["resume"]["checkpoint_step"] == 6
     assert fig["resume"]["resumed_from"] == 4
     assert fig["dcp"]["saved_equal"] and fig["dcp"]["converted_equal"] and fig["dcp"]["optimizer_tensors"] > 0

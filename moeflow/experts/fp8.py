@@ -13,6 +13,8 @@ row along the contracted dimension, and returns bf16 (the fast path) or fp32 (th
                dW_out = a^T dy   a and dy per column over all rows (written transposed)
                dW_in  = x^T dh   x and dh likewise
 
+The two forward products accumulate with Hopper's fast FP8 accumulation, the four backward ones
+with its fp32 promotion (the common recipe: torchao's float8 training does the same).
 Gradients are quantised to e4m3 like the rest (torch 2.11's grouped FP8 GEMM takes e4m3
 operands only; e4m3 with a per-row scale covers a row's range, which e5m2 exists to widen under a
 tensor-wide scale). The weights keep their dtype (the master weights and the optimizer state
@@ -64,10 +66,10 @@ def pad_groups(counts_E: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.T
     return dest_R, pad_ends.to(torch.int32), total
 
 
-def _mm(gemm: str, a, b, scale_a, scale_b, offs, dtype: torch.dtype) -> torch.Tensor:
+def _mm(gemm: str, a, b, scale_a, scale_b, offs, dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     if gemm == "reference":
         return scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs).to(dtype)
-    return scaled_grouped_mm(a, b, scale_a, scale_b, offs).to(dtype)
+    return scaled_grouped_mm(a, b, scale_a, scale_b, offs, fast_accum=fast_accum).to(dtype)
 
 
 class _FP8FFN(torch.autograd.Function):
@@ -80,12 +82,12 @@ class _FP8FFN(torch.autograd.Function):
         n_e = w_in_EDF.shape[0]
         x_q, x_s = quantize_rows(x_PD)
         w_in_q, w_in_s = quantize_columns_t(w_in_EDF)  # [E, F, D], [E, F]
-        h_PF = _mm(gemm, x_q, w_in_q.transpose(-2, -1), x_s, w_in_s, offs_E, x_PD.dtype)
+        h_PF = _mm(gemm, x_q, w_in_q.transpose(-2, -1), x_s, w_in_s, offs_E, x_PD.dtype, fast_accum=True)
         a_PH = activate(h_PF, activation)
         a_q, a_s = quantize_rows(a_PH)
         del a_PH
         w_out_q, w_out_s = quantize_columns_t(w_out_EHD)  # [E, D, H], [E, D]
-        y_PD = _mm(gemm, a_q, w_out_q.transpose(-2, -1), a_s, w_out_s, offs_E, x_PD.dtype)
+        y_PD = _mm(gemm, a_q, w_out_q.transpose(-2, -1), a_s, w_out_s, offs_E, x_PD.dtype, fast_accum=True)
         ctx.save_for_backward(x_PD, h_PF, w_in_EDF, w_out_EHD, offs_E)
         ctx.activation, ctx.gemm, ctx.n_e = activation, gemm, n_e
         return y_PD

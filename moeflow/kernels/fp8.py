@@ -167,11 +167,13 @@ def scaled_grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch
 
 
 def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                      offs: torch.Tensor) -> torch.Tensor:
+                      offs: torch.Tensor, *, fast_accum: bool = False) -> torch.Tensor:
     """``torch._scaled_grouped_mm`` (bf16 out) with its preconditions checked here, where a
     wrong stride or dtype gets a clear error instead of a device-side assert (shapes and scale
     layouts as in ``scaled_grouped_mm_reference``). ``a`` row-major, ``b`` column-major (the
-    transpose of a contiguous tensor), strides multiples of 16 elements."""
+    transpose of a contiguous tensor), strides multiples of 16 elements. ``fast_accum``: Hopper's
+    FP8 tensor-core accumulation without the periodic promotion to fp32 (faster, a little less
+    exact over long K; the common recipe's choice for forward products, not gradients)."""
     _check_operands(a, b, scale_a, scale_b, offs)
     check_fp8_device(a.device, "scaled_grouped_mm")
     if a.stride(-1) != 1 or a.stride(-2) % ALIGN:
@@ -183,4 +185,4 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
     if b.shape[-1] % 8:
         raise ValueError(f"scaled_grouped_mm: the output's columns ({b.shape[-1]}) must be a multiple of 8 (16 bytes of bf16)")
     return torch._scaled_grouped_mm(a, b, scale_a.contiguous(), scale_b.contiguous(), offs=offs,
-                                    out_dtype=torch.bfloat16)
+                                    out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
