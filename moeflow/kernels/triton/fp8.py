@@ -65,7 +65,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, N, stride_x, BLOCK: tl.conste
     for start in range(0, N, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         v = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(v, scale), -E4M3_MAX, E4M3_MAX)
+        q = tl.clamp(tl.math.div_rn(v, tl.full([BLOCK], 0.0, tl.float32) + scale), -E4M3_MAX, E4M3_MAX)
         tl.store(q_row + cols, _round_e4m3(q).to(q_ptr.dtype.element_ty), mask=cols < N)
     tl.store(scale_ptr + row, scale)
 
@@ -113,7 +113,7 @@ def _cast_transposed_kernel(x_ptr, scale_ptr, q_ptr, M, N, stride_xb, stride_xm,
     v = tl.load(x_ptr + b * stride_xb + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + b * N + cols, mask=cols < N, other=1.0)
-    q = _round_e4m3(tl.clamp(tl.math.div_rn(v, scale[None, :]), -E4M3_MAX, E4M3_MAX))
+    q = _round_e4m3(tl.clamp(tl.math.div_rn(v, tl.broadcast_to(scale[None, :], (BM, BN))), -E4M3_MAX, E4M3_MAX))
     out = q_ptr + b * N * M + cols[None, :].to(tl.int64) * M + rows[:, None]
     tl.store(out, q.to(q_ptr.dtype.element_ty), mask=mask)
 
