@@ -310,6 +310,27 @@ def test_quantize_experts_fp8_replaces_the_experts_of_a_layer():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_weight_only_model_logits_equal_the_dequantised_weights_model_and_it_generates():
+    from moeflow.models import MoEGPT, generate, gpt_config
+
+    torch.manual_seed(16)
+    model = MoEGPT(gpt_config("tiny", vocab_size=256, n_layers=2))
+    ref = copy.deepcopy(model)
+    assert quantize_experts_fp8(model) == 2
+    with torch.no_grad():
+        for q, r in zip([m for m in model.modules() if isinstance(m, FP8WeightExperts)],
+                        [m for m in ref.modules() if isinstance(m, GroupedExperts)]):
+            w_in, w_out = q.dequantized()
+            r.w_in.copy_(w_in)
+            r.w_out.copy_(w_out)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(17))
+    with torch.no_grad():
+        got, want = model(idx), ref(idx)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    out = generate(model, idx[:, :4], max_new_tokens=3, temperature=0.0)  # decoding runs on the e4m3 experts
+    assert [len(t) for t in out.tokens] == [3, 3]
+
+
 @interpreted
 def test_triton_weight_only_product_matches_the_reference():
     gen = torch.Generator().manual_seed(12)
@@ -351,6 +372,27 @@ def test_gpu_fp8_ffn_fast_path_matches_the_reference_path():
         results.append((y, *torch.autograd.grad(y, (x, w_in, w_out), dy)))
     for name, fast, ref in zip(("y", "dx", "dw_in", "dw_out"), *results):
         assert fast.dtype == ref.dtype and rel(fast, ref) < 2e-2, f"{name}: {rel(fast, ref):.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_fp8
+def test_gpu_layer_with_fp8_experts_is_close_to_bf16_dropless_and_with_capacity():
+    for cf in (0.0, 1.25):
+        torch.manual_seed(18)
+        base = moeflow.MoE(dim=256, hidden=512, num_experts=8, top_k=2, capacity_factor=cf, device="cuda",
+                           dtype=torch.bfloat16)
+        fp8 = moeflow.MoE(dim=256, hidden=512, num_experts=8, top_k=2, capacity_factor=cf, device="cuda",
+                          dtype=torch.bfloat16, experts=ExpertsConfig(fp8="rowwise"))
+        fp8.load_state_dict(base.state_dict())
+        x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+        outs = []
+        for layer in (base, fp8):
+            xg = x.clone().requires_grad_()
+            y = layer(xg)
+            outs.append((y, *torch.autograd.grad(y.float().square().sum(), [xg, layer.experts.w_in, layer.experts.w_out])))
+        for name, f, b in zip(("y", "dx", "dw_in", "dw_out"), outs[1], outs[0]):
+            assert f.dtype == b.dtype and 1e-3 < rel(f, b) < 0.12, f"cf={cf} {name}: {rel(f, b):.3e}"
 
 
 @pytest.mark.gpu
