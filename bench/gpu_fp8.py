@@ -19,7 +19,9 @@ What it measures, each part on its own (a part that fails is recorded with its e
    (weights in e4m3, the Triton product on CUDA) under ``no_grad``; ms, the speed-up, the GB/s of
    the weight bytes of the active experts, and the relative error against the bf16 experts.
 
-The JSON: ``header`` (device, dtype, torch, whether FP8 runs and why not), ``layer`` (per shape:
+The JSON: ``header`` (device, dtype, torch, whether FP8 runs and why not), ``probe`` (small
+checks run first: the Triton quantisers' codes equal the reference's, and on an FP8 device the
+two forms of the grouped FP8 GEMM against their dequantised reference), ``layer`` (per shape:
 ``bf16`` and ``fp8`` rows with ``fwd_ms``, ``fwd_bwd_ms`` and their TFLOP/s or ``error``;
 ``speedup_fwd``, ``speedup_fwd_bwd``, ``rel_err`` of ``y``, ``dx``, ``dw_in``, ``dw_out``),
 ``weight_only`` (per token count: ``bf16_ms``, ``fp8_ms``, ``speedup``, weight GB/s, ``rel_err``
@@ -117,6 +119,37 @@ def _failure(what: str, exc: BaseException) -> dict:
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     print(f"  {what}: FAILED: {text}", flush=True)
     return {"what": what, "error": text[-2000:]}
+
+
+def probe_part(device: torch.device) -> dict:
+    """Small checks first, so a failure at full size has a diagnosis beside it: the Triton
+    quantisers' codes against the reference, and the two forms of ``scaled_grouped_mm`` against
+    their dequantised reference (relative error; 0 when both are exact)."""
+    from moeflow.kernels.fp8 import (quantize_columns_t, quantize_reference, quantize_rows, scaled_grouped_mm,
+                                     scaled_grouped_mm_reference)
+
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    x = (torch.randn(96, 160, generator=gen) * 3).to(device=device, dtype=torch.bfloat16)
+    out: dict = {}
+    q, s = quantize_rows(x)
+    qr, sr = quantize_reference(x)
+    out["rows_codes_equal"] = bool(torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr))
+    q, s = quantize_columns_t(x)
+    qr, sr = quantize_reference(x.t())
+    out["columns_codes_equal"] = bool(torch.equal(q.view(torch.uint8), qr.contiguous().view(torch.uint8))
+                                      and torch.equal(s, sr))
+    if fp8_supported(device)[0]:
+        a, sa = quantize_rows(x)  # [96, 160]: 3 groups of 32 rows, K = 160
+        b, sb = quantize_rows(torch.randn(3, 48, 160, generator=gen).to(device))  # [G, N, K]
+        offs = torch.tensor([32, 64, 96], device=device, dtype=torch.int32)
+        got = scaled_grouped_mm(a, b.transpose(-2, -1), sa, sb, offs)
+        out["rows_form_rel_err"] = _rel(got, scaled_grouped_mm_reference(a, b.transpose(-2, -1), sa, sb, offs))
+        at, sat = quantize_columns_t(x.float()[:, :64])  # [64, 96]: K = 96 rows in 3 groups of 32
+        bt, sbt = quantize_columns_t(x.float()[:, 64:112])  # [48, 96]
+        sa3, sb3 = sat.repeat(3), sbt.repeat(3)
+        got = scaled_grouped_mm(at, bt.t(), sa3, sb3, offs)
+        out["k_form_rel_err"] = _rel(got, scaled_grouped_mm_reference(at, bt.t(), sa3, sb3, offs))
+    return out
 
 
 def layer_part(name: str, shape: tuple, device: torch.device, dtype: torch.dtype, fp8_gemm: str, measure,
@@ -271,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1, default=str) + "\n")
 
+    try:
+        report["probe"] = probe_part(device)
+        print(f"  probe: {report['probe']}", flush=True)
+    except Exception as exc:  # noqa: BLE001
+        failures.append(_failure("probe", exc))
+    save()
     for name, shape in shapes.items():
         try:
             part = layer_part(name, shape, device, dtype, fp8_gemm, measure, failures)

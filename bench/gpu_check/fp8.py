@@ -29,7 +29,8 @@ def stage_fp8(ctx: Context, timeout_s: float) -> dict:
         argv += ["--tiny"]
     run_command(ctx, "fp8", argv, timeout_s)
     r = json.loads(path.read_text())
-    figures: dict = {"json": str(path), "header": r["header"], "layer": r["layer"], "weight_only": r["weight_only"],
+    figures: dict = {"json": str(path), "header": r["header"], "probe": r.get("probe"), "layer": r["layer"],
+                     "weight_only": r["weight_only"],
                      "failures": r["failures"], "targets": TARGETS}
     parts = []
     for name, part in r["layer"].items():
