@@ -27,11 +27,23 @@ def stage_fp8(ctx: Context, timeout_s: float) -> dict:
         argv += ["--device", "cpu"]
     if ctx.tiny:
         argv += ["--tiny"]
-    run_command(ctx, "fp8", argv, timeout_s)
-    r = json.loads(path.read_text())
+    try:
+        run_command(ctx, "fp8", argv, timeout_s)
+    except StageFailed as exc:  # a timeout or a crash: keep what the report already holds (rewritten per part)
+        if not path.is_file():
+            raise
+        raise StageFailed(str(exc), _figures(json.loads(path.read_text()), path)) from None
+    figures = _figures(json.loads(path.read_text()), path)
+    if figures["summary"] is None:
+        raise StageFailed("fp8: nothing measured: " + "; ".join(f"{f['what']}: {f['error'][-300:]}"
+                                                               for f in figures["failures"]), figures)
+    return figures
+
+
+def _figures(r: dict, path) -> dict:
+    """The stage's figures from ``bench.gpu_fp8``'s report; ``summary`` None when nothing was timed."""
     figures: dict = {"json": str(path), "header": r["header"], "probe": r.get("probe"), "layer": r["layer"],
-                     "weight_only": r["weight_only"],
-                     "failures": r["failures"], "targets": TARGETS}
+                     "weight_only": r["weight_only"], "failures": r["failures"], "targets": TARGETS}
     parts = []
     for name, part in r["layer"].items():
         if "speedup_fwd_bwd" in part:
@@ -48,7 +60,5 @@ def stage_fp8(ctx: Context, timeout_s: float) -> dict:
         parts.append("weight-only fp8 " + ", ".join(f"{w['tokens']} tok {w['speedup']:.2f}x" for w in decode))
     if r["failures"]:
         parts.append(f"{len(r['failures'])} failed: " + "; ".join(f["what"] for f in r["failures"]))
-    if not parts or (not decode and not any("speedup_fwd_bwd" in p for p in r["layer"].values())):
-        raise StageFailed("fp8: nothing measured: " + "; ".join(f"{f['what']}: {f['error'][-300:]}" for f in r["failures"]),
-                          figures)
-    return {**figures, "summary": "; ".join(parts)}
+    measured = decode or any("speedup_fwd_bwd" in p for p in r["layer"].values())
+    return {**figures, "summary": "; ".join(parts) if measured else None}
