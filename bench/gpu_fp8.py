@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 import moeflow
+from bench.common import sync
 from moeflow import ExpertsConfig
 from moeflow.experts.ffn import GroupedExperts
 from moeflow.experts.fp8_weights import FP8WeightExperts
@@ -76,6 +77,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", default="1,4,16", help="token counts of the weight-only decode products")
     p.add_argument("--train-steps", type=int, default=None,
                    help="steps of the FP8-vs-bf16 training of the demo model (default: 400 on CUDA, 4 on CPU; 0: off)")
+    p.add_argument("--train-budget", type=float, default=35.0,
+                   help="seconds the training part may take: after 20 steps of the bf16 run it stops, recorded as a "
+                        "failure, when both runs would take longer (default 35)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.train_steps is None:
@@ -229,8 +233,10 @@ def weight_only_part(shape: tuple, tokens: list[int], device: torch.device, dtyp
     return rows
 
 
-def train_part(steps: int, device: torch.device, fp8_gemm: str, tiny: bool) -> dict:
-    """The demo model trained ``steps`` steps with bf16 and with FP8 experts (module docstring)."""
+def train_part(steps: int, device: torch.device, fp8_gemm: str, tiny: bool, budget_s: float) -> dict:
+    """The demo model trained ``steps`` steps with bf16 and with FP8 experts (module docstring).
+    Raises ``TimeoutError`` after 20 steps of the first run when both runs would take over
+    ``budget_s`` (FP8 counted at 1.5x bf16's step time: at these widths it is the slower)."""
     import numpy as np
 
     from moeflow.models import MoEGPT, gpt_config
@@ -257,7 +263,14 @@ def train_part(steps: int, device: torch.device, fp8_gemm: str, tiny: bool) -> d
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 30))
         gen = torch.Generator(device="cpu").manual_seed(1)  # the same batches for both runs
-        for _ in range(steps):
+        t_run = time.monotonic()
+        for step in range(steps):
+            if name == "bf16" and step == 20 and steps > 40:
+                sync(device)
+                projected = (time.monotonic() - t_run) / 20 * steps * 2.5
+                if projected > budget_s:
+                    raise TimeoutError(f"{steps} steps of both runs would take ~{projected:.0f} s, over the "
+                                       f"--train-budget of {budget_s:.0f} s")
             x, y = windows(train, torch.randint(0, len(train) - seq - 2, (batch,), generator=gen))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                 loss = model.loss(x, y) + moeflow.aux_loss(model)
@@ -336,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if args.train_steps > 0:
         try:
-            report["train"] = train_part(args.train_steps, device, fp8_gemm, args.tiny)
+            report["train"] = train_part(args.train_steps, device, fp8_gemm, args.tiny, args.train_budget)
             t = report["train"]
             print(f"  train {t['steps']} steps: val loss bf16 {t['val_loss']['bf16']:.4f}, fp8 {t['val_loss']['fp8']:.4f} "
                   f"({t['rel_diff']:+.2%}), {t['seconds']} s", flush=True)
