@@ -25,7 +25,7 @@ from torch import nn
 
 from moeflow.experts.ffn import GroupedExperts, mark_expert_parameters
 from moeflow.kernels.activation import activate
-from moeflow.kernels.fp8 import FP8_DTYPE, cuda_capability, quantize_reference
+from moeflow.kernels.fp8 import FP8_DTYPE, cuda_capability, quantize_columns_t
 from moeflow.kernels.grouped_mm import grouped_mm_loop
 from moeflow.kernels.triton import triton_available
 
@@ -37,8 +37,9 @@ TRITON_MAX_ROWS = 4096  # the Triton product's grid walks every row tile once pe
 
 def quantize_columns(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [E, K, N]`` -> ``(q [E, K, N] e4m3, scale [E, N] fp32)``: one scale per output column
-    over the ``K`` it is contracted with (``quantize_reference`` of the transpose)."""
-    q_ENK, scale_EN = quantize_reference(w_EKN.detach().transpose(-2, -1))
+    over the ``K`` it is contracted with (``quantize_reference`` of the transpose; its Triton
+    kernels on CUDA)."""
+    q_ENK, scale_EN = quantize_columns_t(w_EKN.detach())
     return q_ENK.transpose(-2, -1).contiguous(), scale_EN.contiguous()
 
 
