@@ -150,7 +150,7 @@ def _fp8_weight_gmm_kernel(x_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, K, N,
                            stride_xr, stride_we, stride_wk, stride_se, stride_or,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
-    e = tl.program_id(1)
+    e = tl.program_id(1).to(tl.int64)  # (e * stride_we passes 2^31 on large experts)
     pid_m = tl.program_id(2)
     start = tl.where(e > 0, tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0).to(tl.int64)
     end = tl.load(offs_ptr + e).to(tl.int64)
