@@ -264,6 +264,20 @@ def test_fp8_on_a_device_without_fp8_fails_clearly_at_the_first_forward():
         scaled_grouped_mm(a, a.view(1, 16, 32).transpose(-2, -1), s, s.view(1, 16), torch.tensor([16], dtype=torch.int32))
 
 
+def test_a_cuda_device_older_than_ada_has_no_fp8(monkeypatch):
+    import moeflow.kernels.fp8 as fp8_kernels
+
+    monkeypatch.setattr(fp8_kernels, "cuda_capability", lambda device: (8, 0))  # an A100
+    ok, why = fp8_supported("cuda")
+    assert not ok and "compute capability 8.0" in why and "8.9" in why
+    with pytest.raises(RuntimeError, match=r"fp8='rowwise'.*capability 8\.0"):
+        fp8_kernels.check_fp8_device("cuda", "ExpertsConfig(fp8='rowwise')")
+    monkeypatch.setattr(fp8_kernels, "cuda_capability", lambda device: (9, 0))  # an H100
+    assert fp8_supported("cuda") == (True, "")
+    monkeypatch.delattr(torch, "_scaled_grouped_mm")  # a torch without the grouped FP8 GEMM
+    assert not fp8_supported("cuda")[0] and "_scaled_grouped_mm" in fp8_supported("cuda")[1]
+
+
 # ----------------------------------------------------------------------------- weight-only FP8
 
 
