@@ -299,7 +299,7 @@ class ExpertsConfig:
     gradients); the weights stay in their own dtype (bf16/fp32 master weights and optimizer
     state) and are quantised on the fly each call. None (default): no FP8. Needs a CUDA device
     of compute capability 8.9 or later with ``torch._scaled_grouped_mm`` (a clear error at the
-    first forward elsewhere), no biases, no ``recompute``, and ``dim``/``hidden`` multiples of 16.
+    first forward elsewhere), no biases, no ``recompute``, ``dim``/``hidden`` multiples of 16 (``backend`` is unused).
     ``fp8_gemm``: ``"scaled_grouped_mm"`` (default: the fast CUDA path) or ``"reference"`` (the
     same quantisation, products dequantised to fp32: any device; what the CPU tests run).
     (No 128-block recipe: torch 2.11's grouped FP8 GEMM on Hopper takes row-wise fp32 scales only.)
