@@ -31,7 +31,8 @@ import torch
 from moeflow.kernels.triton import triton_available
 
 __all__ = ["E4M3_MAX", "FP8_DTYPE", "ALIGN", "quantize_reference", "dequantize", "quantize_rows",
-           "quantize_columns_t", "scaled_grouped_mm", "scaled_grouped_mm_reference", "fp8_supported", "check_fp8_device", "cuda_capability"]
+           "quantize_columns_t", "scaled_grouped_mm", "scaled_grouped_mm_reference", "fp8_supported",
+           "check_fp8_device", "cuda_capability"]
 
 E4M3_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
