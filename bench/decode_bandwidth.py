@@ -15,8 +15,10 @@ exist on the host (``build_model``: built on the meta device, ``to_empty`` on th
 parameter then drawn in place there; buffers zeroed, as their modules start them), so a build
 takes seconds. ``--experts-backend`` names the expert GEMM backends to time; ``--weights`` the
 weight format (``WEIGHT_FORMATS``: ``bf16`` only; the hook where an FP8 weight-only format goes).
-The cases run batch-major (every backend's batch 1 first), each with a compilation of its own
-(``torch._dynamo.reset()`` after every case: the step does not guard on the backend).
+The cases run batch-major: every backend at the first batch size (batch 1, the issue's target),
+then the later ones with the backend that was fastest there (``--later-batches all``: with every
+backend); each case is a compilation of its own (``torch._dynamo.reset()`` after every case: the
+step does not guard on the backend).
 
 Per backend and batch size (``--batch-sizes``): a cache of ``capacity`` columns (the compiled
 decoder's power-of-two bucket of ``prompt_len + warmup + steps``), compiled and warmed up (timed
@@ -301,6 +303,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=_positive, default=32)
     p.add_argument("--count-steps", type=_positive, default=4)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--later-batches", choices=["fastest", "all"], default="fastest",
+                   help="the batch sizes after the first: with the fastest backend at the first only, or with all")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; cases past it are skipped")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
@@ -316,6 +320,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"--experts-backend: unknown {bad}; choose from {list(known)}")
     return args
+
+
+def _cases(batches: Sequence[int], backends: Sequence[str], results: list[dict], later: str):
+    """``(backend, batch)`` in the order they run: every backend at the first batch size (the
+    issue's target is batch 1), then the later batch sizes with every backend (``later="all"``)
+    or only with the fastest at the first batch size (``"fastest"``: a case is a compilation of
+    its own; where none finished, every backend). Reads ``results`` as they grow."""
+    for backend in backends:
+        yield backend, batches[0]
+    first = [r for r in results if r["batch"] == batches[0]]
+    keep = backends if later == "all" or not first else [min(first, key=lambda r: r["ms_per_step"])["backend"]]
+    for B in batches[1:]:
+        for backend in keep:
+            yield backend, B
 
 
 def _use_backend(model, backend: str) -> None:  # type: ignore[no-untyped-def]
@@ -362,9 +380,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"{args.shape}: {total / 1e9:.2f} B parameters ({active / 1e9:.2f} B active), {report['dtype']}, "
           f"on {report['device']}; built in {build_s:.1f} s; copy {copy_gbps:,.0f} GB/s (read + write)", flush=True)
     longest = 0.0
-    # batch-major: every backend's batch 1 first (the issue's target), then the larger batches
-    cases = [(backend, B) for B in args.batch_sizes for backend in args.experts_backend]
-    for backend, B in cases:
+    for backend, B in _cases(args.batch_sizes, args.experts_backend, report["results"], args.later_batches):
         left = None if args.time_budget is None else args.time_budget - (time.monotonic() - t_start)
         if left is not None and (report["results"] or report["failed"]) and left < longest:
             report["skipped"].append({"backend": backend, "batch": B,

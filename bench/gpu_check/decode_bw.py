@@ -1,12 +1,12 @@
 """Stage decode-bw: ``bench.decode_bandwidth`` (issue 50, item 3), moeflow's compiled decode of a
 Qwen3-30B-A3B-shaped model with all 48 layers in bf16 (about 61 GB of weights, drawn on the
 device), batch 1, 4 and 16, against the bytes a step must read at the measured copy bandwidth;
-per batch, each expert backend of ``BACKENDS`` (torch's grouped GEMM and moeflow's Triton
-grouped FFN, whose few-row tiles are for this), batch 1 of every backend first. Each case
-compiles the 48-layer step anew (most of the stage's time); the benchmark starts a case only
-while the time left exceeds the longest case so far, and lists the others as skipped. At tiny
-shapes: a 2-layer model of the same form (on the CPU: fp32, the backend ``auto`` picks there,
-batch 1 and 2).
+batch 1 with each expert backend of ``BACKENDS`` (torch's grouped GEMM and moeflow's Triton
+grouped FFN, whose few-row tiles are for this), then batch 4 and 16 with the faster of them.
+Each case compiles the 48-layer step anew (most of the stage's time); the benchmark starts a
+case only while the time left exceeds the longest case so far, and lists the others as skipped.
+At tiny shapes: a 2-layer model of the same form (on the CPU: fp32, the backend ``auto`` picks
+there, batch 1 and 2).
 
 The weight formats of ``WEIGHTS`` each run once, in a process of their own (bf16 now; an FP8
 weight-only format joins by its name in ``bench.decode_bandwidth.WEIGHT_FORMATS`` and here).
