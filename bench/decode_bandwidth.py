@@ -40,6 +40,10 @@ device-to-device copy with its read *and* written bytes counted (what a bandwidt
 can reach). ``floor_ms = bytes_per_step / copy_gbps``; ``bandwidth_fraction = floor_ms /
 ms_per_step``.
 
+``--profile-steps``: that many more steps of each case at the first batch size under
+``torch.profiler`` (``profile_steps``: the kernels a step runs, their count and time per step,
+the longest first; a step's time past their sum is the time between kernels).
+
 ``--time-budget`` (seconds from the start): a case starts only while the time left exceeds the
 longest case so far (the first always runs); the rest are listed in ``skipped``. The JSON
 (``--json``) is written after every case, so a run cut short keeps what it finished.
@@ -206,19 +210,51 @@ def _step_times(device: torch.device, run_step: Callable[[], None], steps: int) 
     return seconds
 
 
+def profile_steps(device: torch.device, run_step: Callable[[], None], steps: int, top: int = 30) -> dict:
+    """What ``steps`` calls of ``run_step`` run, under ``torch.profiler``: on CUDA the kernels
+    (those a CUDA graph replays included), on the CPU the ops; per name the calls and self time
+    (microseconds) per step, the ``top`` longest first, and the sums per step (a step's wall
+    time past ``us_per_step`` is time between kernels). A profiler that fails gives
+    ``{"error": ...}``: the case's timings stand without it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    try:
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            for _ in range(steps):
+                run_step()
+            sync(device)
+        rows = []
+        for e in prof.key_averages():
+            if cuda and "CUDA" not in str(getattr(e, "device_type", "")):
+                continue
+            us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) if cuda \
+                else e.self_cpu_time_total
+            if us > 0:
+                rows.append({"name": e.key[:160], "calls_per_step": e.count / steps, "us_per_step": us / steps})
+    except Exception as err:  # (CUPTI missing or busy, an API of another torch version)
+        return {"error": f"{type(err).__name__}: {err}"[:500]}
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"unit": "CUDA kernels" if cuda else "CPU ops", "steps": steps,
+            "calls_per_step": sum(r["calls_per_step"] for r in rows),
+            "us_per_step": sum(r["us_per_step"] for r in rows), "top": rows[:top]}
+
+
 @torch.no_grad()
 def time_decode(model, *, batch: int, prompt_len: int, warmup: int, steps: int,  # type: ignore[no-untyped-def]
-                count_steps: int, copy_gbps: float, seed: int = 0) -> dict:
-    """One case: the compiled decode of ``batch`` rows (module docstring); its figures."""
+                count_steps: int, copy_gbps: float, seed: int = 0, profile: int = 0) -> dict:
+    """One case: the compiled decode of ``batch`` rows (module docstring); its figures, with
+    ``profile_steps`` of ``profile`` more steps where ``profile > 0``."""
     from moeflow.layer.moe import moe_layers
     from moeflow.models.compiled_decode import CompiledDecoder, _bucket
 
     c, device = model.config, model.embed.weight.device
     context = prompt_len + warmup + steps
-    capacity = _bucket(context + count_steps, c.max_seq_len)
-    if prompt_len < 1 or context + count_steps > c.max_seq_len:
-        raise ValueError(f"prompt_len + warmup + steps + count_steps must be in [1, max_seq_len={c.max_seq_len}], "
-                         f"got {context + count_steps}")
+    extra = 1 + profile + count_steps  # the steps after the timed ones: the finite check, the profile, the count
+    capacity = _bucket(context + extra, c.max_seq_len)
+    if prompt_len < 1 or context + extra > c.max_seq_len:
+        raise ValueError(f"prompt_len + warmup + steps + profile + count_steps + 1 must be in [1, max_seq_len="
+                         f"{c.max_seq_len}], got {context + extra}")
     gen = torch.Generator(device=device)
     gen.manual_seed(seed + batch)
     prompt_BP = torch.randint(0, c.vocab_size, (batch, prompt_len), device=device, generator=gen)
@@ -251,6 +287,7 @@ def time_decode(model, *, batch: int, prompt_len: int, warmup: int, steps: int, 
             seconds = _step_times(device, step, steps)
         finite = bool(torch.isfinite(decoder.run(next_B, pos, cache)).all())  # (one more step, untimed)
         pos.add_(1)
+        profiled = profile_steps(device, step, profile) if profile > 0 else None
     hits = count_experts_hit(model, next_B, pos, cache, count_steps)
     step_s = statistics.median(seconds)
     nbytes = decode_step_bytes(model, rows=batch, cache_len=context, experts_hit=hits)
@@ -267,6 +304,7 @@ def time_decode(model, *, batch: int, prompt_len: int, warmup: int, steps: int, 
         if layers else 0.0,
         "floor_ms": floor_s * 1e3, "bandwidth_fraction": bandwidth_fraction(nbytes["total"], copy_gbps, step_s),
         "compile_s": compile_s, "prefill_s": prefill_s, "timed_compile": watch.as_dict(), "finite_logits": finite,
+        "profile": profiled,
     }
 
 
@@ -302,6 +340,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=_positive, default=32)
     p.add_argument("--count-steps", type=_positive, default=4)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="steps profiled (torch.profiler) after the timed ones, in the cases of the first batch size")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--later-batches", choices=["fastest", "all"], default="fastest",
                    help="the batch sizes after the first: with the fastest backend at the first only, or with all")
@@ -390,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         t_case = time.monotonic()
         try:
             row = time_decode(model, batch=B, prompt_len=args.prompt_len, warmup=args.warmup, steps=args.steps,
-                              count_steps=args.count_steps, copy_gbps=copy_gbps, seed=args.seed)
+                              count_steps=args.count_steps, copy_gbps=copy_gbps, seed=args.seed,
+                              profile=args.profile_steps if B == args.batch_sizes[0] else 0)
         except Exception as err:  # (one failing case is reported; the others still run)
             report["failed"].append({"backend": backend, "batch": B, "error": f"{type(err).__name__}: {err}"[:2000]})
             print(f"  backend {backend} B={B}: FAILED {type(err).__name__}: {err}", file=sys.stderr, flush=True)

@@ -11,8 +11,9 @@ there, batch 1 and 2).
 The weight formats of ``WEIGHTS`` each run once, in a process of their own (bf16 now; an FP8
 weight-only format joins by its name in ``bench.decode_bandwidth.WEIGHT_FORMATS`` and here).
 The summary: per format and batch, the fastest backend's ms a step and its fraction of the
-bandwidth limit (the issue's target: at least 50% at batch 1 in bf16), the other backends
-beside it, the copy bandwidth, the compile time of a case; a case that failed fails the stage
+bandwidth limit (the issue's target: at least 50% at batch 1 in bf16), at batch 1 the kernels a
+step runs and their time (``--profile-steps``: the JSON has the longest of them), the other
+backends beside it, the copy bandwidth, the compile time of a case; a case that failed fails the stage
 (its figures are kept).
 """
 
@@ -28,8 +29,9 @@ __all__ = ["stage_decode_bw", "decode_bw_summary", "BACKENDS", "WEIGHTS", "FULL_
 BACKENDS = ("grouped_mm", "triton")  # on CUDA; the CPU smoke takes "auto" (no Triton kernels compiled there)
 WEIGHTS = ("bf16",)  # the weight formats, each a run of its own
 FULL_FLAGS = ["--shape", "qwen3-30b-a3b", "--batch-sizes", "1,4,16", "--prompt-len", "448", "--warmup", "4",
-              "--steps", "32", "--count-steps", "4"]
-TINY_FLAGS = ["--shape", "tiny", "--prompt-len", "16", "--warmup", "1", "--steps", "6", "--count-steps", "2"]
+              "--steps", "32", "--count-steps", "4", "--profile-steps", "3"]
+TINY_FLAGS = ["--shape", "tiny", "--prompt-len", "16", "--warmup", "1", "--steps", "6", "--count-steps", "2",
+              "--profile-steps", "1"]
 _MARGIN_S = 25.0  # what the benchmark leaves of the stage's time: the process's start and end
 
 
@@ -56,9 +58,12 @@ def decode_bw_summary(weights: str, report: dict) -> str:
     for B, rows in sorted(_by_batch(report).items()):
         best = min(rows, key=lambda r: r["ms_per_step"])
         others = ", ".join(f"{r['backend']} {r['ms_per_step']:.2f} ms" for r in rows if r is not best)
+        prof = best.get("profile") or {}
+        kernels = (f", a step {prof['calls_per_step']:.0f} {prof['unit']} taking {prof['us_per_step'] / 1e3:.2f} ms"
+                   if "us_per_step" in prof else "")
         parts.append(f"B={B}: {best['ms_per_step']:.2f} ms/step ({best['backend']}) = {best['bandwidth_fraction']:.1%} "
                      f"of the limit ({_amount(best['bytes_per_step']['total'], 'B')}/step, {best['tokens_per_s']:,.0f} "
-                     f"tok/s)" + (f" [{others}]" if others else ""))
+                     f"tok/s{kernels})" + (f" [{others}]" if others else ""))
     compiles = [r["compile_s"] for r in report["results"]]
     if compiles:
         parts.append(f"compile {min(compiles):.0f}-{max(compiles):.0f} s a case")
