@@ -33,9 +33,9 @@ routed experts (attention, norms, routers, the head), the embedding rows of the 
 the routed experts the step's tokens pick, each distinct expert once (``experts_hit``: counted
 per MoE layer from the routing of ``--count-steps`` eager steps after the timed ones, on the
 same cache; ``expected_experts_hit`` is ``E (1 - (1 - K/E)^B)``, the mean for uniform routing,
-beside it), and the keys and values of the context (the prompt and the steps: ``context``
-columns in every block; the static step attends over all ``capacity`` columns, masked, which
-``kv_capacity_bytes`` counts). ``copy_gbps``: ``bench.common.copy_bandwidth_gbps``, a 1 GiB
+beside it), and the keys and values of the context (``mean_context`` columns in every block:
+the prompt, the warm-up and, on average, half the timed steps; the static step attends over all
+``capacity`` columns, masked, which ``kv_capacity_bytes`` counts). ``copy_gbps``: ``bench.common.copy_bandwidth_gbps``, a 1 GiB
 device-to-device copy with its read *and* written bytes counted (what a bandwidth-bound kernel
 can reach). ``floor_ms = bytes_per_step / copy_gbps``; ``bandwidth_fraction = floor_ms /
 ms_per_step``.
@@ -290,12 +290,14 @@ def time_decode(model, *, batch: int, prompt_len: int, warmup: int, steps: int, 
         profiled = profile_steps(device, step, profile) if profile > 0 else None
     hits = count_experts_hit(model, next_B, pos, cache, count_steps)
     step_s = statistics.median(seconds)
-    nbytes = decode_step_bytes(model, rows=batch, cache_len=context, experts_hit=hits)
-    column = nbytes["kv_cache"] / context
+    mean_context = prompt_len + warmup + (steps + 1) / 2  # timed step i attends prompt + warmup + i + 1 columns
+    nbytes = decode_step_bytes(model, rows=batch, cache_len=mean_context, experts_hit=hits)
+    column = nbytes["kv_cache"] / mean_context
     layers = moe_layers(model)
     floor_s = nbytes["total"] / (copy_gbps * 1e9)
     return {
-        "batch": batch, "prompt_len": prompt_len, "context": context, "capacity": capacity, "steps": steps,
+        "batch": batch, "prompt_len": prompt_len, "context": context, "mean_context": mean_context,
+        "capacity": capacity, "steps": steps,
         "ms_per_step": step_s * 1e3, "ms_per_step_mean": statistics.fmean(seconds) * 1e3,
         "ms_per_step_min": min(seconds) * 1e3, "tokens_per_s": batch / step_s,
         "bytes_per_step": nbytes, "kv_capacity_bytes": column * capacity,

@@ -125,11 +125,11 @@ def test_tiny_run_end_to_end(tmp_path):
     per_expert = 3 * config.dim * config.expert_hidden * 4  # w_in (gate and up) and w_out, fp32
     for r in report["results"]:
         assert r["timed_compile"] == {"graphs": 0, "cuda_graphs": 0, "recompiles": []} and r["finite_logits"]
-        assert r["capacity"] == 16 and r["context"] == 5 + 1 + 3
+        assert r["capacity"] == 16 and r["context"] == 5 + 1 + 3 and r["mean_context"] == 5 + 1 + 2
         nbytes = r["bytes_per_step"]
         assert nbytes["experts"] == pytest.approx(per_expert * r["experts_hit"] * config.n_layers)
         assert nbytes["kv_cache"] == pytest.approx(config.n_layers * 2 * r["batch"] * config.kv_heads
-                                                   * config.head_dim * 4 * r["context"])
+                                                   * config.head_dim * 4 * r["mean_context"])
         assert nbytes["total"] == pytest.approx(sum(v for k, v in nbytes.items() if k != "total"))
         assert r["floor_ms"] == pytest.approx(nbytes["total"] / (report["copy_gbps"] * 1e9) * 1e3)
         assert r["bandwidth_fraction"] == pytest.approx(r["floor_ms"] / r["ms_per_step"])
