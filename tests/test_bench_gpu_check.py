@@ -85,6 +85,10 @@ def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     assert all(0 < r["bandwidth_fraction"] < 1 for r in decode.values())
     assert "fp32 compiled vs eager tokens identical" in stages["decode"]["summary"]
     assert "of the bandwidth limit" in stages["decode"]["summary"]
+    bw = fig["decode-bw"]["bf16"]  # (bench.decode_bandwidth: the tiny model, the backend auto picks on the CPU)
+    assert [(r["backend"], r["batch"]) for r in bw["rows"]] == [("auto", 1), ("auto", 2)] and not bw["failed"]
+    assert all(0 < r["bandwidth_fraction"] < 1 and r["timed_compile"]["graphs"] == 0 for r in bw["rows"])
+    assert "B=1: " in stages["decode-bw"]["summary"] and "of the limit" in stages["decode-bw"]["summary"]
     assert [t["overlap_degree"] for t in fig["overlap"]["timings"]] == [1, 2]
     rows = {r["stage"]: r for r in fig["profile"]["rows"]}
     assert set(PROFILE_STAGES) <= set(rows) and fig["profile"]["unit"] == "cpu"

@@ -462,6 +462,62 @@ def test_grouped_mm_many_experts_mostly_empty(gen, E, empty):
     assert torch.all(got[1][counts == 0] == 0)
 
 
+def test_row_tiles_bound_covers_every_schedule(gen):
+    """``row_tiles_bound`` (the grid's row tiles, known without the counts) is at least the row
+    tiles of the schedule the kernel derives from the counts, for random, concentrated and
+    spread-out counts; and a decode step's few rows over many experts launch few row tiles."""
+    from moeflow.kernels.triton.grouped_gemm_launch import _schedule, row_tiles_bound
+
+    cases = [(8, 128, 16), (128, 128, 16), (1, 256, 16), (45, 64, 16), (300, 8, 128), (129, 4, 128), (17, 300, 16)]
+    for R, E, bm in cases:
+        draws = [random_counts(gen, E, R, int(torch.randint(0, E, (1,), generator=gen))) for _ in range(20)]
+        spread = torch.zeros(E, dtype=torch.long)
+        spread[: min(E, R)] = 1
+        spread[0] += R - int(spread.sum())
+        lumped = torch.zeros(E, dtype=torch.long)
+        lumped[E // 2] = R
+        for counts in (*draws, spread, lumped):
+            tile_end = _schedule(torch.cumsum(counts, 0), bm, R)[3]
+            assert int(tile_end[-1]) <= row_tiles_bound(R, E, bm), (R, E, bm, counts.tolist())
+    assert row_tiles_bound(8, 128, 16) == 9  # (was ceil(R / BLOCK_M) + E + 1 = 130)
+
+
+def test_few_row_calls_take_the_few_row_tiles_on_a_gpu():
+    """The tile sizes by call size (no kernel runs: the device is only named)."""
+    from moeflow.kernels.triton.grouped_gemm_launch import FEW_ROWS, _config
+
+    cuda = torch.device("cuda")
+    few, many = _config(torch.bfloat16, cuda, True, FEW_ROWS), _config(torch.bfloat16, cuda, True, FEW_ROWS + 1)
+    assert few["BLOCK_M"] == 16 and many["BLOCK_M"] == 128
+    assert _config(torch.float32, cuda, True, 8)["BLOCK_M"] == 64  # fp32 keeps its IEEE tiles
+    assert _config(torch.bfloat16, torch.device("cpu"), True, 8) == _config(torch.bfloat16, torch.device("cpu"), True, 10**6)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_grouped_ffn_decode_rows_over_many_experts(gen, activation):
+    """A decode step's shape: 2 tokens x top-4 = 8 rows over 64 experts (most empty, an expert
+    with two rows): outputs and every gradient against the loop reference."""
+    E, D, H, T, K = 64, 16, 12, 2, 4
+    ids = distinct_ids(gen, T, E, K)
+    ids[1, 0] = ids[0, 0]  # two tokens share an expert
+    ids[1, 1:] = torch.where(ids[1, 1:] == ids[0, 0], (ids[0, 0] + 1) % E, ids[1, 1:])
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    R = int(counts.sum())
+    gated = activation in GATED
+    x = torch.randn(R, D, generator=gen, requires_grad=True)
+    w_in = torch.randn(E, D, 2 * H if gated else H, generator=gen, requires_grad=True)
+    w_out = torch.randn(E, H, D, generator=gen, requires_grad=True)
+    y = mt.grouped_ffn_triton(x, counts, w_in, w_out, activation=activation)
+    y_ref = grouped_ffn(x, counts, w_in, w_out, activation=activation, backend="loop")
+    assert_kernel_close(y, y_ref, torch.float32, "y")
+    g = torch.randn(R, D, generator=gen)
+    got = torch.autograd.grad(y, (x, w_in, w_out), g)
+    ref = torch.autograd.grad(y_ref, (x, w_in, w_out), g)
+    for name, a, b in zip(("x", "w_in", "w_out"), got, ref):
+        assert_kernel_close(a, b, torch.float32, f"grad {name}")
+    assert torch.all(got[1][counts == 0] == 0) and torch.all(got[2][counts == 0] == 0)
+
+
 def test_grouped_mm_offsets_not_ending_at_r_raise_on_host():
     """Host offsets are checked like the reference (grouped_mm_loop raises ValueError)."""
     x, w = torch.randn(10, 4), torch.randn(3, 4, 5)

@@ -23,9 +23,12 @@ with the repository root on ``PYTHONPATH``. Stages, in order (each module's docs
                compiled decode each against transformers' like (eager ``generate``, static-cache
                compiled ``generate``), fp32 compiled = eager tokens, bf16 first-step logits
                against fp32, the fraction of the memory-bandwidth limit (``generation``)
+    decode-bw  ``bench.decode_bandwidth`` (issue 50): compiled decode of a Qwen3-30B-A3B-shaped
+               model with all 48 layers in bf16 at batch 1, 4, 16 against the bytes a step must
+               read at the measured copy bandwidth (``decode_bw``)
     fp8        ``bench.gpu_fp8``: the layer fwd+bwd with bf16 against FP8 (row-wise e4m3) experts at
-               the Mixtral-like and DeepSeek-like shapes, ms, speed-up and error, and FP8
-               weight-only experts at decode's rows (``fp8``)
+               the Mixtral-like and DeepSeek-like shapes, ms, speed-up and error, FP8 weight-only
+               experts at decode's rows, the demo model trained 400 steps both ways (``fp8``)
     overlap    ``bench.gpu_overlap`` on one GPU (NCCL loopback exchange, degrees 1, 2, 4) (``overlap``)
     profile    ``bench.stage_profile`` on the DeepSeek-like layer (``profiling``)
     serve      ``bench.serve`` (issue 48): ``moeflow serve`` on a 2.7 B Qwen3-MoE-shaped model in

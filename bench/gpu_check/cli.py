@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO
+from bench.gpu_check.decode_bw import stage_decode_bw
 from bench.gpu_check.families import stage_families
 from bench.gpu_check.fp8 import stage_fp8
 from bench.gpu_check.generation import stage_decode, stage_generate
@@ -43,6 +44,7 @@ STAGES = [
     Stage("generate", stage_generate, 40, 90, "run"),
     Stage("infer", stage_infer, 30, 90, "run"),
     Stage("decode", stage_decode, 240, 150),
+    Stage("decode-bw", stage_decode_bw, 240, 150),
     Stage("fp8", stage_fp8, 90, 90),
     Stage("overlap", stage_overlap, 45, 90),
     Stage("profile", stage_profile, 40, 90),

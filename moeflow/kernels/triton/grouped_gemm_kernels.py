@@ -12,8 +12,9 @@ costs no copy.
   round trip through memory before the gate multiplies it; ``act(gate) * _up(up)``, where
   ``_up`` is the identity but for swiglu_oai), and ``MODE_DACT`` (backward of the
   output projection fused with the activation backward: ``dh = act'(h) * (dy @ w_out[e]^T)``).
-  Tiles are scheduled without a host sync: the grid has ``ceil(R / BLOCK_M) + E + 1`` row tiles
-  (an upper bound; the ``+ 1`` is the zero-filled tail group of the rows after the last offset),
+  Tiles are scheduled without a host sync: the grid has ``ceil(R / BLOCK_M) + min(E + 1, R)``
+  row tiles (an upper bound, ``row_tiles_bound``; the ``+ 1`` is the zero-filled tail group of the
+  rows after the last offset),
   each program finds its expert from the cumulative tile counts and idle programs return at
   once. Programs walk the tiles in groups of 8 row tiles (``_swizzle``) so operands are reused
   from L2. With ``STORE_PRE`` off the ``act`` epilogue skips storing ``h`` (no gradient wanted).

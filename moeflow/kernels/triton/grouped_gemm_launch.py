@@ -19,18 +19,37 @@ from moeflow.kernels.triton.grouped_gemm_kernels import (
     gmm_wgrad_kernel,
 )
 
-__all__ = ["launch_gmm", "launch_wgrad"]
+__all__ = ["launch_gmm", "launch_wgrad", "row_tiles_bound", "FEW_ROWS"]
 
 
-def _config(dtype: torch.dtype, device: torch.device, gated: bool) -> dict[str, int]:
+# at most this many rows in all is a "few-row" call (a decode step: batch x top-k rows), whose
+# groups hold a row or two each: it reads its experts' weights once and computes next to nothing
+FEW_ROWS = 256
+
+
+def _config(dtype: torch.dtype, device: torch.device, gated: bool, rows: int) -> dict[str, int]:
     """Tile sizes. Interpreter: small tiles (fewer wasted lanes at test sizes). GPU: 16-bit
     types use the tensor cores with 128x128x64 tiles (64 columns when two accumulators are live);
-    fp32 runs the IEEE path with smaller tiles. Untuned: see moeflow/bench/gpu_kernels.py."""
+    fp32 runs the IEEE path with smaller tiles. Untuned: see moeflow/bench/gpu_kernels.py.
+    A few-row call (``rows <= FEW_ROWS``, 16-bit, GPU) is bound by reading the weights: tiles of
+    16 rows (the tensor cores' least), narrow columns and long contractions, so that the active
+    experts' weights are split over many programs and each streams a long run of them."""
     if device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     if dtype == torch.float32:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}
+    if rows <= FEW_ROWS:
+        return {"BLOCK_M": 16, "BLOCK_N": 32 if gated else 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     return {"BLOCK_M": 128, "BLOCK_N": 64 if gated else 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+def row_tiles_bound(R: int, E: int, block_m: int) -> int:
+    """An upper bound on the row tiles of ``R`` rows in ``E`` expert groups and the tail group,
+    known without reading the counts: a non-empty group of ``c`` rows has ``ceil(c / block_m) <
+    c / block_m + 1`` tiles, and at most ``min(E + 1, R)`` groups are non-empty, so fewer than
+    ``R / block_m + min(E + 1, R)``. (A decode step's 8 rows over 128 experts launch 9 row
+    tiles, not 130, of which all but the active experts' would return at once.)"""
+    return triton.cdiv(R, block_m) + min(E + 1, R)
 
 
 def _dot_f32(dtype: torch.dtype, device: torch.device) -> bool:
@@ -94,12 +113,12 @@ def launch_gmm(
         if mode == MODE_ACT:
             pre.zero_()
         return out, pre
-    cfg = _config(dt, dev, gated and mode != MODE_PLAIN)
+    cfg = _config(dt, dev, gated and mode != MODE_PLAIN, R)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     row_start, row_end, tile_start, tile_end = _schedule(offs_E, bm, R)
     pre_arg = out if (pre is None or pre.shape[0] != R) else pre
     # an upper bound on the row tiles (E groups and the tail): no host sync for the real count
-    num_m = triton.cdiv(R, bm) + E + 1
+    num_m = row_tiles_bound(R, E, bm)
     with device_guard(x_RK):
         gmm_kernel[(num_m * triton.cdiv(N, bn),)](
             x_RK, w_EKN, out, pre_arg, row_start, row_end, tile_start, tile_end,
