@@ -14,7 +14,7 @@ vocabulary 151,936: about 30.5 B parameters, 61 GB in bf16. Its weights are rand
 exist on the host (``build_model``: built on the meta device, ``to_empty`` on the device, each
 parameter then drawn in place there; buffers zeroed, as their modules start them), so a build
 takes seconds. ``--experts-backend`` names the expert GEMM backends to time; ``--weights`` the
-weight format (``WEIGHT_FORMATS``: ``bf16`` only; the hook where an FP8 weight-only format goes).
+weight format (``WEIGHT_FORMATS``: ``bf16``, or ``fp8``: the routed experts' weights in e4m3, ``moeflow.experts.quantize_experts_fp8``).
 The cases run batch-major: every backend at the first batch size (batch 1, the issue's target),
 then the later ones with the backend that was fastest there (``--later-batches all``: with every
 backend); each case is a compilation of its own (``torch._dynamo.reset()`` after every case: the
@@ -96,7 +96,16 @@ def _bf16_weights(model: torch.nn.Module) -> None:
 
 # weight format -> what turns a freshly drawn model into it (in place). The hook for an FP8
 # weight-only format: add its name and a function that quantises the experts' weights
-WEIGHT_FORMATS: dict[str, Callable[[torch.nn.Module], None]] = {"bf16": _bf16_weights}
+def _fp8_weights(model: torch.nn.Module) -> None:
+    """The routed experts' weights in e4m3 with a scale per output column
+    (``moeflow.experts.quantize_experts_fp8``: the weight-only format, half the experts' bytes)."""
+    from moeflow.experts import quantize_experts_fp8
+
+    if quantize_experts_fp8(model) == 0:
+        raise ValueError("--weights fp8: the model has no GroupedExperts to quantise")
+
+
+WEIGHT_FORMATS: dict[str, Callable[[torch.nn.Module], None]] = {"bf16": _bf16_weights, "fp8": _fp8_weights}
 
 
 def gpt_config_for(shape: str, *, backend: str = "auto", layers: int | None = None):  # type: ignore[no-untyped-def]
@@ -384,6 +393,8 @@ def _use_backend(model, backend: str) -> None:  # type: ignore[no-untyped-def]
     from moeflow.layer.moe import moe_layers
 
     for layer in moe_layers(model):
+        if not hasattr(layer.experts, "config"):  # (FP8 weight-only experts: their own product)
+            continue
         if layer.experts.config.backend != backend:
             layer.experts.config = dataclasses.replace(layer.experts.config, backend=backend)
 

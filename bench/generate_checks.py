@@ -44,7 +44,8 @@ def decode_step_bytes(model, *, rows: int, cache_len: float,  # type: ignore[no-
     a perfect kernel would still pay): the embedding rows of its tokens (the whole matrix where
     the head shares it), every parameter outside the routed experts (attention, norms, routers,
     shared experts, the head), the routed experts the step's tokens hit (``experts_hit[i]``
-    distinct experts in MoE layer ``i``, in ``moe_layers`` order: ``RouterHits`` counts them), and
+    distinct experts in MoE layer ``i``, in ``moe_layers`` order: ``RouterHits`` counts them; their weights' buffers too where they are
+    stored quantised), and
     the keys and values of ``cache_len`` cached columns in every block. Parameters only: the
     routers' per-expert buffers are a few bytes. ``{"embedding", "dense", "experts", "kv_cache",
     "total"}`` in bytes."""
@@ -59,12 +60,15 @@ def decode_step_bytes(model, *, rows: int, cache_len: float,  # type: ignore[no-
                                                   for h, layer in zip(experts_hit, layers)):
         raise ValueError(f"experts_hit must hold one count in [0, num_experts] per MoE layer ({len(layers)}), "
                          f"got {list(experts_hit)}")
+    # the experts' weights: parameters, or buffers where they are stored quantised
+    # (``FP8WeightExperts``' e4m3 codes and scales)
     per_expert = {id(p): (hit, layer.config.num_experts) for hit, layer in zip(experts_hit, layers)
-                  for p in layer.experts.parameters()}
+                  for p in (*layer.experts.parameters(), *layer.experts.buffers())}
+    expert_buffers = [b for layer in layers for b in layer.experts.buffers()]
     embed = model.embed.weight
     tied = model.lm_head.weight is embed
     out = {"embedding": 0.0, "dense": 0.0, "experts": 0.0}
-    for p in model.parameters():  # (each shared parameter once)
+    for p in (*model.parameters(), *expert_buffers):  # (each shared parameter once)
         nbytes = p.numel() * p.element_size()
         if id(p) in per_expert:
             hit, E = per_expert[id(p)]

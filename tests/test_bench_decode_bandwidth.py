@@ -174,12 +174,15 @@ def test_stage_arguments_per_mode_and_failures_keep_figures(tmp_path, monkeypatc
     monkeypatch.setattr(decode_bw, "run_command", fake_run)
     ctx = Context(device=device, tiny=tiny, out=tmp_path, env=child_env(device))
     figures = decode_bw.stage_decode_bw(ctx, 200.0)
-    (argv,) = calls
+    argv, fp8_argv = calls  # bf16, then the FP8 weight-only experts, each with its share of the time
     arg = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
     assert arg("--shape") == ("tiny" if tiny else "qwen3-30b-a3b") and arg("--device") == device
     assert arg("--experts-backend") == ("grouped_mm,triton" if device == "cuda" else "auto")
-    assert arg("--weights") == "bf16" and 0 < float(arg("--time-budget")) < 200
+    assert arg("--weights") == "bf16" and 0 < float(arg("--time-budget")) < 100
     assert ("--batch-sizes" in argv) == (device == "cpu" or not tiny)
+    fp8_arg = lambda flag: fp8_argv[fp8_argv.index(flag) + 1]  # noqa: E731
+    assert fp8_arg("--weights") == "fp8" and fp8_arg("--experts-backend") == ("grouped_mm" if device == "cuda" else "auto")
+    assert figures["fp8"]["batch_1"]["triton"]["bandwidth_fraction"] == 0.65
     assert figures["bf16"]["batch_1"]["triton"]["bandwidth_fraction"] == 0.65
     assert figures["summary"].startswith("bf16 48 layers")
     outcome["raise"] = "timed out after 200 s"
@@ -190,3 +193,25 @@ def test_stage_arguments_per_mode_and_failures_keep_figures(tmp_path, monkeypatc
     with pytest.raises(StageFailed, match="1 case"):
         decode_bw.stage_decode_bw(ctx, 200.0)
     assert math.isfinite(figures["bf16"]["copy_gbps"])
+
+
+@pytest.mark.unit
+def test_fp8_weights_count_their_codes_and_scales_as_the_experts_bytes():
+    """``--weights fp8``: the experts' bytes a step reads are the e4m3 codes (1 byte a weight)
+    plus their fp32 scales, read from the buffers that hold them; everything else unchanged."""
+    from bench.generate_checks import decode_step_bytes
+
+    config = dbw.gpt_config_for("tiny")
+    model = dbw.build_model(config, device=torch.device("cpu"), dtype=torch.float32, seed=2)
+    hits = [3.0] * len(moe_layers(model))
+    before = decode_step_bytes(model, rows=2, cache_len=8, experts_hit=hits)
+    layer = moe_layers(model)[0]
+    E, D, F = layer.experts.w_in.shape
+    H = layer.experts.w_out.shape[1]
+    dbw.WEIGHT_FORMATS["fp8"](model)
+    after = decode_step_bytes(model, rows=2, cache_len=8, experts_hit=hits)
+    per_expert = D * F + F * 4 + H * D + D * 4  # codes and one fp32 scale per output column
+    assert after["experts"] == pytest.approx(len(hits) * 3.0 * per_expert)
+    assert before["experts"] == pytest.approx(len(hits) * 3.0 * (D * F + H * D) * 4)
+    assert {k: after[k] for k in ("embedding", "dense", "kv_cache")} == {
+        k: before[k] for k in ("embedding", "dense", "kv_cache")}

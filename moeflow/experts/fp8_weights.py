@@ -26,7 +26,7 @@ from torch import nn
 from moeflow.experts.ffn import GroupedExperts, mark_expert_parameters
 from moeflow.kernels.activation import activate
 from moeflow.kernels.fp8 import FP8_DTYPE, cuda_capability, quantize_columns_t
-from moeflow.kernels.grouped_mm import grouped_mm_loop
+from moeflow.kernels.grouped_mm import grouped_mm
 from moeflow.kernels.triton import triton_available
 
 __all__ = ["FP8WeightExperts", "quantize_experts_fp8", "fp8_weight_grouped_mm", "fp8_weight_grouped_mm_reference",
@@ -46,12 +46,10 @@ def quantize_columns(w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_weight_grouped_mm_reference(x_RK: torch.Tensor, w_q_EKN: torch.Tensor, scale_EN: torch.Tensor,
                                     offs_E: torch.Tensor) -> torch.Tensor:
     """The weights dequantised to ``x``'s dtype (``q * scale``), then a grouped GEMM
-    (``F.grouped_mm`` where it runs on ``x``'s device and dtype, else one ``mm`` per group)."""
+    (``moeflow.kernels.grouped_mm``'s ``"auto"``: ``F.grouped_mm`` where it runs on ``x``'s device
+    and dtype, else one ``mm`` per group)."""
     w_EKN = (w_q_EKN.to(torch.float32) * scale_EN.unsqueeze(1)).to(x_RK.dtype)
-    native = hasattr(torch.nn.functional, "grouped_mm") and x_RK.device.type == "cuda" and x_RK.dtype == torch.bfloat16
-    if native:
-        return torch.nn.functional.grouped_mm(x_RK, w_EKN, offs=offs_E.to(torch.int32))
-    return grouped_mm_loop(x_RK, w_EKN, offs_E)
+    return grouped_mm(x_RK, w_EKN, offs_E, backend="auto")
 
 
 def _triton_runs(x: torch.Tensor) -> bool:
@@ -71,10 +69,23 @@ def fp8_weight_grouped_mm(x_RK: torch.Tensor, w_q_EKN: torch.Tensor, scale_EN: t
     if kernel not in ("auto", "triton", "reference"):
         raise ValueError(f"kernel must be one of ['auto', 'triton', 'reference'], got {kernel!r}")
     if kernel == "triton" or (kernel == "auto" and _triton_runs(x_RK)):
-        from moeflow.kernels.triton.fp8 import fp8_weight_grouped_mm_triton
-
-        return fp8_weight_grouped_mm_triton(x_RK, w_q_EKN, scale_EN, offs_E)
+        return _fp8_weight_gmm_op(x_RK, w_q_EKN, scale_EN, offs_E)
     return fp8_weight_grouped_mm_reference(x_RK, w_q_EKN, scale_EN, offs_E)
+
+
+# the Triton product as one opaque op: torch.compile (and a CUDA graph of a compiled decode step)
+# records a call of it rather than tracing the launcher's checks and device guard
+@torch.library.custom_op("moeflow::fp8_weight_grouped_mm", mutates_args=())
+def _fp8_weight_gmm_op(x_RK: torch.Tensor, w_q_EKN: torch.Tensor, scale_EN: torch.Tensor,
+                       offs_E: torch.Tensor) -> torch.Tensor:
+    from moeflow.kernels.triton.fp8 import fp8_weight_grouped_mm_triton
+
+    return fp8_weight_grouped_mm_triton(x_RK, w_q_EKN, scale_EN, offs_E)
+
+
+@_fp8_weight_gmm_op.register_fake
+def _(x_RK, w_q_EKN, scale_EN, offs_E):  # type: ignore[no-untyped-def]
+    return x_RK.new_empty(x_RK.shape[0], w_q_EKN.shape[2])
 
 
 class FP8WeightExperts(nn.Module):
