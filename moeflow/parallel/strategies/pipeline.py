@@ -35,6 +35,7 @@ from moeflow.dispatch.combine import combine_rows
 from moeflow.experts.ffn import GroupedExperts, autocast_cast, grouped_ffn
 from moeflow.kernels.counts import count_ids
 from moeflow.parallel.exchange.assignment import GroupAssignment
+from moeflow.parallel.exchange.chunked import chunked_exchange
 from moeflow.parallel.exchange.plan import exchange_plan, inverse_permutation, permute_rows, send_rows
 from moeflow.parallel.strategies.base import Call, ExpertGroup
 
@@ -88,7 +89,6 @@ def run_pipelined(where: ExpertGroup, call: Call, group: GroupAssignment, chunks
     row_A = torch.zeros(TK, dtype=torch.long, device=device)
     row_A[assign_M] = torch.arange(assign_M.numel(), device=device)
     plan = dataclasses.replace(plan, assign_M=assign_M, row_A=row_A)
-    sent = [sum(counts_nWW[i][r]) for i in range(n)]
 
     # the received rows chunk by chunk (each chunk arrives by source rank, then slot, position)
     got = [0]
@@ -116,20 +116,8 @@ def run_pipelined(where: ExpertGroup, call: Call, group: GroupAssignment, chunks
             out = experts(rows, torch.where(chunk_e == i, received.counts_e, 0))
         return permute_rows(out, inverse_permutation(by_slot))
 
-    ex = where.exchange
-    send_MD = send_rows(x_TD, plan.assign_M, plan.row_A, plan.kept_A, plan.weights_TK, plan.weight_at)
-    # one split (its backward is one cat), not n slices (each slice's backward would zero-fill
-    # and add a whole [M, D] gradient)
-    started = [ex.start(part, counts_nWW[i]) for i, part in enumerate(send_MD.split(sent))]
-    started[0] = ex.relay(started[0])
-    homes = []
+    cx = chunked_exchange(where.exchange, counts_nWW)
+    cx.scatter(send_rows(x_TD, plan.assign_M, plan.row_A, plan.kept_A, plan.weights_TK, plan.weight_at))
     for i in range(n):
-        if i + 1 < n:
-            started[i + 1] = ex.relay(started[i + 1])
-        back_RD = compute(i, ex.finish(started[i]))
-        homes.append(ex.start(back_RD, [list(col) for col in zip(*counts_nWW[i])]))  # reverse routes
-        if i:  # the previous chunk's outputs came home while this one was computed
-            homes[i - 1] = ex.finish(homes[i - 1])
-    homes[-1] = ex.finish(homes[-1])
-    home_MD = torch.cat(homes) if n > 1 else homes[0]
-    return combine_rows(home_MD, plan)
+        cx.send_home(i, compute(i, cx.receive(i)))
+    return combine_rows(cx.home(), plan)
