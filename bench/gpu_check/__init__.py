@@ -23,7 +23,8 @@ with the repository root on ``PYTHONPATH``. Stages, in order (each module's docs
                compiled decode each against transformers' like (eager ``generate``, static-cache
                compiled ``generate``), fp32 compiled = eager tokens, bf16 first-step logits
                against fp32, the fraction of the memory-bandwidth limit (``generation``)
-    overlap    ``bench.gpu_overlap`` on one GPU (NCCL loopback exchange, degrees 1, 2, 4) (``overlap``)
+    overlap    ``bench.gpu_overlap`` on one GPU (NCCL loopback exchange, degrees 1, 2, 4; Mixtral- and
+               DeepSeek-like layers; compute ratio, predicted 8- and 64-GPU steps) (``overlap``)
     profile    ``bench.stage_profile`` on the DeepSeek-like layer (``profiling``)
     serve      ``bench.serve`` (issue 48): ``moeflow serve`` on a 2.7 B Qwen3-MoE-shaped model in
                bf16, compiled, under streamed greedy load: tokens/s per concurrency, concurrency 16

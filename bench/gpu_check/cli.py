@@ -42,7 +42,7 @@ STAGES = [
     Stage("generate", stage_generate, 40, 90, "run"),
     Stage("infer", stage_infer, 30, 90, "run"),
     Stage("decode", stage_decode, 240, 150),
-    Stage("overlap", stage_overlap, 45, 90),
+    Stage("overlap", stage_overlap, 75, 90),
     Stage("profile", stage_profile, 40, 90),
     # before families (which takes what the others leave); beside other stages it runs a reduced
     # run or is skipped, alone the full levels (the stage's docstring)
