@@ -105,6 +105,7 @@ def _case_pipelined(rank: int, world: int) -> None:
             layer = seeded_layer(8, k, cf, policy, weight_at, seed=300 + i, num_shared_experts=1)
             check_equivalence(rank, world, layer, tokens, seed=300 + i, overlap_degree=degree,
                                what=f"degree={degree} k={k} cf={cf} {policy} {weight_at}")
+    _pipelined_slot_chunks(rank, world)
     # "auto": tries expert/1, 2, 4, data and sharded on the first calls, then keeps one; every call is exact
     layer = seeded_layer(8, 2, 1.0, "position", "combine", seed=400)
     ep = expert_parallel(copy.deepcopy(layer))
@@ -140,6 +141,50 @@ def _case_pipelined(rank: int, world: int) -> None:
     assert torch.equal(y, fresh(x, overlap_degree=degree, parallel=mode))
     with pytest.raises(ValueError, match="one entry per MoE layer"):
         fix_tuned_settings(fresh, [])
+
+
+def _pipelined_slot_chunks(rank: int, world: int) -> None:
+    """The slot chunks (``strategies.pipeline``): 4 slots per rank, so degree 3 cuts chunks of
+    1, 1 and 2 slots (uneven) and degree 4 one slot each; experts 0-3 (all of rank 0's: it
+    receives nothing) and 5 (so some chunk of rank 1 is empty) are never chosen; dropless,
+    capacity drops (by score) and a cap; biased experts (their biases sliced with the weights).
+    Outputs, input/expert/dense gradients equal the single process. A module the pipeline
+    cannot slice (``ModuleExperts``) runs whole per chunk, with degree 1's results. The
+    pipelined call reads the host once (the split sizes) and boolean-indexes nothing."""
+    E = 4 * world
+    router = RouterConfig(load_balance_coef=0.0, bias=True)
+    for i, (k, cf, policy, bias) in enumerate([(2, 0.0, "position", False), (2, 0.5, "score", True),
+                                               (1, -0.8, "position", False)]):
+        layer = seeded_layer(E, k, cf, policy, "combine", seed=700 + i, router=router,
+                             experts=moeflow.ExpertsConfig(bias=bias))
+        with torch.no_grad():
+            layer.router.linear.bias.zero_()
+            layer.router.linear.bias[[0, 1, 2, 3, 5]] = -50.0
+        tokens = [7 + 3 * r for r in range(world)]
+        for degree in (2, 3, 4):
+            check_equivalence(rank, world, layer, tokens, seed=700 + i, overlap_degree=degree,
+                               what=f"slot chunks degree={degree} k={k} cf={cf} {policy} bias={bias}")
+    torch.manual_seed(5)
+    mods = [torch.nn.Sequential(torch.nn.Linear(D, 4, dtype=torch.float64), torch.nn.Tanh(),
+                                torch.nn.Linear(4, D, dtype=torch.float64)) for _ in range(E)]
+    ep = expert_parallel(moeflow.MoE(dim=D, hidden=4, num_experts=E, top_k=2, capacity_factor=0, dtype=torch.float64,
+                                     router=RouterConfig(load_balance_coef=0.0), experts_module=moeflow.ModuleExperts(mods)))
+    x = torch.randn(5 + rank, D, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    g = torch.randn_like(x)
+    results = []
+    for degree in (1, 2, 4):
+        xd = x.clone().requires_grad_(True)
+        y = ep(xd, overlap_degree=degree)
+        grads = torch.autograd.grad(y, [xd, *ep.experts.parameters()], g)
+        results.append((y, grads))
+    for y, grads in results[1:]:
+        torch.testing.assert_close(y, results[0][0], rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads, results[0][1]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    ep = expert_parallel(seeded_layer(E, 2, 0.0, "position", "combine", seed=2))
+    with _HostReadsIn("strategies/pipeline.py") as reads:
+        ep(torch.randn(6, D, dtype=torch.float64), overlap_degree=2)
+    assert [r.split()[0] for r in reads.seen] == ["tolist"], reads.seen
 
 
 class _HostReadsIn(TorchFunctionMode):
@@ -355,3 +400,4 @@ def test_expert_parallel_bad_configuration_raises_everywhere(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_review_regressions(world):
     spawn_ranks(world, __name__, "review")
+
