@@ -164,6 +164,10 @@ def _pipelined_slot_chunks(rank: int, world: int) -> None:
         for degree in (2, 3, 4):
             check_equivalence(rank, world, layer, tokens, seed=700 + i, overlap_degree=degree,
                                what=f"slot chunks degree={degree} k={k} cf={cf} {policy} bias={bias}")
+    # recompute: not the chunked FFN (eligible says why), the weights split per chunk instead
+    layer = seeded_layer(E, 2, 1.0, "position", "combine", seed=710, experts=moeflow.ExpertsConfig(recompute=True))
+    check_equivalence(rank, world, layer, [6] * world, seed=710, overlap_degree=3, what="slot chunks recompute")
+    _chunked_ffn_paths(rank, world, E)
     torch.manual_seed(5)
     mods = [torch.nn.Sequential(torch.nn.Linear(D, 4, dtype=torch.float64), torch.nn.Tanh(),
                                 torch.nn.Linear(4, D, dtype=torch.float64)) for _ in range(E)]
@@ -185,6 +189,42 @@ def _pipelined_slot_chunks(rank: int, world: int) -> None:
     with _HostReadsIn("strategies/pipeline.py") as reads:
         ep(torch.randn(6, D, dtype=torch.float64), overlap_degree=2)
     assert [r.split()[0] for r in reads.seen] == ["tolist"], reads.seen
+
+
+def _chunked_ffn_paths(rank: int, world: int, E: int) -> None:
+    """``ChunkedFFN`` (the weight gradients as one GEMM over every chunk's rows) on both grouped
+    backends (fp64: ``loop``, fp32: ``grouped_mm``) against degree 1 on the same layer, with
+    ``.grad`` absent and then accumulated into (the fused add of ``moeflow.experts.weight_grads``)
+    over two calls; and frozen experts (no weight gradient: ``dh`` over ``h``)."""
+    from moeflow.parallel.strategies.chunk_ffn import ChunkedFFN
+
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        layer = seeded_layer(E, 2, 0.0, "position", "combine", seed=720).to(dtype)
+        gen = torch.Generator().manual_seed(721 + rank)
+        xs = [torch.randn(5 + rank, D, generator=gen, dtype=dtype) for _ in range(2)]
+        gs = [torch.randn_like(x) for x in xs]
+        out = {}
+        for degree in (1, 4):
+            ep = expert_parallel(copy.deepcopy(layer))
+            assert ChunkedFFN.eligible(ep.experts, xs[0])
+            ys, dxs = [], []
+            for x, g in zip(xs, gs):  # two calls, their expert gradients accumulated in .grad
+                x = x.clone().requires_grad_(True)
+                y = ep(x, overlap_degree=degree)
+                (y * g).sum().backward()
+                ys.append(y.detach())
+                dxs.append(x.grad)
+            out[degree] = (ys, dxs, [p.grad.clone() for p in ep.experts.parameters()])
+        for a, b in zip(sum(out[4], []), sum(out[1], [])):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    frozen = expert_parallel(seeded_layer(E, 2, 0.0, "position", "combine", seed=722))
+    frozen.experts.requires_grad_(False)
+    x = torch.randn(4 + rank, D, dtype=torch.float64, requires_grad=True)
+    y4 = frozen(x, overlap_degree=4)
+    (dx4,) = torch.autograd.grad(y4.square().sum(), x)
+    y1 = frozen(x, overlap_degree=1)
+    (dx1,) = torch.autograd.grad(y1.square().sum(), x)
+    torch.testing.assert_close((y4, dx4), (y1, dx1), rtol=1e-12, atol=1e-12)
 
 
 class _HostReadsIn(TorchFunctionMode):

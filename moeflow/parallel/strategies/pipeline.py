@@ -38,6 +38,7 @@ from moeflow.parallel.exchange.assignment import GroupAssignment
 from moeflow.parallel.exchange.chunked import chunked_exchange
 from moeflow.parallel.exchange.plan import exchange_plan, inverse_permutation, permute_rows, send_rows
 from moeflow.parallel.strategies.base import Call, ExpertGroup
+from moeflow.parallel.strategies.chunk_ffn import ChunkedFFN
 
 __all__ = ["run_pipelined", "slot_chunks", "chunk_of_slot"]
 
@@ -97,7 +98,9 @@ def run_pipelined(where: ExpertGroup, call: Call, group: GroupAssignment, chunks
     local_R = received.local_R[torch.sort(chunk_of_slot(received.local_R, bounds), stable=True).indices]
     chunk_e = chunk_of_slot(torch.arange(e, device=device), bounds)
     experts = call.experts
-    fast = _fast_experts(experts)
+    ffn = ChunkedFFN(experts, received.counts_e, bounds, [got[i + 1] - got[i] for i in range(n)], x_TD) \
+        if ChunkedFFN.eligible(experts, x_TD) else None
+    fast = ffn is None and _fast_experts(experts)
     if fast:  # one split per weight (its backward is one cat), not a slice per chunk
         widths = [bounds[i + 1] - bounds[i] for i in range(n)]
         w_in, w_out, b_in, b_out = autocast_cast(x_TD, experts.w_in, experts.w_out, experts.b_in, experts.b_out)
@@ -107,6 +110,8 @@ def run_pipelined(where: ExpertGroup, call: Call, group: GroupAssignment, chunks
     def compute(i: int, recv_RD: torch.Tensor) -> torch.Tensor:
         """Chunk ``i``'s expert outputs, in the order its rows arrived."""
         by_slot = torch.sort(local_R[got[i] : got[i + 1]], stable=True).indices
+        if ffn is not None:
+            return ffn(i, recv_RD, by_slot)
         rows = permute_rows(recv_RD, by_slot)
         a, b = bounds[i], bounds[i + 1]
         if fast and rows.shape[0] > 0:
