@@ -203,9 +203,10 @@ class ParallelConfig:
     call, the layout of ``expert_parallel(hidden_shards=r)``: Tutel's ``adaptive_r``), or
     ``"auto"`` (timed on the first calls of each batch size together with the overlap degrees;
     the fastest is kept).
-    ``overlap_degree``: in the expert mode, split the exchanged rows into this many chunks (by
-    token position on every rank) so that one chunk's expert compute runs while the next chunk
-    is exchanged, forward and backward; ``"auto"`` times ``tuner.degrees``.
+    ``overlap_degree``: in the expert mode, split the exchange into this many chunks of every
+    rank's local experts (``moeflow.parallel.strategies.pipeline``: each expert's GEMM keeps all
+    its rows) so that one chunk's expert compute runs while the next chunk is exchanged, forward
+    and backward; ``"auto"`` times ``tuner.degrees``.
     ``tuner``: how ``"auto"`` times its candidates (``TunerConfig``; a dict of its fields is
     accepted, as JSON configs give it).
     """

@@ -4,25 +4,28 @@
 Chunks are cut along the expert slots, not the tokens: chunk ``i`` holds the kept assignments
 to the local slots ``[i*e//n, (i+1)*e//n)`` of every rank (``slot_chunks``; ``min(n, e)``
 chunks, since a chunk without slots would carry nothing). So every expert's GEMM keeps all its
-rows, as in the unchunked call, and pipelining costs no GEMM efficiency (cutting the tokens
-instead made each GEMM ``n`` times shorter). The exchange of chunk ``i+1`` runs while chunk
-``i``'s experts compute:
+rows, as in the unchunked call, and chunking costs the GEMMs nothing (cutting the tokens instead
+made each GEMM ``n`` times shorter). The exchange of chunk ``i+1`` runs while chunk ``i``'s
+experts compute:
 
 1. this rank's sent rows are gathered once from the tokens, chunk-major (chunk, then
    destination rank, slot, position): one gather, as in the unchunked call; every chunk's
-   exchange starts now (two-level: its first phase) and they complete in order;
-2. per chunk: receive, group the rows by slot, run the chunk's experts (``GroupedExperts``: the
-   grouped FFN on the chunk's slice of the weights, one ``split`` of each weight per call; any
-   other experts module: the whole module, with zero rows for the other chunks' slots), and send
-   the outputs home asynchronously while the next chunk is received and computed;
+   exchange starts now and they complete in order (``moeflow.parallel.exchange.chunked``: over
+   the flat exchange each chunk reads and writes its slice of one tensor, forward and backward);
+2. per chunk: receive, group the rows by slot, run the chunk's experts and send the outputs
+   home asynchronously while the next chunk is received and computed. ``GroupedExperts``
+   (``chunk_ffn.ChunkedFFN``): the grouped FFN on the chunk's slice of the weights, whose
+   gradients are the unchunked call's two grouped GEMMs over all chunks' rows at the end; with
+   biases or recompute, the grouped FFN on a ``split`` of the weights (whose backward joins the
+   chunks' weight gradients: one copy); any other experts module: the whole module, with zero
+   rows for the other chunks' slots;
 3. the outputs, home in chunk-major order, are summed per token by the unchunked call's one
    combine (``combine_rows``), so every token's sum is formed as in the unchunked call.
 
-In backward the reverse exchanges are asynchronous too (``moeflow.parallel.comm``). One host
-read per call, as unchunked: the per-chunk split sizes. Copies that the unchunked call does
-not make: the chunks' home rows are joined (one ``[M, D]`` copy in forward) and so are the
-gradients of the sent rows (in backward), and each weight's chunk gradients (one copy of the
-weight gradient in backward); none of them grows with ``n``.
+In backward the reverse exchanges are asynchronous too. One host read per call (the per-chunk
+split sizes, read once for every chunk) where the unchunked call reads its split sizes, and no
+boolean index; no ``[M, D]`` copy the unchunked call does not make (over the two-level exchange:
+one split and one join of the rows, ``chunked.PhasedChunks``).
 """
 
 from __future__ import annotations
