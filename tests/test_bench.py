@@ -200,6 +200,35 @@ def test_gpu_overlap_script_smoke_and_overlap_maths(tmp_path):
 
 
 @pytest.mark.unit
+def test_gpu_overlap_links_and_predictions(tmp_path):
+    """bench.gpu_overlap's cost-model inputs: the default links, or a calibration's fit for both
+    levels; the exchanged bytes are T*K*D elements per rank; a bad --calibration is refused."""
+    import json
+
+    import torch
+
+    import bench.gpu_overlap as mod
+    from moeflow.parallel.placement.costmodel import LinkModel, predicted_step_time
+
+    args = mod._args(["--device", "cpu"])
+    links, source = mod.links_of(args)
+    assert links == LinkModel() and "NVLink" in source
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"latency_s": 1e-4, "bandwidth_Bps": 2e9, "backend": "gloo"}))
+    links, source = mod.links_of(mod._args(["--device", "cpu", "--calibration", str(cal)]))
+    assert (links.intra_latency, links.inter_bandwidth) == (1e-4, 2e9) and "gloo" in source
+    with pytest.raises(SystemExit):
+        mod._args(["--device", "cpu", "--calibration", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit):
+        mod._args(["--device", "cpu", "--layers", "olmoe"])
+    shape = mod.layer_shape("deepseek", args)
+    assert shape == {"tokens": 16384, "dim": 2048, "hidden": 1408, "experts": 64, "top_k": 6}
+    got = mod.predictions(shape, torch.bfloat16, {1: 12.0, 2: 12.3}, LinkModel())
+    want = predicted_step_time(64, 16384 * 6 * 2048 * 2, 4e-3, 8.2e-3, 2, LinkModel()) * 1e3
+    assert set(got) == {"8", "64"} and got["64"]["2"] == pytest.approx(want)
+
+
+@pytest.mark.unit
 def test_gpu_overlap_compute_ratio_and_stage_summary():
     """bench.gpu_overlap's compute ratio is each degree's device compute over degree 1's, and
     the overlap stage reports degree 2's against the 1.05 target per layer."""
