@@ -205,7 +205,8 @@ class ParallelConfig:
     the fastest is kept).
     ``overlap_degree``: in the expert mode, split the exchange into this many chunks of every
     rank's local experts (``moeflow.parallel.strategies.pipeline``: each expert's GEMM keeps all
-    its rows) so that one chunk's expert compute runs while the next chunk is exchanged, forward
+    its rows; with one expert per rank, of its tokens) so that one chunk's expert compute runs
+    while the next chunk is exchanged, forward
     and backward; ``"auto"`` times ``tuner.degrees``.
     ``tuner``: how ``"auto"`` times its candidates (``TunerConfig``; a dict of its fields is
     accepted, as JSON configs give it).

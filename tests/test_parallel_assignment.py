@@ -285,9 +285,9 @@ def test_slot_chunks_and_the_chunk_of_a_slot():
 
     assert slot_chunks(8, 2) == [0, 4, 8] and slot_chunks(4, 3) == [0, 1, 2, 4] and slot_chunks(64, 4)[1] == 16
     assert slot_chunks(2, 4) == [0, 1, 2] and slot_chunks(1, 2) == [0, 1] and slot_chunks(5, 1) == [0, 5]
-    for e, n in ((8, 2), (4, 3), (2, 4), (7, 3), (1, 5)):
+    for e, n in ((8, 2), (4, 3), (2, 4), (7, 3), (1, 5), (64, 4), (64, 3), (5, 5), (6, 4), (3, 7)):
         bounds = slot_chunks(e, n)
-        got = chunk_of_slot(torch.arange(e), bounds).tolist()
+        got = chunk_of_slot(torch.arange(e), e, n).tolist()
         assert got == [max(i for i in range(len(bounds) - 1) if bounds[i] <= s) for s in range(e)]
     with pytest.raises(ValueError, match="degree=0"):
         slot_chunks(4, 0)

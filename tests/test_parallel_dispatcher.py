@@ -164,6 +164,15 @@ def _pipelined_slot_chunks(rank: int, world: int) -> None:
         for degree in (2, 3, 4):
             check_equivalence(rank, world, layer, tokens, seed=700 + i, overlap_degree=degree,
                                what=f"slot chunks degree={degree} k={k} cf={cf} {policy} bias={bias}")
+    # one expert per rank: nothing to cut along the slots, so the tokens are cut (a rank without
+    # tokens too), the chunked FFN and the biased experts' path (whole weights per chunk)
+    for i, (k, cf, policy, bias) in enumerate([(2, 0.0, "position", False), (1, 0.5, "score", True)]):
+        layer = seeded_layer(world, k, cf, policy, "combine", seed=730 + i, experts=moeflow.ExpertsConfig(bias=bias))
+        tokens = [7 + 3 * r for r in range(world)]
+        tokens[-1] = 0
+        for degree in (2, 3):
+            check_equivalence(rank, world, layer, tokens, seed=730 + i, overlap_degree=degree,
+                               what=f"token chunks degree={degree} k={k} cf={cf} {policy} bias={bias}")
     # recompute: not the chunked FFN (eligible says why), the weights split per chunk instead
     layer = seeded_layer(E, 2, 1.0, "position", "combine", seed=710, experts=moeflow.ExpertsConfig(recompute=True))
     check_equivalence(rank, world, layer, [6] * world, seed=710, overlap_degree=3, what="slot chunks recompute")

@@ -47,20 +47,20 @@ def _mm(gemm: str, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
 class _State:
     """What the chunks and ``_Weights`` share for one call."""
 
-    def __init__(self, w_in, w_out, activation, gemm, bounds, row_off, offs_e, dim) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, w_in, w_out, activation, gemm, ranges, row_off, offs_e, offs_n, dim) -> None:  # type: ignore[no-untyped-def]
         self.w_in, self.w_out, self.activation, self.gemm = w_in, w_out, activation, gemm
-        self.bounds, self.row_off, self.offs_e, self.dim = bounds, row_off, offs_e, dim
+        self.ranges, self.row_off, self.offs_e, self.offs_n, self.dim = ranges, row_off, offs_e, offs_n, dim
         self.X = self.dY = self.A = self.dH = None
 
     def rows(self, i: int) -> slice:
         return slice(self.row_off[i], self.row_off[i + 1])
 
     def offs(self, i: int) -> torch.Tensor:
-        """Chunk ``i``'s inclusive row offsets per slot, from its first row."""
-        return self.offs_e[self.bounds[i] : self.bounds[i + 1]] - self.row_off[i]
+        """Chunk ``i``'s inclusive row offsets per slot of its range, from its first row."""
+        return self.offs_n[i]
 
     def weights(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = self.bounds[i], self.bounds[i + 1]
+        a, b = self.ranges[i]
         return self.w_in[a:b], self.w_out[a:b]
 
 
@@ -151,10 +151,12 @@ class _Chunk(torch.autograd.Function):
 class ChunkedFFN:
     """The experts of one pipelined call (module docstring): ``ffn(i, recv_RD, by_slot)`` runs
     chunk ``i`` on its received rows, ``by_slot`` being the stable order that groups them by
-    slot. ``bounds``: the chunks' slot bounds; ``rows_n``: rows each chunk receives here (on
-    the host, from the split sizes); ``counts_e``: rows per local slot (device)."""
+    slot. ``bounds``: the chunks' slot bounds, or None for token chunks of a rank holding one
+    slot (every chunk: slot 0; its rows, chunk after chunk, are that slot's rows in another
+    order, which only the weight gradients' summation order sees); ``rows_n``: rows each chunk
+    receives here (on the host, from the split sizes); ``counts_e``: rows per local slot."""
 
-    def __init__(self, experts: GroupedExperts, counts_e: torch.Tensor, bounds: list[int], rows_n: list[int],
+    def __init__(self, experts: GroupedExperts, counts_e: torch.Tensor, bounds: list[int] | None, rows_n: list[int],
                  like: torch.Tensor) -> None:
         w_in, w_out = autocast_cast(like, experts.w_in, experts.w_out)
         self.dtype = w_in.dtype
@@ -162,9 +164,16 @@ class ChunkedFFN:
         row_off = [0]
         for n in rows_n:
             row_off.append(row_off[-1] + n)
-        offs_e = torch.cumsum(counts_e, 0)
-        offs_e = offs_e.to(torch.int32) if gemm == "grouped_mm" else offs_e
-        self.state = _State(w_in, w_out, experts.config.activation, gemm, bounds, row_off, offs_e, w_out.shape[-1])
+        offs_dtype = torch.int32 if gemm == "grouped_mm" else torch.long
+        offs_e = torch.cumsum(counts_e, 0).to(offs_dtype)
+        if bounds is None:  # token chunks of one slot: chunk i is one group of rows_n[i] rows
+            ranges = [(0, 1)] * len(rows_n)
+            offs_n = [torch.full((1,), r, dtype=offs_dtype, device=like.device) for r in rows_n]  # (a fill: no copy)
+        else:
+            ranges = list(zip(bounds[:-1], bounds[1:]))
+            offs_n = [offs_e[a:b] - row_off[i] for i, (a, b) in enumerate(ranges)]
+        self.state = _State(w_in, w_out, experts.config.activation, gemm, ranges, row_off, offs_e, offs_n,
+                            w_out.shape[-1])
         self.token = _Weights.apply(w_in, w_out, self.state)
 
     @staticmethod

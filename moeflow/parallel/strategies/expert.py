@@ -5,7 +5,7 @@ Only kept rows travel (no padding on the wire): one uneven exchange each way, fl
 (``moeflow.parallel.exchange.alltoall``), differentiable (its backward is the reverse exchange). On the
 expert side the received rows are laid out as ``[e, C, D]`` (capacity mode) or grouped by slot
 (dropless). With ``overlap_degree > 1`` the call is pipelined over chunks of the local expert slots
-(``moeflow.parallel.strategies.pipeline``; one slot per rank leaves nothing to chunk: unpipelined).
+(``moeflow.parallel.strategies.pipeline``; with one slot per rank, over chunks of the tokens).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from moeflow.experts.ffn import Experts
 from moeflow.dispatch.combine import combine_rows
 from moeflow.kernels.gather import gather_rows
-from moeflow.parallel.strategies.pipeline import run_pipelined, slot_chunks
+from moeflow.parallel.strategies.pipeline import run_pipelined
 from moeflow.parallel.exchange.plan import ExchangePlan, exchange_plan, send_rows
 from moeflow.parallel.strategies.base import Call, ExpertGroup
 
@@ -33,7 +33,7 @@ class ExpertMode:
 
     def run(self, where: ExpertGroup, call: Call) -> torch.Tensor:
         group = where.assign(call)
-        if self.overlap_degree > 1 and len(slot_chunks(group.slots_per_rank, self.overlap_degree)) > 2:
+        if self.overlap_degree > 1:
             return run_pipelined(where, call, group, self.overlap_degree)
         plan = exchange_plan(group, where.rank, call.routing, dtype=call.x_TD.dtype, config=where.dispatch)
         expert_in = exchange_dispatch(where, call.x_TD, plan)

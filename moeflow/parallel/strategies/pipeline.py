@@ -5,8 +5,10 @@ Chunks are cut along the expert slots, not the tokens: chunk ``i`` holds the kep
 to the local slots ``[i*e//n, (i+1)*e//n)`` of every rank (``slot_chunks``; ``min(n, e)``
 chunks, since a chunk without slots would carry nothing). So every expert's GEMM keeps all its
 rows, as in the unchunked call, and chunking costs the GEMMs nothing (cutting the tokens instead
-made each GEMM ``n`` times shorter). The exchange of chunk ``i+1`` runs while chunk ``i``'s
-experts compute:
+made each GEMM ``n`` times shorter). Only a rank holding one slot (``E = W``) has no slots to
+cut: there chunk ``i`` is each rank's tokens ``[i*T_r/n, (i+1)*T_r/n)`` (the one way to
+overlap anything there; its GEMMs are ``n`` times shorter, its weight gradients still one GEMM).
+The exchange of chunk ``i+1`` runs while chunk ``i``'s experts compute:
 
 1. this rank's sent rows are gathered once from the tokens, chunk-major (chunk, then
    destination rank, slot, position): one gather, as in the unchunked call; every chunk's
@@ -56,10 +58,20 @@ def slot_chunks(slots: int, degree: int) -> list[int]:
     return bounds
 
 
-def chunk_of_slot(local_N: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """Chunk of each local slot in ``local_N`` (``slot_chunks``' ``bounds``); no host read."""
-    inner = torch.tensor(bounds[1:-1], dtype=local_N.dtype, device=local_N.device)
-    return torch.bucketize(local_N, inner, right=True)
+def chunk_of_slot(local_N: torch.Tensor, slots: int, degree: int) -> torch.Tensor:
+    """Chunk of each local slot in ``local_N`` under ``slot_chunks(slots, degree)``, by
+    arithmetic (no tensor built from host values: on CUDA that copy waits for the device). With
+    ``m = min(degree, slots)`` chunks, slot ``l`` is in the last chunk ``i`` with
+    ``i * slots // m <= l``, which is ``((l + 1) * m - 1) // slots``."""
+    m = min(degree, slots)
+    return torch.div((local_N + 1) * m - 1, slots, rounding_mode="floor")
+
+
+def _device_ints(values: list[int] | tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without waiting for it (on CUDA a pinned, non-blocking copy: a
+    plain one would wait for the device's queued work)."""
+    t = torch.tensor(values, dtype=torch.long, device="cpu")
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _fast_experts(experts: object) -> bool:
@@ -76,11 +88,17 @@ def run_pipelined(where: ExpertGroup, call: Call, group: GroupAssignment, chunks
     x_TD, K, T = call.x_TD, plan.top_k, plan.num_tokens
     device = x_TD.device
     bounds = slot_chunks(e, chunks)
-    n = len(bounds) - 1
+    by_tokens = e == 1  # one slot per rank: nothing to cut along the slots, so cut the tokens
+    n = chunks if by_tokens else len(bounds) - 1
 
     # the chunk of every group assignment, and every chunk's split sizes: one host read (dropped
     # assignments are counted in a last bin; no boolean index, which would read on the host too)
-    chunk_G = chunk_of_slot(group.slot_G - group.dst_G * e, bounds)
+    if by_tokens:  # token t of its rank's T_src: chunk t * n // T_src
+        tokens_W = _device_ints(group.routing.tokens_W, device)
+        local_G = torch.div(group.order_G, K, rounding_mode="floor") - (torch.cumsum(tokens_W, 0) - tokens_W)[group.src_G]
+        chunk_G = torch.div(local_G * n, tokens_W.clamp(min=1)[group.src_G], rounding_mode="floor")
+    else:
+        chunk_G = chunk_of_slot(group.slot_G - group.dst_G * e, e, chunks)
     key_G = torch.where(group.kept_G, (chunk_G * W + group.src_G) * W + group.dst_G, n * W * W)
     counts_nWW = count_ids(key_G, n * W * W + 1)[:-1].view(n, W, W).tolist()
 
@@ -98,16 +116,23 @@ def run_pipelined(where: ExpertGroup, call: Call, group: GroupAssignment, chunks
     got = [0]
     for i in range(n):
         got.append(got[-1] + sum(counts_nWW[i][s][r] for s in range(W)))
-    local_R = received.local_R[torch.sort(chunk_of_slot(received.local_R, bounds), stable=True).indices]
-    chunk_e = chunk_of_slot(torch.arange(e, device=device), bounds)
+    rows_n = [got[i + 1] - got[i] for i in range(n)]
+    if by_tokens:  # one slot: every chunk's rows are slot 0's (the arrival order is the slot order)
+        local_R = received.local_R
+        counts_n = [torch.full((1,), r, dtype=torch.long, device=device) for r in rows_n]  # (a fill: no copy)
+    else:
+        local_R = received.local_R[torch.sort(chunk_of_slot(received.local_R, e, chunks), stable=True).indices]
+        chunk_e = chunk_of_slot(torch.arange(e, device=device), e, chunks)
+        counts_n = [torch.where(chunk_e == i, received.counts_e, 0) for i in range(n)]
     experts = call.experts
-    ffn = ChunkedFFN(experts, received.counts_e, bounds, [got[i + 1] - got[i] for i in range(n)], x_TD) \
+    ffn = ChunkedFFN(experts, received.counts_e, None if by_tokens else bounds, rows_n, x_TD) \
         if ChunkedFFN.eligible(experts, x_TD) else None
     fast = ffn is None and _fast_experts(experts)
     if fast:  # one split per weight (its backward is one cat), not a slice per chunk
-        widths = [bounds[i + 1] - bounds[i] for i in range(n)]
+        widths = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
         w_in, w_out, b_in, b_out = autocast_cast(x_TD, experts.w_in, experts.w_out, experts.b_in, experts.b_out)
-        weights = [t.split(widths) if t is not None else [None] * n for t in (w_in, w_out, b_in, b_out)]
+        weights = [([t] * n if by_tokens else t.split(widths)) if t is not None else [None] * n
+                   for t in (w_in, w_out, b_in, b_out)]
         options = experts.ffn_options()
 
     def compute(i: int, recv_RD: torch.Tensor) -> torch.Tensor:
@@ -116,12 +141,12 @@ def run_pipelined(where: ExpertGroup, call: Call, group: GroupAssignment, chunks
         if ffn is not None:
             return ffn(i, recv_RD, by_slot)
         rows = permute_rows(recv_RD, by_slot)
-        a, b = bounds[i], bounds[i + 1]
         if fast and rows.shape[0] > 0:
+            a, b = (0, 1) if by_tokens else (bounds[i], bounds[i + 1])
             (rows_c,) = autocast_cast(rows, rows)
-            out = grouped_ffn(rows_c, received.counts_e[a:b], *(w[i] for w in weights), **options)
+            out = grouped_ffn(rows_c, counts_n[i][a:b], *(w[i] for w in weights), **options)
         else:  # the whole module (also: no rows, where it keeps every weight in the graph)
-            out = experts(rows, torch.where(chunk_e == i, received.counts_e, 0))
+            out = experts(rows, counts_n[i])
         return permute_rows(out, inverse_permutation(by_slot))
 
     cx = chunked_exchange(where.exchange, counts_nWW)
