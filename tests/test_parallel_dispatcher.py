@@ -195,12 +195,14 @@ def _pipelined_slot_chunks(rank: int, world: int) -> None:
         for a, b in zip(grads, results[0][1]):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     ep = expert_parallel(seeded_layer(E, 2, 0.0, "position", "combine", seed=2))
-    for where, expected in (("strategies/pipeline.py", ["tolist"]), ("strategies/chunk_ffn.py", []),
-                            ("exchange/chunked.py", [])):
-        with _HostReadsIn(where) as reads:
-            x = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
-            ep(x, overlap_degree=2).sum().backward()
-        assert [r.split()[0] for r in reads.seen] == expected, (where, reads.seen)
+    by_tokens = expert_parallel(seeded_layer(world, 1, 0.0, "position", "combine", seed=3))  # one slot per rank
+    for layer in (ep, by_tokens):
+        for where, expected in (("strategies/pipeline.py", ["tolist"]), ("strategies/chunk_ffn.py", []),
+                                ("exchange/chunked.py", [])):
+            with _HostReadsIn(where) as reads:
+                x = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
+                layer(x, overlap_degree=2).sum().backward()
+            assert [r.split()[0] for r in reads.seen] == expected, (where, reads.seen)
 
 
 def _chunked_ffn_paths(rank: int, world: int, E: int) -> None:
