@@ -160,6 +160,10 @@ class TunerConfig:
     of the fastest one's are a near tie: they alone are timed on to ``max_trials`` each.
     ``retune_ratio``: tune again when the routing's load imbalance (busiest expert over the
     mean) moves by more than this factor from the one the choice was made under.
+    ``overlap_margin``: an overlap degree above 1 is chosen only when its median is below the
+    same mode's degree 1 by more than this fraction. Pipelining can hide at most the exchange,
+    so where the exchange is small next to the compute its gain is within the noise while its
+    chunks' fixed costs (more messages and kernels) stay: degree 1 there.
     """
 
     degrees: tuple[int, ...] = (1, 2, 4)
@@ -168,6 +172,7 @@ class TunerConfig:
     min_time_s: float = 0.05
     close: float = 0.1
     retune_ratio: float = 1.5
+    overlap_margin: float = 0.03
 
     def __post_init__(self) -> None:
         if isinstance(self.degrees, (list, tuple)):
@@ -181,6 +186,7 @@ class TunerConfig:
         _float("min_time_s", self.min_time_s, minimum=0.0)
         _float("close", self.close, minimum=0.0, below=1.0)
         _float("retune_ratio", self.retune_ratio, minimum=1.0)
+        _float("overlap_margin", self.overlap_margin, minimum=0.0, below=1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,9 +205,11 @@ class ParallelConfig:
     call, the layout of ``expert_parallel(hidden_shards=r)``: Tutel's ``adaptive_r``), or
     ``"auto"`` (timed on the first calls of each batch size together with the overlap degrees;
     the fastest is kept).
-    ``overlap_degree``: in the expert mode, split the exchanged rows into this many chunks (by
-    token position on every rank) so that one chunk's expert compute runs while the next chunk
-    is exchanged, forward and backward; ``"auto"`` times ``tuner.degrees``.
+    ``overlap_degree``: in the expert mode, split the exchange into this many chunks of every
+    rank's local experts (``moeflow.parallel.strategies.pipeline``: each expert's GEMM keeps all
+    its rows; with one expert per rank, of its tokens) so that one chunk's expert compute runs
+    while the next chunk is exchanged, forward
+    and backward; ``"auto"`` times ``tuner.degrees``.
     ``tuner``: how ``"auto"`` times its candidates (``TunerConfig``; a dict of its fields is
     accepted, as JSON configs give it).
     """

@@ -185,4 +185,64 @@ def test_gpu_overlap_script_smoke_and_overlap_maths(tmp_path):
     report = json.loads(out.read_text())
     assert [r["overlap_degree"] for r in report["timings"]] == [1, 2] and report["world"] == 1
     assert all(r["fwd_bwd_ms"] > 0 for r in report["timings"]) and "overlap not measurable" in done.stdout
-    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["rank0_degree1.json", "rank0_degree2.json"]
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
+        f"rank0_{layer}_degree{d}.json" for layer in ("deepseek", "mixtral") for d in (1, 2)]
+    # both layers; no device kernels on CPU, so no compute ratio, and the predictions use fwd+bwd
+    assert list(report["layers"]) == ["mixtral", "deepseek"]
+    for layer in report["layers"].values():
+        assert [t["compute_ratio"] for t in layer["timings"]] == [None, None]
+        assert layer["compute_source"].startswith("fwd+bwd wall time")
+        assert set(layer["predicted_ms"]) == {"8", "64"}
+        for per in layer["predicted_ms"].values():
+            # at least the compute (the fwd+bwd time), plus some exchange the model adds
+            assert all(per[str(t["overlap_degree"])] > t["fwd_bwd_ms"] for t in layer["timings"])
+    assert report["layers"]["deepseek"]["shape"] == {"tokens": 256, "dim": 64, "hidden": 32, "experts": 16, "top_k": 4}
+
+
+@pytest.mark.unit
+def test_gpu_overlap_links_and_predictions(tmp_path):
+    """bench.gpu_overlap's cost-model inputs: the default links, or a calibration's fit for both
+    levels; the exchanged bytes are T*K*D elements per rank; a bad --calibration is refused."""
+    import json
+
+    import torch
+
+    import bench.gpu_overlap as mod
+    from moeflow.parallel.placement.costmodel import LinkModel, predicted_step_time
+
+    args = mod._args(["--device", "cpu"])
+    links, source = mod.links_of(args)
+    assert links == LinkModel() and "NVLink" in source
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"latency_s": 1e-4, "bandwidth_Bps": 2e9, "backend": "gloo"}))
+    links, source = mod.links_of(mod._args(["--device", "cpu", "--calibration", str(cal)]))
+    assert (links.intra_latency, links.inter_bandwidth) == (1e-4, 2e9) and "gloo" in source
+    with pytest.raises(SystemExit):
+        mod._args(["--device", "cpu", "--calibration", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit):
+        mod._args(["--device", "cpu", "--layers", "olmoe"])
+    shape = mod.layer_shape("deepseek", args)
+    assert shape == {"tokens": 16384, "dim": 2048, "hidden": 1408, "experts": 64, "top_k": 6}
+    got = mod.predictions(shape, torch.bfloat16, {1: 12.0, 2: 12.3}, LinkModel())
+    want = predicted_step_time(64, 16384 * 6 * 2048 * 2, 4e-3, 8.2e-3, 2, LinkModel()) * 1e3
+    assert set(got) == {"8", "64"} and got["64"]["2"] == pytest.approx(want)
+
+
+@pytest.mark.unit
+def test_gpu_overlap_compute_ratio_and_stage_summary():
+    """bench.gpu_overlap's compute ratio is each degree's device compute over degree 1's, and
+    the overlap stage reports degree 2's against the 1.05 target per layer."""
+    from bench.gpu_check.overlap import COMPUTE_RATIO_TARGET, overlap_summary
+
+    def layer(computes):
+        rows = [{"overlap_degree": d, "fwd_bwd_ms": c + 1.0, "compute_ms": c, "compute_ratio": c / computes[0],
+                 "profile": {"kernels": 3, "exchange_hidden": 0.5}} for d, c in zip((1, 2, 4), computes)]
+        return {"timings": rows, "predicted_ms": {"8": {"1": 2.0, "2": 1.5, "4": 1.6}, "64": {"1": 3.0, "2": 2.0, "4": 2.1}}}
+
+    report = {"layers": {"mixtral": layer([50.0, 51.0, 52.0]), "deepseek": layer([10.0, 11.0, 12.0])}}
+    targets, summary = overlap_summary(report)
+    assert COMPUTE_RATIO_TARGET == 1.05
+    assert targets["mixtral"] == {"compute_ratio_degree2": pytest.approx(1.02), "target": 1.05, "met": True}
+    assert targets["deepseek"]["met"] is False and targets["deepseek"]["compute_ratio_degree2"] == pytest.approx(1.1)
+    assert "mixtral: fwd+bwd d1 51.0, d2 52.0, d4 53.0 ms" in summary and "d2/d1 1.020" in summary
+    assert "8 GPUs 2.0/1.5/1.6; 64 GPUs 3.0/2.0/2.1" in summary and "exchange hidden d1 50%" in summary

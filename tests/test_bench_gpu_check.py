@@ -90,6 +90,8 @@ def test_smoke_run_every_stage_ok_and_the_report(tmp_path):
     assert all(0 < r["bandwidth_fraction"] < 1 and r["timed_compile"]["graphs"] == 0 for r in bw["rows"])
     assert "B=1: " in stages["decode-bw"]["summary"] and "of the limit" in stages["decode-bw"]["summary"]
     assert [t["overlap_degree"] for t in fig["overlap"]["timings"]] == [1, 2]
+    assert list(fig["overlap"]["layers"]) == ["mixtral", "deepseek"]
+    assert all(t["met"] is None for t in fig["overlap"]["targets"].values())  # no device kernels on CPU
     rows = {r["stage"]: r for r in fig["profile"]["rows"]}
     assert set(PROFILE_STAGES) <= set(rows) and fig["profile"]["unit"] == "cpu"
     assert sum(r["ms"] for r in rows.values()) == pytest.approx(fig["profile"]["total_ms"])

@@ -55,6 +55,7 @@ BAD_CONFIGS = [
     ("tuner-max-trials", lambda: moeflow.TunerConfig(trials=5, max_trials=4), ValueError, ["max_trials", "4"]),
     ("tuner-close", lambda: moeflow.TunerConfig(close=1.0), ValueError, ["close", "1.0"]),
     ("tuner-retune", lambda: moeflow.TunerConfig(retune_ratio=0.5), ValueError, ["retune_ratio", "0.5"]),
+    ("tuner-overlap-margin", lambda: moeflow.TunerConfig(overlap_margin=-0.1), ValueError, ["overlap_margin", "-0.1"]),
     ("tuner-min-time", lambda: moeflow.TunerConfig(min_time_s=float("nan")), ValueError, ["min_time_s", "nan"]),
     ("tuner-dict-bad", lambda: moeflow.ParallelConfig(tuner={"degree": (1,)}), TypeError, ["degree"]),
     (

@@ -354,6 +354,22 @@ def _case_nccl_bf16(rank: int, world: int) -> None:
         assert_kernel_close(y, layer(x), torch.bfloat16, "bf16 expert-parallel vs local")
     y.float().square().mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ep.parameters())
+    # pipelined by slot chunks (grouped_mm, the Triton activation into the chunk buffers, the
+    # weight gradients as one GEMM over all chunks' rows): degree 1's outputs and gradients
+    from moeflow.parallel.strategies.chunk_ffn import ChunkedFFN
+
+    assert ChunkedFFN.eligible(ep.experts, x)
+    g = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(9))
+    xr = x.clone().requires_grad_(True)
+    params = [xr, *ep.experts.parameters()]
+    y1 = ep(xr, overlap_degree=1)
+    ref = torch.autograd.grad(y1, params, g)
+    for degree in (2, 4):
+        yd = ep(xr, overlap_degree=degree)
+        assert_kernel_close(yd, y1, torch.bfloat16, f"pipelined degree {degree} output")
+        got = torch.autograd.grad(yd, params, g)
+        for a, b, name in zip(got, ref, ("x", "w_in", "w_out")):
+            assert_kernel_close(a, b, torch.bfloat16, f"pipelined degree {degree} {name} grad")
 
 
 CASES = {"nccl_layer": _case_nccl_layer, "nccl_bf16": _case_nccl_bf16}

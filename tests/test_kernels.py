@@ -290,6 +290,29 @@ def test_swiglu_oai_values_and_gradients_beyond_the_clamps(gen):
     assert torch.equal(lean, dh)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activate_into_a_slice_equals_the_plain_ops(gen, activation):
+    """``activate_into`` / ``activate_backward_into`` (the pipelined experts write every chunk's
+    activation and its gradient into rows of one buffer): bit-equal to ``activate`` and the
+    in-place ``activate_backward_``, ``h`` and the buffer's other rows untouched."""
+    from moeflow.kernels.activation import activate, activate_backward_, activate_backward_into, activate_into
+
+    N, C = 7, 5
+    width = 2 * C if activation in GATED else C
+    h = torch.randn(N, width, generator=gen, dtype=torch.float64) * 4
+    da = torch.randn(N, C, generator=gen, dtype=torch.float64)
+    h_before = h.clone()
+    a_buf = torch.full((N + 3, C), 3.0, dtype=torch.float64)
+    activate_into(h, activation, a_buf[1 : 1 + N])
+    assert torch.equal(a_buf[1 : 1 + N], activate(h, activation)) and torch.equal(h, h_before)
+    dh_buf = torch.full((N + 3, width), 3.0, dtype=torch.float64)
+    activate_backward_into(h, da, activation, dh_buf[1 : 1 + N])
+    assert torch.equal(dh_buf[1 : 1 + N], activate_backward_(h.clone(), da.clone(), activation))
+    assert torch.equal(h, h_before)
+    for buf in (a_buf, dh_buf):
+        assert (buf[0] == 3).all() and (buf[1 + N :] == 3).all()
+
+
 def test_activate_backward_refuses_bad_operands():
     """The in-place activation backward refuses what it cannot overwrite row by row: a 3-D h
     beside a 2-D da, rows that differ, and either operand not contiguous (each on its own)."""

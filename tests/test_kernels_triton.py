@@ -215,6 +215,22 @@ def test_triton_activation_matches_reference(gen, activation, dtype):
     launch_activate_backward_(got, da.clone(), activation)
     activate_backward_reference_(ref, da.clone(), activation)
     assert_kernel_close(got, ref, dtype, "activate backward")
+    # out=: into rows 2..2+N of a bigger buffer (the pipelined experts' layout), bit-equal to the
+    # plain calls (the same kernel), h and the other rows untouched
+    F_ = h.shape[1]
+    a_buf = torch.full((N + 5, C), 3.0, dtype=dtype)
+    h_before = h.clone()
+    launch_activate(h, activation, out=a_buf[2 : 2 + N])
+    assert torch.equal(a_buf[2 : 2 + N], launch_activate(h, activation)) and torch.equal(h, h_before)
+    assert (a_buf[:2] == 3).all() and (a_buf[2 + N :] == 3).all()
+    dh_buf = torch.full((N + 5, F_), 3.0, dtype=dtype)
+    launch_activate_backward_(h, da.clone(), activation, out=dh_buf[2 : 2 + N])
+    assert torch.equal(dh_buf[2 : 2 + N], got) and torch.equal(h, h_before)
+    assert (dh_buf[:2] == 3).all() and (dh_buf[2 + N :] == 3).all()
+    with pytest.raises(ValueError, match="out must be"):
+        launch_activate(h, activation, out=a_buf[:N, :-1])
+    with pytest.raises(ValueError, match="out must be"):
+        launch_activate_backward_(h, da, activation, out=dh_buf[:N].to(torch.float64))
 
 
 # ------------------------------------------------------------------------------------------

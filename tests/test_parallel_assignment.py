@@ -276,3 +276,18 @@ def test_hidden_shards_need_the_contiguous_placement():  # type: ignore[no-untyp
         with pytest.raises(ValueError, match=f"hidden_shards={n} needs the contiguous placement"):
             assign_group(routing, num_experts=E, capacity_factor=1.0, drop_policy="position", placement=moved,
                          hidden_shards=n)
+
+
+def test_slot_chunks_and_the_chunk_of_a_slot():
+    """``slot_chunks``: ``i * e // n`` bounds, empty chunks dropped; ``chunk_of_slot`` reads them
+    back for every slot; bad sizes raise."""
+    from moeflow.parallel.strategies.pipeline import chunk_of_slot, slot_chunks
+
+    assert slot_chunks(8, 2) == [0, 4, 8] and slot_chunks(4, 3) == [0, 1, 2, 4] and slot_chunks(64, 4)[1] == 16
+    assert slot_chunks(2, 4) == [0, 1, 2] and slot_chunks(1, 2) == [0, 1] and slot_chunks(5, 1) == [0, 5]
+    for e, n in ((8, 2), (4, 3), (2, 4), (7, 3), (1, 5), (64, 4), (64, 3), (5, 5), (6, 4), (3, 7)):
+        bounds = slot_chunks(e, n)
+        got = chunk_of_slot(torch.arange(e), e, n).tolist()
+        assert got == [max(i for i in range(len(bounds) - 1) if bounds[i] <= s) for s in range(e)]
+    with pytest.raises(ValueError, match="degree=0"):
+        slot_chunks(4, 0)

@@ -38,3 +38,30 @@ def test_fit_recovers_latency_and_bandwidth():
         fit_latency_bandwidth([1.0], [1.0])
     with pytest.raises(ValueError):
         LinkModel(inter_bandwidth=0)
+
+
+def test_pipelined_pass_and_predicted_step():
+    """The pipeline model by hand: degree 1 is out + compute + home; with more chunks the
+    compute hides all but the first chunk's way out and the last chunk's way home, when the
+    exchange is short next to the compute; a long exchange is what the link queue takes."""
+    from moeflow.parallel.placement.costmodel import pipelined_pass_time, predicted_step_time
+
+    assert pipelined_pass_time(1.0, 6.0, 1) == pytest.approx(8.0)
+    # 2 chunks, x=0.5, c=3 each: out [0,.5] [.5,1]; compute [.5,3.5] [3.5,6.5]; home [3.5,4] [6.5,7]
+    assert pipelined_pass_time(0.5, 6.0, 2) == pytest.approx(7.0)
+    # exchange-bound: 3 chunks of x=2, c=1 each: the link runs 6 exchanges back to back
+    assert pipelined_pass_time(2.0, 3.0, 3) == pytest.approx(12.0)
+    assert pipelined_pass_time(0.0, 3.0, 4) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="degree"):
+        pipelined_pass_time(1.0, 1.0, 0)
+    links = LinkModel()
+    S = 64 * 2**20
+    x1 = min(flat_time(8, S, links), two_level_time(8, S, links))
+    x2 = min(flat_time(8, S / 2, links), two_level_time(8, S / 2, links))
+    assert predicted_step_time(8, S, 0.01, 0.02, 1, links) == pytest.approx(4 * x1 + 0.03)
+    assert predicted_step_time(8, S, 0.01, 0.02, 2, links) == pytest.approx(
+        pipelined_pass_time(x2, 0.01, 2) + pipelined_pass_time(x2, 0.02, 2))
+    assert predicted_step_time(1, S, 0.01, 0.02, 2, links) == pytest.approx(0.03)  # one rank: no exchange
+    # at 64 GPUs (8 nodes) the exchange is slower: degree 2 gains more there than at 8
+    gain = lambda w: predicted_step_time(w, S, 0.01, 0.02, 1, links) - predicted_step_time(w, S, 0.01, 0.02, 2, links)  # noqa: E731
+    assert gain(64) > gain(8) > 0

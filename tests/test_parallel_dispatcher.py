@@ -105,6 +105,7 @@ def _case_pipelined(rank: int, world: int) -> None:
             layer = seeded_layer(8, k, cf, policy, weight_at, seed=300 + i, num_shared_experts=1)
             check_equivalence(rank, world, layer, tokens, seed=300 + i, overlap_degree=degree,
                                what=f"degree={degree} k={k} cf={cf} {policy} {weight_at}")
+    _pipelined_slot_chunks(rank, world)
     # "auto": tries expert/1, 2, 4, data and sharded on the first calls, then keeps one; every call is exact
     layer = seeded_layer(8, 2, 1.0, "position", "combine", seed=400)
     ep = expert_parallel(copy.deepcopy(layer))
@@ -140,6 +141,104 @@ def _case_pipelined(rank: int, world: int) -> None:
     assert torch.equal(y, fresh(x, overlap_degree=degree, parallel=mode))
     with pytest.raises(ValueError, match="one entry per MoE layer"):
         fix_tuned_settings(fresh, [])
+
+
+def _pipelined_slot_chunks(rank: int, world: int) -> None:
+    """The slot chunks (``strategies.pipeline``): 4 slots per rank, so degree 3 cuts chunks of
+    1, 1 and 2 slots (uneven) and degree 4 one slot each; experts 0-3 (all of rank 0's: it
+    receives nothing) and 5 (so some chunk of rank 1 is empty) are never chosen; dropless,
+    capacity drops (by score) and a cap; biased experts (their biases sliced with the weights).
+    Outputs, input/expert/dense gradients equal the single process. A module the pipeline
+    cannot slice (``ModuleExperts``) runs whole per chunk, with degree 1's results. The
+    pipelined call reads the host once (the split sizes) and boolean-indexes nothing."""
+    E = 4 * world
+    router = RouterConfig(load_balance_coef=0.0, bias=True)
+    for i, (k, cf, policy, bias) in enumerate([(2, 0.0, "position", False), (2, 0.5, "score", True),
+                                               (1, -0.8, "position", False)]):
+        layer = seeded_layer(E, k, cf, policy, "combine", seed=700 + i, router=router,
+                             experts=moeflow.ExpertsConfig(bias=bias))
+        with torch.no_grad():
+            layer.router.linear.bias.zero_()
+            layer.router.linear.bias[[0, 1, 2, 3, 5]] = -50.0
+        tokens = [7 + 3 * r for r in range(world)]
+        for degree in (2, 3, 4):
+            check_equivalence(rank, world, layer, tokens, seed=700 + i, overlap_degree=degree,
+                               what=f"slot chunks degree={degree} k={k} cf={cf} {policy} bias={bias}")
+    # one expert per rank: nothing to cut along the slots, so the tokens are cut (a rank without
+    # tokens too), the chunked FFN and the biased experts' path (whole weights per chunk)
+    for i, (k, cf, policy, bias) in enumerate([(2, 0.0, "position", False), (1, 0.5, "score", True)]):
+        layer = seeded_layer(world, k, cf, policy, "combine", seed=730 + i, experts=moeflow.ExpertsConfig(bias=bias))
+        tokens = [7 + 3 * r for r in range(world)]
+        tokens[-1] = 0
+        for degree in (2, 3):
+            check_equivalence(rank, world, layer, tokens, seed=730 + i, overlap_degree=degree,
+                               what=f"token chunks degree={degree} k={k} cf={cf} {policy} bias={bias}")
+    # recompute: not the chunked FFN (eligible says why), the weights split per chunk instead
+    layer = seeded_layer(E, 2, 1.0, "position", "combine", seed=710, experts=moeflow.ExpertsConfig(recompute=True))
+    check_equivalence(rank, world, layer, [6] * world, seed=710, overlap_degree=3, what="slot chunks recompute")
+    _chunked_ffn_paths(rank, world, E)
+    torch.manual_seed(5)
+    mods = [torch.nn.Sequential(torch.nn.Linear(D, 4, dtype=torch.float64), torch.nn.Tanh(),
+                                torch.nn.Linear(4, D, dtype=torch.float64)) for _ in range(E)]
+    ep = expert_parallel(moeflow.MoE(dim=D, hidden=4, num_experts=E, top_k=2, capacity_factor=0, dtype=torch.float64,
+                                     router=RouterConfig(load_balance_coef=0.0), experts_module=moeflow.ModuleExperts(mods)))
+    x = torch.randn(5 + rank, D, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    g = torch.randn_like(x)
+    results = []
+    for degree in (1, 2, 4):
+        xd = x.clone().requires_grad_(True)
+        y = ep(xd, overlap_degree=degree)
+        grads = torch.autograd.grad(y, [xd, *ep.experts.parameters()], g)
+        results.append((y, grads))
+    for y, grads in results[1:]:
+        torch.testing.assert_close(y, results[0][0], rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads, results[0][1]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    ep = expert_parallel(seeded_layer(E, 2, 0.0, "position", "combine", seed=2))
+    by_tokens = expert_parallel(seeded_layer(world, 1, 0.0, "position", "combine", seed=3))  # one slot per rank
+    for layer in (ep, by_tokens):
+        for where, expected in (("strategies/pipeline.py", ["tolist"]), ("strategies/chunk_ffn.py", []),
+                                ("exchange/chunked.py", [])):
+            with _HostReadsIn(where) as reads:
+                x = torch.randn(6, D, dtype=torch.float64, requires_grad=True)
+                layer(x, overlap_degree=2).sum().backward()
+            assert [r.split()[0] for r in reads.seen] == expected, (where, reads.seen)
+
+
+def _chunked_ffn_paths(rank: int, world: int, E: int) -> None:
+    """``ChunkedFFN`` (the weight gradients as one GEMM over every chunk's rows) on both grouped
+    backends (fp64: ``loop``, fp32: ``grouped_mm``) against degree 1 on the same layer, with
+    ``.grad`` absent and then accumulated into (the fused add of ``moeflow.experts.weight_grads``)
+    over two calls; and frozen experts (no weight gradient: ``dh`` over ``h``)."""
+    from moeflow.parallel.strategies.chunk_ffn import ChunkedFFN
+
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        layer = seeded_layer(E, 2, 0.0, "position", "combine", seed=720).to(dtype)
+        gen = torch.Generator().manual_seed(721 + rank)
+        xs = [torch.randn(5 + rank, D, generator=gen, dtype=dtype) for _ in range(2)]
+        gs = [torch.randn_like(x) for x in xs]
+        out = {}
+        for degree in (1, 4):
+            ep = expert_parallel(copy.deepcopy(layer))
+            assert ChunkedFFN.eligible(ep.experts, xs[0])
+            ys, dxs = [], []
+            for x, g in zip(xs, gs):  # two calls, their expert gradients accumulated in .grad
+                x = x.clone().requires_grad_(True)
+                y = ep(x, overlap_degree=degree)
+                (y * g).sum().backward()
+                ys.append(y.detach())
+                dxs.append(x.grad)
+            out[degree] = (ys, dxs, [p.grad.clone() for p in ep.experts.parameters()])
+        for a, b in zip(sum(out[4], []), sum(out[1], [])):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    frozen = expert_parallel(seeded_layer(E, 2, 0.0, "position", "combine", seed=722))
+    frozen.experts.requires_grad_(False)
+    x = torch.randn(4 + rank, D, dtype=torch.float64, requires_grad=True)
+    y4 = frozen(x, overlap_degree=4)
+    (dx4,) = torch.autograd.grad(y4.square().sum(), x)
+    y1 = frozen(x, overlap_degree=1)
+    (dx1,) = torch.autograd.grad(y1.square().sum(), x)
+    torch.testing.assert_close((y4, dx4), (y1, dx1), rtol=1e-12, atol=1e-12)
 
 
 class _HostReadsIn(TorchFunctionMode):
@@ -355,3 +454,4 @@ def test_expert_parallel_bad_configuration_raises_everywhere(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_review_regressions(world):
     spawn_ranks(world, __name__, "review")
+

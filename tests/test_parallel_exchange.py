@@ -58,6 +58,46 @@ def _case_exchange(rank: int, world: int) -> None:
     (gf,) = torch.autograd.grad(flat, x, g)
     (gt,) = torch.autograd.grad(two, x, g)
     assert torch.equal(gf, gt)
+    _chunked(rank, world, groups, torch.Generator().manual_seed(13 + rank))
+
+
+def _chunked(rank: int, world: int, groups, gen) -> None:  # type: ignore[no-untyped-def]
+    """The pipelined call's chunked exchanges (``moeflow.parallel.exchange.chunked``): the flat
+    one (slices of one tensor each way), the phased one over the flat and the two-level
+    exchange, and one blocking exchange per chunk deliver the same rows and bring the same
+    rows home, and give the same gradients; chunks with no rows (everywhere, or from one rank)
+    included."""
+    from moeflow.parallel.exchange.chunked import FlatChunks, PhasedChunks, chunked_exchange
+
+    same = torch.Generator().manual_seed(12)  # every rank draws the same counts
+    counts_nWW = [torch.randint(0, 4, (world, world), generator=same).tolist() for _ in range(3)]
+    counts_nWW[1] = [[0] * world for _ in range(world)]  # a chunk nobody sends anything in
+    counts_nWW[2][0] = [0] * world  # rank 0 sends nothing in chunk 2
+    M = sum(sum(c[rank]) for c in counts_nWW)
+    x = torch.randn(M, 3, generator=gen, dtype=torch.float64)
+    w = [torch.randn(sum(c[s][rank] for s in range(world)), 3, generator=gen, dtype=torch.float64) for c in counts_nWW]
+    g = torch.randn(M, 3, generator=gen, dtype=torch.float64)
+    flat, two = FlatExchange(None), HierarchicalExchange(None, groups.hierarchy)
+    assert isinstance(chunked_exchange(flat, counts_nWW), FlatChunks)
+    assert isinstance(chunked_exchange(two, counts_nWW), PhasedChunks)
+    results = []
+    for cx in (FlatChunks(flat, counts_nWW), PhasedChunks(flat, counts_nWW), PhasedChunks(two, counts_nWW)):
+        xi = x.clone().requires_grad_(True)
+        cx.scatter(xi * 1.0)
+        received = [cx.receive(i) for i in range(3)]
+        for i, r in enumerate(received):
+            cx.send_home(i, r * w[i])  # rows of each chunk scaled: the gradient of w sees the routes
+        home = cx.home()
+        results.append([r.detach() for r in received] + [home.detach(), *torch.autograd.grad(home, [xi], g)])
+    # reference: one blocking flat exchange per chunk, there and back
+    xi = x.clone().requires_grad_(True)
+    parts = xi.split([sum(c[rank]) for c in counts_nWW])
+    received = [flat(p, c) for p, c in zip(parts, counts_nWW)]
+    homes = [flat(r * w[i], [list(col) for col in zip(*c)]) for i, (r, c) in enumerate(zip(received, counts_nWW))]
+    home = torch.cat(homes)
+    want = [r.detach() for r in received] + [home.detach(), *torch.autograd.grad(home, [xi], g)]
+    for got in results:
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 CASES = {  # looked up by the spawned ranks

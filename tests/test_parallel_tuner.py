@@ -472,3 +472,32 @@ def test_pending_trials_are_reduced_together_over_the_tuners_own_group(monkeypat
     assert tuner._times[done] == {a: [1.0, 1.0]} and tuner._times[open_] == {a: [1.0, 2.0], b: [7.0]}
     assert tuner._open == {tie: [a, b]} and set(tuner.choices) == {done}  # the tie is timed on
     assert not tuner._pending
+
+
+@pytest.mark.unit
+def test_an_overlap_degree_is_chosen_only_when_pipelining_pays(one_rank, monkeypatch):
+    """The explicit rule (``TunerConfig.overlap_margin``): a degree above 1 is kept only when
+    its median beats its mode's degree 1 by more than the margin (pipelining hides at most the
+    exchange; where that is small the gain is noise): degree 1 otherwise, or another mode if
+    that is faster than degree 1; a degree list without 1 has nothing to compare with."""
+    clock = _Clock()
+    monkeypatch.setattr(tuner_module, "time", clock)
+
+    def choose(cost, margin=0.03):
+        def run(setting, x_TD):
+            clock.now += cost[setting]
+            return x_TD
+
+        tuner = ParallelTuner(None, moeflow.TunerConfig(degrees=tuple(d for m, d in cost if m == "expert"), trials=1,
+                                                        max_trials=1, min_time_s=0.0, overlap_margin=margin))
+        call = _call(torch.tensor([[0, 1], [2, 3]]), 4)
+        while not tuner.choices:
+            tuner.run(call, parallel="auto", overlap_degree="auto", candidates=lambda: list(cost), run=run)
+        return next(iter(tuner.choices.values()))
+
+    e1, e2, e4, data = ("expert", 1), ("expert", 2), ("expert", 4), ("data", 1)
+    assert choose({e1: 1.0, e2: 0.98, e4: 0.99}) == e1  # 2% faster: within the margin
+    assert choose({e1: 1.0, e2: 0.98, e4: 0.99}, margin=0.01) == e2  # a smaller margin lets it pay
+    assert choose({e1: 1.0, e2: 0.96, e4: 0.90}) == e4  # 10% faster: pays
+    assert choose({e1: 1.0, e2: 0.98, data: 0.99}) == data  # degree 2 does not count; data beats degree 1
+    assert choose({e2: 0.98, e4: 0.99}) == e2  # no degree 1 among the candidates

@@ -29,7 +29,8 @@ with the repository root on ``PYTHONPATH``. Stages, in order (each module's docs
     fp8        ``bench.gpu_fp8``: the layer fwd+bwd with bf16 against FP8 (row-wise e4m3) experts at
                the Mixtral-like and DeepSeek-like shapes, ms, speed-up and error, FP8 weight-only
                experts at decode's rows, the demo model trained 400 steps both ways (``fp8``)
-    overlap    ``bench.gpu_overlap`` on one GPU (NCCL loopback exchange, degrees 1, 2, 4) (``overlap``)
+    overlap    ``bench.gpu_overlap`` on one GPU (NCCL loopback exchange, degrees 1, 2, 4; Mixtral- and
+               DeepSeek-like layers; compute ratio, predicted 8- and 64-GPU steps) (``overlap``)
     profile    ``bench.stage_profile`` on the DeepSeek-like layer (``profiling``)
     serve      ``bench.serve`` (issue 48): ``moeflow serve`` on a 2.7 B Qwen3-MoE-shaped model in
                bf16, compiled, under streamed greedy load: tokens/s per concurrency, concurrency 16

@@ -46,7 +46,7 @@ STAGES = [
     Stage("decode", stage_decode, 240, 150),
     Stage("decode-bw", stage_decode_bw, 300, 150),
     Stage("fp8", stage_fp8, 90, 90),
-    Stage("overlap", stage_overlap, 45, 90),
+    Stage("overlap", stage_overlap, 75, 90),
     Stage("profile", stage_profile, 40, 90),
     # before families (which takes what the others leave); beside other stages it runs a reduced
     # run or is skipped, alone the full levels (the stage's docstring)

@@ -3,6 +3,7 @@
 
     a_NH = activate(h_NF, activation)               # act(h), or act(gate) * up for swiglu / geglu
     activate_backward_(h_NF, da_NH, activation)     # h_NF := d act(h) / dh * da, in place
+    activate_into / activate_backward_into          # the same into a caller's buffer (eager)
 
 ``activation``: one of ``ACTIVATIONS`` (``swiglu``, ``geglu``, ``silu``, ``gelu`` (exact, erf),
 ``relu``, ``swiglu_oai``). This module holds moeflow's one vocabulary of activation names:
@@ -51,7 +52,8 @@ import torch.nn.functional as F
 from moeflow.kernels.triton import triton_available
 
 __all__ = ["Activation", "ACTIVATIONS", "GATED", "ELEMENTWISE", "SWIGLU_OAI_ALPHA", "SWIGLU_OAI_LIMIT",
-           "check_activation", "activate", "activate_backward_", "activate_reference", "activate_backward_reference_"]
+           "check_activation", "activate", "activate_backward_", "activate_reference", "activate_backward_reference_",
+           "activate_into", "activate_backward_into"]
 
 # this order: the layer matrix samples by it (a new name goes at the end)
 Activation = Literal["relu", "gelu", "silu", "swiglu", "geglu", "swiglu_oai"]
@@ -215,3 +217,30 @@ def activate_backward_(h: torch.Tensor, da: torch.Tensor, activation: str) -> to
         raise ValueError("activate_backward_: h and da must be contiguous (they are overwritten in place)")
     _activate_backward_op(h, da, activation)
     return h
+
+
+def activate_into(h_NF: torch.Tensor, activation: str, out_NH: torch.Tensor) -> torch.Tensor:
+    """``out := act(h)`` for ``h [N, F]``, ``out [N, F/2]`` gated (else ``[N, F]``) with unit
+    column stride (a row slice of a bigger buffer: the pipelined experts gather every chunk's
+    activation into one tensor this way, with no copy on CUDA); bit-equal to ``activate``.
+    Eager only (no op for ``torch.compile``)."""
+    check_activation(activation)
+    if h_NF.is_cuda and triton_available(h_NF.device) and h_NF.dtype != torch.float64:
+        from moeflow.kernels.triton.activation import launch_activate
+
+        return launch_activate(h_NF, activation, out=out_NH)
+    return out_NH.copy_(activate_reference(h_NF, activation))
+
+
+def activate_backward_into(h_NF: torch.Tensor, da_NH: torch.Tensor, activation: str, out_NF: torch.Tensor) -> torch.Tensor:
+    """``out := d act(h) / dh * da`` with ``h`` unchanged (``activate_backward_`` writes it over
+    ``h``); ``out [N, F]`` with unit column stride (a row slice of a bigger buffer); bit-equal to
+    ``activate_backward_``. Eager only."""
+    check_activation(activation)
+    if h_NF.is_cuda and triton_available(h_NF.device) and h_NF.dtype != torch.float64:
+        from moeflow.kernels.triton.activation import launch_activate_backward_
+
+        launch_activate_backward_(h_NF, da_NH.contiguous(), activation, out=out_NF)
+        return out_NF
+    out_NF.copy_(h_NF)  # the reference works in place (on the CPU the copy is the reference's)
+    return activate_backward_reference_(out_NF, da_NH, activation)

@@ -31,7 +31,7 @@ __all__ = [
     "ProcessGroup", "all_to_all_rows", "all_gather_rows", "all_gather_rows_with_header", "group_rank", "group_size",
     "group_device", "barrier", "CommTimer", "process_position", "sync", "gather_objects", "broadcast_object",
     "all_reduce_sum", "all_reduce_max", "start_all_to_all_rows", "all_gather_shards", "wait_all_to_all_rows",
-    "all_to_all_equal", "backend_name", "side_group",
+    "all_to_all_equal", "start_all_to_all_into", "backend_name", "side_group",
 ]
 
 # torch 2.13 renames the one-tensor variants (the old names warn); older torch has only the old
@@ -270,9 +270,8 @@ class _StartAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_ND, send_splits, recv_splits, group, pending):  # type: ignore[override]
-        _require_on_group(x_ND, group, "start_all_to_all_rows")
         out = x_ND.new_empty((sum(recv_splits), *x_ND.shape[1:]))
-        pending.work = dist.all_to_all_single(out, x_ND.contiguous(), recv_splits, send_splits, group=group, async_op=True)
+        pending.work = start_all_to_all_into(out, x_ND.contiguous(), send_splits, recv_splits, group, "start_all_to_all_rows")
         ctx.pending = pending
         return out
 
@@ -304,9 +303,7 @@ class _WaitAllToAll(torch.autograd.Function):
         grad_MD = grad_MD.contiguous()
         back = grad_MD.new_empty((sum(send_splits), *grad_MD.shape[1:]))
         ctx.pending.back_out = back
-        ctx.pending.back_work = dist.all_to_all_single(
-            back, grad_MD, send_splits, recv_splits, group=ctx.group, async_op=True
-        )
+        ctx.pending.back_work = start_all_to_all_into(back, grad_MD, recv_splits, send_splits, ctx.group)
         return grad_MD, None, None, None, None
 
 
@@ -361,13 +358,19 @@ def all_gather_shards(x_eX: torch.Tensor, group: dist.ProcessGroup | None) -> to
 
 def all_to_all_equal(out_N: torch.Tensor, x_N: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
     """Equal-split all-to-all into a preallocated buffer: block ``d`` of ``x_N``'s ``W`` equal
-    blocks (along dim 0) goes to rank ``d``, and ``out_N`` (shaped like ``x_N``) receives block
-    ``r`` of every rank ``r``. Not differentiable and allocates nothing, so a measurement of
-    the exchange (``moeflow.bench.calibrate``) times the collective alone; so both tensors must
-    already be on a device the group takes (``group_device``), or ``ValueError``."""
-    _require_on_group(out_N, group, "all_to_all_equal")
-    _require_on_group(x_N, group, "all_to_all_equal")
-    dist.all_to_all_single(out_N, x_N, group=group)
+    blocks (along dim 0) goes to rank ``d``, ``out_N`` (like ``x_N``) gets block ``r`` of every
+    rank ``r``. Allocates nothing, so ``moeflow.bench.calibrate`` times the collective alone:
+    both tensors must be on a device the group takes (``group_device``), or ``ValueError``."""
+    start_all_to_all_into(out_N, x_N, None, None, group, "all_to_all_equal").wait()
+
+
+def start_all_to_all_into(out_ND, x_ND, send_splits, recv_splits, group, what="all_to_all"):  # type: ignore[no-untyped-def]
+    """Launch the exchange of ``x_ND``'s row blocks (``send_splits``, None: equal) into the
+    caller's ``out_ND``, asynchronously; returns the work. Not differentiable; both contiguous,
+    on a device the group takes (else ``ValueError`` naming ``what``)."""
+    _require_on_group(out_ND, group, what)
+    _require_on_group(x_ND, group, what)
+    return dist.all_to_all_single(out_ND, x_ND, recv_splits, send_splits, group=group, async_op=True)
 
 
 def backend_name(group: dist.ProcessGroup | None = None) -> str:

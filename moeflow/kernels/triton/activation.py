@@ -41,7 +41,7 @@ def _activate_kernel(h_ptr, a_ptr, N, C, s_h, s_a, ACT: tl.constexpr, GATED: tl.
 
 
 @triton.jit
-def _activate_backward_kernel(h_ptr, da_ptr, N, C, s_h, s_da, ACT: tl.constexpr, GATED: tl.constexpr,
+def _activate_backward_kernel(h_ptr, da_ptr, out_ptr, N, C, s_h, s_da, s_out, ACT: tl.constexpr, GATED: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -49,42 +49,56 @@ def _activate_backward_kernel(h_ptr, da_ptr, N, C, s_h, s_da, ACT: tl.constexpr,
     base = rows.to(tl.int64)[:, None] * s_h + cols[None, :]
     g = tl.load(h_ptr + base, mask=m, other=0.0).to(tl.float32)
     da = tl.load(da_ptr + rows.to(tl.int64)[:, None] * s_da + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    dst = rows.to(tl.int64)[:, None] * s_out + cols[None, :]  # out_ptr may be h_ptr (in place)
     if GATED:
         u = tl.load(h_ptr + base + C, mask=m, other=0.0).to(tl.float32)
-        tl.store(h_ptr + base, (_act_grad(g, ACT) * _up(u, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
-        tl.store(h_ptr + base + C, (_act(g, ACT) * _up_grad(u, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + dst, (_act_grad(g, ACT) * _up(u, ACT) * da).to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + dst + C, (_act(g, ACT) * _up_grad(u, ACT) * da).to(out_ptr.dtype.element_ty), mask=m)
     else:
-        tl.store(h_ptr + base, (_act_grad(g, ACT) * da).to(h_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + dst, (_act_grad(g, ACT) * da).to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _grid(N: int, C: int) -> tuple[int, int]:
     return triton.cdiv(N, _BLOCK_N), triton.cdiv(C, _BLOCK_C)
 
 
-def launch_activate(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """``a = act(h)`` for ``h [..., F]`` (contiguous copy if needed), in ``h``'s dtype."""
+def launch_activate(h: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a = act(h)`` for ``h [..., F]`` (contiguous copy if needed), in ``h``'s dtype; into
+    ``out`` (``[N, C]``, rows of unit column stride, e.g. a row slice of a bigger buffer) when
+    given."""
     check_triton_tensors("activate", h=h)
     code, gated = ACT_CODES[activation]
     F_ = h.shape[-1]
     C = F_ // 2 if gated else F_
     h2 = h.reshape(-1, F_).contiguous()
     N = h2.shape[0]
-    a = torch.empty(N, C, dtype=h.dtype, device=h.device)
+    if out is not None and (tuple(out.shape) != (N, C) or out.stride(-1) != 1 or out.dtype != h.dtype):
+        raise ValueError(f"activate: out must be [{N}, {C}] {h.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    a = torch.empty(N, C, dtype=h.dtype, device=h.device) if out is None else out
     if N and C:
         with device_guard(h2):
             _activate_kernel[_grid(N, C)](h2, a, N, C, h2.stride(0), a.stride(0), ACT=code, GATED=gated,
                                           BLOCK_N=_BLOCK_N, BLOCK_C=_BLOCK_C)
-    return a.view(*h.shape[:-1], C)
+    return a if out is not None else a.view(*h.shape[:-1], C)
 
 
-def launch_activate_backward_(h: torch.Tensor, da: torch.Tensor, activation: str) -> None:
-    """``h [N, F]`` (contiguous) := ``act'(h) * da`` (``da [N, C]``), in place."""
+def launch_activate_backward_(h: torch.Tensor, da: torch.Tensor, activation: str,
+                              out: torch.Tensor | None = None) -> None:
+    """``h [N, F]`` (contiguous) := ``act'(h) * da`` (``da [N, C]``), in place; or, ``out``
+    given (``[N, F]`` with unit column stride, e.g. a row slice of a bigger buffer), into
+    ``out``, ``h`` unchanged."""
     check_triton_tensors("activate_backward_", h=h, da=da)
     code, gated = ACT_CODES[activation]
     N, F_ = h.shape
     C = F_ // 2 if gated else F_
     da = da.contiguous()
+    if out is None:
+        out = h
+    elif tuple(out.shape) != (N, F_) or out.stride(-1) != 1 or out.dtype != h.dtype:
+        raise ValueError(f"activate_backward_: out must be [{N}, {F_}] {h.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if N and C:
         with device_guard(h):
-            _activate_backward_kernel[_grid(N, C)](h, da, N, C, h.stride(0), da.stride(0), ACT=code, GATED=gated,
-                                                   BLOCK_N=_BLOCK_N, BLOCK_C=_BLOCK_C)
+            _activate_backward_kernel[_grid(N, C)](h, da, out, N, C, h.stride(0), da.stride(0), out.stride(0),
+                                                   ACT=code, GATED=gated, BLOCK_N=_BLOCK_N, BLOCK_C=_BLOCK_C)

@@ -13,13 +13,18 @@ destination); L ranks per node.
 The flat exchange pays W-L inter-node latencies, the two-level one N-1: at many nodes, or small
 messages, the two-level exchange wins; at few nodes its extra phase and copies cost more.
 Defaults describe 8-GPU NVLink nodes on 400 Gb/s InfiniBand (one 400 Gb/s NIC per GPU).
+
+The pipelined call (``overlap_degree = n``) is modelled on top (``pipelined_pass_time``,
+``predicted_step_time``): n exchanges of ``S/n`` bytes each way per pass, on one link queue,
+against n chunks of the compute on one compute queue.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LinkModel", "flat_time", "two_level_time", "crossover", "fit_latency_bandwidth"]
+__all__ = ["LinkModel", "flat_time", "two_level_time", "crossover", "fit_latency_bandwidth", "pipelined_pass_time",
+           "predicted_step_time"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,3 +90,35 @@ def fit_latency_bandwidth(sizes: list[float], seconds: list[float]) -> tuple[flo
     if slope <= 0:
         raise ValueError("times do not grow with message size; cannot fit a bandwidth")
     return max(my - slope * mx, 0.0), 1.0 / slope
+
+
+def pipelined_pass_time(exchange_s: float, compute_s: float, degree: int) -> float:
+    """One pass (forward or backward) of the pipelined expert-parallel call in ``degree`` chunks:
+    each chunk's rows go out in one exchange of ``exchange_s`` and come home in another, and its
+    experts compute ``compute_s / degree``. One link queue running exchanges in the order the
+    call issues them (every chunk's outbound exchange first, then each chunk's return as soon as
+    its compute ends) and one compute queue. Degree 1: ``2 * exchange_s + compute_s``."""
+    if degree < 1 or exchange_s < 0 or compute_s < 0:
+        raise ValueError(f"need degree >= 1 and times >= 0, got degree={degree}, exchange_s={exchange_s}, "
+                         f"compute_s={compute_s}")
+    link, arrived = 0.0, []
+    for _ in range(degree):
+        link += exchange_s
+        arrived.append(link)
+    computed = 0.0
+    for i in range(degree):
+        computed = max(computed, arrived[i]) + compute_s / degree
+        link = max(link, computed) + exchange_s
+    return link
+
+
+def predicted_step_time(world: int, bytes_per_rank: float, compute_fwd_s: float, compute_bwd_s: float, degree: int,
+                        links: LinkModel) -> float:
+    """Predicted forward+backward of one expert-parallel layer on ``world`` ranks at overlap
+    ``degree``: each chunk's exchange moves ``bytes_per_rank / degree`` per rank, by the
+    faster of the flat and two-level exchange (``flat_time``, ``two_level_time``: their
+    per-message latencies are what more chunks cost), and each pass pipelines it with its
+    compute (``pipelined_pass_time``; backward runs the same exchanges in reverse)."""
+    chunk = bytes_per_rank / degree
+    exchange = min(flat_time(world, chunk, links), two_level_time(world, chunk, links)) if world > 1 else 0.0
+    return pipelined_pass_time(exchange, compute_fwd_s, degree) + pipelined_pass_time(exchange, compute_bwd_s, degree)

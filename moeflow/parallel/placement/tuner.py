@@ -5,7 +5,8 @@ is measured, not guessed: for each global batch size the tuner times every candi
 ``(parallel mode, overlap degree)`` the dispatcher offers on real calls, round-robin (one warm-up call each, whose
 time is dropped, then ``trials`` timed calls each, more for calls so short that their trials
 add up to less than ``min_time_s``, up to ``max_trials``; the median decides), then keeps the
-fastest. Candidates whose median lies within ``close`` of the fastest one's are a near tie that
+fastest (an overlap degree above 1 only when it beats degree 1 by ``overlap_margin``:
+``TunerConfig``). Candidates whose median lies within ``close`` of the fastest one's are a near tie that
 a few noisy trials cannot settle: they alone are timed on (round-robin) until each has
 ``max_trials`` trials, and the medians of those decide. A trial's time is its forward plus,
 when the call is back-propagated, this layer's backward (stamped by two identity autograd
@@ -146,7 +147,7 @@ class ParallelTuner:
             if not all(self._enough(v) for v in times.values()):
                 continue
             medians = {c: statistics.median(v[1:]) for c, v in times.items()}  # [0]: warm-up
-            best = min(medians, key=lambda c: (medians[c], c[0] != "expert", c[1]))
+            best = self._fastest(medians)
             ties = [c for c in times if medians[c] <= medians[best] * (1.0 + self.config.close)]
             if len(ties) > 1 and any(len(times[c]) - 1 < self.config.max_trials for c in ties):
                 self._open[key] = ties  # a near tie: time only those on
@@ -156,6 +157,16 @@ class ParallelTuner:
             log.info("moeflow tuner: chose parallel=%r overlap_degree=%d for %s (median ms: %s)", *best, key,
                      {f"{m}/{d}": round(v * 1e3, 3) for (m, d), v in medians.items()})
         self._pending.clear()
+
+    def _fastest(self, medians: dict[Setting, float]) -> Setting:
+        """The setting with the lowest median (ties: the expert mode, then the lower degree),
+        among those where pipelining pays: an overlap degree above 1 counts only when its
+        median is below its mode's degree 1 by more than ``overlap_margin`` (``TunerConfig``:
+        where the exchange is small next to the compute, degree 1)."""
+        margin = self.config.overlap_margin
+        pays = {c: m for c, m in medians.items()
+                if c[1] == 1 or (c[0], 1) not in medians or m < medians[(c[0], 1)] * (1.0 - margin)}
+        return min(pays, key=lambda c: (pays[c], c[0] != "expert", c[1]))
 
     def _enough(self, seconds: list[float]) -> bool:
         """A candidate's timing is done: ``trials`` timed calls after the warm-up that add up to

@@ -4,7 +4,8 @@
 Only kept rows travel (no padding on the wire): one uneven exchange each way, flat or two-level
 (``moeflow.parallel.exchange.alltoall``), differentiable (its backward is the reverse exchange). On the
 expert side the received rows are laid out as ``[e, C, D]`` (capacity mode) or grouped by slot
-(dropless). With ``overlap_degree > 1`` the call is pipelined (``moeflow.parallel.strategies.pipeline``).
+(dropless). With ``overlap_degree > 1`` the call is pipelined over chunks of the local expert slots
+(``moeflow.parallel.strategies.pipeline``; with one slot per rank, over chunks of the tokens).
 """
 
 from __future__ import annotations
