@@ -13,16 +13,8 @@ from typing import Literal
 import torch
 
 from moeflow.checks import (  # noqa: F401  (re-exported: importers use moeflow.config)
-    ParallelMode,
-    _choice,
-    _float,
-    _int,
-    _parallel_mode,
-    check_capacity_factor,
-    check_overlap_degree,
-    check_parallel_mode,
-    check_top_k,
-    hybrid_shards,
+    ParallelMode, _choice, _float, _int, _parallel_mode, check_capacity_factor, check_overlap_degree,
+    check_parallel_mode, check_top_k, hybrid_shards,
 )
 from moeflow.kernels.activation import GATED, Activation  # the one vocabulary of activation names
 
@@ -160,10 +152,9 @@ class TunerConfig:
     of the fastest one's are a near tie: they alone are timed on to ``max_trials`` each.
     ``retune_ratio``: tune again when the routing's load imbalance (busiest expert over the
     mean) moves by more than this factor from the one the choice was made under.
-    ``overlap_margin``: an overlap degree above 1 is chosen only when its median is below the
-    same mode's degree 1 by more than this fraction. Pipelining can hide at most the exchange,
-    so where the exchange is small next to the compute its gain is within the noise while its
-    chunks' fixed costs (more messages and kernels) stay: degree 1 there.
+    ``overlap_margin``: a degree above 1 wins only when its median beats the same mode's degree
+    1 by more than this fraction: pipelining hides at most the exchange, so where that is small
+    its gain is noise while its chunks' fixed costs stay.
     """
 
     degrees: tuple[int, ...] = (1, 2, 4)
@@ -302,15 +293,13 @@ class ExpertsConfig:
     backward run over (None: about 8, sized from the hidden activation). Fewer chunks are fewer,
     larger kernel calls (faster on a CPU shared with other work) at a higher backward peak; the
     gradients do not depend on it.
-    ``fp8``: ``"rowwise"`` runs the routed experts' grouped GEMMs in float8 e4m3 with one fp32
-    scale per row of each operand (``moeflow.experts.fp8``: forward, and backward with e4m3
-    gradients); the weights stay in their own dtype (bf16/fp32 master weights and optimizer
-    state) and are quantised on the fly each call. None (default): no FP8. Needs a CUDA device
-    of compute capability 8.9 or later with ``torch._scaled_grouped_mm`` (a clear error at the
-    first forward elsewhere), no biases, no ``recompute``, ``dim``/``hidden`` multiples of 16 (``backend`` is unused).
-    ``fp8_gemm``: ``"scaled_grouped_mm"`` (default: the fast CUDA path) or ``"reference"`` (the
-    same quantisation, products dequantised to fp32: any device; what the CPU tests run).
-    (No 128-block recipe: torch 2.11's grouped FP8 GEMM on Hopper takes row-wise fp32 scales only.)
+    ``fp8``: ``"rowwise"`` runs the experts' grouped GEMMs, forward and backward, in e4m3 with an
+    fp32 scale per operand row (``moeflow.experts.fp8``), quantising the weights (kept in their
+    dtype, as the optimizer state) each call; None: no FP8. Needs CUDA capability 8.9+ with
+    ``torch._scaled_grouped_mm`` (else a clear error at the first forward), no biases, no
+    ``recompute``, ``dim``/``hidden`` multiples of 16 (``backend`` unused). Row-wise only: torch
+    2.11's grouped FP8 GEMM on Hopper takes no 128-block scales. ``fp8_gemm``: the fast CUDA
+    path (default) or ``"reference"`` (products dequantised to fp32, any device: the CPU tests).
     """
 
     activation: Activation = "swiglu"
