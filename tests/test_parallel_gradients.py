@@ -67,6 +67,29 @@ def test_clipping_leaves_gradients_below_the_limit_untouched_and_scales_those_ab
         assert float(torch.cat([g.double().flatten() for g in after]).norm()) == pytest.approx(limit, rel=1e-6)
 
 
+@pytest.mark.reference
+def test_clipping_counts_and_scales_vocab_shards_and_experts_like_any_gradient(gen) -> None:
+    """In one process the sharded parameters (experts, vocabulary shards) are whole, so clipping
+    is torch's over every gradient: a vocabulary shard or an expert left out of the norm, or left
+    unscaled, would differ. The tags are set by hand (``vocab_parallel`` needs a group)."""
+    from moeflow.parallel import dense_parameters, expert_parameters, vocab_parameters
+
+    model = small_gpt().double()
+    model.embed.weight.moeflow_vocab_shard = True
+    idx = torch.randint(0, 61, (2, 10), generator=gen)
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    assert vocab_parameters(model) == [model.embed.weight]
+    assert expert_parameters(model) and all(getattr(p, "moeflow_expert", False) for p in expert_parameters(model))
+    kinds = [{id(p) for p in f(model)} for f in (dense_parameters, expert_parameters, vocab_parameters)]
+    assert sum(map(len, kinds)) == len(list(model.parameters())) == len(set().union(*kinds))  # a partition
+    before = _grads(model)
+    norm = float(torch.cat([g.flatten() for g in before]).norm())
+    limit = norm * (0.2 + 0.6 * float(torch.rand((), generator=gen)))
+    assert float(clip_grad_norm_(model, limit)) == pytest.approx(norm, rel=1e-12)
+    for a, b in zip(_grads(model), before):
+        torch.testing.assert_close(a, b * (limit / (norm + 1e-6)), rtol=1e-12, atol=0)
+
+
 def _case_ddp(rank: int, world: int) -> None:
     """DDP averages dense gradients only; expert gradients stay this rank's own."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -192,11 +215,92 @@ def _case_clip_both_sides(rank: int, world: int) -> None:
     assert float(sq_after) ** 0.5 == pytest.approx(limit, rel=1e-6)
 
 
+def _case_groups(rank: int, world: int) -> None:
+    """Each reduction reduces over the group it is given, not the whole world: over every rank,
+    ``all_reduce_gradients`` averages (or sums) and ``sync_load_counts`` sums each router's load
+    counts; over a group of this rank alone nothing changes, and clipping over it takes this
+    rank's own norm. An empty parameter list is no call at all."""
+    from moeflow.layer.moe import moe_layers
+    from moeflow.parallel import sync_load_counts
+
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    gen = torch.Generator().manual_seed(100 + rank)
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)) for shape in ((3, 2), (5,), (2, 2))]
+    grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params]
+    everyone = [g.clone() for g in grads]
+    for g in everyone:
+        dist.all_reduce(g)
+    for group, average, expected in ((None, True, [g / world for g in everyone]), (None, False, everyone),
+                                     (own, True, grads), (own, False, grads)):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        all_reduce_gradients(params, group, average=average)
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12, msg=f"{group} {average}")
+    all_reduce_gradients([], None)
+
+    model = small_gpt(n_layers=4)
+    layers = moe_layers(model)
+    assert len(layers) == 2
+    counts = [torch.randint(0, 50, (4,), generator=gen) for _ in layers]
+    for layer, c in zip(layers, counts):
+        layer.router.load_counts.copy_(c)
+    sync_load_counts(model, own)
+    assert all(torch.equal(layer.router.load_counts, c) for layer, c in zip(layers, counts))
+    sync_load_counts(model, None)
+    for layer, c in zip(layers, counts):
+        total = c.clone()
+        dist.all_reduce(total)
+        assert torch.equal(layer.router.load_counts, total)
+
+    # clipping over a group of one: the norm is this rank's own, whatever the other rank holds
+    model = torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64), seeded_layer(8, 2, 0.0, "position", "combine", seed=5))
+    expert_parallel(model)
+    x = torch.randn(10 + 5 * rank, D, generator=gen, dtype=torch.float64)
+    model(x).square().sum().backward()
+    local = float(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm())
+    assert float(clip_grad_norm_(model, local * 2, own)) == pytest.approx(local, rel=1e-12)
+
+
+def _case_expert_and_data_groups(rank: int, world: int) -> None:
+    """Expert groups of 2 ranks, data groups of 2 across them: each expert's gradient, already
+    summed over its expert group by the exchange's backward, is summed over its data group and
+    divided by the world size, so with the dense gradients averaged (as DDP does) every
+    gradient is that of the mean loss over all ranks. A data group of one rank (the DDP case)
+    cannot tell a sum over it from an average, nor the world size from ``expert_size``."""
+    groups = make_groups(2)
+    assert (groups.expert_size, groups.data_size) == (2, world // 2)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(7)
+        return torch.nn.Sequential(torch.nn.Linear(D, D, dtype=torch.float64),
+                                   seeded_layer(8, 2, 0.0, "position", "combine", seed=7))
+
+    from moeflow.parallel import dense_parameters, expert_parameters, reduce_expert_gradients
+
+    model = expert_parallel(build(), groups.expert)
+    xs = [torch.randn(6 + 3 * r, D, generator=torch.Generator().manual_seed(40 + r), dtype=torch.float64)
+          for r in range(world)]
+    model(xs[rank]).square().sum().backward()
+    all_reduce_gradients(dense_parameters(model), None)
+    reduce_expert_gradients(model, groups)
+    ref = build()
+    (sum(ref(x).square().sum() for x in xs) / world).backward()
+    e = 8 // groups.expert_size
+    mine = slice((rank % 2) * e, (rank % 2 + 1) * e)
+    experts = {id(p) for p in expert_parameters(model)}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        expected = q.grad[mine] if id(p) in experts else q.grad
+        torch.testing.assert_close(p.grad, expected, rtol=1e-10, atol=1e-12, msg=name)
+
+
 CASES = {  # looked up by the spawned ranks
     "ddp": _case_ddp,
     "fsdp2": _case_fsdp2,
     "none_grads": _case_all_reduce_none_grads,
     "clip": _case_clip_both_sides,
+    "groups": _case_groups,
+    "expert_and_data": _case_expert_and_data_groups,
 }
 
 
@@ -219,3 +323,13 @@ def test_all_reduce_gradients_with_missing_grads():
 @pytest.mark.distributed
 def test_clipping_over_ranks_holds_on_both_sides_of_the_global_norm():
     spawn_ranks(2, __name__, "clip")
+
+
+@pytest.mark.distributed
+def test_reductions_and_clipping_use_the_group_they_are_given():
+    spawn_ranks(2, __name__, "groups")
+
+
+@pytest.mark.distributed
+def test_expert_gradients_are_those_of_the_mean_loss_over_expert_and_data_groups():
+    spawn_ranks(4, __name__, "expert_and_data")

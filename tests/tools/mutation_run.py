@@ -69,6 +69,10 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # mutant's covering tests in an order of its own (its clean run fails there)
     "models/sampling": (["moeflow/models/decoding.py", "moeflow/models/generation.py"],
                         ["test_sampling_distribution.py", "test_models_generation.py"]),
+    # the gradient a rank applies: which parameters are sharded, reductions, global-norm clipping
+    # (test_parallel_placement.py: the norm of replicated experts)
+    "parallel/gradients": (["moeflow/parallel/gradients.py"],
+                           ["test_parallel_gradients.py", "test_parallel_placement.py"]),
 }
 
 
