@@ -182,6 +182,8 @@ def test_stage_arguments_per_mode_and_failures_keep_figures(tmp_path, monkeypatc
     assert ("--batch-sizes" in argv) == (device == "cpu" or not tiny)
     fp8_arg = lambda flag: fp8_argv[fp8_argv.index(flag) + 1]  # noqa: E731
     assert fp8_arg("--weights") == "fp8" and fp8_arg("--experts-backend") == ("grouped_mm" if device == "cuda" else "auto")
+    last = max(i for i, a in enumerate(fp8_argv) if a == "--batch-sizes")  # (argparse takes the last one)
+    assert fp8_argv[last + 1] == "1"
     assert figures["fp8"]["batch_1"]["triton"]["bandwidth_fraction"] == 0.65
     assert figures["bf16"]["batch_1"]["triton"]["bandwidth_fraction"] == 0.65
     assert figures["summary"].startswith("bf16 48 layers")

@@ -44,7 +44,7 @@ STAGES = [
     Stage("generate", stage_generate, 40, 90, "run"),
     Stage("infer", stage_infer, 30, 90, "run"),
     Stage("decode", stage_decode, 240, 150),
-    Stage("decode-bw", stage_decode_bw, 300, 150),
+    Stage("decode-bw", stage_decode_bw, 300, 200),
     Stage("fp8", stage_fp8, 90, 90),
     Stage("overlap", stage_overlap, 75, 90),
     Stage("profile", stage_profile, 40, 90),

@@ -8,8 +8,8 @@ case only while the time left exceeds the longest case so far, and lists the oth
 At tiny shapes: a 2-layer model of the same form (on the CPU: fp32, the backend ``auto`` picks
 there, batch 1 and 2).
 
-The weight formats of ``WEIGHTS`` each run once, in a process of their own, with an equal share
-of the stage's time: bf16, then FP8 weight-only experts (``fp8``: e4m3 codes and a scale per
+The weight formats of ``WEIGHTS`` each run once, in a process of their own, with their share of
+the stage's time (``SHARES``): bf16, then FP8 weight-only experts at batch 1 (``fp8``: e4m3 codes and a scale per
 output column, ``moeflow.experts.quantize_experts_fp8``; their own product whatever the expert
 backend, so one backend; the issue's target: at least 1.6x bf16's tokens/s).
 The summary: per format and batch, the fastest backend's ms a step and its fraction of the
@@ -26,10 +26,14 @@ import time
 
 from bench.gpu_check.runner import Context, StageFailed, python, run_command
 
-__all__ = ["stage_decode_bw", "decode_bw_summary", "BACKENDS", "WEIGHTS", "FULL_FLAGS", "TINY_FLAGS"]
+__all__ = ["stage_decode_bw", "decode_bw_summary", "BACKENDS", "WEIGHTS", "SHARES", "FULL_FLAGS", "TINY_FLAGS"]
 
 BACKENDS = ("grouped_mm", "triton")  # on CUDA; the CPU smoke takes "auto" (no Triton kernels compiled there)
 WEIGHTS = ("bf16", "fp8")  # the weight formats, each a run of its own
+# each format's share of the stage's time: bf16 times its batch sizes with both backends, FP8
+# batch 1 alone (``_FP8_BATCHES``: the format's target is at batch 1, and each case is a compilation)
+SHARES = {"bf16": 0.6, "fp8": 0.4}
+_FP8_BATCHES = ["--batch-sizes", "1"]
 FULL_FLAGS = ["--shape", "qwen3-30b-a3b", "--batch-sizes", "1,4,16", "--prompt-len", "448", "--warmup", "4",
               "--steps", "32", "--count-steps", "4", "--profile-steps", "3"]
 TINY_FLAGS = ["--shape", "tiny", "--prompt-len", "16", "--warmup", "1", "--steps", "6", "--count-steps", "2",
@@ -98,12 +102,13 @@ def stage_decode_bw(ctx: Context, timeout_s: float) -> dict:
     lines: list[str] = []
     failed: list[str] = []
     for i, weights in enumerate(WEIGHTS):
-        share = (t_end - time.monotonic()) / (len(WEIGHTS) - i)
+        share = (t_end - time.monotonic()) * SHARES[weights] / sum(SHARES[w] for w in WEIGHTS[i:])
         path = ctx.out / f"decode_bw_{weights}.json"
         path.unlink(missing_ok=True)
         # FP8 weight-only experts run their own product whatever the backend: one backend is enough
         backends = ("auto",) if not cuda else BACKENDS if weights == "bf16" else BACKENDS[:1]
-        argv = python("-m", "bench.decode_bandwidth", *flags, *batches, "--device", ctx.device, "--weights", weights,
+        sizes = _FP8_BATCHES if weights == "fp8" else batches
+        argv = python("-m", "bench.decode_bandwidth", *flags, *sizes, "--device", ctx.device, "--weights", weights,
                       "--experts-backend", ",".join(backends), "--time-budget", f"{max(1.0, share - _MARGIN_S):.0f}",
                       "--json", str(path))
         try:
