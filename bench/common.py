@@ -11,13 +11,14 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["REPO", "RESULTS", "child_env", "sync", "copy_bandwidth_gbps", "PeakMemory", "CompileWatch"]
+__all__ = ["REPO", "RESULTS", "child_env", "sync", "copy_bandwidth_gbps", "PeakMemory", "CompileWatch", "median_ms_timer"]
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout: ``moeflow/`` and ``bench/`` side by side
 RESULTS = REPO / "bench" / "results"
@@ -75,6 +76,33 @@ def copy_bandwidth_gbps(device: torch.device | str, *, nbytes: int | None = None
             dst.copy_(src)
             seconds.append(time.perf_counter() - t0)
     return 2 * src.numel() * src.element_size() / statistics.median(seconds) / 1e9
+
+
+def median_ms_timer(device: torch.device, repeats: int, warmup: int) -> Callable[[Callable[[], object]], float]:
+    """A function giving the median milliseconds of ``fn()`` over ``repeats`` calls after
+    ``warmup``: CUDA events around each call on the GPU (the host waits only after a call
+    ends), wall clock elsewhere."""
+    import torch
+
+    def measure(fn: Callable[[], object]) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return measure
 
 
 class PeakMemory:

@@ -45,16 +45,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import moeflow
-from bench.common import sync
+from bench.common import median_ms_timer, sync
 from moeflow import ExpertsConfig
 from moeflow.experts.ffn import GroupedExperts
 from moeflow.experts.fp8_weights import FP8WeightExperts
@@ -89,30 +87,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     if args.repeats < 1 or args.warmup < 0:
         p.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
     return args
-
-
-def _timer(device: torch.device, repeats: int, warmup: int) -> Callable[[Callable[[], object]], float]:
-    """Median ms of ``fn()``: CUDA events around each call (no host sync inside a timed call)."""
-
-    def measure(fn: Callable[[], object]) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return measure
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -306,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
               "why_not": why, "fp8_gemm": fp8_gemm, "weight_only_kernel": kernel,
               "repeats": args.repeats, "warmup": args.warmup}
     print(f"gpu_fp8: {header}", flush=True)
-    measure = _timer(device, args.repeats, args.warmup)
+    measure = median_ms_timer(device, args.repeats, args.warmup)
     failures: list[dict] = []
     report: dict = {"header": header, "layer": {}, "weight_only": [], "failures": failures}
     t0 = time.monotonic()

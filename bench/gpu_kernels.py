@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 import moeflow
+from bench.common import median_ms_timer
 from moeflow import ExpertsConfig
 
 
@@ -68,30 +68,6 @@ FULL_SHAPES = [
     Shape("deepseek", T=16384, D=2048, H=1408, E=64, K=6),
 ]
 TINY_SHAPES = [Shape("tiny", T=24, D=16, H=16, E=4, K=2)]
-
-
-def _timer(device: torch.device, repeats: int, warmup: int) -> Callable[[Callable[[], object]], float]:
-    """Median milliseconds of ``fn()``; CUDA events on GPU, wall clock elsewhere."""
-
-    def measure(fn: Callable[[], object]) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return measure
 
 
 def _peak_reset(device: torch.device) -> None:
@@ -354,7 +330,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     repeats = args.repeats or (2 if args.tiny else 10)
-    measure = _timer(device, repeats=repeats, warmup=1 if args.tiny else 3)
+    measure = median_ms_timer(device, repeats=repeats, warmup=1 if args.tiny else 3)
     shapes = TINY_SHAPES if args.tiny else FULL_SHAPES
 
     gemm_tflops, copy_gbps, rows = ceilings(device, args.tiny, measure)
