@@ -73,6 +73,11 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # (test_parallel_placement.py: the norm of replicated experts)
     "parallel/gradients": (["moeflow/parallel/gradients.py"],
                            ["test_parallel_gradients.py", "test_parallel_placement.py"]),
+    # moeflow serve's text side (ids to text as they come, stop strings, chat templates) and its
+    # OpenAI request bodies with their checks. app.py and server.py are not here: the HTTP tests
+    # run the server in a subprocess, where mutmut's trampolines record nothing
+    "serve": (["moeflow/serve/text.py", "moeflow/serve/protocol.py"],
+              ["test_serve_text.py", "test_serve_protocol.py"]),
 }
 
 
