@@ -58,6 +58,10 @@ BAD = [
     ({"model": "m"}, "prompt"),
     ({"prompt": "hi"}, "model"),
     (CHAT | {"messages": []}, "messages"),
+    (CHAT | {"messages": [5]}, "messages.0"),  # a nested object that is none: named, not "the body"
+    (CHAT | {"messages": [{"role": "user", "content": "x"}, "hi"]}, "messages.1"),
+    (GOOD | {"stream": True, "stream_options": 5}, "stream_options"),
+    (GOOD | {"stream": True, "stream_options": [True]}, "stream_options"),
     (CHAT | {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     (CHAT | {"messages": [{"role": "user"}]}, "messages.0.content"),
     (CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

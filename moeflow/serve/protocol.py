@@ -230,7 +230,7 @@ def parse_request(cls: type[_Sampling], body: bytes) -> _Sampling:
     param = _param(loc)
     if kind == "json_invalid":
         raise ApiError(400, f"the request body is not valid JSON ({first['ctx'].get('error', msg)})")
-    if kind == "model_type" or (kind == "model_attributes_type" and not loc):
+    if kind == "model_type" and not loc:  # the body itself; a nested object (messages.0) is named below
         raise ApiError(400, "the request body must be a JSON object")
     if kind == "moeflow_field":  # a check across fields names its own field
         raise ApiError(400, msg, param=first["ctx"]["param"])
