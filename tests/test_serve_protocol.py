@@ -5,17 +5,25 @@ have OpenAI's shape. No server here (``test_serve_http.py`` sends these through 
 from __future__ import annotations
 
 import json
+import random
+import string
 
 import pytest
+import torch
 
 from moeflow.serve.protocol import (
+    MAX_N,
+    MAX_STOP,
     ApiError,
     ChatRequest,
     CompletionRequest,
+    chat_body,
     chat_chunk,
     completion_body,
+    completion_chunk,
     error_body,
     parse_request,
+    usage,
 )
 
 pytestmark = pytest.mark.unit
@@ -124,3 +132,177 @@ def test_response_bodies_have_openais_shape() -> None:
     assert chat_chunk("c-1", 5, "m", None, {}, None, {"total_tokens": 1})["choices"] == []
     assert error_body("no", type="server_error") == {"error": {"message": "no", "type": "server_error",
                                                                "param": None, "code": None}}
+
+
+@pytest.fixture
+def rng(gen: torch.Generator) -> random.Random:
+    return random.Random(int(torch.randint(0, 2**31, (1,), generator=gen, device="cpu")))
+
+
+def _refused(cls: type, body: dict) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse_request(cls, json.dumps(body).encode())
+    return caught.value
+
+
+# every field each endpoint takes: what the refusal of an unknown top-level field lists
+SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
+                   "stream_options", "user", "frequency_penalty", "presence_penalty"}
+FIELDS = {CompletionRequest: SAMPLING_FIELDS | {"prompt"},
+          ChatRequest: SAMPLING_FIELDS | {"messages", "max_completion_tokens"}}
+
+# (body, the whole message): moeflow's own checks say what is wrong once, with the value at fault
+MESSAGES = [
+    (GOOD | {"stop": ["a", "b", "c", "d", "e"]}, "stop: must hold 1 to 4 strings, got 5"),
+    (GOOD | {"stop": []}, "stop: must hold 1 to 4 strings, got 0"),
+    (GOOD | {"stop": ["a", 3]}, 'stop: must be a string or a list of strings, got ["a", 3]'),
+    (GOOD | {"stop": 7}, "stop: must be a string or a list of strings, got 7"),
+    (GOOD | {"stop": ["a", ""]}, "stop: a stop string must not be empty"),
+    ({"model": "m", "prompt": [1, -2]}, "prompt: token ids must be >= 0, got -2"),
+    ({"model": "m", "prompt": ["a", ""]}, "prompt: prompt 1 is empty"),
+    ({"model": "m", "prompt": ""}, "prompt: empty prompt"),
+    ({"model": "m", "prompt": 5}, "prompt: must be a string, a list of token ids, or a non-empty list of either, got 5"),
+    (CHAT | {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+     'messages.0.content: only text parts ({"type": "text", "text": ...}) are supported, got {"type": "text", '
+     '"text": "a", "x": 1}'),
+    (GOOD | {"presence_penalty": 0.5}, "presence_penalty: only 0 is supported (moeflow applies no penalty), got 0.5"),
+    (GOOD | {"stream": False, "stream_options": {"include_usage": True}},
+     "stream_options: only allowed when stream is true"),
+    (GOOD | {"seed": 2**63 - 2, "n": 3},
+     f"seed: seed + n - 1 must be below 2**63 (choice i draws with seed + i), got seed={2**63 - 2} with n=3"),
+    (CHAT | {"max_tokens": 3, "max_completion_tokens": 3},
+     "max_completion_tokens: give max_tokens or max_completion_tokens, not both"),
+    ({"prompt": "hi"}, "model: field required"),
+    (CHAT | {"messages": [{"content": "x"}]}, "messages.0.role: field required"),
+    (GOOD | {"stream_options": {"include_usage": True, "extra": 1}, "stream": True},
+     "stream_options.extra: unknown or unsupported field"),
+    (CHAT | {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages.0.tool_calls: unknown or unsupported field"),
+]
+
+
+@pytest.mark.parametrize("body,message", MESSAGES, ids=[m.split(":")[0] + f"-{i}" for i, (_, m) in enumerate(MESSAGES)])
+def test_a_refusal_says_what_is_wrong_once(body: dict, message: str) -> None:
+    """The message a client shows its user: the field, what is wrong, the value at fault (once;
+    a nested unknown field names itself, not the endpoint's fields)."""
+    err = _refused(ChatRequest if "messages" in body else CompletionRequest, body)
+    assert (err.status, err.message, err.param) == (400, message, message.split(":")[0])
+
+
+@pytest.mark.parametrize("cls", [CompletionRequest, ChatRequest])
+def test_an_unknown_field_is_refused_with_the_fields_the_endpoint_takes(cls: type, rng: random.Random) -> None:
+    base = GOOD if cls is CompletionRequest else CHAT
+    for name in ["logprobs", "tools", "".join(rng.choice(string.ascii_lowercase) for _ in range(8))]:
+        err = _refused(cls, base | {name: 1})
+        head, _, listed = err.message.partition(" (this endpoint takes ")
+        assert (err.param, head) == (name, f"{name}: unknown or unsupported field") and listed.endswith(")")
+        assert set(listed[:-1].split(", ")) == FIELDS[cls]
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", 2.5), ("top_p", 0), ("n", MAX_N + 1),
+                                         ("seed", -1), ("max_tokens", "5"), ("stream", "yes"), ("top_k", -3)])
+def test_a_value_pydantic_refuses_is_shown_after_its_reason(field: str, value: object) -> None:
+    err = _refused(CompletionRequest, GOOD | {field: value})
+    assert err.param == field and err.message.startswith(f"{field}: ")
+    assert err.message.endswith(f", got {json.dumps(value)}") and err.message.count(", got ") == 1
+    assert len(err.message) > len(f"{field}: , got {json.dumps(value)}")  # pydantic's reason between them
+
+
+def test_a_long_value_is_shown_cut_to_60_characters(rng: random.Random) -> None:
+    """Through moeflow's own checks and pydantic's both: up to 60 characters whole, longer ones
+    cut to their first 57 and "..."."""
+    for extra in (-1, 0, 1, rng.randint(2, 200)):
+        value = {"k": "".join(rng.choice(string.ascii_letters) for _ in range(51 + extra))}  # 60 + extra as JSON
+        shown = json.dumps(value)
+        assert len(shown) == 60 + extra
+        expect = shown if len(shown) <= 60 else shown[:57] + "..."
+        assert _refused(CompletionRequest, GOOD | {"stop": value}).message == \
+            f"stop: must be a string or a list of strings, got {expect}"
+        assert _refused(CompletionRequest, GOOD | {"max_tokens": value}).message.endswith(f", got {expect}")
+
+
+def test_values_on_each_side_of_a_limit() -> None:
+    """Each range's own ends are taken; one step past either is refused (``BAD`` has more)."""
+    ok = [{"max_tokens": 1}, {"temperature": 0}, {"temperature": 2}, {"top_p": 1}, {"top_p": 1e-9}, {"top_k": 0},
+          {"n": 1}, {"n": MAX_N}, {"seed": 0}, {"seed": 2**63 - 1}, {"seed": 2**63 - MAX_N, "n": MAX_N},
+          {"stop": ["a"] * MAX_STOP}, {"frequency_penalty": 0.0}, {"stream": False}]
+    for extra in ok:
+        req = parse_request(CompletionRequest, json.dumps(GOOD | extra).encode())
+        assert {k: getattr(req, k) for k in extra} == {k: tuple(v) if k == "stop" else v for k, v in extra.items()}
+    bad = [({"temperature": 2.0000001}, "temperature"), ({"seed": 2**63}, "seed"),
+           ({"seed": 2**63 - MAX_N + 1, "n": MAX_N}, "seed"), ({"n": 1.0}, "n"), ({"top_k": True}, "top_k")]
+    for extra, param in bad:
+        assert _refused(CompletionRequest, GOOD | extra).param == param
+    assert parse_request(ChatRequest, json.dumps(CHAT | {"max_completion_tokens": 1}).encode()).token_limit == 1
+    assert parse_request(ChatRequest, json.dumps(CHAT | {"max_tokens": 7}).encode()).token_limit == 7
+    assert parse_request(ChatRequest, json.dumps(CHAT).encode()).token_limit is None
+
+
+def test_stop_strings_are_taken_as_given(rng: random.Random) -> None:
+    for k in range(1, MAX_STOP + 1):
+        stops = ["".join(rng.choice("ab\n日🙂") for _ in range(rng.randint(1, 5))) for _ in range(k)]
+        req = parse_request(ChatRequest, json.dumps(CHAT | {"stop": stops}).encode())
+        assert req.stop == tuple(stops)
+    assert parse_request(ChatRequest, json.dumps(CHAT | {"stop": None}).encode()).stop is None
+
+
+@pytest.mark.parametrize("status,kind", [(400, "invalid_request_error"), (404, "invalid_request_error"),
+                                         (413, "invalid_request_error"), (499, "invalid_request_error"),
+                                         (429, "rate_limit_error"), (500, "server_error"), (503, "server_error")])
+def test_an_error_bodys_type_follows_its_status(status: int, kind: str) -> None:
+    """OpenAI's clients raise by status and read ``type``: a client error, the rate limit (retry
+    later), the server's fault; a type given explicitly wins; param and code reach the body."""
+    err = ApiError(status, "what went wrong")
+    assert (err.status, err.type, str(err)) == (status, kind, "what went wrong")
+    assert err.body() == {"error": {"message": "what went wrong", "type": kind, "param": None, "code": None}}
+    err = ApiError(status, "m", param="n", code="some_code", type="other_error")
+    assert err.body() == {"error": {"message": "m", "type": "other_error", "param": "n", "code": "some_code"}}
+    assert ApiError(status, "m", code="c").body()["error"]["code"] == "c"
+
+
+def _texts(rng: random.Random, n: int) -> tuple[list[str], list[str]]:
+    texts = ["".join(rng.choice("ab \n日🙂") for _ in range(rng.randint(0, 9))) for _ in range(n)]
+    return texts, [rng.choice(["stop", "length", "error"]) for _ in range(n)]
+
+
+def test_usage_counts_prompt_and_completion_and_their_sum(rng: random.Random) -> None:
+    for _ in range(5):
+        p, c = rng.randint(0, 10**6), rng.randint(0, 10**6)
+        assert usage(p, c) == {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def test_whole_answers_have_openais_shape(rng: random.Random) -> None:
+    n, created, rid, model = rng.randint(1, 6), rng.randint(0, 2**31), f"cmpl-{rng.getrandbits(32):x}", "m-" + str(rng.random())
+    texts, reasons = _texts(rng, n)
+    used = usage(rng.randint(1, 99), rng.randint(0, 99))
+    assert completion_body(rid, created, model, texts, reasons, used) == {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]} for i in range(n)],
+        "usage": used}
+    assert chat_body(rid, created, model, texts, reasons, used) == {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+                     "finish_reason": reasons[i]} for i in range(n)],
+        "usage": used}
+
+
+def test_stream_chunks_have_openais_shape(rng: random.Random) -> None:
+    """A choice's chunk (its new text, its finish_reason on the last), and the closing usage
+    chunk: no choices, the usage; choice chunks carry ``usage: null`` (include_usage's format)."""
+    created, rid, model = rng.randint(0, 2**31), f"x-{rng.getrandbits(32):x}", "m"
+    index, (texts, reasons), used = rng.randint(0, 7), _texts(rng, 1), usage(3, 4)
+    for reason in (None, reasons[0]):
+        assert completion_chunk(rid, created, model, index, texts[0], reason) == {
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": texts[0], "logprobs": None, "finish_reason": reason}], "usage": None}
+        for delta in ({"role": "assistant", "content": ""}, {"content": texts[0]}, {}):
+            assert chat_chunk(rid, created, model, index, delta, reason) == {
+                "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}],
+                "usage": None}
+    assert completion_chunk(rid, created, model, None, "", None, used) == {
+        "id": rid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": used}
+    assert chat_chunk(rid, created, model, None, {}, None, used) == {
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+        "usage": used}
+    assert completion_chunk(rid, created, model, 0, "a", None, used)["usage"] == used  # given: passed on
