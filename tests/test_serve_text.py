@@ -1,6 +1,6 @@
 """``moeflow.serve.text``: the incremental detokenizer against the whole-sequence decode (its
 reference) on fresh random text, never a piece ending in half a UTF-8 character; stop strings
-against cutting the whole text at the earliest one, whatever the pieces; the chat side
+against cutting the whole text before the first one to show, whatever the pieces; the chat side
 (``ModelText``) rendering through ``moeflow.convert.chat`` as ``generate --chat`` does."""
 
 from __future__ import annotations
@@ -78,12 +78,16 @@ def test_a_words_leading_space_survives_as_in_the_whole_decode() -> None:
 
 
 def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    """The reference: ``text`` up to the earliest occurrence of any stop string."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[:min(hits)], True) if hits else (text, False)
+    """The reference: ``text`` up to the first stop string to show, read a character at a time
+    (the first prefix of ``text`` that ends in a stop string; of those it ends in, the longest)."""
+    for end in range(len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            return text[:end - max(map(len, ending))], True
+    return text, False
 
 
-def test_stop_strings_cut_at_the_earliest_whatever_the_pieces(rng) -> None:
+def test_stop_strings_cut_at_the_first_to_show_whatever_the_pieces(rng) -> None:
     for _ in range(200):
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
         stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 4))]
@@ -99,6 +103,13 @@ def test_stop_strings_cut_at_the_earliest_whatever_the_pieces(rng) -> None:
 
 
 def test_text_held_back_is_only_what_may_begin_a_stop_string() -> None:
+    # a stop string that shows inside a longer one still coming ends the text: nothing past it
+    # need be generated, and the cut is the same whether "xab" came whole or a character at a time
+    for pieces in (["xab"], ["x", "a", "b"], ["xa", "bc"]):
+        s = StopStrings(["abc", "b"])
+        assert "".join(s.push(p) for p in pieces) + s.finish() == "xa" and s.stopped
+    s = StopStrings(["ab", "b"])  # both end at once: the cut is before the longer
+    assert s.push("xab") == "x"
     s = StopStrings(["END", "\n\n"])
     assert s.push("the E") == "the " and s.push("ND") == "" and s.stopped
     s = StopStrings(["END"])
@@ -144,3 +155,4 @@ def test_conversations_render_through_the_models_template_and_encode_without_add
     given = ModelText(tok, eos_ids=[], vocab_size=257, extra=_hf_extra(None), template="{{ messages[0]['content'] }}",
                       where="ck")
     assert given.render_chat(messages) == "brief"
+

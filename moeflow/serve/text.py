@@ -15,7 +15,9 @@ generated ids back to text as they arrive, cut at stop strings.
   until the rest arrives); ``finish`` hands out what is held (an incomplete character at the
   very end stays U+FFFD, as a whole-sequence decode gives it). The pieces concatenate to the
   decode of the whole sequence (``reference_text``), which the tests check.
-- ``StopStrings``: the earliest occurrence of any stop string ends the text before it. Text
+- ``StopStrings``: the first stop string to show ends the text before it (the occurrence that
+  ends first, as the text grows; of those ending together, the one starting first: so the cut
+  does not depend on how the text came in pieces, and nothing past it need be generated). Text
   that could be the start of a stop string (the longest suffix that is a prefix of one) is held
   back until the next piece shows whether it is, so a streamed reply never shows a stop string's
   first half and a non-streamed one is the concatenation of the streamed pieces.
@@ -78,7 +80,7 @@ def reference_text(tokenizer, prompt: Sequence[int], generated: Sequence[int]) -
 
 
 class StopStrings:
-    """Text pieces in, the text before the earliest stop string out (module docstring)."""
+    """Text pieces in, the text before the first stop string to show out (module docstring)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         if any(not isinstance(s, str) or not s for s in stops):
@@ -100,10 +102,11 @@ class StopStrings:
         if self.stopped:
             return ""
         text = self._held + text
-        hits = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        # (end, start) of each stop string's first occurrence: the one ending first stops the text
+        hits = [(i + len(s), i) for s in self._stops if (i := text.find(s)) >= 0]
         if hits:
             self.stopped, self._held = True, ""
-            return text[:min(hits)]
+            return text[:min(hits)[1]]
         keep = self._hold(text)
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
