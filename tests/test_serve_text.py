@@ -156,3 +156,110 @@ def test_conversations_render_through_the_models_template_and_encode_without_add
                       where="ck")
     assert given.render_chat(messages) == "brief"
 
+
+def _metaspace(words: list[str]):  # type: ignore[no-untyped-def]
+    """A SentencePiece-style tokenizer (a word's leading space is "▁", dropped at the start of a
+    decode) with special tokens that decode to nothing and a post-processor that puts ``<s>``
+    before an encoded text, as Llama's ``tokenizer.json`` does."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *("▁" + w for w in words)])}
+    raw = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return BPETokenizer(raw), vocab
+
+
+def test_pieces_keep_their_spaces_across_tokens_that_decode_to_nothing(rng) -> None:
+    """Special tokens (decoded to nothing) among words: the piece after one still has its
+    word's leading space, the concatenation is the whole decode."""
+    tok, vocab = _metaspace(["hello", "world", "again", "日本", "a"])
+    words, specials = [i for w, i in vocab.items() if w.startswith("▁")], [vocab["<s>"], vocab["</s>"]]
+    for _ in range(30):
+        prompt = [rng.choice(words) for _ in range(rng.randint(1, 8))]
+        ids = [rng.choice(words + specials) for _ in range(rng.randint(1, 25))]
+        pieces = _pieces(tok, prompt, ids)
+        assert "".join(pieces) == reference_text(tok, prompt, ids), (prompt, ids, pieces)
+    prompt, ids = [vocab["▁hello"]], [vocab["▁world"], vocab["</s>"], vocab["▁again"]]
+    assert _pieces(tok, prompt, ids) == [" world", "", " again", ""]
+
+
+def test_a_stream_without_stop_strings_is_the_whole_decode(rng, bpe) -> None:
+    """No stop strings: nothing is held back or cut, the end included (an incomplete character
+    at the end as the whole decode gives it)."""
+    for tok in (ByteTokenizer(encoding="utf-8", eod=True), bpe):
+        for _ in range(10):
+            prompt, ids = tok.encode(_text(rng, rng.randint(1, 9))), tok.encode(_text(rng, rng.randint(1, 30)))
+            ids = ids[:rng.randint(1, len(ids))]  # may end inside a character
+            stream = TextStream(tok, prompt)
+            out = "".join(stream.push(t) for t in ids) + stream.finish()
+            assert out == reference_text(tok, prompt, ids) and not stream.stopped
+            assert stream.finish() == ""  # handed out once
+
+
+def test_a_stream_hands_out_what_it_held_at_the_end_once(rng) -> None:
+    """A generation that ends inside what may begin a stop string hands it out at the end (and
+    only once), through the detokenizer's held bytes too."""
+    tok = ByteTokenizer(encoding="utf-8", eod=True)
+    for _ in range(20):
+        stop = _text(rng, rng.randint(2, 4))
+        text = _text(rng, rng.randint(0, 10)) + stop[:rng.randint(1, len(stop) - 1)]
+        if stop in text:
+            continue
+        ids = tok.encode(text)
+        stream = TextStream(tok, tok.encode("p"), [stop])
+        out = "".join(stream.push(t) for t in ids)
+        assert text.startswith(out) and len(out) < len(text)  # the stop string's beginning is held
+        assert out + stream.finish() == text and not stream.stopped
+        assert stream.finish() == ""
+    s = StopStrings(["END"])
+    assert s.push("aEN") == "a" and s.finish() == "EN" and s.finish() == ""
+
+
+def test_the_served_models_text_side(rng) -> None:
+    """What the app reads of ``ModelText``: the vocabulary size (ids past it are refused), a
+    prompt encoded with the tokenizer's own special tokens and a rendered conversation without
+    (it holds them: one ``<s>``, where the template put it), a stream per choice over the
+    prompt's ids with the request's stop strings."""
+    tok, vocab = _metaspace(["hello", "world", "again", "a"])
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}again"
+    text = ModelText(tok, eos_ids=[2], vocab_size=7, extra=_hf_extra(template), where="ck")
+    assert (text.vocab_size, text.eos_ids, text.template) == (7, frozenset({2}), template)
+    words = [w[1:] for w in vocab if w.startswith("▁")]
+    said = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+    assert text.encode_prompt(said) == [vocab["<s>"]] + [vocab["▁" + w] for w in said.split()]
+    ids = text.encode_chat([{"role": "user", "content": said}])
+    assert ids == [vocab["<s>"]] + [vocab["▁" + w] for w in said.split()] + [vocab["▁again"]]
+    assert text.encode_prompt(ids) == ids
+
+    gen = [rng.choice([vocab["▁" + w] for w in words]) for _ in range(rng.randint(2, 12))]
+    whole = reference_text(tok, ids, gen)
+    stop = whole[rng.randint(1, len(whole) - 2):][:3]
+    stream = text.stream(ids, [stop])
+    out = ""
+    for t in gen:
+        out += stream.push(t)
+        if stream.stopped:
+            break
+    assert stream.stopped and out + stream.finish() == _cut(whole, [stop])[0]
+    stream = text.stream(ids)
+    assert "".join(stream.push(t) for t in gen) + stream.finish() == whole  # with the prompt's context: spaces kept
+
+
+def test_a_model_without_a_template_says_how_to_chat_with_it_and_a_malformed_one_names_the_model() -> None:
+    tok = ByteTokenizer(encoding="utf-8", eod=True)
+    bare = ModelText(tok, eos_ids=[], vocab_size=257, extra=_hf_extra(None), where="ck/model")
+    with pytest.raises(NoChatTemplate) as caught:
+        bare.render_chat([{"role": "user", "content": "hi"}])
+    assert str(caught.value) == (
+        "the model ck/model has no chat template (no chat_template.jinja or tokenizer_config.json chat_template kept "
+        "from a Hugging Face directory); use /v1/completions, or start the server with --chat-template FILE")
+    broken = {"hf": {"model_type": "mixtral", "files": {"tokenizer_config.json": "{not json"}}}
+    with pytest.raises(ValueError, match="^ck/model: its kept tokenizer_config.json is not JSON"):
+        ModelText(tok, eos_ids=[], vocab_size=257, extra=broken, where="ck/model")
+    broken = _hf_extra("{{ messages }}")
+    broken["hf"]["files"]["special_tokens_map.json"] = "[1]"  # read for the special tokens' texts only
+    with pytest.raises(ValueError, match="^ck/model: its kept special_tokens_map.json is not a JSON object"):
+        ModelText(tok, eos_ids=[], vocab_size=257, extra=broken, where="ck/model")
