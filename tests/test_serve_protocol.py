@@ -161,7 +161,8 @@ MESSAGES = [
     ({"model": "m", "prompt": [1, -2]}, "prompt: token ids must be >= 0, got -2"),
     ({"model": "m", "prompt": ["a", ""]}, "prompt: prompt 1 is empty"),
     ({"model": "m", "prompt": ""}, "prompt: empty prompt"),
-    ({"model": "m", "prompt": 5}, "prompt: must be a string, a list of token ids, or a non-empty list of either, got 5"),
+    ({"model": "m", "prompt": 5},
+     "prompt: must be a string, a list of token ids, or a non-empty list of either, got 5"),
     (CHAT | {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
      'messages.0.content: only text parts ({"type": "text", "text": ...}) are supported, got {"type": "text", '
      '"text": "a", "x": 1}'),
@@ -272,7 +273,8 @@ def test_usage_counts_prompt_and_completion_and_their_sum(rng: random.Random) ->
 
 
 def test_whole_answers_have_openais_shape(rng: random.Random) -> None:
-    n, created, rid, model = rng.randint(1, 6), rng.randint(0, 2**31), f"cmpl-{rng.getrandbits(32):x}", "m-" + str(rng.random())
+    n, created, rid = rng.randint(1, 6), rng.randint(0, 2**31), f"cmpl-{rng.getrandbits(32):x}"
+    model = "m-" + str(rng.random())
     texts, reasons = _texts(rng, n)
     used = usage(rng.randint(1, 99), rng.randint(0, 99))
     assert completion_body(rid, created, model, texts, reasons, used) == {
