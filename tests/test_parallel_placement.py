@@ -9,6 +9,7 @@ and moving experts mid-training must keep parameters, optimizer state and the lo
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -86,6 +87,19 @@ def test_plan_placement_rejects_bad_arguments(kwargs, match):
 def test_placement_validates(slots, match):
     with pytest.raises(ValueError, match=match):
         Placement(num_experts=4, slots=slots)
+
+
+@pytest.mark.unit
+def test_a_single_process_layer_has_no_placement():
+    """A layer without expert parallelism has no placement: ``placement_of`` is None, moving or
+    rebalancing its experts is refused by name, and there are no replicas to sum."""
+    model = torch.nn.Sequential(moeflow.MoE(dim=D, hidden=H, num_experts=4, top_k=1, load_window=2))
+    assert placement_of(model[0]) is None
+    with pytest.raises(ValueError, match="MoE layer 0 is not expert-parallel"):
+        apply_placement(model, [Placement.contiguous(4, 1)])
+    with pytest.raises(ValueError, match="MoE layer 0 is not expert-parallel"):
+        rebalance(model)
+    sync_replica_gradients(model)
 
 
 # -- equivalence on gloo ranks (distributed) ----------------------------------------------------
@@ -276,6 +290,48 @@ def _case_bad_move(rank: int, world: int) -> None:
     assert modes == {"expert", "data"}  # neither sharded nor hybrid:r under a moved placement
     with pytest.raises(ValueError, match="contiguous expert placement"):
         layer(torch.randn(3, D, dtype=torch.float64), parallel="sharded")
+    # expert parameters not shaped [slots, ...] cannot move slot by slot: refused, naming the shapes
+    for shape in [(3,), ()]:
+        odd = expert_parallel(_tiny_model(8, seed=1))
+        moeflow.moe_layers(odd)[0].experts.register_parameter("odd", torch.nn.Parameter(torch.zeros(shape)))
+        with pytest.raises(TypeError, match=re.escape(f"shaped [slots, ...] (GroupedExperts); got shapes [{shape}]")):
+            apply_placement(odd, [Placement.contiguous(8, world)] * 2)
+
+
+def _case_rebalance_groups(rank: int, world: int) -> None:
+    """``rebalance`` over expert groups of 2 ranks (two groups on 4 ranks) after a training step:
+    each group plans every layer from its own ranks' summed load statistics, the layers keep
+    their slots per rank by default, and the optimizer holds the moved parameters with their
+    moved state."""
+    from moeflow.parallel import make_groups
+
+    E, size = 8, 2
+    groups = make_groups(size)
+    torch.manual_seed(3)
+    layers = [moeflow.MoE(dim=D, hidden=H, num_experts=E, top_k=2, capacity_factor=0.0, dtype=torch.float64,
+                          router=RouterConfig(load_balance_coef=0.0), load_window=2) for _ in range(2)]
+    model = expert_parallel(torch.nn.Sequential(layers[0], torch.nn.Tanh(), layers[1]), groups.expert)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(40 + rank)
+    # the ranks of each group see inputs from their own distribution: the groups' loads differ
+    x = torch.randn(24, D, generator=gen, dtype=torch.float64) + 3 * torch.randn(D, generator=torch.Generator().manual_seed(rank // size), dtype=torch.float64)
+    model(x).square().mean().backward()
+    opt.step()
+    every: list = [None] * world
+    torch.distributed.all_gather_object(every, [layer.load_stats().tolist() for layer in layers])
+    expected = {g: [plan_placement([sum(every[r][i][x] for r in range(g * size, (g + 1) * size)) for x in range(E)],
+                                   world=size, slots_per_rank=E // size) for i in range(2)] for g in range(world // size)}
+    assert expected[0] != expected[1]  # the test can tell one group's load from the other's (and from the world's)
+    before = {(rank // size, i, x): _expert_state(layer, opt, x) for i, layer in enumerate(layers)
+              for x in placement_of(layer).slots[layer.dispatcher.rank]}
+    plans = rebalance(model, opt)
+    assert plans == expected[rank // size] == [placement_of(layer) for layer in layers]
+    params = {id(p) for group in opt.param_groups for p in group["params"]}
+    for layer in layers:
+        assert all(id(p) in params and p in opt.state for p in layer.experts.parameters())
+    after = {(rank // size, i, x): _expert_state(layer, opt, x) for i, layer in enumerate(layers)
+             for x in placement_of(layer).slots[layer.dispatcher.rank]}
+    _check_moved(before, after, world)
 
 
 def _case_checkpoint(rank: int, world: int, root: str) -> None:
@@ -301,7 +357,7 @@ def _case_checkpoint(rank: int, world: int, root: str) -> None:
 
 
 CASES = {"equivalence": _case_equivalence, "skewed": _case_skewed_load, "move": _case_move, "bad": _case_bad_move,
-         "checkpoint": _case_checkpoint}
+         "checkpoint": _case_checkpoint, "rebalance_groups": _case_rebalance_groups}
 
 
 @pytest.mark.distributed
@@ -319,6 +375,11 @@ def test_replication_lowers_busiest_rank_on_4_ranks():
 @pytest.mark.parametrize("world", [2, 4])
 def test_moving_experts_mid_training_is_exact(world):
     spawn_ranks(world, __name__, "move")
+
+
+@pytest.mark.distributed
+def test_rebalance_plans_each_expert_group_from_its_own_load():
+    spawn_ranks(4, __name__, "rebalance_groups")
 
 
 @pytest.mark.distributed
