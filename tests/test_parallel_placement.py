@@ -90,6 +90,31 @@ def test_placement_validates(slots, match):
 
 
 @pytest.mark.unit
+def test_placement_tables_as_documented():
+    """``tables``: per expert its replicas' global slots in rank order padded with the primary,
+    the running sums of their shares from 0 padded with the total, and the replica counts; int64
+    on the device asked for, built once per device. Random planned placements, with and without
+    shares."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(20):
+        E, W = [(8, 2), (8, 4), (12, 3), (6, 3)][trial % 4]
+        load = (torch.rand(E, generator=gen) ** 3 * 100).tolist()
+        plan = plan_placement(load, world=W, slots_per_rank=min(E, E // W + trial % 3))
+        for placement in (plan, Placement(num_experts=E, slots=plan.slots)):
+            replica_EN, cum_EN1, n_E = placement.tables(torch.device("cpu"))
+            assert all(t.dtype == torch.int64 and t.device.type == "cpu" for t in (replica_EN, cum_EN1, n_E))
+            assert placement.tables(torch.device("cpu"))[0] is replica_EN
+            N = max(placement.num_replicas)
+            assert n_E.tolist() == list(placement.num_replicas) and replica_EN.shape == (E, N) and cum_EN1.shape == (E, N + 1)
+            shares = placement.flat_shares
+            for x in range(E):
+                reps = [g for g in range(W * placement.slots_per_rank) if placement.flat[g] == x]
+                assert replica_EN[x].tolist() == reps + [reps[0]] * (N - len(reps))
+                running = [sum(shares[g] for g in reps[:j]) for j in range(len(reps) + 1)]
+                assert cum_EN1[x].tolist() == running + [running[-1]] * (N - len(reps))
+
+
+@pytest.mark.unit
 def test_a_single_process_layer_has_no_placement():
     """A layer without expert parallelism has no placement: ``placement_of`` is None, moving or
     rebalancing its experts is refused by name, and there are no replicas to sum."""
