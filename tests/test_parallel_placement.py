@@ -62,6 +62,21 @@ def test_plan_placement_is_never_worse_than_contiguous():
 
 
 @pytest.mark.unit
+def test_plan_placement_does_not_depend_on_the_unit_of_load():
+    """``load_E`` is any work measure: the same loads as fractions of the total (each below 1)
+    and in tokens (scaled by a power of two, which scales every float exactly) give the same
+    slots and the same shares."""
+    gen = torch.Generator().manual_seed(6)
+    for trial in range(30):
+        E, W = [(8, 2), (8, 4), (12, 3), (16, 4)][trial % 4]
+        load = torch.rand(E, generator=gen, dtype=torch.float64) ** 3
+        load = (load / load.sum()).tolist()
+        s = E // W + 1 + trial % 2
+        plan = plan_placement(load, world=W, slots_per_rank=s)
+        assert plan == plan_placement([v * 2**20 for v in load], world=W, slots_per_rank=s), (load, s)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, match",
     [
