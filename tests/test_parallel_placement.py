@@ -62,6 +62,21 @@ def test_plan_placement_is_never_worse_than_contiguous():
 
 
 @pytest.mark.unit
+def test_the_smallest_placements():
+    """One expert is a placement (on one rank, or replicated on every rank with a slot each); no
+    expert is refused by name. The contiguous placement needs a world that divides the experts:
+    an empty world and a remainder are refused by name."""
+    assert plan_placement([3.0], world=1, slots_per_rank=1).slots == ((0,),)
+    assert plan_placement(torch.tensor([3.0]), world=3, slots_per_rank=1).slots == ((0,), (0,), (0,))
+    with pytest.raises(ValueError, match="non-empty"):
+        plan_placement([], world=1, slots_per_rank=1)
+    assert Placement.contiguous(6, 3).slots == ((0, 1), (2, 3), (4, 5))
+    for E, W in [(6, 4), (4, 0), (3, 2)]:
+        with pytest.raises(ValueError, match=f"num_experts={E} must be divisible by the world size {W}"):
+            Placement.contiguous(E, W)
+
+
+@pytest.mark.unit
 def test_plan_placement_does_not_depend_on_the_unit_of_load():
     """``load_E`` is any work measure: the same loads as fractions of the total (each below 1)
     and in tokens (scaled by a power of two, which scales every float exactly) give the same
