@@ -99,7 +99,9 @@ def test_plan_placement_does_not_depend_on_the_unit_of_load():
         (dict(load_E=[1, 2, 3], world=1, slots_per_rank=2), "cannot hold"),
         (dict(load_E=[1, -2], world=2, slots_per_rank=1), "non-negative"),
         (dict(load_E=[1, 2], world=2, slots_per_rank=3), "exceeds"),
-        (dict(load_E=[1, 2], world=2, slots_per_rank=0), "slots_per_rank"),
+        (dict(load_E=[1, 2], world=2, slots_per_rank=0), "slots_per_rank must be a positive int, got 0"),
+        (dict(load_E=[1, 2], world=2, slots_per_rank=2.0), "slots_per_rank must be a positive int, got 2.0"),
+        (dict(load_E=[1, 2], world=2.0, slots_per_rank=1), "world must be a positive int, got 2.0"),
     ],
 )
 def test_plan_placement_rejects_bad_arguments(kwargs, match):
