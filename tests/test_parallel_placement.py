@@ -62,6 +62,26 @@ def test_plan_placement_is_never_worse_than_contiguous():
 
 
 @pytest.mark.unit
+def test_spare_slots_minimise_the_largest_load_per_replica():
+    """The spare slots (beyond one per expert) go where they lower the largest load per replica
+    most: the replica counts reach the smallest possible ``max(load / replicas)`` (every way of
+    handing out the spare slots tried, at most one replica per rank)."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(40):
+        E, W = [(4, 2), (4, 4), (6, 3), (5, 4)][trial % 4]
+        s = -(-E // W) + 1 + trial % 2
+        if s > E:
+            continue
+        load = (torch.rand(E, generator=gen, dtype=torch.float64) ** 2 * 100).tolist()
+        plan = plan_placement(load, world=W, slots_per_rank=s)
+        best = min(max(v / n for v, n in zip(load, ns)) for ns in itertools.product(range(1, W + 1), repeat=E)
+                   if sum(ns) == W * s)
+        assert max(v / n for v, n in zip(load, plan.num_replicas)) == pytest.approx(best, rel=1e-12), (load, W, s)
+
+
+@pytest.mark.unit
 def test_the_smallest_placements():
     """One expert is a placement (on one rank, or replicated on every rank with a slot each); no
     expert is refused by name. The contiguous placement needs a world that divides the experts:
