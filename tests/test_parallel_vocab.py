@@ -151,8 +151,8 @@ def _case_collectives(rank: int, world: int) -> None:
     instead of the group shows): token counts, ``gather_tokens`` of ``[T, 2, 3]`` rows and its
     gradient under a different upstream gradient on each rank, ``sum_to_owners``, a rank without
     tokens; the per-token cross-entropy from split logits and its gradient (a different upstream
-    gradient on each rank) at vocabularies with more columns than ranks and fewer (a rank
-    without columns), every vocabulary id a target (so every shard's first and last column),
+    gradient on each rank) at vocabularies with more columns than ranks, one column a rank (targets past it on both
+    sides) and fewer (a rank without columns), every vocabulary id a target (so every shard's first and last column),
     logits offset far past where ``exp`` overflows, fp64 and fp32."""
     from moeflow.parallel import make_groups
     from moeflow.parallel.vocab import gather_tokens, group_tokens, sum_to_owners, vocab_cross_entropy
@@ -175,7 +175,7 @@ def _case_collectives(rank: int, world: int) -> None:
     rows = [torch.randn(N, 2, 3, generator=gen, dtype=torch.float64) for _ in range(size)]
     torch.testing.assert_close(sum_to_owners(rows[me], tokens_W, me, group), sum(rows)[mine], **TOL)
 
-    for V, dtype in [(11, torch.float64), (size + 1, torch.float32), (size - 1, torch.float64)]:
+    for V, dtype in [(11, torch.float64), (size + 1, torch.float32), (size, torch.float64), (size - 1, torch.float64)]:
         tol = TOL if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
         n = 2 * V + 3
         targets = torch.cat([torch.arange(V), torch.randint(0, V, (n - V,), generator=gen)])
