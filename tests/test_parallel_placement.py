@@ -147,7 +147,8 @@ def test_plan_placement_rejects_bad_arguments(kwargs, match):
 @pytest.mark.parametrize(
     "slots, match",
     [(((0, 1), (1,)), "same positive number"), (((0, 0), (1, 2)), "twice"), (((0, 1), (1, 2)), r"\[3\] have no slot"),
-     (((0, 9), (1, 2)), "outside")],
+     (((0, 9), (1, 2)), "outside"), (((0, 1), (2, 4)), r"holds experts \[4\] outside \[0, 4\)"),
+     (((0, 1), (2, -1)), r"holds experts \[-1\] outside")],
 )
 def test_placement_validates(slots, match):
     with pytest.raises(ValueError, match=match):
@@ -177,6 +178,20 @@ def test_placement_tables_as_documented():
                 assert replica_EN[x].tolist() == reps + [reps[0]] * (N - len(reps))
                 running = [sum(shares[g] for g in reps[:j]) for j in range(len(reps) + 1)]
                 assert cum_EN1[x].tolist() == running + [running[-1]] * (N - len(reps))
+
+
+@pytest.mark.unit
+def test_placement_normalises_its_slots_and_checks_the_expert_count():
+    """Slots given as lists (of tensor elements too) are stored as tuples of ints, so equal
+    placements compare equal; the expert count must be a positive int (not 0, a bool or a
+    float)."""
+    given = Placement(num_experts=4, slots=[[0, 1], list(torch.tensor([2, 3]))], shares=[[1, 2], [3, 4]])
+    assert given.slots == ((0, 1), (2, 3)) and all(type(x) is int for r in given.slots for x in r)
+    assert given.shares == ((1, 2), (3, 4))
+    assert given == Placement(num_experts=4, slots=((0, 1), (2, 3)), shares=((1, 2), (3, 4)))
+    for bad in (0, True, 4.0):
+        with pytest.raises(ValueError, match=f"num_experts must be a positive int, got {bad!r}"):
+            Placement(num_experts=bad, slots=((0, 1), (2, 3)))
 
 
 @pytest.mark.unit
