@@ -184,7 +184,8 @@ def test_placement_tables_as_documented():
 def test_placement_normalises_its_slots_and_checks_the_expert_count():
     """Slots given as lists (of tensor elements too) are stored as tuples of ints, so equal
     placements compare equal; the expert count must be a positive int (not 0, a bool or a
-    float)."""
+    float); shares may give a replica nothing but not an expert, and must be non-negative and
+    shaped like the slots (each rule on its own)."""
     given = Placement(num_experts=4, slots=[[0, 1], list(torch.tensor([2, 3]))], shares=[[1, 2], [3, 4]])
     assert given.slots == ((0, 1), (2, 3)) and all(type(x) is int for r in given.slots for x in r)
     assert given.shares == ((1, 2), (3, 4))
@@ -192,6 +193,15 @@ def test_placement_normalises_its_slots_and_checks_the_expert_count():
     for bad in (0, True, 4.0):
         with pytest.raises(ValueError, match=f"num_experts must be a positive int, got {bad!r}"):
             Placement(num_experts=bad, slots=((0, 1), (2, 3)))
+    # shares: a replica may get none (its expert's rows go to the others), an expert may not
+    slots = ((0, 1), (0, 2))
+    zero_last = Placement(num_experts=3, slots=slots, shares=((2, 1), (0, 1)))
+    assert zero_last.fraction(0) == 1.0 and zero_last.fraction(2) == 0.0
+    for bad in (((2, 1), (1,)), ((2, 1), (-1, 1))):  # misshaped alone, negative alone
+        with pytest.raises(ValueError, match="shares must be non-negative integers shaped like slots"):
+            Placement(num_experts=3, slots=slots, shares=bad)
+    with pytest.raises(ValueError, match=r"shares give experts \[0\] no rows"):
+        Placement(num_experts=3, slots=slots, shares=((0, 1), (0, 1)))
 
 
 @pytest.mark.unit
