@@ -145,7 +145,56 @@ def _case_gpt(rank: int, world: int) -> None:
             shutil.rmtree(root[0])
 
 
-CASES = {"modules": _case_modules, "gpt": _case_gpt}
+def _case_collectives(rank: int, world: int) -> None:
+    """The collectives alone against the unsplit computation, on 2 ranks over the world and on
+    4 over two groups of 2 ranks with different data per group (a collective over the world
+    instead of the group shows): token counts, ``gather_tokens`` of ``[T, 2, 3]`` rows and its
+    gradient under a different upstream gradient on each rank, ``sum_to_owners``, a rank without
+    tokens; the per-token cross-entropy from split logits and its gradient (a different upstream
+    gradient on each rank) at vocabularies with more columns than ranks, one column a rank (targets past it on both
+    sides) and fewer (a rank without columns), every vocabulary id a target (so every shard's first and last column),
+    logits offset far past where ``exp`` overflows, fp64 and fp32."""
+    from moeflow.parallel import make_groups
+    from moeflow.parallel.vocab import gather_tokens, group_tokens, sum_to_owners, vocab_cross_entropy
+
+    group, size = (make_groups(2).expert, 2) if world == 4 else (None, world)
+    g, me = rank // size, rank % size  # make_groups: groups of consecutive ranks
+    gen = torch.Generator().manual_seed(50 + g)  # the same draws on the ranks of a group
+    tokens_W = [3 + 2 * r + g for r in range(size)]
+    tokens_W[(1 + g) % size] = 0
+    N, first = sum(tokens_W), sum(tokens_W[:me])
+    mine = slice(first, first + tokens_W[me])
+    assert group_tokens(tokens_W[me], group, torch.device("cpu")) == tokens_W
+    xs = [torch.randn(t, 2, 3, generator=gen, dtype=torch.float64) for t in tokens_W]
+    x = xs[me].clone().requires_grad_(True)
+    all_x = gather_tokens(x, tokens_W, group)
+    assert torch.equal(all_x, torch.cat(xs))
+    ups = [torch.randn(N, 2, 3, generator=gen, dtype=torch.float64) for _ in range(size)]
+    all_x.backward(ups[me])
+    torch.testing.assert_close(x.grad, sum(ups)[mine], **TOL)
+    rows = [torch.randn(N, 2, 3, generator=gen, dtype=torch.float64) for _ in range(size)]
+    torch.testing.assert_close(sum_to_owners(rows[me], tokens_W, me, group), sum(rows)[mine], **TOL)
+
+    for V, dtype in [(11, torch.float64), (size + 1, torch.float32), (size, torch.float64), (size - 1, torch.float64)]:
+        tol = TOL if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
+        n = 2 * V + 3
+        targets = torch.cat([torch.arange(V), torch.randint(0, V, (n - V,), generator=gen)])
+        offset = 1000.0 if dtype == torch.float64 else 100.0  # exp overflows past 709 (fp64), 88 (fp32)
+        logits = torch.randn(n, V, generator=gen, dtype=dtype) * 3 + offset * torch.rand(n, 1, generator=gen, dtype=dtype)
+        start, v = vocab_range(V, me, size)
+        z = logits[:, start : start + v].clone().requires_grad_(True)
+        loss = vocab_cross_entropy(z, targets, start, group)
+        z_ref = logits.clone().requires_grad_(True)
+        loss_ref = F.cross_entropy(z_ref, targets, reduction="none")
+        torch.testing.assert_close(loss, loss_ref.detach(), **tol, msg=lambda m: f"V={V} {dtype}: {m}")
+        up = [torch.randn(n, generator=gen, dtype=dtype) for _ in range(size)]
+        loss.backward(up[me])
+        loss_ref.backward(sum(up))
+        assert z.grad.shape == (n, v)
+        torch.testing.assert_close(z.grad, z_ref.grad[:, start : start + v], **tol, msg=lambda m: f"V={V} {dtype}: {m}")
+
+
+CASES = {"modules": _case_modules, "gpt": _case_gpt, "collectives": _case_collectives}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -156,3 +205,8 @@ def test_vocab_parallel_modules_match_unsplit(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_gpt_matches_unsplit(world):
     spawn_ranks(world, __name__, "gpt")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_collectives_match_the_unsplit_computation(world):
+    spawn_ranks(world, __name__, "collectives")

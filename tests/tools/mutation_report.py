@@ -43,7 +43,8 @@ def category(code: int | None) -> str:
 
 # the parallel and models modules under mutation, reported by module (their rows' names)
 PARALLEL_ROWS = {"exchange.assignment": "parallel/assignment", "exchange.alltoall": "parallel/exchange",
-                 "placement.tuner": "parallel/tuner"}
+                 "placement.tuner": "parallel/tuner", "placement.plan": "parallel/placement",
+                 "placement.rebalance": "parallel/placement", "placement.costmodel": "parallel/placement"}
 MODELS_ROWS = {"decoding": "models/sampling", "generation": "models/sampling"}
 
 

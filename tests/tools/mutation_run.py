@@ -78,6 +78,14 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # run the server in a subprocess, where mutmut's trampolines record nothing
     "serve": (["moeflow/serve/text.py", "moeflow/serve/protocol.py"],
               ["test_serve_text.py", "test_serve_protocol.py"]),
+    # which rank holds which expert and which share of its rows, moving experts and their optimizer
+    # state there, replicas' gradients, and the exchange's cost model (test_parallel_assignment.py:
+    # the slot tables every rank routes by)
+    "parallel/placement": (["moeflow/parallel/placement/plan.py", "moeflow/parallel/placement/rebalance.py",
+                            "moeflow/parallel/placement/costmodel.py"],
+                           ["test_parallel_placement.py", "test_parallel_costmodel.py", "test_parallel_assignment.py"]),
+    # the vocabulary-parallel collectives: token exchanges and the cross-entropy over split logits
+    "parallel/vocab": (["moeflow/parallel/vocab.py"], ["test_parallel_vocab.py"]),
 }
 
 
