@@ -29,7 +29,8 @@ def test_equivalent_file_needs_a_reason_per_mutant(tmp_path):
     for name in report.read_equivalent():
         assert report.package_of(name) in {"routing", "dispatch", "layer", "experts", "kernels",
                                           "parallel/assignment", "parallel/exchange", "parallel/tuner",
-                                          "models/sampling", "parallel/gradients"}, name
+                                          "models/sampling", "parallel/gradients",
+                                          "checkpoint"}, name
     assert report.package_of("moeflow.models.decoding.x_sample_next__mutmut_3") == "models/sampling"
     assert report.package_of("moeflow.models.generation.x_generate__mutmut_1") == "models/sampling"
     assert report.package_of("moeflow.models.gpt.xǁMoEGPTǁloss__mutmut_1") == "models/gpt"
@@ -65,7 +66,8 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     configured = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
     assert sorted(m for mods, _ in run.PACKAGES.values() for m in mods) == sorted(configured["only_mutate"])
     assert set(run.PACKAGES) == {"routing", "dispatch", "layer", "experts", "kernels", "parallel/assignment",
-                                 "parallel/exchange", "parallel/tuner", "models/sampling", "parallel/gradients"}
+                                 "parallel/exchange", "parallel/tuner", "models/sampling", "parallel/gradients",
+                                 "checkpoint"}
     for package in run.PACKAGES:
         files = run.test_files(package)
         assert files and len(files) == len(set(files)) and all((root / f).is_file() for f in files), package
