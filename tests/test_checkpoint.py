@@ -396,3 +396,49 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path):
     assert clean["attempt"] == 0 and killed["attempt"] >= 1  # the second run really restarted
     assert len(killed["losses"]) == 2 * STEPS
     torch.testing.assert_close(torch.tensor(killed["losses"]), torch.tensor(clean["losses"]), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("seed", [0, 1])
+def test_describe_lists_every_file_and_tensor_group_as_written(tmp_path, seed):
+    """``describe_checkpoint`` (``moeflow convert --info``) of a checkpoint of random shapes on a
+    random number of files: the header, each file's tensor count, size and sha256 as on disk,
+    each tensor group with its dtype, shape and expert count, the experts and the user's extra,
+    and nothing else (no experts line without experts, no extra line without extra)."""
+    import hashlib
+
+    from moeflow.checkpoint import describe_checkpoint
+
+    gen = torch.Generator().manual_seed(seed)
+    E, D, H, world = (int(v) for v in (4 * torch.randint(1, 3, (1,), generator=gen), 2 * torch.randint(2, 6, (1,), generator=gen),
+                                       2 * torch.randint(2, 6, (1,), generator=gen), 2 ** torch.randint(0, 3, (1,), generator=gen)))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D, bias=False, dtype=torch.float64),
+                                moeflow.MoE(dim=D, hidden=H, num_experts=E, top_k=2, dtype=torch.float64))
+    extra = {"pos": int(torch.randint(0, 1000, (1,), generator=gen)), "tag": "x" * 70} if seed == 0 else None
+    step = int(torch.randint(0, 10**6, (1,), generator=gen))
+    path = reshard_checkpoint(save_checkpoint(tmp_path / "w1", step, model, extra=extra), tmp_path / "w", world)
+    files = sorted(path.glob("*.safetensors"))
+    want = [f"{path}: step {step}, written by {world} rank(s), format moeflow-checkpoint/1"]
+    groups: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+            for k in keys:
+                t = f.get_tensor(k)
+                base = k.split("@")[0]
+                groups[base] = f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+                counts[base] = counts.get(base, 0) + ("@" in k)
+        want.append(f"  {file.name}: {len(keys)} tensors, {file.stat().st_size} bytes, "
+                    f"sha256 {hashlib.sha256(file.read_bytes()).hexdigest()[:12]}")
+    want.append("  tensors:")
+    want += [f"    {b}: {groups[b]}" + (f" x {counts[b]} experts" if counts[b] else "") for b in sorted(groups)]
+    want.append(f"  MoE expert parameters: 1.experts.w_in (E={E}), 1.experts.w_out (E={E})")
+    if extra:
+        want.append(f"  extra: {json.dumps(extra)}")
+    assert describe_checkpoint(path).split("\n") == want
+    assert counts["param/1.experts.w_in"] == E and len(files) == world
+    # a model without experts: no experts line
+    plain = save_checkpoint(tmp_path / "plain", 1, torch.nn.Linear(D, 3))
+    assert not [line for line in describe_checkpoint(plain).split("\n") if "MoE" in line or "experts" in line]

@@ -407,3 +407,28 @@ def test_a_file_as_destination_is_one_line(tmp_path, capsys, hf_dir) -> None:
     err = capsys.readouterr().err
     assert "exists and is not a directory" in err and err.count("\n") == 1
     assert (tmp_path / "f").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_refused_value_is_shown_with_its_type_and_at_most_60_characters(seed) -> None:
+    """A hostile index can hold values of any size: an error shows a refused value's repr whole
+    up to 60 characters and cut to 57 and "..." beyond (a message stays one readable line), and
+    names the value's JSON type, for repr lengths on both sides of the limit."""
+    from moeflow.checkpoint.schema import check_index
+
+    gen = torch.Generator().manual_seed(seed)
+    for n in (58, 59, 60, 61, 62, int(torch.randint(63, 400, (1,), generator=gen))):
+        text = "".join(chr(int(c)) for c in torch.randint(97, 123, (n - 2,), generator=gen))  # repr adds 2 quotes
+        shown = repr(text) if n <= 60 else repr(text)[:57] + "..."
+        with pytest.raises(CheckpointError) as err:
+            check_index({"format": text}, "where")
+        assert str(err.value) == f"where: format {shown}, expected 'moeflow-checkpoint/1'"
+        with pytest.raises(CheckpointError) as err:
+            check_index({"format": "moeflow-checkpoint/1", "step": text, "world_size": 1, "experts": {}, "files": [],
+                         "optimizer": None, "extra": {}}, "where")
+        assert str(err.value) == f"where: step={shown} (str), expected an int >= 0"
+    step = float(torch.rand((), generator=gen))
+    with pytest.raises(CheckpointError) as err:
+        check_index({"format": "moeflow-checkpoint/1", "step": step, "world_size": 1, "experts": {}, "files": [],
+                     "optimizer": None, "extra": {}}, "where")
+    assert str(err.value) == f"where: step={step!r} (float), expected an int >= 0"
