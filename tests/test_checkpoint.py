@@ -442,3 +442,71 @@ def test_describe_lists_every_file_and_tensor_group_as_written(tmp_path, seed):
     # a model without experts: no experts line
     plain = save_checkpoint(tmp_path / "plain", 1, torch.nn.Linear(D, 3))
     assert not [line for line in describe_checkpoint(plain).split("\n") if "MoE" in line or "experts" in line]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reshard_puts_each_tensor_in_its_rank_file_and_keeps_each_ranks_rng(tmp_path, seed):
+    """``reshard_checkpoint`` of a checkpoint written by 4 ranks (every rank's RNG state) to 2
+    ranks and to 1: each expert in the file of the rank that holds it, dense tensors in rank 0's,
+    each rank's RNG state in its own file while the rank exists (the others are dropped: the
+    index stays valid), every tensor bit for bit, whatever a parameter's name holds (torch
+    allows '/'); a bad world size is refused before anything is written, and the destination
+    keeps the last ``keep`` (default 3) steps."""
+    gen = torch.Generator().manual_seed(seed)
+    E = 4 * int(torch.randint(1, 3, (1,), generator=gen))
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({"in/0": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "blocks/0": moeflow.MoE(dim=8, hidden=8, num_experts=E, top_k=2, dtype=torch.float64)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model["blocks/0"](model["in/0"](torch.randn(6, 8, dtype=torch.float64, generator=gen))).square().sum().backward()
+    opt.step()
+    step = int(torch.randint(1, 1000, (1,), generator=gen))
+    src = reshard_checkpoint(save_checkpoint(tmp_path / "w1", step, model, opt), tmp_path / "w4", 4)
+    # as if 4 ranks had saved it: rank r's RNG state in rank r's file (the index rewritten to match)
+    index = read_index(src)
+    rngs = {r: torch.randint(0, 256, (16,), dtype=torch.uint8, generator=gen) for r in range(1, 4)}
+    for r in range(1, 4):
+        with safe_open(str(src / index["files"][r]["file"]), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors[f"rng/rank{r}/cpu"] = rngs[r]
+        index["files"][r] = _write_tensors(src / index["files"][r]["file"], tensors)
+    (src / "index.json").write_text(json.dumps(index))
+    saved = _tensors(src)
+    assert {k for k in saved if k.startswith("rng/")} == {f"rng/rank{r}/cpu" for r in range(4)}
+
+    for world in (2, 1):
+        out = reshard_checkpoint(src, tmp_path / f"to{world}", world)
+        files = read_index(out)["files"]  # a valid index (no RNG state of a rank it does not have)
+        assert read_index(out)["world_size"] == world and len(files) == world
+        for r, entry in enumerate(files):
+            with safe_open(str(out / entry["file"]), framework="pt") as f:
+                for k in f.keys():
+                    if "@" in k:
+                        assert int(k.rsplit("@", 1)[1]) // (E // world) == r, k
+                    elif k.startswith("rng/"):
+                        assert k == f"rng/rank{r}/cpu", k
+                    else:
+                        assert r == 0, k
+                    assert torch.equal(f.get_tensor(k), saved[k]), k
+        assert set(_tensors(out)) == {k for k in saved if not k.startswith("rng/rank") or int(k[8]) < world}
+    # the one-file checkpoint loads into the model, its optimizer and rank 0's RNG state
+    fresh = torch.nn.ModuleDict({"in/0": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "blocks/0": moeflow.MoE(dim=8, hidden=8, num_experts=E, top_k=2, dtype=torch.float64)})
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    load_checkpoint(tmp_path / "to1", fresh, fresh_opt)
+    assert torch.equal(torch.get_rng_state(), saved["rng/rank0/cpu"])
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert all(torch.equal(opt.state[p][k], fresh_opt.state[q][k]) for k in opt.state[p])
+
+    for bad in (0, -int(torch.randint(1, 9, (1,), generator=gen)), True, 2.0, "2"):
+        with pytest.raises(ValueError, match="world_size must be a positive int"):
+            reshard_checkpoint(src, tmp_path / "bad", bad)
+    assert not (tmp_path / "bad").exists()
+    # the destination keeps the newest 3 steps by default
+    steps = sorted(int(s) for s in torch.randperm(50, generator=gen)[:5] + 1)
+    for s in steps:
+        reshard_checkpoint(save_checkpoint(tmp_path / "many", s, model, keep=10), tmp_path / "kept", 2)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"step-{s:08d}" for s in steps[-3:]]
