@@ -510,3 +510,54 @@ def test_reshard_puts_each_tensor_in_its_rank_file_and_keeps_each_ranks_rng(tmp_
     for s in steps:
         reshard_checkpoint(save_checkpoint(tmp_path / "many", s, model, keep=10), tmp_path / "kept", 2)
     assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"step-{s:08d}" for s in steps[-3:]]
+
+
+class _CountingSGD(torch.optim.SGD):
+    """SGD that also keeps non-tensor state per parameter (an int and a float), as custom
+    optimizers do: the checkpoint holds it in the index, not in a file."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["calls"] = state.get("calls", 0) + 1
+                    state["last_norm"] = float(p.grad.norm())
+        return out
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("seed", [0, 1])
+def test_optimizer_state_comes_back_per_parameter_with_its_scalars_and_gaps(tmp_path, seed):
+    """An optimizer's state loads back parameter by parameter: tensors and non-tensor values (a
+    custom optimizer's counters) each to their own parameter, and a parameter that never had a
+    gradient (no state at all) is left without state, on random steps of a model with a
+    parameter the loss does not reach."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "moe": moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, dtype=torch.float64),
+                                 "unused": torch.nn.Linear(8, 3, dtype=torch.float64)})
+    opt = _CountingSGD(model.parameters(), lr=1e-2, momentum=0.9)
+    for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
+        opt.zero_grad()
+        model["moe"](model["a"](torch.randn(6, 8, dtype=torch.float64, generator=gen))).square().sum().backward()
+        if torch.rand((), generator=gen) < 0.5:
+            model["a"].bias.grad = None  # one parameter skips a step: its counter differs
+        opt.step()
+    path = save_checkpoint(tmp_path, 1, model, opt)
+    fresh = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "moe": moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, dtype=torch.float64),
+                                 "unused": torch.nn.Linear(8, 3, dtype=torch.float64)})
+    fresh_opt = _CountingSGD(fresh.parameters(), lr=1.0, momentum=0.5)
+    load_checkpoint(path, fresh, fresh_opt)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        if name.startswith("unused"):
+            assert not opt.state.get(p) and q not in fresh_opt.state, name
+            continue
+        assert opt.state[p].keys() == fresh_opt.state[q].keys() == {"momentum_buffer", "calls", "last_norm"}, name
+        assert torch.equal(opt.state[p]["momentum_buffer"], fresh_opt.state[q]["momentum_buffer"]), name
+        assert (fresh_opt.state[q]["calls"], fresh_opt.state[q]["last_norm"]) == \
+            (opt.state[p]["calls"], opt.state[p]["last_norm"]), name
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2 and fresh_opt.param_groups[0]["momentum"] == 0.9
