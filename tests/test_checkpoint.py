@@ -561,3 +561,58 @@ def test_optimizer_state_comes_back_per_parameter_with_its_scalars_and_gaps(tmp_
         assert (fresh_opt.state[q]["calls"], fresh_opt.state[q]["last_norm"]) == \
             (opt.state[p]["calls"], opt.state[p]["last_norm"]), name
     assert fresh_opt.param_groups[0]["lr"] == 1e-2 and fresh_opt.param_groups[0]["momentum"] == 0.9
+
+
+class _ColumnAdamW(torch.optim.AdamW):
+    """AdamW that also keeps a factored optimizer's column statistic ([D] for a [V, D] table)."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.dim() == 2:
+                    self.state[p]["col"] = p.grad.square().mean(0)
+        return out
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("seed", [0, 1])
+def test_loaded_state_lands_on_the_parameters_device_and_a_vocab_shard_takes_its_rows(tmp_path, seed):
+    """Loaded optimizer state is on each parameter's device (a model built on ``meta``: every
+    state tensor on ``meta``, experts' and dense ones), and a vocabulary shard (rows
+    ``[start, start + n)`` of the table, ``mark_vocab_shard``) takes its rows of the saved table
+    and of every state shaped like it, while the state of another shape (Adam's step, a
+    factored optimizer's [D] column statistic) comes whole, for a random start."""
+    from moeflow.parallel.vocab import mark_vocab_shard
+
+    gen = torch.Generator().manual_seed(seed)
+    model, opt = _trained(1)
+    path = save_checkpoint(tmp_path / "moe", 1, model, opt)
+    with torch.device("meta"):
+        fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(path, fresh, fresh_opt)
+    assert fresh_opt.state and all(v.device.type == "meta" for s in fresh_opt.state.values() for v in s.values())
+    assert {id(p) for p in fresh_opt.state} == {id(p) for p in fresh.parameters()}
+
+    V, D = (int(v) for v in torch.randint(6, 12, (2,), generator=gen))
+    n = int(torch.randint(2, V - 2, (1,), generator=gen))
+    start = int(torch.randint(1, V - n + 1, (1,), generator=gen))
+    torch.manual_seed(seed)
+    table = torch.nn.Embedding(V, D, dtype=torch.float64)
+    table_opt = _ColumnAdamW(table.parameters(), lr=1e-2)
+    table(torch.randint(0, V, (20,), generator=gen)).square().sum().backward()
+    table_opt.step()
+    path = save_checkpoint(tmp_path / "table", 1, table, table_opt)
+    shard = torch.nn.Embedding(n, D, dtype=torch.float64)
+    mark_vocab_shard(shard.weight, start, V)
+    shard_opt = _ColumnAdamW(shard.parameters(), lr=1.0)
+    load_checkpoint(path, shard, shard_opt)
+    rows = slice(start, start + n)
+    assert torch.equal(shard.weight, table.weight[rows])
+    saved, loaded = table_opt.state[table.weight], shard_opt.state[shard.weight]
+    assert loaded.keys() == saved.keys() == {"step", "exp_avg", "exp_avg_sq", "col"}
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded[k], saved[k][rows]), k
+    for k in ("step", "col"):
+        assert torch.equal(loaded[k], saved[k]), k

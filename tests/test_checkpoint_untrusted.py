@@ -432,3 +432,24 @@ def test_a_refused_value_is_shown_with_its_type_and_at_most_60_characters(seed) 
         check_index({"format": "moeflow-checkpoint/1", "step": step, "world_size": 1, "experts": {}, "files": [],
                      "optimizer": None, "extra": {}}, "where")
     assert str(err.value) == f"where: step={step!r} (float), expected an int >= 0"
+
+
+@pytest.mark.parametrize("state_key", ["exp_avg", "exp_avg_sq"])
+def test_expert_optimizer_state_both_whole_and_per_expert_is_refused(good, state_key) -> None:
+    """An expert parameter's optimizer state saved both whole and per expert (an edited file,
+    rehashed to match) is ambiguous: refused, the optimizer left as it was."""
+    path, _ = good
+    name = json.loads((path / "index.json").read_text())["files"][0]["file"]
+    with fmt.safe_open(str(path / name), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    whole = torch.stack([tensors[f"optim/1.experts.w_in/{state_key}@{g}"] for g in range(4)])
+    tensors[f"optim/1.experts.w_in/{state_key}"] = torch.randn(whole.shape, dtype=whole.dtype)
+    from moeflow.checkpoint.io import _write_tensors
+
+    entry = _write_tensors(path / name, tensors)
+    _edit_index(path, lambda index: {**index, "files": [entry]})
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match=f"1.experts.w_in/{state_key} is split per expert"):
+        load_checkpoint(path, model, opt)
+    assert not opt.state and opt.param_groups[0]["lr"] == 1e-3
