@@ -141,6 +141,7 @@ INDEX_EDITS = [
     ("file-pickle", _set(("files", 0, "file"), "weights.pt"), "not a .safetensors file"),
     ("file-dir", _set(("files", 0, "file"), "sub/rank.safetensors"), "not a plain file name"),
     ("file-int", _set(("files", 0, "file"), 3), "not a plain file name"),
+    ("file-nul", _set(("files", 0, "file"), "rank\x00.safetensors"), "is not a file name"),
     ("tensors-list", _set(("files", 0, "tensors"), []), "tensors"),
     ("tensor-bad-key", lambda i: _set(("files", 0, "tensors", "weights"), {"shape": [1], "dtype": "float64"})(i),
      "'weights'"),
