@@ -396,3 +396,223 @@ def test_killed_rank_restarts_from_last_checkpoint(tmp_path):
     assert clean["attempt"] == 0 and killed["attempt"] >= 1  # the second run really restarted
     assert len(killed["losses"]) == 2 * STEPS
     torch.testing.assert_close(torch.tensor(killed["losses"]), torch.tensor(clean["losses"]), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("seed", [0, 1])
+def test_describe_lists_every_file_and_tensor_group_as_written(tmp_path, seed):
+    """``describe_checkpoint`` (``moeflow convert --info``) of a checkpoint of random shapes on a
+    random number of files: the header, each file's tensor count, size and sha256 as on disk,
+    each tensor group with its dtype, shape and expert count, the experts and the user's extra,
+    and nothing else (no experts line without experts, no extra line without extra)."""
+    import hashlib
+
+    from moeflow.checkpoint import describe_checkpoint
+
+    gen = torch.Generator().manual_seed(seed)
+    E, D, H, world = (int(v) for v in (4 * torch.randint(1, 3, (1,), generator=gen), 2 * torch.randint(2, 6, (1,), generator=gen),
+                                       2 * torch.randint(2, 6, (1,), generator=gen), 2 ** torch.randint(0, 3, (1,), generator=gen)))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(D, D, bias=False, dtype=torch.float64),
+                                moeflow.MoE(dim=D, hidden=H, num_experts=E, top_k=2, dtype=torch.float64))
+    extra = {"pos": int(torch.randint(0, 1000, (1,), generator=gen)), "tag": "x" * 70} if seed == 0 else None
+    step = int(torch.randint(0, 10**6, (1,), generator=gen))
+    path = reshard_checkpoint(save_checkpoint(tmp_path / "w1", step, model, extra=extra), tmp_path / "w", world)
+    files = sorted(path.glob("*.safetensors"))
+    want = [f"{path}: step {step}, written by {world} rank(s), format moeflow-checkpoint/1"]
+    groups: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = list(f.keys())
+            for k in keys:
+                t = f.get_tensor(k)
+                base = k.split("@")[0]
+                groups[base] = f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+                counts[base] = counts.get(base, 0) + ("@" in k)
+        want.append(f"  {file.name}: {len(keys)} tensors, {file.stat().st_size} bytes, "
+                    f"sha256 {hashlib.sha256(file.read_bytes()).hexdigest()[:12]}")
+    want.append("  tensors:")
+    want += [f"    {b}: {groups[b]}" + (f" x {counts[b]} experts" if counts[b] else "") for b in sorted(groups)]
+    want.append(f"  MoE expert parameters: 1.experts.w_in (E={E}), 1.experts.w_out (E={E})")
+    if extra:
+        want.append(f"  extra: {json.dumps(extra)}")
+    assert describe_checkpoint(path).split("\n") == want
+    assert counts["param/1.experts.w_in"] == E and len(files) == world
+    # a model without experts: no experts line
+    plain = save_checkpoint(tmp_path / "plain", 1, torch.nn.Linear(D, 3))
+    assert not [line for line in describe_checkpoint(plain).split("\n") if "MoE" in line or "experts" in line]
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reshard_puts_each_tensor_in_its_rank_file_and_keeps_each_ranks_rng(tmp_path, seed):
+    """``reshard_checkpoint`` of a checkpoint written by 4 ranks (every rank's RNG state) to 2
+    ranks and to 1: each expert in the file of the rank that holds it, dense tensors in rank 0's,
+    each rank's RNG state in its own file while the rank exists (the others are dropped: the
+    index stays valid), every tensor bit for bit, whatever a parameter's name holds (torch
+    allows '/'); a bad world size is refused before anything is written, and the destination
+    keeps the last ``keep`` (default 3) steps."""
+    gen = torch.Generator().manual_seed(seed)
+    E = 4 * int(torch.randint(1, 3, (1,), generator=gen))
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({"in/0": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "blocks/0": moeflow.MoE(dim=8, hidden=8, num_experts=E, top_k=2, dtype=torch.float64)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model["blocks/0"](model["in/0"](torch.randn(6, 8, dtype=torch.float64, generator=gen))).square().sum().backward()
+    opt.step()
+    step = int(torch.randint(1, 1000, (1,), generator=gen))
+    src = reshard_checkpoint(save_checkpoint(tmp_path / "w1", step, model, opt), tmp_path / "w4", 4)
+    # as if 4 ranks had saved it: rank r's RNG state in rank r's file (the index rewritten to match)
+    index = read_index(src)
+    rngs = {r: torch.randint(0, 256, (16,), dtype=torch.uint8, generator=gen) for r in range(1, 4)}
+    for r in range(1, 4):
+        with safe_open(str(src / index["files"][r]["file"]), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors[f"rng/rank{r}/cpu"] = rngs[r]
+        index["files"][r] = _write_tensors(src / index["files"][r]["file"], tensors)
+    (src / "index.json").write_text(json.dumps(index))
+    saved = _tensors(src)
+    assert {k for k in saved if k.startswith("rng/")} == {f"rng/rank{r}/cpu" for r in range(4)}
+
+    for world in (2, 1):
+        out = reshard_checkpoint(src, tmp_path / f"to{world}", world)
+        files = read_index(out)["files"]  # a valid index (no RNG state of a rank it does not have)
+        assert read_index(out)["world_size"] == world and len(files) == world
+        for r, entry in enumerate(files):
+            with safe_open(str(out / entry["file"]), framework="pt") as f:
+                for k in f.keys():
+                    if "@" in k:
+                        assert int(k.rsplit("@", 1)[1]) // (E // world) == r, k
+                    elif k.startswith("rng/"):
+                        assert k == f"rng/rank{r}/cpu", k
+                    else:
+                        assert r == 0, k
+                    assert torch.equal(f.get_tensor(k), saved[k]), k
+        assert set(_tensors(out)) == {k for k in saved if not k.startswith("rng/rank") or int(k[8]) < world}
+    # the one-file checkpoint loads into the model, its optimizer and rank 0's RNG state
+    fresh = torch.nn.ModuleDict({"in/0": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "blocks/0": moeflow.MoE(dim=8, hidden=8, num_experts=E, top_k=2, dtype=torch.float64)})
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    load_checkpoint(tmp_path / "to1", fresh, fresh_opt)
+    assert torch.equal(torch.get_rng_state(), saved["rng/rank0/cpu"])
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert all(torch.equal(opt.state[p][k], fresh_opt.state[q][k]) for k in opt.state[p])
+
+    for bad in (0, -int(torch.randint(1, 9, (1,), generator=gen)), True, 2.0, "2"):
+        with pytest.raises(ValueError, match="world_size must be a positive int"):
+            reshard_checkpoint(src, tmp_path / "bad", bad)
+    assert not (tmp_path / "bad").exists()
+    # the destination keeps the newest 3 steps by default
+    steps = sorted(int(s) for s in torch.randperm(50, generator=gen)[:4] + 1)
+    for s in steps:
+        reshard_checkpoint(save_checkpoint(tmp_path / "many", s, model, keep=10), tmp_path / "kept", 2)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [f"step-{s:08d}" for s in steps[-3:]]
+
+
+class _CountingSGD(torch.optim.SGD):
+    """SGD that also keeps non-tensor state per parameter (an int and a float), as custom
+    optimizers do: the checkpoint holds it in the index, not in a file."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["calls"] = state.get("calls", 0) + 1
+                    state["last_norm"] = float(p.grad.norm())
+        return out
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("seed", [0, 1])
+def test_optimizer_state_comes_back_per_parameter_with_its_scalars_and_gaps(tmp_path, seed):
+    """An optimizer's state loads back parameter by parameter: tensors and non-tensor values (a
+    custom optimizer's counters) each to their own parameter, and a parameter that never had a
+    gradient (no state at all) is left without state, on random steps of a model with a
+    parameter the loss does not reach."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "moe": moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, dtype=torch.float64),
+                                 "unused": torch.nn.Linear(8, 3, dtype=torch.float64)})
+    opt = _CountingSGD(model.parameters(), lr=1e-2, momentum=0.9)
+    for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
+        opt.zero_grad()
+        model["moe"](model["a"](torch.randn(6, 8, dtype=torch.float64, generator=gen))).square().sum().backward()
+        if torch.rand((), generator=gen) < 0.5:
+            model["a"].bias.grad = None  # one parameter skips a step: its counter differs
+        opt.step()
+    path = save_checkpoint(tmp_path, 1, model, opt)
+    fresh = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "moe": moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, dtype=torch.float64),
+                                 "unused": torch.nn.Linear(8, 3, dtype=torch.float64)})
+    fresh_opt = _CountingSGD(fresh.parameters(), lr=1.0, momentum=0.5)
+    load_checkpoint(path, fresh, fresh_opt)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        if name.startswith("unused"):
+            assert not opt.state.get(p) and q not in fresh_opt.state, name
+            continue
+        assert opt.state[p].keys() == fresh_opt.state[q].keys() == {"momentum_buffer", "calls", "last_norm"}, name
+        assert torch.equal(opt.state[p]["momentum_buffer"], fresh_opt.state[q]["momentum_buffer"]), name
+        assert (fresh_opt.state[q]["calls"], fresh_opt.state[q]["last_norm"]) == \
+            (opt.state[p]["calls"], opt.state[p]["last_norm"]), name
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2 and fresh_opt.param_groups[0]["momentum"] == 0.9
+
+
+class _ColumnAdamW(torch.optim.AdamW):
+    """AdamW that also keeps a factored optimizer's column statistic ([D] for a [V, D] table)."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        out = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.dim() == 2:
+                    self.state[p]["col"] = p.grad.square().mean(0)
+        return out
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("seed", [0, 1])
+def test_loaded_state_lands_on_the_parameters_device_and_a_vocab_shard_takes_its_rows(tmp_path, seed):
+    """Loaded optimizer state is on each parameter's device (a model built on ``meta``: every
+    state tensor on ``meta``, experts' and dense ones), and a vocabulary shard (rows
+    ``[start, start + n)`` of the table, ``mark_vocab_shard``) takes its rows of the saved table
+    and of every state shaped like it, while the state of another shape (Adam's step, a
+    factored optimizer's [D] column statistic) comes whole, for a random start."""
+    from moeflow.parallel.vocab import mark_vocab_shard
+
+    gen = torch.Generator().manual_seed(seed)
+    model, opt = _trained(1)
+    path = save_checkpoint(tmp_path / "moe", 1, model, opt)
+    with torch.device("meta"):
+        fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(path, fresh, fresh_opt)
+    assert fresh_opt.state and all(v.device.type == "meta" for s in fresh_opt.state.values() for v in s.values())
+    assert {id(p) for p in fresh_opt.state} == {id(p) for p in fresh.parameters()}
+
+    V, D = (int(v) for v in torch.randint(6, 12, (2,), generator=gen))
+    n = int(torch.randint(2, V - 2, (1,), generator=gen))
+    start = int(torch.randint(1, V - n + 1, (1,), generator=gen))
+    torch.manual_seed(seed)
+    table = torch.nn.Embedding(V, D, dtype=torch.float64)
+    table_opt = _ColumnAdamW(table.parameters(), lr=1e-2)
+    table(torch.randint(0, V, (20,), generator=gen)).square().sum().backward()
+    table_opt.step()
+    path = save_checkpoint(tmp_path / "table", 1, table, table_opt)
+    shard = torch.nn.Embedding(n, D, dtype=torch.float64)
+    mark_vocab_shard(shard.weight, start, V)
+    shard_opt = _ColumnAdamW(shard.parameters(), lr=1.0)
+    load_checkpoint(path, shard, shard_opt)
+    rows = slice(start, start + n)
+    assert torch.equal(shard.weight, table.weight[rows])
+    saved, loaded = table_opt.state[table.weight], shard_opt.state[shard.weight]
+    assert loaded.keys() == saved.keys() == {"step", "exp_avg", "exp_avg_sq", "col"}
+    for k in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded[k], saved[k][rows]), k
+    for k in ("step", "col"):
+        assert torch.equal(loaded[k], saved[k]), k

@@ -141,6 +141,7 @@ INDEX_EDITS = [
     ("file-pickle", _set(("files", 0, "file"), "weights.pt"), "not a .safetensors file"),
     ("file-dir", _set(("files", 0, "file"), "sub/rank.safetensors"), "not a plain file name"),
     ("file-int", _set(("files", 0, "file"), 3), "not a plain file name"),
+    ("file-nul", _set(("files", 0, "file"), "rank\x00.safetensors"), "is not a file name"),
     ("tensors-list", _set(("files", 0, "tensors"), []), "tensors"),
     ("tensor-bad-key", lambda i: _set(("files", 0, "tensors", "weights"), {"shape": [1], "dtype": "float64"})(i),
      "'weights'"),
@@ -407,3 +408,49 @@ def test_a_file_as_destination_is_one_line(tmp_path, capsys, hf_dir) -> None:
     err = capsys.readouterr().err
     assert "exists and is not a directory" in err and err.count("\n") == 1
     assert (tmp_path / "f").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_refused_value_is_shown_with_its_type_and_at_most_60_characters(seed) -> None:
+    """A hostile index can hold values of any size: an error shows a refused value's repr whole
+    up to 60 characters and cut to 57 and "..." beyond (a message stays one readable line), and
+    names the value's JSON type, for repr lengths on both sides of the limit."""
+    from moeflow.checkpoint.schema import check_index
+
+    gen = torch.Generator().manual_seed(seed)
+    for n in (58, 59, 60, 61, 62, int(torch.randint(63, 400, (1,), generator=gen))):
+        text = "".join(chr(int(c)) for c in torch.randint(97, 123, (n - 2,), generator=gen))  # repr adds 2 quotes
+        shown = repr(text) if n <= 60 else repr(text)[:57] + "..."
+        with pytest.raises(CheckpointError) as err:
+            check_index({"format": text}, "where")
+        assert str(err.value) == f"where: format {shown}, expected 'moeflow-checkpoint/1'"
+        with pytest.raises(CheckpointError) as err:
+            check_index({"format": "moeflow-checkpoint/1", "step": text, "world_size": 1, "experts": {}, "files": [],
+                         "optimizer": None, "extra": {}}, "where")
+        assert str(err.value) == f"where: step={shown} (str), expected an int >= 0"
+    step = float(torch.rand((), generator=gen))
+    with pytest.raises(CheckpointError) as err:
+        check_index({"format": "moeflow-checkpoint/1", "step": step, "world_size": 1, "experts": {}, "files": [],
+                     "optimizer": None, "extra": {}}, "where")
+    assert str(err.value) == f"where: step={step!r} (float), expected an int >= 0"
+
+
+@pytest.mark.parametrize("state_key", ["exp_avg", "exp_avg_sq"])
+def test_expert_optimizer_state_both_whole_and_per_expert_is_refused(good, state_key) -> None:
+    """An expert parameter's optimizer state saved both whole and per expert (an edited file,
+    rehashed to match) is ambiguous: refused, the optimizer left as it was."""
+    path, _ = good
+    name = json.loads((path / "index.json").read_text())["files"][0]["file"]
+    with fmt.safe_open(str(path / name), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    whole = torch.stack([tensors[f"optim/1.experts.w_in/{state_key}@{g}"] for g in range(4)])
+    tensors[f"optim/1.experts.w_in/{state_key}"] = torch.randn(whole.shape, dtype=whole.dtype)
+    from moeflow.checkpoint.io import _write_tensors
+
+    entry = _write_tensors(path / name, tensors)
+    _edit_index(path, lambda index: {**index, "files": [entry]})
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match=f"1.experts.w_in/{state_key} is split per expert"):
+        load_checkpoint(path, model, opt)
+    assert not opt.state and opt.param_groups[0]["lr"] == 1e-3

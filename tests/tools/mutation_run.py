@@ -86,6 +86,12 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
                            ["test_parallel_placement.py", "test_parallel_costmodel.py", "test_parallel_assignment.py"]),
     # the vocabulary-parallel collectives: token exchanges and the cross-entropy over split logits
     "parallel/vocab": (["moeflow/parallel/vocab.py"], ["test_parallel_vocab.py"]),
+    # the checkpoint a resumed run trusts: written, verified, refused when damaged or hostile,
+    # loaded and resharded onto any layout, converted to and from DCP
+    # (test_parallel_vocab.py and test_parallel_placement.py: vocabulary shards and replicas)
+    "checkpoint": (["moeflow/checkpoint/*"],
+                   ["test_checkpoint*.py", "test_parallel_dcp.py", "test_parallel_vocab.py",
+                    "test_parallel_placement.py"]),
 }
 
 
