@@ -450,7 +450,31 @@ def test_expert_optimizer_state_both_whole_and_per_expert_is_refused(good, state
     entry = _write_tensors(path / name, tensors)
     _edit_index(path, lambda index: {**index, "files": [entry]})
     model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.raises(CheckpointError, match=f"1.experts.w_in/{state_key} is split per expert"):
         load_checkpoint(path, model, opt)
     assert not opt.state and opt.param_groups[0]["lr"] == 1e-3
+    # refused before anything was copied: the model too is as it was (the optimizer's state is
+    # read after the parameters)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_refusal_late_in_the_load_leaves_the_model_as_it_was(good) -> None:
+    """A mismatch in the last layer (experts of another width), found after the first layer's
+    tensors would have been copied, leaves every tensor of the model as it was; the same model
+    of the checkpoint's shapes then loads."""
+    path, _ = good
+    torch.manual_seed(1)
+    wider = torch.nn.Sequential(
+        torch.nn.Linear(8, 8, dtype=torch.float64),
+        moeflow.MoE(dim=8, hidden=16, num_experts=4, top_k=2, capacity_factor=0, dtype=torch.float64))
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    opt = torch.optim.AdamW(wider.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match=r"param/1\.experts\.w_in@.* has shape .* the model expects"):
+        load_checkpoint(path, wider, opt)
+    assert all(torch.equal(v, before[k]) for k, v in wider.state_dict().items())
+    assert not opt.state
+    model = _model()
+    load_checkpoint(path, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert not torch.equal(model[0].weight, _model()[0].weight)  # (the trained weights came in)

@@ -159,6 +159,11 @@ def read_index(path: str | os.PathLike) -> dict:
     return check_index(read_json(path, "index.json"), str(path / "index.json"))
 
 
+# safetensors' header dtype codes of the dtypes checkpoints hold, as index.json names them
+_HEADER_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                  "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
 class _Reader:
     """Opens the checkpoint's files lazily, verifying each file's size, checksum and tensor list
     once. ``where`` maps every tensor key of the index to its file's index entry; every file
@@ -190,13 +195,19 @@ class _Reader:
             raise CheckpointError(f"{shown}: sha256 {digest[:12]}... does not match index.json ({entry['sha256'][:12]}...): corrupted")
         try:
             with safe_open(str(file), framework="pt") as f:
-                keys = set(f.keys())
+                header = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{shown}: not a readable safetensors file ({err})") from None
-        listed = set(entry["tensors"])
+        keys, listed = set(header), set(entry["tensors"])
         if keys != listed:
             raise CheckpointError(f"{shown}: its tensors differ from index.json's (unlisted: {sorted(keys - listed)[:3]}, "
                                   f"absent: {sorted(listed - keys)[:3]})")
+        for key in sorted(keys):  # the header's shapes and dtypes: what load_checkpoint's first pass checked
+            (shape, code), meta = header[key], entry["tensors"][key]
+            dtype = _HEADER_DTYPES.get(code, meta["dtype"])  # (a code not listed: get() compares the tensor read)
+            if shape != meta["shape"] or dtype != meta["dtype"]:
+                raise CheckpointError(f"{shown}: {key} is {dtype} {shape} in the file, index.json says "
+                                      f"{meta['dtype']} {meta['shape']}")
         self.verified.add(entry["file"])
 
     def get(self, key: str) -> torch.Tensor:

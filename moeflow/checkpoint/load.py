@@ -11,8 +11,14 @@ The optimizer must be of the type that wrote the checkpoint (recorded since the 
 implied by the hyper-parameter names before), hold the same parameters in the same groups, and
 every saved hyper-parameter must be one of its own with a value of the type it has now (a
 number where it has a number, a bool where a bool, a list of as many where a tuple); a
-hyper-parameter the checkpoint lacks (a flag newer torch versions added) keeps its value. All of
-it is checked before the model or the optimizer is touched.
+hyper-parameter the checkpoint lacks (a flag newer torch versions added) keeps its value.
+
+All of it is checked before the model or the optimizer is touched, so a refused checkpoint
+leaves both as they were: a first pass runs the whole load on tensors of the ``meta`` device
+built from ``index.json``'s shapes and dtypes (names, shapes, dtypes, expert slices, vocabulary
+rows, the optimizer's state; no tensor data held), verifying each file it will read as it first
+touches it (size, checksum, and its tensors' names, shapes and dtypes against ``index.json``);
+only then are the tensors read and copied.
 """
 
 from __future__ import annotations
@@ -36,8 +42,29 @@ def _load_into(target: torch.Tensor, value: torch.Tensor, key: str, file: str) -
         raise CheckpointError(f"{file}: {key} has shape {tuple(value.shape)}, the model expects {tuple(target.shape)}")
     if value.dtype != target.dtype:
         raise CheckpointError(f"{file}: {key} has dtype {value.dtype}, the model expects {target.dtype}")
+    if value.is_meta:  # the checking pass (_MetaReader): nothing to copy
+        return
     with torch.no_grad():
         target.copy_(value)
+
+
+class _MetaReader:
+    """``_Reader``'s face for the checking pass of ``load_checkpoint``: ``get`` verifies the
+    key's file (once: size, checksum, its tensors' names, shapes and dtypes against
+    ``index.json``) and gives a ``meta`` tensor of the listed shape and dtype, reading no data."""
+
+    def __init__(self, reader: _Reader) -> None:
+        self.reader, self.path, self.where, self.has = reader, reader.path, reader.where, reader.has
+
+    def get(self, key: str) -> torch.Tensor:
+        entry = self.where[key]
+        if entry["file"] not in self.reader.verified:
+            self.reader._verify(entry)
+        meta = entry["tensors"][key]
+        dtype = getattr(torch, str(meta["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointError(f"{self.path}/index.json: {key} has dtype {meta['dtype']!r}, not a torch dtype")
+        return torch.empty(meta["shape"], dtype=dtype, device="meta")
 
 
 def _vocab_rows(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -80,7 +107,28 @@ def load_checkpoint(
     rank, _ = process_position(group)
     slices = expert_slices(model)
     hyper = _checked_hyper(reader, index, model, optimizer) if optimizer is not None else []
+    # the checking pass: every check of the load below, on meta tensors (module docstring)
+    dry = _MetaReader(reader)
+    _load_model(dry, index, model, slices)  # type: ignore[arg-type]
+    if optimizer is not None:
+        _optimizer_states(dry, index, model, slices)  # type: ignore[arg-type]
+    for key in (f"rng/rank{rank}/cpu", f"rng/rank{rank}/cuda"):
+        if restore_rng and reader.has(key):
+            dry.get(key)
 
+    _load_model(reader, index, model, slices)
+    if optimizer is not None:
+        _load_optimizer(reader, index, model, optimizer, slices, hyper)
+    if restore_rng and reader.has(f"rng/rank{rank}/cpu"):
+        torch.set_rng_state(reader.get(f"rng/rank{rank}/cpu"))
+        if torch.cuda.is_available() and reader.has(f"rng/rank{rank}/cuda"):
+            torch.cuda.set_rng_state(reader.get(f"rng/rank{rank}/cuda"))
+    return {"step": index["step"], "extra": index["extra"], "world_size": index["world_size"], "path": str(path)}
+
+
+def _load_model(reader: _Reader, index: dict, model: nn.Module, slices: dict) -> None:
+    """Every parameter and buffer of ``model`` from ``reader`` (a ``_MetaReader``: checked only)."""
+    path = reader.path
     for name, layout in slices.items():
         E = layout.num_experts
         saved = index["experts"].get(name)
@@ -110,14 +158,6 @@ def load_checkpoint(
     unknown = sorted(k for k in reader.where if k.startswith(("param/", "buffer/")) and k not in expected)
     if unknown:
         raise CheckpointError(f"{path}: checkpoint has tensors the model does not: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-
-    if optimizer is not None:
-        _load_optimizer(reader, index, model, optimizer, slices, hyper)
-    if restore_rng and reader.has(f"rng/rank{rank}/cpu"):
-        torch.set_rng_state(reader.get(f"rng/rank{rank}/cpu"))
-        if torch.cuda.is_available() and reader.has(f"rng/rank{rank}/cuda"):
-            torch.cuda.set_rng_state(reader.get(f"rng/rank{rank}/cuda"))
-    return {"step": index["step"], "extra": index["extra"], "world_size": index["world_size"], "path": str(path)}
 
 
 def _fits(now: object, saved: object) -> bool:
@@ -170,6 +210,20 @@ def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: t
                     hyper: list[dict]) -> None:
     """Read every state tensor first, then set the hyper-parameters (checked by
     ``_checked_hyper``) and the state: a damaged file leaves the optimizer as it was."""
+    states = _optimizer_states(reader, index, model, slices)
+    for group, saved in zip(optimizer.param_groups, hyper):
+        for k, v in saved.items():
+            now = group[k]
+            group[k] = (tuple(v) if isinstance(now, tuple) else
+                        torch.tensor(v, dtype=now.dtype, device=now.device) if isinstance(now, torch.Tensor) else v)
+    for p, state in states.items():
+        optimizer.state[p] = state
+
+
+def _optimizer_states(reader: _Reader, index: dict, model: nn.Module, slices: dict
+                      ) -> dict[nn.Parameter, dict[str, object]]:
+    """Each parameter's optimizer state from ``reader``, on the parameter's device (from a
+    ``_MetaReader``: checked, left on ``meta``)."""
     meta = index["optimizer"]
     by_param: dict[str, dict[str, list[tuple[int | None, str]]]] = {}
     for key in reader.where:
@@ -192,16 +246,11 @@ def _load_optimizer(reader: _Reader, index: dict, model: nn.Module, optimizer: t
                 if value.shape != p.shape:
                     raise CheckpointError(f"{reader.path}: optimizer state {name}/{state_key} has shape "
                                           f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
-                state[state_key] = value.to(p.device)
+                state[state_key] = value if value.is_meta else value.to(p.device)
             else:
                 value = reader.get(keys[0][1])
-                state[state_key] = (_vocab_rows(p, value) if value.dim() and value.shape[1:] == p.shape[1:] else value).to(p.device)
+                value = _vocab_rows(p, value) if value.dim() and value.shape[1:] == p.shape[1:] else value
+                state[state_key] = value if value.is_meta else value.to(p.device)
         if state:
             states[p] = state
-    for group, saved in zip(optimizer.param_groups, hyper):
-        for k, v in saved.items():
-            now = group[k]
-            group[k] = (tuple(v) if isinstance(now, tuple) else
-                        torch.tensor(v, dtype=now.dtype, device=now.device) if isinstance(now, torch.Tensor) else v)
-    for p, state in states.items():
-        optimizer.state[p] = state
+    return states
