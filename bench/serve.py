@@ -19,8 +19,8 @@ directory's dtype is ``--dtype``). It runs in a child process (``python -m moefl
 in a log file (``--server-log``; its access log off, so the log's tail is its start, warnings and
 errors: what a failure prints). The client streams every request (``stream: true``, greedy,
 ``max_tokens`` tokens) through aiohttp (``client_session``), stamping the first content chunk
-(time to first token) and the last (latency); a request the server answers with an error, or ends other than by ``stop`` or ``length``, ends the run
-with the server's log tail. Each concurrency level is warmed up first (one round of its
+(time to first token) and the last (latency); a request the server answers with an error, or
+ends other than by ``stop`` or ``length``, ends the run with the server's log tail. Each concurrency level is warmed up first (one round of its
 requests), then ``--requests`` requests are timed with at most ``c`` in flight. On CUDA the
 device memory in use is read after each level (``cudaMemGetInfo``, less what was in use before
 the server started): the server's context, weights, KV cache, allocator cache and CUDA graph

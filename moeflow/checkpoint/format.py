@@ -194,8 +194,11 @@ class _Reader:
         if digest != entry["sha256"]:
             raise CheckpointError(f"{shown}: sha256 {digest[:12]}... does not match index.json ({entry['sha256'][:12]}...): corrupted")
         try:
+            header = {}
             with safe_open(str(file), framework="pt") as f:
-                header = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+                for k in f.keys():
+                    part = f.get_slice(k)
+                    header[k] = (list(part.get_shape()), part.get_dtype())
         except (SafetensorError, OSError, ValueError) as err:
             raise CheckpointError(f"{shown}: not a readable safetensors file ({err})") from None
         keys, listed = set(header), set(entry["tensors"])
@@ -210,10 +213,21 @@ class _Reader:
                                       f"{meta['dtype']} {meta['shape']}")
         self.verified.add(entry["file"])
 
-    def get(self, key: str) -> torch.Tensor:
+    def _entry(self, key: str) -> dict:
+        """The index entry of ``key``'s file, verified (once)."""
         entry = self.where[key]
         if entry["file"] not in self.verified:
             self._verify(entry)
+        return entry
+
+    def meta(self, key: str) -> torch.Tensor:
+        """A ``meta`` tensor of ``key``'s shape and dtype as ``index.json`` lists them (its file
+        verified, its data not read): what ``load_checkpoint``'s checking pass loads."""
+        listed = self._entry(key)["tensors"][key]
+        return torch.empty(listed["shape"], dtype=getattr(torch, listed["dtype"]), device="meta")
+
+    def get(self, key: str) -> torch.Tensor:
+        entry = self._entry(key)
         shown = self.path / entry["file"]
         try:
             with safe_open(str(self.files[entry["file"]]), framework="pt") as f:

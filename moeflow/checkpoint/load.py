@@ -49,22 +49,16 @@ def _load_into(target: torch.Tensor, value: torch.Tensor, key: str, file: str) -
 
 
 class _MetaReader:
-    """``_Reader``'s face for the checking pass of ``load_checkpoint``: ``get`` verifies the
-    key's file (once: size, checksum, its tensors' names, shapes and dtypes against
-    ``index.json``) and gives a ``meta`` tensor of the listed shape and dtype, reading no data."""
+    """``_Reader``'s face for the checking pass of ``load_checkpoint``: ``get`` is
+    ``_Reader.meta`` (the file verified, a ``meta`` tensor of the listed shape and dtype)."""
 
     def __init__(self, reader: _Reader) -> None:
-        self.reader, self.path, self.where, self.has = reader, reader.path, reader.where, reader.has
+        self.path, self.where, self.has, self.get = reader.path, reader.where, reader.has, reader.meta
 
-    def get(self, key: str) -> torch.Tensor:
-        entry = self.where[key]
-        if entry["file"] not in self.reader.verified:
-            self.reader._verify(entry)
-        meta = entry["tensors"][key]
-        dtype = getattr(torch, str(meta["dtype"]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise CheckpointError(f"{self.path}/index.json: {key} has dtype {meta['dtype']!r}, not a torch dtype")
-        return torch.empty(meta["shape"], dtype=dtype, device="meta")
+
+def _on(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` on ``p``'s device (a ``meta`` one of the checking pass stays there)."""
+    return value if value.is_meta else value.to(p.device)
 
 
 def _vocab_rows(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -112,17 +106,18 @@ def load_checkpoint(
     _load_model(dry, index, model, slices)  # type: ignore[arg-type]
     if optimizer is not None:
         _optimizer_states(dry, index, model, slices)  # type: ignore[arg-type]
-    for key in (f"rng/rank{rank}/cpu", f"rng/rank{rank}/cuda"):
-        if restore_rng and reader.has(key):
-            dry.get(key)
+    cpu, cuda = f"rng/rank{rank}/cpu", f"rng/rank{rank}/cuda"
+    rng = [key for key in (cpu, cuda) if restore_rng and reader.has(key)]
+    for key in rng:
+        dry.get(key)
 
     _load_model(reader, index, model, slices)
     if optimizer is not None:
         _load_optimizer(reader, index, model, optimizer, slices, hyper)
-    if restore_rng and reader.has(f"rng/rank{rank}/cpu"):
-        torch.set_rng_state(reader.get(f"rng/rank{rank}/cpu"))
-        if torch.cuda.is_available() and reader.has(f"rng/rank{rank}/cuda"):
-            torch.cuda.set_rng_state(reader.get(f"rng/rank{rank}/cuda"))
+    if cpu in rng:
+        torch.set_rng_state(reader.get(cpu))
+        if cuda in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(reader.get(cuda))
     return {"step": index["step"], "extra": index["extra"], "world_size": index["world_size"], "path": str(path)}
 
 
@@ -246,11 +241,11 @@ def _optimizer_states(reader: _Reader, index: dict, model: nn.Module, slices: di
                 if value.shape != p.shape:
                     raise CheckpointError(f"{reader.path}: optimizer state {name}/{state_key} has shape "
                                           f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
-                state[state_key] = value if value.is_meta else value.to(p.device)
+                state[state_key] = _on(p, value)
             else:
                 value = reader.get(keys[0][1])
-                value = _vocab_rows(p, value) if value.dim() and value.shape[1:] == p.shape[1:] else value
-                state[state_key] = value if value.is_meta else value.to(p.device)
+                rows = value.dim() and value.shape[1:] == p.shape[1:]  # shaped like the parameter: its rows
+                state[state_key] = _on(p, _vocab_rows(p, value) if rows else value)
         if state:
             states[p] = state
     return states
