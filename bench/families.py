@@ -27,8 +27,10 @@ more about one dense GEMM than about the layers. DeepSeek-V3's own 7,168-wide la
 GPU check's time drawing and copying weights on the host.
 
 The training step: ``tokens`` random tokens per row, ``--train-batch`` rows, both models in train
-mode without dropout, the gradients dropped after each step (no optimizer: its update is the same
-elementwise work for both); transformers' experts in each of ``--hf-experts`` implementations
+mode without dropout, each step readying the last one's gradients as the candidate's training
+loop does, inside the timing (moeflow's keeps the experts' gradients and zeroes them in place,
+``moeflow.zero_grad_``, so that its backward adds into them; transformers' Trainer drops them,
+``zero_grad()``), no optimizer (its update is the same elementwise work for both); transformers' experts in each of ``--hf-experts`` implementations
 (default ``grouped_mm,eager`` on the CPU, ``grouped_mm`` on CUDA, the implementation the issue's
 GPU target is stated against), the fastest taken, and the ratio to each kept. Each candidate's
 loss at its first (untimed) step is kept: the same weights and tokens must give about the same
@@ -63,6 +65,7 @@ from pathlib import Path
 
 import torch
 
+import moeflow
 from bench.common import RESULTS, PeakMemory
 from bench.generate_runs import (CLOCKS, HFStaticGenerate, run_hf, run_moeflow, synced, take_turns,
                                  warm_until_settled)
@@ -185,20 +188,20 @@ def _tokens(args: argparse.Namespace, vocab: int, rows: int, cols: int, seed: in
     return torch.randint(0, vocab, (rows, cols), generator=gen, device="cpu").to(args.device)
 
 
-def _train_step(model, run, idx_BS: torch.Tensor, clock) -> float:  # type: ignore[no-untyped-def]
-    """Seconds of one forward and backward of ``run(idx_BS)``'s loss; gradients dropped after."""
+def _train_step(zero, run, idx_BS: torch.Tensor, clock) -> float:  # type: ignore[no-untyped-def]
+    """Seconds of one step's gradient work: ``zero()`` readying the last step's gradients (as the
+    candidate's training loop does), then forward and backward of ``run(idx_BS)``'s loss."""
     t0 = clock()
+    zero()
     run(idx_BS).backward()
-    t1 = clock()
-    model.zero_grad(set_to_none=True)
-    return t1 - t0
+    return clock() - t0
 
 
-def _first_loss(model, run, idx_BS: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+def _first_loss(zero, run, idx_BS: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
     """The untimed first step (the warm-up): its loss, read on the host once."""
+    zero()
     loss = run(idx_BS)
     loss.backward()
-    model.zero_grad(set_to_none=True)
     return float(loss.detach().float().item())
 
 
@@ -206,22 +209,26 @@ def _train_rows(args: argparse.Namespace, hf, model, clock) -> dict:  # type: ig
     """Median train-step times of moeflow and of transformers' experts implementations, in turn;
     each one's ratio (transformers' time over moeflow's), first-step loss and peak memory."""
     idx_BS = _tokens(args, hf.config.vocab_size, args.train_batch, args.tokens, args.seed + 1)
-    cands = {"moeflow": (model, lambda x: model.loss(x[:, :-1], x[:, 1:]))}
+    # each candidate readies its gradients as its own training loop does: moeflow's keeps the
+    # experts' gradients and zeroes them in place (``moeflow.zero_grad_``; its backward adds into
+    # them), transformers' Trainer drops them (``zero_grad()``, set_to_none)
+    cands = {"moeflow": (lambda: moeflow.zero_grad_(model), lambda x: model.loss(x[:, :-1], x[:, 1:]))}
     for impl in args.hf_experts:
-        cands[f"hf:{impl}"] = (hf, lambda x, impl=impl: _hf_loss(hf, impl, x))
+        cands[f"hf:{impl}"] = (lambda: hf.zero_grad(set_to_none=True), lambda x, impl=impl: _hf_loss(hf, impl, x))
     peaks = {name: PeakMemory(args.device) for name in cands}
-    for m, _ in cands.values():
+    for m in (model, hf):
         m.train()
     times: dict[str, list[float]] = {name: [] for name in cands}
     try:
-        losses = {name: peaks[name].wrap(_first_loss)(m, run, idx_BS) for name, (m, run) in cands.items()}
+        losses = {name: peaks[name].wrap(_first_loss)(zero, run, idx_BS) for name, (zero, run) in cands.items()}
         for r in range(args.repeats):
             for name in (list(cands) if r % 2 == 0 else list(cands)[::-1]):
-                m, run = cands[name]
-                times[name].append(peaks[name].wrap(_train_step)(m, run, idx_BS, clock))
+                zero, run = cands[name]
+                times[name].append(peaks[name].wrap(_train_step)(zero, run, idx_BS, clock))
     finally:
-        for m, _ in cands.values():
+        for m in (model, hf):
             m.eval()
+            m.zero_grad(set_to_none=True)
     tokens = args.train_batch * (args.tokens - 1)
     med = {name: statistics.median(t) for name, t in times.items()}
     best_hf = min((n for n in med if n.startswith("hf:")), key=med.__getitem__)

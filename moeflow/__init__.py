@@ -7,6 +7,7 @@ the building blocks (router, dispatcher, experts) for people who assemble their 
 from moeflow.config import DispatchConfig, ExpertsConfig, MoEConfig, ParallelConfig, RouterConfig, TunerConfig
 from moeflow.dispatch import Dispatcher, LocalDispatcher
 from moeflow.experts import Experts, GroupedExperts, ModuleExperts
+from moeflow.experts.weight_grads import zero_grad_
 from moeflow.layer import (
     MoE,
     Router,
@@ -40,6 +41,7 @@ __all__ = [
     "ExpertLayout",
     "aux_loss",
     "update_expert_bias",
+    "zero_grad_",
     "moe_layers",
     "RoutingTape",
     "record_routing",

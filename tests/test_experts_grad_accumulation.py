@@ -257,9 +257,10 @@ def test_the_parameter_is_found_when_the_saved_weight_is_a_copy(wrap, recompute,
 
 @pytest.mark.parametrize("E", [4, 8, 16, 20])
 def test_grouped_adds_take_about_an_eighth_of_the_experts_at_a_time(E, monkeypatch):
-    """``add_weight_grad_("grouped_mm")`` adds ``ceil(E/8)`` experts per grouped GEMM (the
-    temporary is about 1/8 of the gradient), skips a chunk whose experts have no rows (a 0-row
-    grouped GEMM is not run), and sums what the per-expert loop sums."""
+    """``add_grouped_chunks_`` (``add_weight_grad_("grouped_mm")`` off the CPU) adds
+    ``ceil(E/8)`` experts per grouped GEMM (the temporary is about 1/8 of the gradient), skips a
+    chunk whose experts have no rows (a 0-row grouped GEMM is not run), and sums what the
+    per-expert loop sums."""
     import moeflow.experts.weight_grads as wg
 
     gen = torch.Generator().manual_seed(100 + E)
@@ -274,7 +275,7 @@ def test_grouped_adds_take_about_an_eighth_of_the_experts_at_a_time(E, monkeypat
     real = wg.F.grouped_mm
     monkeypatch.setattr(wg.F, "grouped_mm", lambda a, b, *, offs: (calls.append(len(offs)), real(a, b, offs=offs))[1])
     got = start.clone()
-    wg.add_weight_grad_("grouped_mm", x, g, offs.to(torch.int32), got)
+    wg.add_grouped_chunks_(x, g, offs.to(torch.int32), got)
     want = start.double().clone()
     ends = offs.tolist()
     for e, (s, t) in enumerate(zip([0] + ends[:-1], ends)):
@@ -340,3 +341,87 @@ def test_a_sparse_grad_keeps_autograds_accumulation():
     assert w_in.grad is not old
     torch.testing.assert_close(w_in.grad.to_dense(), start + want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(old.to_dense(), start, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_grouped_adds_on_the_cpu_go_into_the_gradient_itself(layout, monkeypatch):
+    """On the CPU ``add_weight_grad_("grouped_mm")`` adds each expert's ``x_e^T g_e`` inside its
+    GEMM: no grouped GEMM, no temporary as large as an expert's slice (contiguous or the
+    transposed view of an ``[E, F, D]`` weight), the sum of what was there and the product, an
+    expert without rows left as it was."""
+    import moeflow.experts.weight_grads as wg
+
+    gen = torch.Generator().manual_seed(21)
+    offs = torch.tensor([5, 5, 12, 16], dtype=torch.int32)  # expert 1 has no rows
+    D, F_ = 48, 40
+    x, g = torch.randn(16, D, generator=gen), torch.randn(16, F_, generator=gen)
+    start = torch.randn(4, D, F_, generator=gen) if layout == "contiguous" else \
+        torch.randn(4, F_, D, generator=gen).transpose(1, 2)
+    monkeypatch.setattr(wg.F, "grouped_mm", lambda *a, **k: pytest.fail("a grouped GEMM ran"))
+    got = start.clone() if layout == "contiguous" else start.transpose(1, 2).clone().transpose(1, 2)
+    with LiveTensorBytes() as mem:
+        wg.add_weight_grad_("grouped_mm", x, g, offs, got)
+    assert mem.peak < D * F_ * got.element_size(), mem.peak
+    want = start.double().clone()
+    for e, (s, t) in enumerate(((0, 5), (5, 5), (5, 12), (12, 16))):
+        want[e] += x[s:t].double().t() @ g[s:t].double()
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], start[1])
+
+
+def _zero_grad_model(seed: int):
+    torch.manual_seed(seed)
+    cfg = MoEConfig(dim=16, hidden=24, num_experts=4, top_k=2, capacity_factor=0.0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), MoE(config=cfg)).double()
+
+
+def test_zero_grad_keeps_the_added_expert_gradients_and_drops_the_rest():
+    """``moeflow.zero_grad_`` after a step: the lean experts' weights (whose backward adds into
+    ``.grad``) keep the same tensor, zeroed; every other gradient is ``None``. The next step's
+    gradients equal those of a copy whose gradients were all dropped (``zero_grad()``), for
+    every parameter, on fresh inputs, and the kept tensors are the ones the step added into."""
+    import moeflow
+
+    kept, dropped = _zero_grad_model(3), _zero_grad_model(3)
+    experts = {id(p) for p in (kept[1].experts.w_in, kept[1].experts.w_out)}
+    gen = torch.Generator().manual_seed(4)
+    for step in range(3):
+        x = torch.randn(2, 9, 16, generator=gen, dtype=torch.float64)
+        before = {id(p): p.grad for p in kept.parameters() if p.grad is not None}
+        for model in (kept, dropped):
+            model(x).square().sum().backward()
+        for (name, a), b in zip(kept.named_parameters(), dropped.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=f"step {step}: {name}")
+            if step > 0 and id(a) in experts:
+                assert a.grad is before[id(a)], name  # added into the kept tensor, not a new one
+        moeflow.zero_grad_(kept)
+        dropped.zero_grad()
+        for name, p in kept.named_parameters():
+            if id(p) in experts:
+                assert p.grad is not None and not p.grad.any(), name
+            else:
+                assert p.grad is None, name
+        assert all(p.grad is None for p in dropped.parameters())
+
+
+def test_zero_grad_drops_gradients_it_could_not_add_into():
+    """A marked weight whose ``.grad`` is not a plain dense tensor (sparse, a zero tensor) has
+    it dropped, as ``zero_grad()`` would; a gradient that is part
+    of a graph is detached before it is zeroed (``zero_grad``'s own rule)."""
+    import moeflow
+
+    model = _zero_grad_model(5)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    model(x).sum().backward()
+    w_in, w_out = model[1].experts.w_in, model[1].experts.w_out
+    assert w_in.moeflow_adds_grad and w_out.moeflow_adds_grad
+    assert not getattr(model[0].weight, "moeflow_adds_grad", False)
+    w_in.grad = torch.zeros(w_in.shape, dtype=w_in.dtype).to_sparse()
+    w_out.grad = torch._efficientzerotensor(w_out.shape, dtype=w_out.dtype)
+    moeflow.zero_grad_(model)
+    assert w_in.grad is None and w_out.grad is None
+    model(x).sum().backward()
+    g = torch.ones_like(w_out).requires_grad_() * 2  # a gradient with a graph
+    w_out.grad = g
+    moeflow.zero_grad_(model)
+    assert w_out.grad is g and g.grad_fn is None and not g.requires_grad and not g.any()

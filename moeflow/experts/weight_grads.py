@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-__all__ = ["add_weight_grad_", "expert_row_ranges", "grad_buffer", "mm_weight_grad", "no_grad_to_add",
-           "records_grad_mode", "weight_grad_into"]
+__all__ = ["add_grouped_chunks_", "add_weight_grad_", "expert_row_ranges", "grad_buffer", "mm_weight_grad", "no_grad_to_add",
+           "records_grad_mode", "weight_grad_into", "zero_grad_"]
 
 _GROUPS = 8  # grouped_mm adds: about 1/_GROUPS of the experts per temporary
 
@@ -81,6 +82,7 @@ def grad_buffer(ctx, edge: int, w: torch.Tensor) -> torch.Tensor | None:
     param = getattr(node, "variable", None)  # only an AccumulateGrad node has one
     if param is None or param._backward_hooks:
         return None
+    param.moeflow_adds_grad = True  # zero_grad_ keeps its .grad from step to step (it is worth keeping)
     g = param.grad
     if (g is None or g.layout != torch.strided or g.shape != w.shape or g.dtype != w.dtype
             or g.device != w.device or g.requires_grad or g._is_zerotensor()):
@@ -132,16 +134,27 @@ def weight_grad_into(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Te
 
 def add_weight_grad_(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor | None,
                      out: torch.Tensor) -> None:
-    """``out[e] += x_e^T g_e`` in place, allocating at most about 1/8 of ``out``."""
+    """``out[e] += x_e^T g_e`` in place: ``baddbmm_`` (``"bmm"``), each expert's ``addmm_``
+    (``"loop"``, and ``"grouped_mm"`` on the CPU, where ``F.grouped_mm`` is itself a loop of
+    products: adding inside each GEMM allocates nothing, where a grouped temporary would be
+    fresh pages from the kernel at every call and one more pass over them), else grouped GEMMs
+    over about 1/8 of the experts at a time (``add_grouped_chunks_``)."""
     if gemm == "bmm":
         out.baddbmm_(x.transpose(1, 2), g)
         return
-    ranges = expert_row_ranges(offs)
-    if gemm == "loop":
-        for e, (s, t) in enumerate(ranges):
+    if gemm == "loop" or out.device.type == "cpu":
+        for e, (s, t) in enumerate(expert_row_ranges(offs)):
             if t > s:
                 out[e].addmm_(x[s:t].t(), g[s:t])
         return
+    add_grouped_chunks_(x, g, offs, out)
+
+
+def add_grouped_chunks_(x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[e] += x_e^T g_e`` by grouped GEMMs over ``ceil(E / 8)`` experts at a time, each
+    product a temporary of about 1/8 of ``out`` added into it (a chunk without rows is skipped:
+    a 0-row grouped GEMM is not run)."""
+    ranges = expert_row_ranges(offs)
     E = len(ranges)
     step = max(1, -(-E // _GROUPS))
     for e0 in range(0, E, step):
@@ -150,6 +163,35 @@ def add_weight_grad_(gemm: str, x: torch.Tensor, g: torch.Tensor, offs: torch.Te
         if r1 > r0:  # experts without rows add nothing (and a 0-row grouped GEMM is not run)
             offs_c = offs[e0:e1] - r0
             out[e0:e1].add_(F.grouped_mm(x[r0:r1].t(), g[r0:r1], offs=offs_c))
+
+
+def zero_grad_(module: nn.Module) -> None:
+    """Ready ``module``'s gradients for the next step, as ``module.zero_grad()`` does, but keep
+    the buffers worth keeping: the ``.grad`` of every parameter whose gradient a backward of
+    this module adds in place (marked ``moeflow_adds_grad`` by ``grad_buffer``: the lean experts'
+    weights) is zeroed in place; every other ``.grad`` is dropped (``None``).
+
+    Why: dropped, an expert weight's gradient is a new tensor at every step, as large as the
+    layer's experts (1.5 GiB a layer for OLMoE's 64 experts in fp32). On the CPU that is new
+    pages from the kernel at every step, which the weight-gradient GEMMs fault in: kept, the
+    step's backward adds into memory it already holds (``add_weight_grad_``), and a zeroing
+    pass replaces the faults. The cost is that memory held through the next forward too (as
+    Megatron-Core's gradient buffers and DDP's bucket views hold theirs). A parameter's
+    ``.grad`` is kept only while it is a plain dense tensor (not sparse, not a zero tensor); the
+    other gradients are dropped exactly as ``zero_grad(set_to_none=True)`` drops them (an optimizer
+    then skips a parameter that gets no new gradient, as before)."""
+    for p in module.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if getattr(p, "moeflow_adds_grad", False) and g.layout == torch.strided and not g._is_zerotensor():
+            if g.grad_fn is not None:
+                g.detach_()
+            else:
+                g.requires_grad_(False)
+            g.zero_()
+        else:
+            p.grad = None
 
 
 def expert_row_ranges(offs: torch.Tensor) -> list[tuple[int, int]]:

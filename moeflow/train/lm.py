@@ -206,7 +206,7 @@ def train_lm(cfg: LMTrainConfig, *, group: ProcessGroup | None = None, node_size
             nonfinite_step(cfg, history, step + 1, step_loss, grad_norm, pending, rank, bar)
         else:
             opt.step()
-        opt.zero_grad(set_to_none=True)
+        moeflow.zero_grad_(model)  # the experts' gradients kept and zeroed in place, the rest dropped
         if bias_update and finite:
             if world > 1:
                 sync_load_counts(model, group)
