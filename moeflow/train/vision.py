@@ -149,7 +149,7 @@ def train_vision(cfg: VisionTrainConfig, *, log=print) -> dict:  # type: ignore[
                                          f"gradient norm {float(grad_norm)}; the weights were not updated (lower --lr)")
             history["lr"].append(opt.param_groups[0]["lr"])
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            moeflow.zero_grad_(model)  # the experts' gradients kept and zeroed in place, the rest dropped
             sched.step()
             step += 1
             total += loss_value * len(idx)
