@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,121 @@ def test_out_dir_holds_one_run(tmp_path, monkeypatch) -> None:
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001"]
     assert (run / "notes.txt").read_text() == "not moeflow's"
     assert json.loads((run / "run.json").read_text())["run_id"] == new["run_id"]
+
+
+def _saved_run(out: Path, step: int, history_steps: int, seed: int, **kw) -> tuple[LMTrainConfig, dict]:
+    """A run directory as ``train_lm`` leaves it, made without training: ``run.json``, a
+    checkpoint of a tiny model at ``step`` with ``checkpoint_extra``, and ``history.json`` up to
+    ``history_steps`` (random entries, one of each kind every few steps). Returns the run's
+    config (``resume=True``) and the history written."""
+    from moeflow.checkpoint import save_checkpoint
+    from moeflow.models import MoEGPT
+    from moeflow.train.data import ByteTokenizer
+    from moeflow.train.lm_checkpoint import checkpoint_extra, new_history, write_history
+
+    cfg = LMTrainConfig(out_dir=out, steps=step + 4, n_layers=1, dim=16, n_heads=2, expert_hidden=16, seq_len=16,
+                        progress=False, plot=False, resume=True, **kw)
+    model_cfg = cfg.model_config(vocab_size=256)
+    extra = checkpoint_extra(cfg, model_cfg, ByteTokenizer(), "run-a", data={"train": "t-print", "val": "v-print"})
+    assert extra == {"family": "moeflow.MoEGPT", "model": model_cfg.to_dict(), "dtype": "float32",
+                     "tokenizer": {"kind": "byte"}, "train": cfg.to_dict(), "run_id": "run-a",
+                     "data": {"train": "t-print", "val": "v-print"}}
+    assert "data" not in checkpoint_extra(cfg, model_cfg, ByteTokenizer(), "run-a")
+    save_checkpoint(out / "checkpoints", step, MoEGPT(model_cfg), extra=extra)
+    (out / "run.json").write_text(json.dumps({"format": "moeflow-run/1", "run_id": "run-a", "created": "now"}))
+    gen = torch.Generator().manual_seed(seed)
+    history = new_history("run-a")
+    for s in range(1, history_steps + 1):
+        history["step"].append(s)
+        history["train_loss"].append(float(torch.rand((), generator=gen)))
+        history["lr"].append(float(torch.rand((), generator=gen)))
+        for key in ("val", "load", "rebalance", "world_sizes", "skipped"):
+            if s % int(torch.randint(1, 4, (), generator=gen)) == 0:
+                history.setdefault(key, []).append([s, float(torch.rand((), generator=gen))])
+    history["tokens_per_s"] = 123.0  # a total of the run as it last stopped
+    write_history(out, history)
+    return cfg, history
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_resume_continues_from_what_the_run_directory_holds(tmp_path, seed: int) -> None:
+    """``inspect_run`` with ``resume=True`` on a run directory made by hand (no training): the
+    run continues from the checkpoint's step under its run id, with the history cut back to that
+    step, entry by entry of every kind (history.json runs ahead of the checkpoint when a run
+    stopped between a history write and its save) and without the totals of the run that
+    stopped; a run already at ``steps`` is finished, with the saved history whole; a history
+    that does not reach the checkpoint, or files of another run, are refused."""
+    from moeflow.train.lm_checkpoint import inspect_run
+
+    gen = torch.Generator().manual_seed(seed)
+    step = int(torch.randint(3, 7, (), generator=gen))
+    cfg, history = _saved_run(tmp_path / "run", step, step + int(torch.randint(1, 3, (), generator=gen)), seed)
+    state = inspect_run(cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / f"step-{step:08d}"
+    assert (state.run_id, state.start, state.checkpoint, state.finished) == ("run-a", step, ckpt, False)
+    keep = [i for i, s in enumerate(history["step"]) if s <= step]
+    want = {"run_id": "run-a", **{k: [history[k][i] for i in keep] for k in ("step", "train_loss", "lr")},
+            **{k: [e for e in history.get(k, []) if e[0] <= step] for k in ("val", "load", "rebalance", "world_sizes",
+                                                                          "skipped")}}
+    assert state.history == want and state.history["step"] == list(range(1, step + 1))
+
+    finished = inspect_run(dataclasses.replace(cfg, steps=step))
+    assert finished.finished and finished.start == step and finished.history == want  # history.json ran ahead
+    history = {**history, **{k: history[k][:step] for k in ("step", "train_loss", "lr")}}
+    (tmp_path / "run" / "history.json").write_text(json.dumps(history))
+    assert inspect_run(dataclasses.replace(cfg, steps=step)).history == history  # its own record, totals too
+    assert "tokens_per_s" not in inspect_run(cfg).history  # a continued run computes its own
+
+    (tmp_path / "run" / "history.json").write_text(json.dumps({**history, "step": history["step"][:-1]}))
+    with pytest.raises(ValueError, match=rf"resume=True needs .*history\.json up to step {step}, the step of the "
+                                         rf"checkpoint .*step-{step:08d}, but the file covers steps \[1\]\.\.\[{step - 1}\]"):
+        inspect_run(cfg)
+    (tmp_path / "run" / "history.json").unlink()
+    with pytest.raises(ValueError, match=rf"history\.json up to step {step}, .* but the file is missing"):
+        inspect_run(cfg)
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"run_id": "run-b"}))
+    with pytest.raises(ValueError, match=rf"mixes runs \(run\.json: run-b, checkpoints/step-{step:08d}: run-a\)"):
+        inspect_run(cfg)
+
+
+@pytest.mark.unit
+def test_resume_refuses_settings_that_would_not_continue_the_checkpoint(tmp_path) -> None:
+    """Each setting that decides which batches a step sees, changed, is refused by name with the
+    saved value (a setting the checkpoint predates counts as its default), as is any change of
+    the model (named down to a nested key) and fewer steps than the checkpoint's; recomputing the
+    experts is no change of the model, and the run's other settings may change."""
+    from moeflow.train.lm_checkpoint import inspect_run
+
+    cfg, _ = _saved_run(tmp_path / "run", 3, 3, seed=4)
+    changes = {"batch_size": 8, "grad_accum": 2, "seq_len": 32, "seed": 5, "tokenizer": "bpe", "bpe_vocab": 512,
+               "val_works": ("sonnets",), "val_fraction": 0.2, "text_field": "body", "skip_empty": True}
+    for name, value in changes.items():
+        changed = dataclasses.replace(cfg, **{name: value})
+        said = f"{name}={changed.to_dict()[name]!r} (the checkpoint's run: {cfg.to_dict()[name]!r}): resume=True"
+        with pytest.raises(ValueError, match="^" + re.escape(said)):
+            inspect_run(changed)
+    assert inspect_run(dataclasses.replace(cfg, lr=1e-3, expert_recompute=True, eval_every=7)).start == 3
+    # a checkpoint written before a setting existed: its default is what that run used
+    index_file = tmp_path / "run" / "checkpoints" / "step-00000003" / "index.json"
+    index = json.loads(index_file.read_text())
+    del index["extra"]["train"]["skip_empty"], index["extra"]["model"]["experts"]["recompute"]
+    index_file.write_text(json.dumps(index))
+    assert inspect_run(cfg).start == 3
+    with pytest.raises(ValueError, match=r"^skip_empty=True \(the checkpoint's run: False\)"):
+        inspect_run(dataclasses.replace(cfg, skip_empty=True))
+    with pytest.raises(ValueError, match=r"^n_layers=2 would change the model of the checkpoint .*step-00000003 "
+                                         r"\(n_layers: 1 -> 2\), which resume=True continues"):
+        inspect_run(dataclasses.replace(cfg, n_layers=2))
+    with pytest.raises(ValueError, match=r"^load_balance_coef=0\.5 would change the model .*"
+                                         r"\(router\.load_balance_coef: [0-9.e-]+ -> 0\.5\)"):
+        inspect_run(dataclasses.replace(cfg, load_balance_coef=0.5))
+    with pytest.raises(ValueError, match=r"^steps=2 is below step 3 of the checkpoint"):
+        inspect_run(dataclasses.replace(cfg, steps=2))
+    del index["extra"]["model"]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index\.json: no model config; it cannot be resumed"):
+        inspect_run(cfg)
 
 
 # ----------------------------------------------------------------------------- non-finite steps

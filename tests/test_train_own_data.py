@@ -27,7 +27,7 @@ from moeflow.train import LMTrainConfig, train_lm
 from moeflow.train.data import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_dict
 from moeflow.train.sources import DataError, documents
 from moeflow.train.prepare import prepare, split_of
-from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler
+from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler, TokenStream
 
 from helpers import run_until_checkpoint, spawn_ranks
 
@@ -350,6 +350,131 @@ def test_batches_depend_on_the_step_alone_on_any_world_size_and_prefetched(tmp_p
         TokenSampler(sets, None, seq_len=100_000, seed=0)
     with pytest.raises(ValueError, match="weights must be one positive number per dataset"):
         TokenSampler(sets, [1.0, 0.0], seq_len=16, seed=0)
+
+
+@pytest.mark.unit
+def test_tokens_in_memory_are_a_dataset_like_a_prepared_one() -> None:
+    """``TokenDataset.in_memory`` (a small corpus held by the process): int64 reads whatever
+    the array's dtype, one document per end-of-document token (one without such a token), a
+    fingerprint of the tokens themselves (one token changed is another corpus, and so another
+    sampler), and the errors name it."""
+    rng = np.random.default_rng(11)
+    docs = int(rng.integers(2, 9))
+    tokens = rng.integers(0, 256, size=200, dtype=np.uint16)
+    tokens[np.sort(rng.choice(200, size=docs, replace=False))] = 256
+    ds = TokenDataset.in_memory(tokens, {"kind": "byte"}, eod=256, name="small corpus")
+    assert ds.num_tokens == 200 and ds.num_documents == docs and ds.eod == 256
+    got = ds.read(3, 50)
+    assert got.dtype == np.int64 and got.tolist() == tokens[3:53].tolist()
+    assert TokenDataset.in_memory(tokens, {}, eod=None, name="x").num_documents == 1
+    same = TokenDataset.in_memory(tokens.astype(np.int64), {}, eod=None, name="y")
+    changed = tokens.copy()
+    changed[int(rng.integers(200))] ^= 1
+    other = TokenDataset.in_memory(changed, {}, eod=None, name="z")
+    assert isinstance(ds.fingerprint, str) and same.fingerprint == ds.fingerprint != other.fingerprint
+    assert TokenSampler([same], None, 8, 0).fingerprint != TokenSampler([other], None, 8, 0).fingerprint
+    with pytest.raises(DataError, match=r"^small corpus \(memory\): 200 tokens, fewer than one sequence of "
+                                        r"seq_len\+1 = 200$"):
+        TokenSampler([ds], None, seq_len=199, seed=0)
+
+
+@pytest.mark.unit
+def test_a_token_stream_takes_one_sequence_with_room_for_a_window() -> None:
+    """``TokenStream``: a 1-D sequence of at least ``seq_len + 2`` tokens (the fewest a sampler
+    takes: ``min_split_tokens``), refused by name otherwise; ``from_text`` samples the
+    tokenizer's ids of the text exactly as a stream over those ids does (int64, on the CPU)."""
+    from moeflow.train.data import ByteTokenizer
+
+    for seq_len in (1, 7):
+        stream = TokenStream(torch.arange(seq_len + 2) * 3, seq_len=seq_len, seed=0)
+        x, y = stream.batch(0, 4)
+        assert x.tolist() == [list(range(0, 3 * seq_len, 3))] * 4 and torch.equal(y, x + 3)
+        with pytest.raises(ValueError, match=rf"need more than seq_len\+1={seq_len + 1} tokens, got {seq_len + 1}"):
+            TokenStream(torch.arange(seq_len + 1), seq_len=seq_len, seed=0)
+    with pytest.raises(ValueError, match=r"need more than seq_len\+1=3 tokens, got 40"):
+        TokenStream(torch.arange(40).reshape(4, 10), seq_len=2, seed=0)
+    gen = torch.Generator().manual_seed(5)
+    text = "".join(chr(c) for c in torch.randint(32, 127, (500,), generator=gen).tolist())
+    tok = ByteTokenizer()
+    stream = TokenStream.from_text(text, tok, seq_len=12, seed=3)
+    ids = torch.tensor(tok.encode(text))
+    assert stream.datasets[0].read(0, len(text)).tolist() == ids.tolist()
+    for step in (0, 4):
+        got, want = stream.batch(step, 6), TokenStream(ids, seq_len=12, seed=3).batch(step, 6)
+        assert got[0].dtype == torch.int64 and got[0].device.type == "cpu"
+        assert got[0].shape == (6, 12) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(stream.batch(0, 6)[0], TokenStream(ids, seq_len=12, seed=4).batch(0, 6)[0])
+
+
+@pytest.mark.unit
+def test_a_tokenizer_mismatch_names_both_tokenizers(tmp_path) -> None:
+    """Shards tokenized otherwise are refused naming both tokenizers: by kind, and for a
+    tokenizer with a vocabulary file by a short hash of its description, so that two BPE
+    tokenizers read apart; the hash is of the description's content (the order of its keys
+    does not change it), and an index whose tokenizer is no description at all is named as
+    of an unknown kind."""
+    import re
+
+    src = write_source("jsonl", tmp_path / "src", structured_docs(30))
+    prepare(documents([src], text_field="body"), ByteTokenizer(encoding="utf-8", eod=True), tmp_path / "p", workers=1,
+            val_fraction=0.0)
+    index_file = tmp_path / "p" / "index.json"
+    index = json.loads(index_file.read_text())
+    gen = torch.Generator().manual_seed(2)
+    merges = ["".join(chr(c) for c in torch.randint(97, 123, (12,), generator=gen).tolist()) for _ in range(2)]
+    index["tokenizer"] = {"json": merges[0], "kind": "bpe"}  # keys in another order than to_dict's
+    index_file.write_text(json.dumps(index))
+    given = {"kind": "bpe", "json": merges[1], "eod": 0}
+    pattern = r": the shards were tokenized with a bpe tokenizer \(([0-9a-f]{8})\), not a bpe tokenizer \(([0-9a-f]{8})\):"
+    with pytest.raises(DataError) as first:
+        TokenDataset(tmp_path / "p", tokenizer=given)
+    found = re.search(pattern, str(first.value))
+    assert found is not None and found[1] != found[2], str(first.value)
+    with pytest.raises(DataError) as again:  # the same tokenizer, its description's keys in another order
+        TokenDataset(tmp_path / "p", tokenizer={"eod": 0, "json": merges[1], "kind": "bpe"})
+    assert str(again.value) == str(first.value)
+    index["tokenizer"] = {"kind": "bpe", "json": merges[0]}
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(DataError) as reordered:
+        TokenDataset(tmp_path / "p", tokenizer=given)
+    assert str(reordered.value) == str(first.value)
+    for desc in ("bpe", {"json": merges[0]}):  # no description, and one without a kind
+        index["tokenizer"] = desc
+        index_file.write_text(json.dumps(index))
+        with pytest.raises(DataError, match=r": the shards were tokenized with a \? tokenizer(?: \([0-9a-f]{8}\))?, "
+                                            r"not a byte tokenizer: prepare"):
+            TokenDataset(tmp_path / "p", tokenizer=ByteTokenizer().to_dict())
+
+
+@pytest.mark.unit
+def test_the_prefetcher_reads_ahead_on_one_thread(tmp_path) -> None:
+    """A caller that skips around (each call reads its batch at once and starts reading the
+    next one's) never has more than one background read: one thread, one batch ahead."""
+    import threading
+
+    release = threading.Event()
+
+    class Held:
+        """The stream's batches; a background read waits until released."""
+
+        def __init__(self) -> None:
+            self.stream = TokenStream(torch.arange(500), seq_len=8, seed=1)
+
+        def batch(self, *args, **kw):  # type: ignore[no-untyped-def]
+            if threading.current_thread().name.startswith("moeflow-data"):
+                release.wait(30)
+            return self.stream.batch(*args, **kw)
+
+    pre = Prefetcher(Held())  # type: ignore[arg-type]
+    try:
+        for step in (0, 5, 9, 2):
+            got, want = pre.batch(step, 4), TokenStream(torch.arange(500), seq_len=8, seed=1).batch(step, 4)
+            assert torch.equal(got[0], want[0])
+        readers = [t for t in threading.enumerate() if t.name.startswith("moeflow-data")]
+        assert len(readers) == 1, readers
+    finally:
+        release.set()
+        pre.close()
 
 
 # --------------------------------------------------------------------------- tokenizers
