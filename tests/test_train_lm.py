@@ -289,6 +289,11 @@ def test_resume_refuses_settings_that_would_not_continue_the_checkpoint(tmp_path
         inspect_run(dataclasses.replace(cfg, load_balance_coef=0.5))
     with pytest.raises(ValueError, match=r"^steps=2 is below step 3 of the checkpoint"):
         inspect_run(dataclasses.replace(cfg, steps=2))
+    train = index["extra"].pop("train")  # no training settings at all: the defaults, and so another seq_len
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"^seq_len=16 \(the checkpoint's run: 128\)"):
+        inspect_run(cfg)
+    index["extra"]["train"] = train
     del index["extra"]["model"]
     index_file.write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"index\.json: no model config; it cannot be resumed"):

@@ -404,6 +404,10 @@ def test_a_token_stream_takes_one_sequence_with_room_for_a_window() -> None:
         assert got[0].dtype == torch.int64 and got[0].device.type == "cpu"
         assert got[0].shape == (6, 12) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert not torch.equal(stream.batch(0, 6)[0], TokenStream(ids, seq_len=12, seed=4).batch(0, 6)[0])
+    with torch.device("meta"):  # another default device: the corpus and its batches stay in host memory
+        held = TokenStream.from_text(text, tok, seq_len=12, seed=3)
+        x, y = held.batch(4, 6)
+    assert x.device.type == "cpu" and torch.equal(x, want[0]) and torch.equal(y, want[1])
 
 
 @pytest.mark.unit
@@ -475,6 +479,27 @@ def test_the_prefetcher_reads_ahead_on_one_thread(tmp_path) -> None:
     finally:
         release.set()
         pre.close()
+
+    class Spy:
+        """The stream's batches, recording which thread asked for which."""
+
+        def __init__(self) -> None:
+            self.stream, self.calls = TokenStream(torch.arange(500), seq_len=8, seed=1), []
+
+        def batch(self, step, batch_size, *, rank, world):  # type: ignore[no-untyped-def]
+            self.calls.append((threading.current_thread().name.startswith("moeflow-data"), step, rank, world))
+            return self.stream.batch(step, batch_size, rank=rank, world=world)
+
+    spy = Spy()
+    pre = Prefetcher(spy)  # type: ignore[arg-type]
+    start = int(torch.randint(0, 100, ()))
+    for step in range(start, start + 4):  # consecutive steps: each after the first was read ahead
+        got, want = pre.batch(step, 4, rank=1, world=2), spy.stream.batch(step, 4, rank=1, world=2)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    pre.close()
+    assert [c for c in spy.calls if not c[0]] == [(False, start, 1, 2)]
+    ahead = sorted(c for c in spy.calls if c[0])  # the read ahead of the last step may be cancelled by close
+    assert ahead[:3] == [(True, s, 1, 2) for s in range(start + 1, start + 4)] and ahead[3:] in ([], [(True, start + 4, 1, 2)])
 
 
 # --------------------------------------------------------------------------- tokenizers
