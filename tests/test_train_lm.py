@@ -287,6 +287,19 @@ def test_resume_refuses_settings_that_would_not_continue_the_checkpoint(tmp_path
     with pytest.raises(ValueError, match=r"^load_balance_coef=0\.5 would change the model .*"
                                          r"\(router\.load_balance_coef: [0-9.e-]+ -> 0\.5\)"):
         inspect_run(dataclasses.replace(cfg, load_balance_coef=0.5))
+    with pytest.raises(ValueError, match=r"^n_layers=2, dim=32 would change the model .*"
+                                         r"\((?=.*n_layers: 1 -> 2)(?=.*dim: 16 -> 32)[^;]*; [^;]*\), which"):
+        inspect_run(dataclasses.replace(cfg, n_layers=2, dim=32))
+    with pytest.raises(ValueError, match=r"^preset='small' would change the model .*step-00000003 \(.*\), which"):
+        inspect_run(dataclasses.replace(cfg, preset="small"))
+    other, _ = _saved_run(tmp_path / "other", 2, 2, seed=5)  # a model of another size to start from
+    (other.out_dir / "checkpoints" / "step-00000002" / "index.json").write_text(
+        (other.out_dir / "checkpoints" / "step-00000002" / "index.json").read_text().replace('"n_layers": 1', '"n_layers": 3'))
+    from_other = dataclasses.replace(cfg, init_from=other.out_dir, **{k: None for k in ("n_layers", "dim", "n_heads",
+                                                                                       "expert_hidden")})
+    with pytest.raises(ValueError, match=r"^n_layers=None, dim=None, n_heads=None, expert_hidden=None, init_from='.*other' "
+                                         r"would change the model .*\(n_layers: 1 -> 3\), which"):
+        inspect_run(from_other)
     with pytest.raises(ValueError, match=r"^steps=2 is below step 3 of the checkpoint"):
         inspect_run(dataclasses.replace(cfg, steps=2))
     train = index["extra"].pop("train")  # no training settings at all: the defaults, and so another seq_len

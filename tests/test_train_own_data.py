@@ -411,6 +411,27 @@ def test_a_token_stream_takes_one_sequence_with_room_for_a_window() -> None:
 
 
 @pytest.mark.unit
+def test_the_batches_of_a_step_are_pinned() -> None:
+    """Which windows a step draws is part of a run: a checkpoint resumed by a later moeflow must
+    see the batches its run would have seen (its data fingerprint covers the tokens, not the
+    drawing), so the draws of a few (seed, step) pairs are pinned here, for several sources and
+    for one. A change of the seeding or of the draws fails this test: such a change must say
+    that runs resumed across it see other batches."""
+    sets = [TokenDataset.in_memory(np.arange(n) + 1000 * i, {}, eod=None, name=f"s{i}") for i, n in enumerate((50, 30))]
+    sampler = TokenSampler(sets, [2.0, 1.0], seq_len=4, seed=7)
+    pinned = {0: ([0, 0, 1, 1, 0, 0], [22, 1, 14, 24, 31, 15]), 1: ([1, 1, 0, 0, 1, 0], [8, 19, 17, 18, 11, 38]),
+              123456: ([0, 0, 1, 1, 1, 0], [8, 31, 19, 17, 8, 24])}
+    for step, (source, start) in pinned.items():
+        got = sampler.starts(step, 6)
+        assert (got[0].tolist(), got[1].tolist()) == (source, start), step
+        assert got[0].dtype == got[1].dtype == torch.int64
+    stream = TokenStream(torch.arange(40), seq_len=4, seed=3)
+    for step, start in {0: [34, 9, 29, 16, 12], 99: [24, 2, 27, 23, 5]}.items():
+        source, got = stream.starts(step, 5)
+        assert got.tolist() == start and source.tolist() == [0] * 5 and source.dtype == got.dtype == torch.int64
+
+
+@pytest.mark.unit
 def test_a_tokenizer_mismatch_names_both_tokenizers(tmp_path) -> None:
     """Shards tokenized otherwise are refused naming both tokenizers: by kind, and for a
     tokenizer with a vocabulary file by a short hash of its description, so that two BPE
