@@ -243,6 +243,10 @@ def test_resume_continues_from_what_the_run_directory_holds(tmp_path, seed: int)
     (tmp_path / "run" / "history.json").write_text(json.dumps(history))
     assert inspect_run(dataclasses.replace(cfg, steps=step)).history == history  # its own record, totals too
     assert "tokens_per_s" not in inspect_run(cfg).history  # a continued run computes its own
+    # a run that never skipped a step has no "skipped" (new_history), and an older one no "world_sizes"
+    (tmp_path / "run" / "history.json").write_text(json.dumps({k: v for k, v in history.items()
+                                                               if k not in ("skipped", "world_sizes")}))
+    assert inspect_run(cfg).history == {**want, "skipped": [], "world_sizes": []}
 
     (tmp_path / "run" / "history.json").write_text(json.dumps({**history, "step": history["step"][:-1]}))
     with pytest.raises(ValueError, match=rf"resume=True needs .*history\.json up to step {step}, the step of the "
