@@ -248,6 +248,13 @@ def test_resume_continues_from_what_the_run_directory_holds(tmp_path, seed: int)
                                                                if k not in ("skipped", "world_sizes")}))
     assert inspect_run(cfg).history == {**want, "skipped": [], "world_sizes": []}
 
+    # a checkpoint from before the history left the index: read from there when history.json is gone
+    index_file = ckpt / "index.json"
+    index = json.loads(index_file.read_text())
+    index_file.write_text(json.dumps({**index, "extra": {**index["extra"], "history": history}}))
+    (tmp_path / "run" / "history.json").unlink()
+    assert inspect_run(cfg).history == want
+    index_file.write_text(json.dumps(index))
     (tmp_path / "run" / "history.json").write_text(json.dumps({**history, "step": history["step"][:-1]}))
     with pytest.raises(ValueError, match=rf"resume=True needs .*history\.json up to step {step}, the step of the "
                                          rf"checkpoint .*step-{step:08d}, but the file covers steps \[1\]\.\.\[{step - 1}\]"):
@@ -306,6 +313,11 @@ def test_resume_refuses_settings_that_would_not_continue_the_checkpoint(tmp_path
         inspect_run(from_other)
     with pytest.raises(ValueError, match=r"^steps=2 is below step 3 of the checkpoint"):
         inspect_run(dataclasses.replace(cfg, steps=2))
+    router = index["extra"]["model"].pop("router")  # a nested config the checkpoint lacks: named whole
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"^this run would change the model .*\(router: None -> \{.*\}\), which"):
+        inspect_run(cfg)
+    index["extra"]["model"]["router"] = router
     train = index["extra"].pop("train")  # no training settings at all: the defaults, and so another seq_len
     index_file.write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"^seq_len=16 \(the checkpoint's run: 128\)"):

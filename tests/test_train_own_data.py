@@ -425,6 +425,9 @@ def test_the_batches_of_a_step_are_pinned() -> None:
         got = sampler.starts(step, 6)
         assert (got[0].tolist(), got[1].tolist()) == (source, start), step
         assert got[0].dtype == got[1].dtype == torch.int64
+        with torch.device("meta"):  # another default device: drawn on the CPU all the same
+            got = sampler.starts(step, 6)
+        assert (got[0].tolist(), got[1].tolist()) == (source, start), step
     stream = TokenStream(torch.arange(40), seq_len=4, seed=3)
     for step, start in {0: [34, 9, 29, 16, 12], 99: [24, 2, 27, 23, 5]}.items():
         source, got = stream.starts(step, 5)
