@@ -284,10 +284,18 @@ def test_resume_refuses_settings_that_would_not_continue_the_checkpoint(tmp_path
         with pytest.raises(ValueError, match="^" + re.escape(said)):
             inspect_run(changed)
     assert inspect_run(dataclasses.replace(cfg, lr=1e-3, expert_recompute=True, eval_every=7)).start == 3
+    said = "batch_size=8 (the checkpoint's run: 16), seed=5 (the checkpoint's run: 0): resume=True"
+    with pytest.raises(ValueError, match="^" + re.escape(said)):
+        inspect_run(dataclasses.replace(cfg, batch_size=8, seed=5))
+    fresh = inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "new", resume=False))
+    assert fresh.start == 0 and fresh.checkpoint is None and fresh.history == {
+        "run_id": fresh.run_id, "step": [], "train_loss": [], "lr": [], "val": [], "load": [], "rebalance": [],
+        "world_sizes": []}
     # a checkpoint written before a setting existed: its default is what that run used
     index_file = tmp_path / "run" / "checkpoints" / "step-00000003" / "index.json"
     index = json.loads(index_file.read_text())
     del index["extra"]["train"]["skip_empty"], index["extra"]["model"]["experts"]["recompute"]
+    index["extra"]["model"]["experts"]["recompute_chunks"] = 4  # recomputing in chunks changes no model either
     index_file.write_text(json.dumps(index))
     assert inspect_run(cfg).start == 3
     with pytest.raises(ValueError, match=r"^skip_empty=True \(the checkpoint's run: False\)"):
@@ -304,13 +312,20 @@ def test_resume_refuses_settings_that_would_not_continue_the_checkpoint(tmp_path
     with pytest.raises(ValueError, match=r"^preset='small' would change the model .*step-00000003 \(.*\), which"):
         inspect_run(dataclasses.replace(cfg, preset="small"))
     other, _ = _saved_run(tmp_path / "other", 2, 2, seed=5)  # a model of another size to start from
-    (other.out_dir / "checkpoints" / "step-00000002" / "index.json").write_text(
-        (other.out_dir / "checkpoints" / "step-00000002" / "index.json").read_text().replace('"n_layers": 1', '"n_layers": 3'))
+    other_index = other.out_dir / "checkpoints" / "step-00000002" / "index.json"
+    other_extra = json.loads(other_index.read_text().replace('"n_layers": 1', '"n_layers": 3'))
+    other_extra["extra"]["special_tokens"] = {"bos": 7}  # what a converted model carries on to the runs from it
+    other_index.write_text(json.dumps(other_extra))
     from_other = dataclasses.replace(cfg, init_from=other.out_dir, **{k: None for k in ("n_layers", "dim", "n_heads",
                                                                                        "expert_hidden")})
     with pytest.raises(ValueError, match=r"^n_layers=None, dim=None, n_heads=None, expert_hidden=None, init_from='.*other' "
                                          r"would change the model .*\(n_layers: 1 -> 3\), which"):
         inspect_run(from_other)
+    from moeflow.train.data import ByteTokenizer
+    from moeflow.train.lm_checkpoint import checkpoint_extra
+
+    carried = checkpoint_extra(from_other, from_other.model_config(vocab_size=256), ByteTokenizer(), "run-c")
+    assert carried["special_tokens"] == {"bos": 7} and carried["model"]["n_layers"] == 3
     with pytest.raises(ValueError, match=r"^steps=2 is below step 3 of the checkpoint"):
         inspect_run(dataclasses.replace(cfg, steps=2))
     router = index["extra"]["model"].pop("router")  # a nested config the checkpoint lacks: named whole

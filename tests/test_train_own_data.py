@@ -428,6 +428,14 @@ def test_the_batches_of_a_step_are_pinned() -> None:
         with torch.device("meta"):  # another default device: drawn on the CPU all the same
             got = sampler.starts(step, 6)
         assert (got[0].tolist(), got[1].tolist()) == (source, start), step
+    # no weights: each source weighs 1, the same sampler (draws and fingerprint) as weights of 1
+    even = TokenSampler(sets, None, seq_len=4, seed=7)
+    ones = TokenSampler(sets, [1.0, 1.0], seq_len=4, seed=7)
+    assert even.fingerprint == ones.fingerprint and torch.equal(even.starts(5, 64)[0], ones.starts(5, 64)[0])
+    # a batch of no rows: inputs and targets of no rows, int64 on the CPU (under another default device too)
+    with torch.device("meta"):
+        x, y = sampler.batch(3, 0)
+    assert x.shape == y.shape == (0, 4) and x.dtype == y.dtype == torch.int64 and x.device.type == y.device.type == "cpu"
     stream = TokenStream(torch.arange(40), seq_len=4, seed=3)
     for step, start in {0: [34, 9, 29, 16, 12], 99: [24, 2, 27, 23, 5]}.items():
         source, got = stream.starts(step, 5)
