@@ -432,11 +432,12 @@ def test_the_batches_of_a_step_are_pinned() -> None:
     even = TokenSampler(sets, None, seq_len=4, seed=7)
     ones = TokenSampler(sets, [1.0, 1.0], seq_len=4, seed=7)
     assert even.fingerprint == ones.fingerprint and torch.equal(even.starts(5, 64)[0], ones.starts(5, 64)[0])
-    # a batch of no rows: inputs and targets of no rows, int64 on the CPU (under another default device too)
-    with torch.device("meta"):
-        x, y = sampler.batch(3, 0)
-    assert x.shape == y.shape == (0, 4) and x.dtype == y.dtype == torch.int64 and x.device.type == y.device.type == "cpu"
     stream = TokenStream(torch.arange(40), seq_len=4, seed=3)
+    # a batch of no rows (one source): inputs and targets of no rows, int64 on the CPU, under another
+    # default device too
+    with torch.device("meta"):
+        x, y = stream.batch(3, 0)
+    assert x.shape == y.shape == (0, 4) and x.dtype == y.dtype == torch.int64 and x.device.type == y.device.type == "cpu"
     for step, start in {0: [34, 9, 29, 16, 12], 99: [24, 2, 27, 23, 5]}.items():
         source, got = stream.starts(step, 5)
         assert got.tolist() == start and source.tolist() == [0] * 5 and source.dtype == got.dtype == torch.int64
