@@ -265,6 +265,15 @@ def test_reads_through_small_windows_equal_the_whole_corpus(tmp_path) -> None:
         assert w._map is None or w._end - w._start <= max(w.window, 600)
     with pytest.raises(IndexError, match="outside"):
         small.read(whole.num_tokens - 2, 5)
+    # nothing before the first token, no negative length; no tokens read is an empty int64 array
+    memory = TokenDataset.in_memory(ref, {}, eod=None, name="memory")
+    for ds in (small, memory):
+        for start, length in ((-1, 3), (-int(rng.integers(2, 100)), 1), (5, -1)):
+            with pytest.raises(IndexError, match=rf"tokens \[{start}, {start + length}\) outside"):
+                ds.read(start, length)
+        for start in (0, int(rng.integers(1, whole.num_tokens)), whole.num_tokens):
+            empty = ds.read(start, 0)
+            assert empty.dtype == np.int64 and empty.shape == (0,)
 
 
 @pytest.mark.unit
