@@ -236,6 +236,18 @@ def test_resume_continues_from_what_the_run_directory_holds(tmp_path, seed: int)
             **{k: [e for e in history.get(k, []) if e[0] <= step] for k in ("val", "load", "rebalance", "world_sizes",
                                                                           "skipped")}}
     assert state.history == want and state.history["step"] == list(range(1, step + 1))
+    # a new run there is refused naming what is there; overwrite lists the run's files, checkpoints
+    # first and run.json last, never another file
+    run = tmp_path / "run"
+    (run / "notes.txt").write_text("not moeflow's")
+    (run / "training.png").write_bytes(b"plot")
+    with pytest.raises(ValueError, match=re.escape(f"out_dir={str(run)!r} already holds a run (run 'run-a': run.json, "
+                                                   f"history.json, checkpoints/step-{step:08d}; latest complete "
+                                                   f"checkpoint: step {step}); pass resume=True")):
+        inspect_run(dataclasses.replace(cfg, resume=False))
+    over = inspect_run(dataclasses.replace(cfg, resume=False, overwrite=True))
+    assert over.run_id != "run-a" and (over.start, over.checkpoint, over.finished) == (0, None, False)
+    assert over.remove == (ckpt, run / "training.png", run / "history.json", run / "run.json")
 
     finished = inspect_run(dataclasses.replace(cfg, steps=step))
     assert finished.finished and finished.start == step and finished.history == want  # history.json ran ahead
