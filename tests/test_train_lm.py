@@ -248,6 +248,11 @@ def test_resume_continues_from_what_the_run_directory_holds(tmp_path, seed: int)
     over = inspect_run(dataclasses.replace(cfg, resume=False, overwrite=True))
     assert over.run_id != "run-a" and (over.start, over.checkpoint, over.finished) == (0, None, False)
     assert over.remove == (ckpt, run / "training.png", run / "history.json", run / "run.json")
+    again = inspect_run(dataclasses.replace(cfg, resume=False, overwrite=True)).run_id
+    assert isinstance(over.run_id, str) and len(over.run_id) == 32 and again != over.run_id  # a new id each time
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "training.png").write_bytes(b"plot")  # no run there: a new run deletes nothing
+    assert inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "plots", resume=False)).remove == ()
 
     finished = inspect_run(dataclasses.replace(cfg, steps=step))
     assert finished.finished and finished.start == step and finished.history == want  # history.json ran ahead

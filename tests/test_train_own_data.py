@@ -532,6 +532,32 @@ def test_the_prefetcher_reads_ahead_on_one_thread(tmp_path) -> None:
             self.calls.append((threading.current_thread().name.startswith("moeflow-data"), step, rank, world))
             return self.stream.batch(step, batch_size, rank=rank, world=world)
 
+    # close waits for a read under way, and the reader is gone after it
+    release.clear()
+    pre = Prefetcher(Held())  # type: ignore[arg-type]
+    pre.batch(0, 4)  # step 1 is being read ahead, held
+    threading.Timer(0.2, release.set).start()
+    pre.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("moeflow-data") and t.is_alive()]
+
+    class Slow:
+        """The stream's batches, each read taking 20 ms."""
+
+        def __init__(self) -> None:
+            self.stream = TokenStream(torch.arange(500), seq_len=8, seed=1)
+
+        def batch(self, *args, **kw):  # type: ignore[no-untyped-def]
+            import time
+
+            time.sleep(0.02)
+            return self.stream.batch(*args, **kw)
+
+    pre = Prefetcher(Slow())  # type: ignore[arg-type]
+    for step in (0, 10, 20, 30):  # none read ahead: the caller waits for each read, and the waits add up
+        pre.batch(step, 4)
+    pre.close()
+    assert pre.waited_s >= 4 * 0.02
+
     spy = Spy()
     pre = Prefetcher(spy)  # type: ignore[arg-type]
     start = int(torch.randint(0, 100, ()))
