@@ -437,6 +437,14 @@ def test_the_batches_of_a_step_are_pinned() -> None:
         with torch.device("meta"):  # another default device: drawn on the CPU all the same
             got = sampler.starts(step, 6)
         assert (got[0].tolist(), got[1].tolist()) == (source, start), step
+    # any positive finite weights, past float32's range too (scaled by a power of two: the same draws);
+    # a sampler made under another default device draws the same
+    huge = TokenSampler(sets, [2.0**130, 2.0**131], seq_len=4, seed=7)
+    with torch.device("meta"):
+        made_on_meta = TokenSampler(sets, [2.0, 1.0], seq_len=4, seed=7)
+    for step in (0, 1):
+        assert torch.equal(huge.starts(step, 64)[0], TokenSampler(sets, [1.0, 2.0], seq_len=4, seed=7).starts(step, 64)[0])
+        assert torch.equal(made_on_meta.starts(step, 6)[0], sampler.starts(step, 6)[0])
     # no weights: each source weighs 1, the same sampler (draws and fingerprint) as weights of 1
     even = TokenSampler(sets, None, seq_len=4, seed=7)
     ones = TokenSampler(sets, [1.0, 1.0], seq_len=4, seed=7)
