@@ -253,6 +253,11 @@ def test_resume_continues_from_what_the_run_directory_holds(tmp_path, seed: int)
     (tmp_path / "plots").mkdir()
     (tmp_path / "plots" / "training.png").write_bytes(b"plot")  # no run there: a new run deletes nothing
     assert inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "plots", resume=False)).remove == ()
+    (tmp_path / "bare").mkdir()  # a run that stopped before its first checkpoint: from step 0, under its id
+    (tmp_path / "bare" / "run.json").write_text(json.dumps({"run_id": "run-z"}))
+    bare = inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "bare"))
+    assert (bare.run_id, bare.start, bare.checkpoint, bare.finished) == ("run-z", 0, None, False)
+    assert bare.history["run_id"] == "run-z" and bare.history["step"] == []
 
     finished = inspect_run(dataclasses.replace(cfg, steps=step))
     assert finished.finished and finished.start == step and finished.history == want  # history.json ran ahead

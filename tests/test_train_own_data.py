@@ -512,10 +512,11 @@ def test_the_prefetcher_reads_ahead_on_one_thread(tmp_path) -> None:
         """The stream's batches; a background read waits until released."""
 
         def __init__(self) -> None:
-            self.stream = TokenStream(torch.arange(500), seq_len=8, seed=1)
+            self.stream, self.ahead = TokenStream(torch.arange(500), seq_len=8, seed=1), []
 
         def batch(self, *args, **kw):  # type: ignore[no-untyped-def]
             if threading.current_thread().name.startswith("moeflow-data"):
+                self.ahead.append(args[0])
                 release.wait(30)
             return self.stream.batch(*args, **kw)
 
@@ -540,13 +541,16 @@ def test_the_prefetcher_reads_ahead_on_one_thread(tmp_path) -> None:
             self.calls.append((threading.current_thread().name.startswith("moeflow-data"), step, rank, world))
             return self.stream.batch(step, batch_size, rank=rank, world=world)
 
-    # close waits for a read under way, and the reader is gone after it
+    # close waits for a read under way, drops the reads queued behind it, and the reader is gone after it
     release.clear()
-    pre = Prefetcher(Held())  # type: ignore[arg-type]
+    held = Held()
+    pre = Prefetcher(held)  # type: ignore[arg-type]
     pre.batch(0, 4)  # step 1 is being read ahead, held
+    pre.batch(5, 4)  # read at once; step 6 queued behind step 1
     threading.Timer(0.2, release.set).start()
     pre.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("moeflow-data") and t.is_alive()]
+    assert held.ahead == [1]
 
     class Slow:
         """The stream's batches, each read taking 20 ms."""
