@@ -258,6 +258,8 @@ def test_resume_continues_from_what_the_run_directory_holds(tmp_path, seed: int)
     bare = inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "bare"))
     assert (bare.run_id, bare.start, bare.checkpoint, bare.finished) == ("run-z", 0, None, False)
     assert bare.history["run_id"] == "run-z" and bare.history["step"] == []
+    empty = inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "empty"))  # nothing there yet: a new id
+    assert empty.start == 0 and isinstance(empty.run_id, str) and len(empty.run_id) == 32
 
     finished = inspect_run(dataclasses.replace(cfg, steps=step))
     assert finished.finished and finished.start == step and finished.history == want  # history.json ran ahead
