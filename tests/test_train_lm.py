@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,194 @@ def test_out_dir_holds_one_run(tmp_path, monkeypatch) -> None:
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000001"]
     assert (run / "notes.txt").read_text() == "not moeflow's"
     assert json.loads((run / "run.json").read_text())["run_id"] == new["run_id"]
+
+
+def _saved_run(out: Path, step: int, history_steps: int, seed: int, **kw) -> tuple[LMTrainConfig, dict]:
+    """A run directory as ``train_lm`` leaves it, made without training: ``run.json``, a
+    checkpoint of a tiny model at ``step`` with ``checkpoint_extra``, and ``history.json`` up to
+    ``history_steps`` (random entries, one of each kind every few steps). Returns the run's
+    config (``resume=True``) and the history written."""
+    from moeflow.checkpoint import save_checkpoint
+    from moeflow.models import MoEGPT
+    from moeflow.train.data import ByteTokenizer
+    from moeflow.train.lm_checkpoint import checkpoint_extra, new_history, write_history
+
+    cfg = LMTrainConfig(out_dir=out, steps=step + 4, n_layers=1, dim=16, n_heads=2, expert_hidden=16, seq_len=16,
+                        progress=False, plot=False, resume=True, **kw)
+    model_cfg = cfg.model_config(vocab_size=256)
+    extra = checkpoint_extra(cfg, model_cfg, ByteTokenizer(), "run-a", data={"train": "t-print", "val": "v-print"})
+    assert extra == {"family": "moeflow.MoEGPT", "model": model_cfg.to_dict(), "dtype": "float32",
+                     "tokenizer": {"kind": "byte"}, "train": cfg.to_dict(), "run_id": "run-a",
+                     "data": {"train": "t-print", "val": "v-print"}}
+    assert "data" not in checkpoint_extra(cfg, model_cfg, ByteTokenizer(), "run-a")
+    save_checkpoint(out / "checkpoints", step, MoEGPT(model_cfg), extra=extra)
+    (out / "run.json").write_text(json.dumps({"format": "moeflow-run/1", "run_id": "run-a", "created": "now"}))
+    gen = torch.Generator().manual_seed(seed)
+    history = new_history("run-a")
+    for s in range(1, history_steps + 1):
+        history["step"].append(s)
+        history["train_loss"].append(float(torch.rand((), generator=gen)))
+        history["lr"].append(float(torch.rand((), generator=gen)))
+        for key in ("val", "load", "rebalance", "world_sizes", "skipped"):
+            if s % int(torch.randint(1, 4, (), generator=gen)) == 0:
+                history.setdefault(key, []).append([s, float(torch.rand((), generator=gen))])
+    history["tokens_per_s"] = 123.0  # a total of the run as it last stopped
+    write_history(out, history)
+    return cfg, history
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_resume_continues_from_what_the_run_directory_holds(tmp_path, seed: int) -> None:
+    """``inspect_run`` with ``resume=True`` on a run directory made by hand (no training): the
+    run continues from the checkpoint's step under its run id, with the history cut back to that
+    step, entry by entry of every kind (history.json runs ahead of the checkpoint when a run
+    stopped between a history write and its save) and without the totals of the run that
+    stopped; a run already at ``steps`` is finished, with the saved history whole; a history
+    that does not reach the checkpoint, or files of another run, are refused."""
+    from moeflow.train.lm_checkpoint import inspect_run
+
+    gen = torch.Generator().manual_seed(seed)
+    step = int(torch.randint(3, 7, (), generator=gen))
+    cfg, history = _saved_run(tmp_path / "run", step, step + int(torch.randint(1, 3, (), generator=gen)), seed)
+    state = inspect_run(cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / f"step-{step:08d}"
+    assert (state.run_id, state.start, state.checkpoint, state.finished) == ("run-a", step, ckpt, False)
+    keep = [i for i, s in enumerate(history["step"]) if s <= step]
+    want = {"run_id": "run-a", **{k: [history[k][i] for i in keep] for k in ("step", "train_loss", "lr")},
+            **{k: [e for e in history.get(k, []) if e[0] <= step] for k in ("val", "load", "rebalance", "world_sizes",
+                                                                          "skipped")}}
+    assert state.history == want and state.history["step"] == list(range(1, step + 1))
+    # a new run there is refused naming what is there; overwrite lists the run's files, checkpoints
+    # first and run.json last, never another file
+    run = tmp_path / "run"
+    (run / "notes.txt").write_text("not moeflow's")
+    (run / "training.png").write_bytes(b"plot")
+    with pytest.raises(ValueError, match=re.escape(f"out_dir={str(run)!r} already holds a run (run 'run-a': run.json, "
+                                                   f"history.json, checkpoints/step-{step:08d}; latest complete "
+                                                   f"checkpoint: step {step}); pass resume=True")):
+        inspect_run(dataclasses.replace(cfg, resume=False))
+    over = inspect_run(dataclasses.replace(cfg, resume=False, overwrite=True))
+    assert over.run_id != "run-a" and (over.start, over.checkpoint, over.finished) == (0, None, False)
+    assert over.remove == (ckpt, run / "training.png", run / "history.json", run / "run.json")
+    again = inspect_run(dataclasses.replace(cfg, resume=False, overwrite=True)).run_id
+    assert isinstance(over.run_id, str) and len(over.run_id) == 32 and again != over.run_id  # a new id each time
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "training.png").write_bytes(b"plot")  # no run there: a new run deletes nothing
+    assert inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "plots", resume=False)).remove == ()
+    (tmp_path / "bare").mkdir()  # a run that stopped before its first checkpoint: from step 0, under its id
+    (tmp_path / "bare" / "run.json").write_text(json.dumps({"run_id": "run-z"}))
+    bare = inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "bare"))
+    assert (bare.run_id, bare.start, bare.checkpoint, bare.finished) == ("run-z", 0, None, False)
+    assert bare.history["run_id"] == "run-z" and bare.history["step"] == []
+    empty = inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "empty"))  # nothing there yet: a new id
+    assert empty.start == 0 and isinstance(empty.run_id, str) and len(empty.run_id) == 32
+
+    finished = inspect_run(dataclasses.replace(cfg, steps=step))
+    assert finished.finished and finished.start == step and finished.history == want  # history.json ran ahead
+    history = {**history, **{k: history[k][:step] for k in ("step", "train_loss", "lr")}}
+    (tmp_path / "run" / "history.json").write_text(json.dumps(history))
+    assert inspect_run(dataclasses.replace(cfg, steps=step)).history == history  # its own record, totals too
+    assert "tokens_per_s" not in inspect_run(cfg).history  # a continued run computes its own
+    # a run that never skipped a step has no "skipped" (new_history), and an older one no "world_sizes"
+    (tmp_path / "run" / "history.json").write_text(json.dumps({k: v for k, v in history.items()
+                                                               if k not in ("skipped", "world_sizes")}))
+    assert inspect_run(cfg).history == {**want, "skipped": [], "world_sizes": []}
+
+    # a checkpoint from before the history left the index: read from there when history.json is gone
+    index_file = ckpt / "index.json"
+    index = json.loads(index_file.read_text())
+    index_file.write_text(json.dumps({**index, "extra": {**index["extra"], "history": history}}))
+    (tmp_path / "run" / "history.json").unlink()
+    assert inspect_run(cfg).history == want
+    index_file.write_text(json.dumps(index))
+    (tmp_path / "run" / "history.json").write_text(json.dumps({**history, "step": history["step"][:-1]}))
+    with pytest.raises(ValueError, match=rf"resume=True needs .*history\.json up to step {step}, the step of the "
+                                         rf"checkpoint .*step-{step:08d}, but the file covers steps \[1\]\.\.\[{step - 1}\]"):
+        inspect_run(cfg)
+    (tmp_path / "run" / "history.json").unlink()
+    with pytest.raises(ValueError, match=rf"history\.json up to step {step}, .* but the file is missing"):
+        inspect_run(cfg)
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"run_id": "run-b"}))
+    with pytest.raises(ValueError, match=rf"mixes runs \(run\.json: run-b, checkpoints/step-{step:08d}: run-a\)"):
+        inspect_run(cfg)
+
+
+@pytest.mark.unit
+def test_resume_refuses_settings_that_would_not_continue_the_checkpoint(tmp_path) -> None:
+    """Each setting that decides which batches a step sees, changed, is refused by name with the
+    saved value (a setting the checkpoint predates counts as its default), as is any change of
+    the model (named down to a nested key) and fewer steps than the checkpoint's; recomputing the
+    experts is no change of the model, and the run's other settings may change."""
+    from moeflow.train.lm_checkpoint import inspect_run
+
+    cfg, _ = _saved_run(tmp_path / "run", 3, 3, seed=4)
+    changes = {"batch_size": 8, "grad_accum": 2, "seq_len": 32, "seed": 5, "tokenizer": "bpe", "bpe_vocab": 512,
+               "val_works": ("sonnets",), "val_fraction": 0.2, "text_field": "body", "skip_empty": True}
+    for name, value in changes.items():
+        changed = dataclasses.replace(cfg, **{name: value})
+        said = f"{name}={changed.to_dict()[name]!r} (the checkpoint's run: {cfg.to_dict()[name]!r}): resume=True"
+        with pytest.raises(ValueError, match="^" + re.escape(said)):
+            inspect_run(changed)
+    assert inspect_run(dataclasses.replace(cfg, lr=1e-3, expert_recompute=True, eval_every=7)).start == 3
+    said = "batch_size=8 (the checkpoint's run: 16), seed=5 (the checkpoint's run: 0): resume=True"
+    with pytest.raises(ValueError, match="^" + re.escape(said)):
+        inspect_run(dataclasses.replace(cfg, batch_size=8, seed=5))
+    fresh = inspect_run(dataclasses.replace(cfg, out_dir=tmp_path / "new", resume=False))
+    assert fresh.start == 0 and fresh.checkpoint is None and fresh.history == {
+        "run_id": fresh.run_id, "step": [], "train_loss": [], "lr": [], "val": [], "load": [], "rebalance": [],
+        "world_sizes": []}
+    # a checkpoint written before a setting existed: its default is what that run used
+    index_file = tmp_path / "run" / "checkpoints" / "step-00000003" / "index.json"
+    index = json.loads(index_file.read_text())
+    del index["extra"]["train"]["skip_empty"], index["extra"]["model"]["experts"]["recompute"]
+    index["extra"]["model"]["experts"]["recompute_chunks"] = 4  # recomputing in chunks changes no model either
+    index_file.write_text(json.dumps(index))
+    assert inspect_run(cfg).start == 3
+    with pytest.raises(ValueError, match=r"^skip_empty=True \(the checkpoint's run: False\)"):
+        inspect_run(dataclasses.replace(cfg, skip_empty=True))
+    with pytest.raises(ValueError, match=r"^n_layers=2 would change the model of the checkpoint .*step-00000003 "
+                                         r"\(n_layers: 1 -> 2\), which resume=True continues"):
+        inspect_run(dataclasses.replace(cfg, n_layers=2))
+    with pytest.raises(ValueError, match=r"^load_balance_coef=0\.5 would change the model .*"
+                                         r"\(router\.load_balance_coef: [0-9.e-]+ -> 0\.5\)"):
+        inspect_run(dataclasses.replace(cfg, load_balance_coef=0.5))
+    with pytest.raises(ValueError, match=r"^n_layers=2, dim=32 would change the model .*"
+                                         r"\((n_layers: 1 -> 2; dim: 16 -> 32|dim: 16 -> 32; n_layers: 1 -> 2)\), which"):
+        inspect_run(dataclasses.replace(cfg, n_layers=2, dim=32))
+    with pytest.raises(ValueError, match=r"^preset='small' would change the model .*step-00000003 \(.*\), which"):
+        inspect_run(dataclasses.replace(cfg, preset="small"))
+    other, _ = _saved_run(tmp_path / "other", 2, 2, seed=5)  # a model of another size to start from
+    other_index = other.out_dir / "checkpoints" / "step-00000002" / "index.json"
+    other_extra = json.loads(other_index.read_text().replace('"n_layers": 1', '"n_layers": 3'))
+    other_extra["extra"]["special_tokens"] = {"bos": 7}  # what a converted model carries on to the runs from it
+    other_index.write_text(json.dumps(other_extra))
+    from_other = dataclasses.replace(cfg, init_from=other.out_dir, **{k: None for k in ("n_layers", "dim", "n_heads",
+                                                                                       "expert_hidden")})
+    with pytest.raises(ValueError, match=r"^n_layers=None, dim=None, n_heads=None, expert_hidden=None, init_from='.*other' "
+                                         r"would change the model .*\(n_layers: 1 -> 3\), which"):
+        inspect_run(from_other)
+    from moeflow.train.data import ByteTokenizer
+    from moeflow.train.lm_checkpoint import checkpoint_extra
+
+    carried = checkpoint_extra(from_other, from_other.model_config(vocab_size=256), ByteTokenizer(), "run-c")
+    assert carried["special_tokens"] == {"bos": 7} and carried["model"]["n_layers"] == 3
+    with pytest.raises(ValueError, match=r"^steps=2 is below step 3 of the checkpoint"):
+        inspect_run(dataclasses.replace(cfg, steps=2))
+    router = index["extra"]["model"].pop("router")  # a nested config the checkpoint lacks: named whole
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"^this run would change the model .*\(router: None -> \{.*\}\), which"):
+        inspect_run(cfg)
+    index["extra"]["model"]["router"] = router
+    train = index["extra"].pop("train")  # no training settings at all: the defaults, and so another seq_len
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"^seq_len=16 \(the checkpoint's run: 128\)"):
+        inspect_run(cfg)
+    index["extra"]["train"] = train
+    del index["extra"]["model"]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index\.json: no model config; it cannot be resumed"):
+        inspect_run(cfg)
 
 
 # ----------------------------------------------------------------------------- non-finite steps

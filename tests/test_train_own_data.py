@@ -27,7 +27,7 @@ from moeflow.train import LMTrainConfig, train_lm
 from moeflow.train.data import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_from_dict
 from moeflow.train.sources import DataError, documents
 from moeflow.train.prepare import prepare, split_of
-from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler
+from moeflow.train.tokens import Prefetcher, TokenDataset, TokenSampler, TokenStream
 
 from helpers import run_until_checkpoint, spawn_ranks
 
@@ -265,6 +265,15 @@ def test_reads_through_small_windows_equal_the_whole_corpus(tmp_path) -> None:
         assert w._map is None or w._end - w._start <= max(w.window, 600)
     with pytest.raises(IndexError, match="outside"):
         small.read(whole.num_tokens - 2, 5)
+    # nothing before the first token, no negative length; no tokens read is an empty int64 array
+    memory = TokenDataset.in_memory(ref, {}, eod=None, name="memory")
+    for ds in (small, memory):
+        for start, length in ((-1, 3), (-int(rng.integers(2, 100)), 1), (5, -1)):
+            with pytest.raises(IndexError, match=rf"tokens \[{start}, {start + length}\) outside"):
+                ds.read(start, length)
+        for start in (0, int(rng.integers(1, whole.num_tokens)), whole.num_tokens):
+            empty = ds.read(start, 0)
+            assert empty.dtype == np.int64 and empty.shape == (0,)
 
 
 @pytest.mark.unit
@@ -350,6 +359,227 @@ def test_batches_depend_on_the_step_alone_on_any_world_size_and_prefetched(tmp_p
         TokenSampler(sets, None, seq_len=100_000, seed=0)
     with pytest.raises(ValueError, match="weights must be one positive number per dataset"):
         TokenSampler(sets, [1.0, 0.0], seq_len=16, seed=0)
+
+
+@pytest.mark.unit
+def test_tokens_in_memory_are_a_dataset_like_a_prepared_one() -> None:
+    """``TokenDataset.in_memory`` (a small corpus held by the process): int64 reads whatever
+    the array's dtype, one document per end-of-document token (one without such a token), a
+    fingerprint of the tokens themselves (one token changed is another corpus, and so another
+    sampler), and the errors name it."""
+    rng = np.random.default_rng(11)
+    docs = int(rng.integers(2, 9))
+    tokens = rng.integers(0, 256, size=200, dtype=np.uint16)
+    tokens[np.sort(rng.choice(200, size=docs, replace=False))] = 256
+    ds = TokenDataset.in_memory(tokens, {"kind": "byte"}, eod=256, name="small corpus")
+    assert ds.num_tokens == 200 and ds.num_documents == docs and ds.eod == 256
+    got = ds.read(3, 50)
+    assert got.dtype == np.int64 and got.tolist() == tokens[3:53].tolist()
+    assert TokenDataset.in_memory(tokens, {}, eod=None, name="x").num_documents == 1
+    same = TokenDataset.in_memory(tokens.astype(np.int64), {}, eod=None, name="y")
+    changed = tokens.copy()
+    changed[int(rng.integers(200))] ^= 1
+    other = TokenDataset.in_memory(changed, {}, eod=None, name="z")
+    assert isinstance(ds.fingerprint, str) and same.fingerprint == ds.fingerprint != other.fingerprint
+    assert TokenSampler([same], None, 8, 0).fingerprint != TokenSampler([other], None, 8, 0).fingerprint
+    with pytest.raises(DataError, match=r"^small corpus \(memory\): 200 tokens, fewer than one sequence of "
+                                        r"seq_len\+1 = 200$"):
+        TokenSampler([ds], None, seq_len=199, seed=0)
+
+
+@pytest.mark.unit
+def test_a_token_stream_takes_one_sequence_with_room_for_a_window() -> None:
+    """``TokenStream``: a 1-D sequence of at least ``seq_len + 2`` tokens (the fewest a sampler
+    takes: ``min_split_tokens``), refused by name otherwise; ``from_text`` samples the
+    tokenizer's ids of the text exactly as a stream over those ids does (int64, on the CPU)."""
+    from moeflow.train.data import ByteTokenizer
+
+    for seq_len in (1, 7):
+        stream = TokenStream(torch.arange(seq_len + 2) * 3, seq_len=seq_len, seed=0)
+        x, y = stream.batch(0, 4)
+        assert x.tolist() == [list(range(0, 3 * seq_len, 3))] * 4 and torch.equal(y, x + 3)
+        with pytest.raises(ValueError, match=rf"need more than seq_len\+1={seq_len + 1} tokens, got {seq_len + 1}"):
+            TokenStream(torch.arange(seq_len + 1), seq_len=seq_len, seed=0)
+    with pytest.raises(ValueError, match=r"need more than seq_len\+1=3 tokens, got 40"):
+        TokenStream(torch.arange(40).reshape(4, 10), seq_len=2, seed=0)
+    gen = torch.Generator().manual_seed(5)
+    text = "".join(chr(c) for c in torch.randint(32, 127, (500,), generator=gen).tolist())
+    tok = ByteTokenizer()
+    stream = TokenStream.from_text(text, tok, seq_len=12, seed=3)
+    ids = torch.tensor(tok.encode(text))
+    assert stream.datasets[0].read(0, len(text)).tolist() == ids.tolist()
+    for step in (0, 4):
+        got, want = stream.batch(step, 6), TokenStream(ids, seq_len=12, seed=3).batch(step, 6)
+        assert got[0].dtype == torch.int64 and got[0].device.type == "cpu"
+        assert got[0].shape == (6, 12) and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(stream.batch(0, 6)[0], TokenStream(ids, seq_len=12, seed=4).batch(0, 6)[0])
+    with torch.device("meta"):  # another default device: the corpus and its batches stay in host memory
+        held = TokenStream.from_text(text, tok, seq_len=12, seed=3)
+        x, y = held.batch(4, 6)
+    assert x.device.type == "cpu" and torch.equal(x, want[0]) and torch.equal(y, want[1])
+
+
+@pytest.mark.unit
+def test_the_batches_of_a_step_are_pinned() -> None:
+    """Which windows a step draws is part of a run: a checkpoint resumed by a later moeflow must
+    see the batches its run would have seen (its data fingerprint covers the tokens, not the
+    drawing), so the draws of a few (seed, step) pairs are pinned here, for several sources and
+    for one. A change of the seeding or of the draws fails this test: such a change must say
+    that runs resumed across it see other batches."""
+    sets = [TokenDataset.in_memory(np.arange(n) + 1000 * i, {}, eod=None, name=f"s{i}") for i, n in enumerate((50, 30))]
+    sampler = TokenSampler(sets, [2.0, 1.0], seq_len=4, seed=7)
+    pinned = {0: ([0, 0, 1, 1, 0, 0], [22, 1, 14, 24, 31, 15]), 1: ([1, 1, 0, 0, 1, 0], [8, 19, 17, 18, 11, 38]),
+              123456: ([0, 0, 1, 1, 1, 0], [8, 31, 19, 17, 8, 24])}
+    for step, (source, start) in pinned.items():
+        got = sampler.starts(step, 6)
+        assert (got[0].tolist(), got[1].tolist()) == (source, start), step
+        assert got[0].dtype == got[1].dtype == torch.int64
+        with torch.device("meta"):  # another default device: drawn on the CPU all the same
+            got = sampler.starts(step, 6)
+        assert (got[0].tolist(), got[1].tolist()) == (source, start), step
+    # any positive finite weights, past float32's range too (scaled by a power of two: the same draws);
+    # a sampler made under another default device draws the same
+    huge = TokenSampler(sets, [2.0**130, 2.0**131], seq_len=4, seed=7)
+    with torch.device("meta"):
+        made_on_meta = TokenSampler(sets, [2.0, 1.0], seq_len=4, seed=7)
+    for step in (0, 1):
+        assert torch.equal(huge.starts(step, 64)[0], TokenSampler(sets, [1.0, 2.0], seq_len=4, seed=7).starts(step, 64)[0])
+        assert torch.equal(made_on_meta.starts(step, 6)[0], sampler.starts(step, 6)[0])
+    # no weights: each source weighs 1, the same sampler (draws and fingerprint) as weights of 1
+    even = TokenSampler(sets, None, seq_len=4, seed=7)
+    ones = TokenSampler(sets, [1.0, 1.0], seq_len=4, seed=7)
+    assert even.fingerprint == ones.fingerprint and torch.equal(even.starts(5, 64)[0], ones.starts(5, 64)[0])
+    stream = TokenStream(torch.arange(40), seq_len=4, seed=3)
+    # a batch of no rows (one source): inputs and targets of no rows, int64 on the CPU, under another
+    # default device too
+    with torch.device("meta"):
+        x, y = stream.batch(3, 0)
+    assert x.shape == y.shape == (0, 4) and x.dtype == y.dtype == torch.int64 and x.device.type == y.device.type == "cpu"
+    for step, start in {0: [34, 9, 29, 16, 12], 99: [24, 2, 27, 23, 5]}.items():
+        source, got = stream.starts(step, 5)
+        assert got.tolist() == start and source.tolist() == [0] * 5 and source.dtype == got.dtype == torch.int64
+
+
+@pytest.mark.unit
+def test_a_tokenizer_mismatch_names_both_tokenizers(tmp_path) -> None:
+    """Shards tokenized otherwise are refused naming both tokenizers: by kind, and for a
+    tokenizer with a vocabulary file by a short hash of its description, so that two BPE
+    tokenizers read apart; the hash is of the description's content (the order of its keys
+    does not change it), and an index whose tokenizer is no description at all is named as
+    of an unknown kind."""
+    import re
+
+    src = write_source("jsonl", tmp_path / "src", structured_docs(30))
+    prepare(documents([src], text_field="body"), ByteTokenizer(encoding="utf-8", eod=True), tmp_path / "p", workers=1,
+            val_fraction=0.0)
+    index_file = tmp_path / "p" / "index.json"
+    index = json.loads(index_file.read_text())
+    gen = torch.Generator().manual_seed(2)
+    merges = ["".join(chr(c) for c in torch.randint(97, 123, (12,), generator=gen).tolist()) for _ in range(2)]
+    index["tokenizer"] = {"json": merges[0], "kind": "bpe"}  # keys in another order than to_dict's
+    index_file.write_text(json.dumps(index))
+    given = {"kind": "bpe", "json": merges[1], "eod": 0}
+    pattern = r": the shards were tokenized with a bpe tokenizer \(([0-9a-f]{8})\), not a bpe tokenizer \(([0-9a-f]{8})\):"
+    with pytest.raises(DataError) as first:
+        TokenDataset(tmp_path / "p", tokenizer=given)
+    found = re.search(pattern, str(first.value))
+    assert found is not None and found[1] != found[2], str(first.value)
+    with pytest.raises(DataError) as again:  # the same tokenizer, its description's keys in another order
+        TokenDataset(tmp_path / "p", tokenizer={"eod": 0, "json": merges[1], "kind": "bpe"})
+    assert str(again.value) == str(first.value)
+    index["tokenizer"] = {"kind": "bpe", "json": merges[0]}
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(DataError) as reordered:
+        TokenDataset(tmp_path / "p", tokenizer=given)
+    assert str(reordered.value) == str(first.value)
+    for desc in ("bpe", {"json": merges[0]}):  # no description, and one without a kind
+        index["tokenizer"] = desc
+        index_file.write_text(json.dumps(index))
+        with pytest.raises(DataError, match=r": the shards were tokenized with a \? tokenizer(?: \([0-9a-f]{8}\))?, "
+                                            r"not a byte tokenizer: prepare"):
+            TokenDataset(tmp_path / "p", tokenizer=ByteTokenizer().to_dict())
+
+
+@pytest.mark.unit
+def test_the_prefetcher_reads_ahead_on_one_thread(tmp_path) -> None:
+    """A caller that skips around (each call reads its batch at once and starts reading the
+    next one's) never has more than one background read: one thread, one batch ahead."""
+    import threading
+
+    release = threading.Event()
+
+    class Held:
+        """The stream's batches; a background read waits until released."""
+
+        def __init__(self) -> None:
+            self.stream, self.ahead = TokenStream(torch.arange(500), seq_len=8, seed=1), []
+
+        def batch(self, *args, **kw):  # type: ignore[no-untyped-def]
+            if threading.current_thread().name.startswith("moeflow-data"):
+                self.ahead.append(args[0])
+                release.wait(30)
+            return self.stream.batch(*args, **kw)
+
+    pre = Prefetcher(Held())  # type: ignore[arg-type]
+    try:
+        for step in (0, 5, 9, 2):
+            got, want = pre.batch(step, 4), TokenStream(torch.arange(500), seq_len=8, seed=1).batch(step, 4)
+            assert torch.equal(got[0], want[0])
+        readers = [t for t in threading.enumerate() if t.name.startswith("moeflow-data")]
+        assert len(readers) == 1, readers
+    finally:
+        release.set()
+        pre.close()
+
+    class Spy:
+        """The stream's batches, recording which thread asked for which."""
+
+        def __init__(self) -> None:
+            self.stream, self.calls = TokenStream(torch.arange(500), seq_len=8, seed=1), []
+
+        def batch(self, step, batch_size, *, rank, world):  # type: ignore[no-untyped-def]
+            self.calls.append((threading.current_thread().name.startswith("moeflow-data"), step, rank, world))
+            return self.stream.batch(step, batch_size, rank=rank, world=world)
+
+    # close waits for a read under way, drops the reads queued behind it, and the reader is gone after it
+    release.clear()
+    held = Held()
+    pre = Prefetcher(held)  # type: ignore[arg-type]
+    pre.batch(0, 4)  # step 1 is being read ahead, held
+    pre.batch(5, 4)  # read at once; step 6 queued behind step 1
+    threading.Timer(0.2, release.set).start()
+    pre.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("moeflow-data") and t.is_alive()]
+    assert held.ahead == [1]
+
+    class Slow:
+        """The stream's batches, each read taking 20 ms."""
+
+        def __init__(self) -> None:
+            self.stream = TokenStream(torch.arange(500), seq_len=8, seed=1)
+
+        def batch(self, *args, **kw):  # type: ignore[no-untyped-def]
+            import time
+
+            time.sleep(0.02)
+            return self.stream.batch(*args, **kw)
+
+    pre = Prefetcher(Slow())  # type: ignore[arg-type]
+    for step in (0, 10, 20, 30):  # none read ahead: the caller waits for each read, and the waits add up
+        pre.batch(step, 4)
+    pre.close()
+    assert pre.waited_s >= 4 * 0.02
+
+    spy = Spy()
+    pre = Prefetcher(spy)  # type: ignore[arg-type]
+    start = int(torch.randint(0, 100, ()))
+    for step in range(start, start + 4):  # consecutive steps: each after the first was read ahead
+        got, want = pre.batch(step, 4, rank=1, world=2), spy.stream.batch(step, 4, rank=1, world=2)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    pre.close()
+    assert [c for c in spy.calls if not c[0]] == [(False, start, 1, 2)]
+    ahead = sorted(c for c in spy.calls if c[0])  # the read ahead of the last step may be cancelled by close
+    assert ahead[:3] == [(True, s, 1, 2) for s in range(start + 1, start + 4)] and ahead[3:] in ([], [(True, start + 4, 1, 2)])
 
 
 # --------------------------------------------------------------------------- tokenizers

@@ -253,9 +253,9 @@ def _restored_history(out: Path, path: Path, step: int, saved: dict | None, lega
             raise ValueError(f"resume=True reads {out / HISTORY_FILE}: malformed history ({err!r})") from None
         if kept["step"] == list(range(1, step + 1)):
             return kept
-    found = "missing" if saved is None else f"covers steps {saved.get('step', [])[:1]}..{saved.get('step', [])[-1:]}"
+    found = "is missing" if saved is None else f"covers steps {saved.get('step', [])[:1]}..{saved.get('step', [])[-1:]}"
     raise ValueError(f"resume=True needs {out / HISTORY_FILE} up to step {step}, the step of the checkpoint {path}, "
-                     f"but the file is {found}: restore it, or start over with overwrite=True")
+                     f"but the file {found}: restore it, or start over with overwrite=True")
 
 
 def inspect_run(cfg: LMTrainConfig) -> RunState:

@@ -161,6 +161,8 @@ class TokenDataset:
             parts.append(window.read(local, take))
             pos += take
             i += 1
+        if not parts:  # length 0 (np.concatenate takes no empty list)
+            return np.zeros(0, dtype=np.int64)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def close(self) -> None:

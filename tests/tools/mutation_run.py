@@ -92,6 +92,18 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint": (["moeflow/checkpoint/*"],
                    ["test_checkpoint*.py", "test_parallel_dcp.py", "test_parallel_vocab.py",
                     "test_parallel_placement.py"]),
+    # the batches a run sees (which windows of which source, by step: a resumed run's too, the
+    # mixture weights) and the documents and tokens they come from. Its tests are in-process but
+    # for the training runs of test_train_own_data.py (one a minute long), which test_train_lm.py's
+    # runs (ten minutes of them, most spawning ranks) would join if the two were one package
+    "train/data": (["moeflow/train/tokens.py", "moeflow/train/sources.py", "moeflow/train/data.py",
+                    "moeflow/train/lm_data.py"],
+                   ["test_distribution_contracts.py", "test_train_data.py", "test_train_val_split.py",
+                    "test_train_own_data.py"]),
+    # the run directory and the checkpoint a resumed run continues from (what it saves of the run,
+    # what it refuses), and the training loop
+    "train/lm": (["moeflow/train/lm.py", "moeflow/train/lm_checkpoint.py"],
+                 ["test_train_lm.py", "test_train_own_data.py", "test_train_val_split.py"]),
 }
 
 
