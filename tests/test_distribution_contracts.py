@@ -75,9 +75,10 @@ def test_router_jitter_is_uniform_on_its_range(eps: float) -> None:
 
 
 def _sources(spans: list[int], seq_len: int) -> list[TokenDataset]:
-    """In-memory token datasets whose windows of ``seq_len`` have ``spans[i]`` possible starts;
+    """In-memory token datasets whose windows of ``seq_len`` (``seq_len + 1`` tokens, the inputs
+    and their next tokens) have ``spans[i]`` possible starts: ``spans[i] + seq_len`` tokens;
     token ``j`` of source ``i`` is ``1000 * i + j``, so a window tells where it came from."""
-    return [TokenDataset.in_memory(np.arange(span + seq_len + 1) + 1000 * i, {}, eod=None, name=f"source{i}")
+    return [TokenDataset.in_memory(np.arange(span + seq_len) + 1000 * i, {}, eod=None, name=f"source{i}")
             for i, span in enumerate(spans)]
 
 
@@ -108,9 +109,9 @@ def test_the_sampler_mixes_sources_by_their_weights_and_starts_uniformly() -> No
 
 def test_one_source_starts_uniformly_over_every_window() -> None:
     """One token sequence (``TokenStream``, the built-in corpus' sampler): the starts of 200 steps x
-    16 rows are uniform over all 12 possible windows, the last one included (chi-square at
-    alpha = 1e-6)."""
+    16 rows are uniform over all 13 possible windows of ``seq_len + 1`` tokens in 18, the last one
+    (which reads the last token) included (chi-square at alpha = 1e-6)."""
     seq_len = 5
     stream = TokenStream(torch.arange(seq_len + 1 + 12), seq_len=seq_len, seed=4)
     starts = torch.cat([stream.starts(step, 16)[1] for step in range(200)])
-    assert_draws_fit(starts, torch.full((12,), 1 / 12, dtype=torch.float64), alpha=ALPHA, what="one source")
+    assert_draws_fit(starts, torch.full((13,), 1 / 13, dtype=torch.float64), alpha=ALPHA, what="one source")

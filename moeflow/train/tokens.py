@@ -191,8 +191,9 @@ class TokenSampler:
                                 f"seq_len+1 = {seq_len + 1}")
         self.datasets, self.seq_len, self.seed = datasets, seq_len, seed
         self.weights = torch.tensor(weights, dtype=torch.float64, device="cpu")
-        # the windows' possible starts per source: [0, span)
-        self.span = [ds.num_tokens - seq_len - 1 for ds in datasets]
+        # the windows' possible starts per source: [0, span), a window being seq_len + 1 tokens (the
+        # last start, num_tokens - seq_len - 1, reads the source's last token as its last target)
+        self.span = [ds.num_tokens - seq_len for ds in datasets]
         self.fingerprint = hashlib.sha256(json.dumps([[ds.fingerprint for ds in datasets], weights]).encode()).hexdigest()
 
     def starts(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
