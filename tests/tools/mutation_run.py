@@ -92,6 +92,11 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint": (["moeflow/checkpoint/*"],
                    ["test_checkpoint*.py", "test_parallel_dcp.py", "test_parallel_vocab.py",
                     "test_parallel_placement.py"]),
+    # the weights a user imports and exports: where each tensor lives in a family's Hugging Face
+    # checkpoint (both ways), its config.json read field by field, the quantised weights
+    # dequantised. Not test_family_*.py: their compiled greedy-decode tests take about a minute
+    # each (five of them), and every loader function is covered by them
+    "convert": (["moeflow/convert/*"], ["test_convert_*.py"]),
 }
 
 
