@@ -6,6 +6,7 @@ written back. Mixtral is the registered family the tests go through."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from moeflow.checkpoint import CheckpointError, read_index
 from moeflow.checkpoint.format import latest_checkpoint
 from moeflow.cli.main import main
 from moeflow.convert import hf_model
+from moeflow.convert import tensor_map as tm
 from moeflow.convert.family import IGNORED, Fields, rope_from_hf, rope_to_hf
 from moeflow.convert.hf import FAMILIES, gpt_from_hf, gpt_to_hf
 from moeflow.convert.hf_files import HFWeights, parse_size
@@ -114,6 +116,71 @@ def _tiny(tmp_path: Path, gen: torch.Generator, **kw: object) -> tuple[MoEGPT, P
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     model = MoEGPT(gpt_config_from_hf({**MIXTRAL, **kw}))
     return model, gpt_to_hf(model, tmp_path / "hf")
+
+
+# ------------------------------------------------------------------ tensor maps
+
+
+def _int_tensor(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Distinct values in a random order: an element moved anywhere shows."""
+    return torch.randperm(math.prod(shape), generator=gen).double().reshape(shape)
+
+
+@pytest.mark.unit
+def test_each_layout_puts_every_element_where_its_format_does_and_back(gen) -> None:
+    """Each layout of ``moeflow.convert.tensor_map`` on a tensor of distinct values, element by
+    element against the format's definition (module docstring: ``w_in [E, D, 2H]`` gate columns
+    then up), both ways: ``load(save(t)) == t``, ``save(load(hf)) == hf``, every tensor
+    contiguous, and ``hf_shapes`` the shapes ``save`` gives."""
+    E, D, H = (int(n) for n in torch.randint(2, 6, (3,), generator=gen))
+
+    def both_ways(layout, ours: torch.Tensor, hf: list[torch.Tensor]) -> None:  # type: ignore[no-untyped-def]
+        assert torch.equal(layout.load(hf), ours) and layout.load(hf).is_contiguous()
+        saved = layout.save(ours)
+        assert len(saved) == len(hf) == len(layout.hf)
+        assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(saved, hf))
+        assert tm.hf_shapes(layout, ours.shape) == {n: tuple(t.shape) for n, t in zip(layout.hf, hf)}
+
+    # per-expert linear weights [H, D] (gate, up), and [D, H] (down)
+    gate, up, down = _int_tensor(gen, E, H, D), _int_tensor(gen, E, H, D) + 10**6, _int_tensor(gen, E, D, H)
+    w_in = torch.empty(E, D, 2 * H, dtype=torch.float64)
+    for e in range(E):
+        for d in range(D):
+            for h in range(H):
+                w_in[e, d, h], w_in[e, d, H + h] = gate[e, h, d], up[e, h, d]
+    layout = tm.linear_experts(["x.{e}.gate", "x.{e}.up"], E)
+    assert layout.hf == tuple(n for e in range(E) for n in (f"x.{e}.gate", f"x.{e}.up"))
+    both_ways(layout, w_in, [t for e in range(E) for t in (gate[e], up[e])])
+    layout = tm.linear_experts(["x.{e}.down"], E)
+    assert layout.hf == tuple(f"x.{e}.down" for e in range(E))
+    both_ways(layout, down.transpose(1, 2), list(down))
+    # fused: [E, 2H, D] (transformers' in memory), gpt-oss's interleaved [E, D, 2H] and its bias [E, 2H]
+    both_ways(tm.fused_experts("x", transposed=True), w_in, [w_in.transpose(1, 2)])
+    both_ways(tm.fused_experts("x", transposed=False), w_in, [w_in])
+    mixed = torch.empty_like(w_in)
+    mixed[..., 0::2], mixed[..., 1::2] = w_in[..., :H], w_in[..., H:]
+    both_ways(tm.fused_experts("x", transposed=False, interleaved=True), w_in, [mixed])
+    both_ways(tm.fused_experts("x", transposed=True, interleaved=True), w_in, [mixed.transpose(1, 2)])
+    b_in = _int_tensor(gen, E, 2 * H)
+    both_ways(tm.fused_experts("b", transposed=False, interleaved=True), b_in,
+              [torch.stack((b_in[:, :H], b_in[:, H:]), dim=-1).flatten(1)])
+    # a dense FFN: gate and up rows stacked
+    g, u = _int_tensor(gen, H, D), _int_tensor(gen, H, D) + 10**6
+    both_ways(tm.stacked_rows("g", "u"), torch.cat((g, u)), [g, u])
+    assert tm.stacked_rows("g", "u").hf == ("g", "u")
+    both_ways(tm.rename("r"), g, [g])
+    ffn = tm.dense_ffn("layers.1.ffn", "model.layers.1.mlp")
+    assert [(e.ours, [lay.hf for lay in e.layouts], e.tied_to) for e in ffn] == [
+        ("layers.1.ffn.proj_in.weight", [("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")],
+         None),
+        ("layers.1.ffn.proj_out.weight", [("model.layers.1.mlp.down_proj.weight",)], None)]
+    both_ways(ffn[0].layouts[0], torch.cat((g, u)), [g, u])
+    entry = tm.same("lm_head.weight", "lm_head.weight", "output.weight", tied_to="embed.weight")
+    assert (entry.ours, [lay.hf for lay in entry.layouts], entry.tied_to) == \
+        ("lm_head.weight", [("lm_head.weight",), ("output.weight",)], "embed.weight")
+    assert tm.same("a", "b").tied_to is None
+    with pytest.raises(ValueError, match="Entry 'a' needs at least one layout"):
+        tm.Entry("a", ())
 
 
 @pytest.mark.reference

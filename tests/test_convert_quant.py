@@ -6,6 +6,7 @@ transformers' own, and the converter must load a checkpoint made here to those v
 from __future__ import annotations
 
 import json
+import re
 import math
 
 import pytest
@@ -262,3 +263,94 @@ def test_an_mxfp4_checkpoint_loads_to_the_dequantised_values(tmp_path, gen) -> N
     assert all(torch.equal(got[k], want[k]) for k in want)
     gate = expected["model.layers.1.mlp.experts.gate_up_proj"][..., 0::2]  # de-interleaved: gate columns first
     assert torch.equal(got["layers.1.ffn.experts.w_in"][..., :32], gate)
+
+
+def _mxfp4_checkpoint(tmp_path, gen, damage, **kw):  # type: ignore[no-untyped-def]
+    """A checkpoint of ``_fused_map``'s family with its expert weights in MXFP4, ``damage``
+    (``(name, {stored name: tensor}) -> None``) applied to each expert tensor's stored parts;
+    the family and the model it was written from."""
+    family = Family(model_type="mixtral", name="fused-experts", config_from_hf=mixtral.gpt_config_from_hf,
+                    hf_config_from=mixtral.hf_config_from_gpt, tensor_map=_fused_map)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = _tiny(**kw)
+    path = save_hf(model, tmp_path / "hf", family)
+    stored = {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        if name.endswith(("gate_up_proj", "down_proj")):
+            I = t.shape[1] // 32 * 32 or 32  # an I that 32 does not divide is stored as if it were cut
+            blocks, scales, _ = quantise_mxfp4(torch.nn.functional.pad(t.transpose(1, 2), (0, I - t.shape[1]))
+                                               [..., :I].contiguous())
+            parts = {f"{name}_blocks": blocks, f"{name}_scales": scales}
+            damage(name, parts)
+            stored.update(parts)
+        else:
+            stored[name] = t
+    qc = {"quant_method": "mxfp4"}
+    _edit(path, lambda c: {**c, "quantization_config": qc}, lambda _: stored)
+    return path, family, model
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case", ["blocks-dtype", "scales-dtype", "blocks-shape", "scales-shape", "no-scales",
+                                  "plain-too", "odd-I"])
+def test_a_damaged_mxfp4_checkpoint_is_refused_by_name(tmp_path, gen, case) -> None:
+    """Each stored part of an MXFP4 tensor is checked against the shape config.json gives the
+    tensor (``[E, I, O]``: blocks ``[E, O, I/32, 16]``, scales ``[E, O, I/32]``, both uint8),
+    and the whole message names the part, what is wrong, what was found and what was expected;
+    a tensor stored both plain and quantised, or blocks without their scales, is refused too."""
+    E, D, H = 4, 64, 32
+    down = "model.layers.1.mlp.experts.down_proj"  # [E, H, D]: blocks [E, D, H/32, 16]
+
+    def damage(name: str, parts: dict) -> None:
+        if name != down:
+            return
+        blocks, scales = parts[f"{name}_blocks"], parts[f"{name}_scales"]
+        if case == "blocks-dtype":
+            parts[f"{name}_blocks"] = blocks.view(torch.int8)
+        elif case == "scales-dtype":
+            parts[f"{name}_scales"] = scales.to(torch.int16)
+        elif case == "blocks-shape":
+            parts[f"{name}_blocks"] = blocks[..., :8].contiguous()
+        elif case == "scales-shape":
+            parts[f"{name}_scales"] = scales[:, :D - 1].contiguous()
+        elif case == "no-scales":
+            del parts[f"{name}_scales"]
+        elif case == "plain-too":
+            parts[name] = torch.randn(E, H, D, generator=gen)
+
+    words = {
+        "blocks-dtype": f"quantised tensor {down}_blocks: dtype torch.int8, expected uint8",
+        "scales-dtype": f"quantised tensor {down}_scales: dtype torch.int16, expected uint8",
+        "blocks-shape": f"quantised tensor {down}_blocks: shape ({E}, {D}, 1, 8), expected ({E}, {D}, 1, 16)",
+        "scales-shape": f"quantised tensor {down}_scales: shape ({E}, {D - 1}, 1), expected ({E}, {D}, 1)",
+        "no-scales": f"has no tensor '{down}'",
+        "plain-too": f"does not know: ['{down}_blocks', '{down}_scales']",
+        "odd-I": f"quantised tensor {down.replace('.1.', '.0.')}: unquantised shape ({E}, 40, {D}), expected [..., I, O] with I a multiple of 32",
+    }[case]
+    path, family, _ = _mxfp4_checkpoint(tmp_path, gen, damage, **({"expert_hidden": 40} if case == "odd-I" else {}))
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        load_hf(path, family)
+
+
+@pytest.mark.reference
+def test_an_mxfp4_checkpoint_with_tied_embeddings_loads(tmp_path, gen) -> None:
+    """A tied output projection is absent from the files: only the expert tensors' parts are
+    looked for quantised (an absent plain tensor is not taken for an MXFP4 one)."""
+    path, family, model = _mxfp4_checkpoint(tmp_path, gen, lambda name, parts: None, tie_embeddings=True)
+    got = load_hf(path, family).state_dict()
+    assert torch.equal(got["lm_head.weight"], model.state_dict()["embed.weight"])
+    assert torch.equal(got["layers.0.attn.q_proj.weight"], model.state_dict()["layers.0.attn.q_proj.weight"])
+
+
+@pytest.mark.unit
+def test_mxfp4_checks_any_leading_shape(gen) -> None:
+    """``[..., I, O]``: a 2-D tensor's parts are checked as a 3-D one's are; fewer than two
+    dimensions is no MXFP4 tensor."""
+    I, O = 32 * int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 50, (1,), generator=gen))
+    good = {"x_blocks": ((O, I // 32, 16), torch.uint8), "x_scales": ((O, I // 32), torch.uint8)}
+    MXFP4().check("x", good, (I, O))
+    with pytest.raises(CheckpointError, match=re.escape(f"x_blocks: shape {(O, I // 32, 16)}, expected (2, {O}, "
+                                                        f"{I // 32}, 16)")):
+        MXFP4().check("x", good, (2, I, O))
+    with pytest.raises(CheckpointError, match=re.escape(f"x: unquantised shape {(I,)}, expected [..., I, O]")):
+        MXFP4().check("x", {"x_blocks": ((I // 32, 16), torch.uint8), "x_scales": ((I // 32,), torch.uint8)}, (I,))
