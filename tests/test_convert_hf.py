@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,57 @@ def test_the_ignored_fields_are_only_those_of_transformers_api() -> None:
     fields.get("a", "count")
     fields.section("b")  # read: its own keys are the section's business
     fields.done()
+
+
+@pytest.mark.unit
+def test_fields_take_each_kind_exactly_and_refuse_by_name_value_and_kind() -> None:
+    """``Fields.get``: each kind takes exactly its values (a bool is no number, 0 no count, an
+    infinite or negative number no number); a refusal names the field, its value and type, and
+    the kind; absent and null give the default, or are refused (differently) without one;
+    ``expect`` refuses any other value; ``section`` is ``Fields`` over the nested object, which
+    refuses its own unread keys; ``done`` names every unread field with its value, up to 8."""
+    takes = {"count": [1, 7], "index": [0, 3], "number": [0, 0.5, 3, 1e300], "bool": [True, False], "str": ["", "a"],
+             "dict": [{}, {"a": 1}], "list": [[], [1]]}
+    refuses = {"count": [0, -1, 1.0, True, "1"], "index": [-1, 1.5, False, "0"],
+               "number": [-1e-9, float("inf"), float("nan"), True, "1"], "bool": [0, 1, "true"],
+               "str": [1, ["a"]], "dict": [[], "a"], "list": [{}, "a"]}
+    wants = {"count": "an int >= 1", "index": "an int >= 0", "number": "a finite number >= 0", "bool": "a bool",
+             "str": "a string", "dict": "a JSON object", "list": "a JSON list"}
+    for kind in takes:
+        for value in takes[kind]:
+            assert Fields({"f": value}, "Test").get("f", kind) == value, (kind, value)
+        for value in refuses[kind]:
+            with pytest.raises(CheckpointError, match=re.escape(
+                    f"config.json: f={value!r} ({type(value).__name__}), expected {wants[kind]}")):
+                Fields({"f": value}, "Test").get("f", kind)
+    f = Fields({"n": None, "x": 2}, "Test", "config.json: outer")
+    assert f.get("n", "count", 5) == 5 and f.get("absent", "count", None) is None
+    with pytest.raises(CheckpointError, match=re.escape("config.json: outer: n=null, expected a value")):
+        f.get("n", "count")
+    with pytest.raises(CheckpointError, match=re.escape("config.json: outer: required field 'm' is missing")):
+        f.get("m", "count")
+    assert f.expect("x", "count", 2) == 2 and f.expect("y", "count", 4, 4) == 4
+    with pytest.raises(CheckpointError, match=re.escape("config.json: outer: x=2 is not supported by moeflow's Test "
+                                                        "conversion (it needs 3)")):
+        f.expect("x", "count", 3)
+    inner = Fields({"s": {"a": 1, "b": [2]}}, "Test").section("s")
+    assert (inner.hf, inner.family, inner.where) == ({"a": 1, "b": [2]}, "Test", "config.json: s")
+    assert Fields({}, "Test").section("s") is None and Fields({"s": None}, "Test").section("s") is None
+    with pytest.raises(CheckpointError, match=re.escape("config.json: s: field(s) a=1, b=[2] not understood by "
+                                                        "moeflow's Test conversion")):
+        inner.done()
+    inner.mark(["a"])
+    assert inner.mark(["b"]) is inner.hf
+    inner.done(ignored=())
+    many = Fields({f"k{i}": i for i in range(10)}, "Test")
+    with pytest.raises(CheckpointError, match=re.escape(f"field(s) {', '.join(f'k{i}={i}' for i in range(8))} not")):
+        many.done()
+    with pytest.raises(CheckpointError, match=re.escape("config.json: a JSON list, expected an object")):
+        Fields([1], "Test")
+    left = Fields({"model_type": "x", "k": 1}, "Test")
+    left.done(ignored={"k", "model_type"})
+    with pytest.raises(CheckpointError, match="model_type='x'"):
+        left.done(ignored=())
 
 
 @pytest.mark.unit

@@ -142,6 +142,49 @@ def test_unsupported_quantisation_is_refused_by_name(qc, words) -> None:
 
 
 @pytest.mark.unit
+def test_every_field_a_format_takes_is_read_and_any_other_value_refused(gen) -> None:
+    """Each field of the fp8 and mxfp4 configs, at its supported value or null, is read (not
+    refused as unknown); the block size is the config's (128 x 128 when absent, refused when
+    null: moeflow reads block-wise scales only); any other
+    value of a checked field, a field of the other format, a block size that is not two ints
+    >= 1 and a skip list of anything but names are refused by name."""
+    b = [int(n) for n in torch.randint(1, 300, (2,), generator=gen)]
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": b, "activation_scheme": "dynamic",
+           "scale_fmt": "float", "dequantize": False, "modules_to_not_convert": ["lm_head"], "expert_dtype": "fp8"}
+    assert quantization_from_config(fp8).block == tuple(b) and quantization_from_config(fp8).method == "fp8"
+    nulls = dict.fromkeys(fp8, None) | {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert quantization_from_config(nulls).block == (128, 128)
+    assert quantization_from_config({"quant_method": "fp8"}).block == (128, 128)
+    oss = {"quant_method": "mxfp4", "modules_to_not_convert": None, "dequantize": True}
+    assert isinstance(quantization_from_config(oss), MXFP4) and quantization_from_config(oss).method == "mxfp4"
+    assert isinstance(quantization_from_config({"quant_method": "mxfp4", "modules_to_not_convert": []}), MXFP4)
+    where = "config.json: quantization_config"
+    for qc, words in [
+        ({**fp8, "expert_dtype": "bf16"}, f"{where}.expert_dtype='bf16' is not supported (moeflow reads 'fp8')"),
+        ({**fp8, "fmt": "E4M3"}, f"{where}.fmt='E4M3' is not supported (moeflow reads 'e4m3')"),
+        ({**fp8, "scale_fmt": "float32"}, f"{where}.scale_fmt='float32' is not supported (moeflow reads 'float')"),
+        ({**fp8, "activation_scheme": "Dynamic"}, f"{where}.activation_scheme='Dynamic' is not supported"),
+        ({**oss, "fmt": "e4m3"}, f"{where}: field(s) ['fmt'] not understood for quant_method 'mxfp4'"),
+        ({**oss, "weight_block_size": b, "expert_dtype": "fp8"},
+         f"{where}: field(s) ['expert_dtype', 'weight_block_size'] not understood for quant_method 'mxfp4'"),
+        ({"quant_method": None}, f"{where}.quant_method=None is not supported; moeflow dequantises ['fp8', 'mxfp4']"),
+        ({}, f"{where}.quant_method=None is not supported"),
+        ({**fp8, "weight_block_size": [128, True]}, f"{where}.weight_block_size=[128, True] is not two ints >= 1"),
+        ({**fp8, "weight_block_size": [128.0, 128]}, f"{where}.weight_block_size=[128.0, 128] is not two ints >= 1"),
+        ({**fp8, "weight_block_size": [1, 1, 1]}, f"{where}.weight_block_size=[1, 1, 1] is not two ints >= 1"),
+        ({**fp8, "weight_block_size": [1, 0]}, f"{where}.weight_block_size=[1, 0] is not two ints >= 1"),
+        ({**fp8, "weight_block_size": None}, f"{where}.weight_block_size=None is not two ints >= 1"),
+        ({**fp8, "weight_block_size": "128"}, f"{where}.weight_block_size='128' is not two ints >= 1"),
+        ({**oss, "modules_to_not_convert": ["a", 1]}, f"{where}.modules_to_not_convert=['a', 1] is not a list of names"),
+        ({**fp8, "modules_to_not_convert": "lm_head"}, f"{where}.modules_to_not_convert='lm_head' is not a list"),
+        ([], f"{where}=[] is not a JSON object"),
+    ]:
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            quantization_from_config(qc)
+    assert BlockFP8([1, 300]).block == (1, 300) and BlockFP8((7.0, 2)).block == (7, 2)
+
+
+@pytest.mark.unit
 def test_published_quantisation_configs_are_read() -> None:
     v3 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
     assert isinstance(quantization_from_config(v3), BlockFP8) and quantization_from_config(v3).block == (128, 128)
@@ -199,6 +242,14 @@ def test_an_fp8_checkpoint_loads_to_the_dequantised_values(tmp_path, gen) -> Non
     ("no-scale", "expected a floating-point dtype"),  # an fp8 weight without its scale
     ("scale-shape", "weight_scale_inv: shape"),
     ("weight-dtype", "float8_e4m3fn"),
+    ("scale-dtype", "quantised tensor model.layers.0.self_attn.q_proj.weight_scale_inv: dtype torch.float64, "
+                    "expected float32"),
+    ("scale-shape-whole", "quantised tensor model.layers.0.self_attn.q_proj.weight_scale_inv: shape (4, 1), "
+                          "expected (4, 4) (one scale per (16, 16) block)"),
+    ("weight-dtype-whole", "quantised tensor model.layers.0.self_attn.q_proj.weight: dtype torch.float8_e5m2, "
+                           "expected float8_e4m3fn (fmt e4m3)"),
+    ("weight-shape", "quantised tensor model.layers.0.self_attn.q_proj.weight: shape (64, 63), expected (64, 64) "
+                     "(config.json gives it; fp8 holds 2-D linear weights)"),
 ])
 def test_a_damaged_fp8_checkpoint_is_refused_by_name(tmp_path, case, words) -> None:
     torch.manual_seed(0)
@@ -212,14 +263,18 @@ def test_a_damaged_fp8_checkpoint_is_refused_by_name(tmp_path, case, words) -> N
         sd.update({name: q, f"{name}_scale_inv": scale})
         if case == "no-scale":
             del sd[f"{name}_scale_inv"]
-        elif case == "scale-shape":
+        elif case.startswith("scale-shape"):
             sd[f"{name}_scale_inv"] = scale[:, :1].contiguous()
-        elif case == "weight-dtype":
+        elif case.startswith("weight-dtype"):
             sd[name] = q.to(torch.float8_e5m2)
+        elif case == "scale-dtype":
+            sd[f"{name}_scale_inv"] = scale.double()
+        elif case == "weight-shape":
+            sd[name] = q[:, :-1].contiguous()
         return sd
 
     _edit(path, lambda c: c if case == "no-config" else {**c, "quantization_config": qc}, tensors)
-    with pytest.raises(CheckpointError, match=words):
+    with pytest.raises(CheckpointError, match=re.escape(words)):
         gpt_from_hf(path)
 
 
