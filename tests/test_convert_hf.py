@@ -161,6 +161,28 @@ def test_rope_parameters_map_both_ways(rope, theta, scaling) -> None:
     assert rope_from_hf(Fields({"rope_parameters": rope_to_hf(cfg)}, "Test"), 64, 1e6) == (theta, scaling, 1.0)
 
 
+@pytest.mark.unit
+def test_partial_rotary_factor_is_read_where_transformers_puts_it(gen) -> None:
+    """Top level or inside ``rope_parameters`` (which wins), returned as the rotary fraction,
+    refused outside (0, 1] naming where it was found; written back when it is not 1."""
+    frac = float(torch.rand((), generator=gen)) * 0.9 + 0.05
+    for hf in [{"partial_rotary_factor": frac}, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": frac}},
+               {"partial_rotary_factor": 1.0, "rope_scaling": {"type": "default", "partial_rotary_factor": frac}}]:
+        fields = Fields(hf, "Test")
+        assert rope_from_hf(fields, 64, 1e4) == (1e4, None, frac), hf
+        fields.done()  # every field read
+    assert rope_from_hf(Fields({"partial_rotary_factor": 1}, "Test"), 64, 1e4) == (1e4, None, 1.0)  # the whole head
+    for hf, words in [({"partial_rotary_factor": 0}, "config.json: partial_rotary_factor=0 must be in (0, 1]"),
+                      ({"rope_parameters": {"partial_rotary_factor": 1.5}},
+                       "config.json: rope_parameters: partial_rotary_factor=1.5 must be in (0, 1]"),
+                      ({"partial_rotary_factor": "0.5"}, "config.json: partial_rotary_factor='0.5' (str), expected a "
+                                                         "finite number >= 0"),
+                      ({"rope_parameters": {"partial_rotary_factor": "0.5"}},
+                       "config.json: rope_parameters: partial_rotary_factor='0.5' (str), expected a finite number")]:
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            rope_from_hf(Fields(hf, "Test"), 64, 1e4)
+
+
 # ------------------------------------------------------------------ weights
 
 
