@@ -183,6 +183,16 @@ def test_partial_rotary_factor_is_read_where_transformers_puts_it(gen) -> None:
             rope_from_hf(Fields(hf, "Test"), 64, 1e4)
 
 
+@pytest.mark.unit
+def test_rope_parameters_without_a_type_are_the_default_rope(gen) -> None:
+    """Neither ``rope_type`` nor ``type``: transformers' default RoPE at the object's theta."""
+    theta = float(torch.randint(1000, 10**6, (), generator=gen))
+    for section in ("rope_parameters", "rope_scaling"):
+        fields = Fields({section: {"rope_theta": theta}}, "Test")
+        assert rope_from_hf(fields, 64, 1e4) == (theta, None, 1.0)
+        fields.done()
+
+
 # ------------------------------------------------------------------ weights
 
 
