@@ -193,6 +193,26 @@ def test_rope_parameters_without_a_type_are_the_default_rope(gen) -> None:
         fields.done()
 
 
+@pytest.mark.unit
+def test_every_yarn_field_is_read_and_each_absent_one_takes_transformers_default(gen) -> None:
+    """YaRN with every field at a random value comes back as given (``rope_to_hf`` writes it
+    back); with only a factor, ``original_max_position_embeddings`` is ``max_position_embeddings``,
+    the betas 32 and 1, no mscale or attention factor, truncation on."""
+    r = [float(x) for x in torch.rand(5, generator=gen)]
+    given = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2 + 30 * r[0], "original_max_position_embeddings": 16,
+             "beta_fast": 20 + 20 * r[1], "beta_slow": 0.5 + r[2], "mscale": 0.5 + r[3], "mscale_all_dim": 0.5 + r[4],
+             "attention_factor": 0.5 + r[0], "truncate": False}
+    fields = Fields({"rope_parameters": given}, "Test")
+    want = RopeScaling(kind="yarn", factor=given["factor"], original_max_seq_len=16, beta_fast=given["beta_fast"],
+                       beta_slow=given["beta_slow"], mscale=given["mscale"], mscale_all_dim=given["mscale_all_dim"],
+                       attention_factor=given["attention_factor"], truncate=False)
+    assert rope_from_hf(fields, 64, 1e6) == (1e4, want, 1.0)
+    fields.done()
+    alone = rope_from_hf(Fields({"rope_parameters": {"rope_type": "yarn", "factor": 3.0}}, "Test"), 64, 1e6)
+    assert alone == (1e6, RopeScaling(kind="yarn", factor=3.0, original_max_seq_len=64, beta_fast=32.0, beta_slow=1.0,
+                                      mscale=None, mscale_all_dim=None, attention_factor=None, truncate=True), 1.0)
+
+
 # ------------------------------------------------------------------ weights
 
 
