@@ -108,6 +108,29 @@ def test_mxfp4_dequantisation_is_the_rounded_value_to_the_bit(gen) -> None:
         MXFP4().dequantize((blocks, bad))
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (2, 1, 3)])
+def test_mxfp4_decodes_any_leading_shape_to_float32_where_the_blocks_are(gen, lead) -> None:
+    """``[..., G, 16]`` with any leading dimensions (none too) gives ``[..., G*32]`` float32 values
+    on the blocks' device, whatever the default dtype (float64 here) and device (``meta`` here:
+    a tensor made without naming its device would land there)."""
+    G = int(torch.randint(1, 4, (), generator=gen))
+    x = torch.randn(*lead, G * 32, generator=gen) * 4
+    blocks, scales, values = quantise_mxfp4(x)
+    fp8_w, fp8_s, fp8_ref = quantise_fp8(torch.randn(20, 12, generator=gen), (8, 8))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            got = mxfp4_dequantize(blocks, scales)
+            got_fp8 = fp8_block_dequantize(fp8_w, fp8_s, (8, 8))
+    finally:
+        torch.set_default_dtype(default)
+    assert got.shape == (*lead, G * 32) and got.dtype == torch.float32 and got.device.type == "cpu"
+    assert torch.equal(got, values.float())
+    assert got_fp8.dtype == torch.float32 and got_fp8.device.type == "cpu" and torch.equal(got_fp8, fp8_ref)
+
+
 @pytest.mark.integration
 def test_dequantisation_equals_transformers(gen) -> None:
     pytest.importorskip("transformers")
