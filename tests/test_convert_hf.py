@@ -213,6 +213,42 @@ def test_every_yarn_field_is_read_and_each_absent_one_takes_transformers_default
                                       mscale=None, mscale_all_dim=None, attention_factor=None, truncate=True), 1.0)
 
 
+@pytest.mark.unit
+def test_a_default_rope_takes_both_type_names_and_refuses_a_scaling_field() -> None:
+    """transformers writes ``rope_type`` and ``type`` side by side: both are read; a default
+    RoPE's object with a scaling field (``factor``) is refused, not read as scaling."""
+    fields = Fields({"rope_parameters": {"rope_type": "default", "type": "default", "rope_theta": 5e4}}, "Test")
+    assert rope_from_hf(fields, 64, 1e4) == (5e4, None, 1.0)
+    fields.done()
+    with pytest.raises(CheckpointError, match=re.escape("config.json: rope_parameters: field(s) factor=2.0 not understood")):
+        rope_from_hf(Fields({"rope_parameters": {"rope_type": "default", "factor": 2.0}}, "Test"), 64, 1e4)
+
+
+@pytest.mark.unit
+def test_rope_to_hf_writes_every_field_rope_from_hf_reads(gen) -> None:
+    """A partial rotation and YaRN with every field set (random values) written and read back
+    to the same config, each field under transformers' name; unset optional fields omitted."""
+    from moeflow.models.gpt_config import AttentionConfig, GPTConfig
+
+    r = [float(x) for x in torch.rand(6, generator=gen)]
+    yarn = RopeScaling(kind="yarn", factor=2 + 30 * r[0], original_max_seq_len=16, beta_fast=20 + 20 * r[1],
+                       beta_slow=0.5 + r[2], mscale=0.5 + r[3], mscale_all_dim=0.5 + r[4], attention_factor=0.5 + r[5],
+                       truncate=False)
+    cfg = GPTConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, max_seq_len=64, rope_theta=2e4, rope_scaling=yarn,
+                    attention=AttentionConfig(rotary_fraction=0.5))
+    out = rope_to_hf(cfg)
+    assert out == {"rope_theta": 2e4, "rope_type": "yarn", "partial_rotary_factor": 0.5, "factor": yarn.factor,
+                   "original_max_position_embeddings": 16, "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow,
+                   "truncate": False, "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim,
+                   "attention_factor": yarn.attention_factor}
+    assert rope_from_hf(Fields({"rope_parameters": out}, "Test"), 64, 1e4) == (2e4, yarn, 0.5)
+    plain = GPTConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, max_seq_len=64,
+                      rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_seq_len=16))
+    assert rope_to_hf(plain) == {"rope_theta": plain.rope_theta, "rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": True}
+
+
 # ------------------------------------------------------------------ weights
 
 

@@ -178,6 +178,7 @@ def test_every_field_a_format_takes_is_read_and_any_other_value_refused(gen) -> 
     nulls = dict.fromkeys(fp8, None) | {"quant_method": "fp8", "weight_block_size": [128, 128]}
     assert quantization_from_config(nulls).block == (128, 128)
     assert quantization_from_config({"quant_method": "fp8"}).block == (128, 128)
+    assert quantization_from_config({**fp8, "weight_block_size": [1, b[1]]}).block == (1, b[1])  # the smallest
     oss = {"quant_method": "mxfp4", "modules_to_not_convert": None, "dequantize": True}
     assert isinstance(quantization_from_config(oss), MXFP4) and quantization_from_config(oss).method == "mxfp4"
     assert isinstance(quantization_from_config({"quant_method": "mxfp4", "modules_to_not_convert": []}), MXFP4)
