@@ -383,6 +383,30 @@ def test_sharded_writing_keeps_groups_whole_and_leaves_no_stale_file(tmp_path, g
 
 
 @pytest.mark.unit
+def test_a_damaged_shard_index_is_refused_naming_the_index_and_what_it_holds(tmp_path) -> None:
+    """The index must be an object whose ``weight_map`` is a non-empty object of file names
+    inside the directory; the message names the index and shows what it held (``none`` when
+    there was no ``weight_map``; its value cut to 60 characters otherwise)."""
+    index = tmp_path / "model.safetensors.index.json"
+    where = f"{index}: weight_map"
+    long = [f"model-{i:05d}-of-00009.safetensors" for i in range(9)]
+    for value, words in [
+        ([1, 2], f"{where} is none, expected {{tensor name: safetensors file}} (a JSON object)"),
+        ({}, f"{where} is none, expected"),
+        ({"metadata": {}}, f"{where} is none, expected"),
+        ({"weight_map": {}}, f"{where} is {{}}, expected"),
+        ({"weight_map": None}, f"{where} is None, expected"),
+        ({"weight_map": ["a.safetensors"]}, f"{where} is ['a.safetensors'], expected"),
+        ({"weight_map": long}, f"{where} is {repr(long)[:60]}, expected"),
+        ({"weight_map": {"a": 5}}, f"{where}['a']=5 is not a file name"),
+        ({"weight_map": {"a": "../a.safetensors"}}, f"{where}: '../a.safetensors' leaves the directory {tmp_path}"),
+    ]:
+        index.write_text(json.dumps(value))
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            HFWeights(tmp_path)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("value,size", [(1000, 1000), ("5GB", 5 * 10**9), ("500MB", 5 * 10**8), ("2GiB", 2**31),
                                         ("20kb", 20000), ("7", 7)])
 def test_shard_sizes_read_as_transformers_writes_them(value, size) -> None:
