@@ -167,7 +167,8 @@ def test_partial_rotary_factor_is_read_where_transformers_puts_it(gen) -> None:
     refused outside (0, 1] naming where it was found; written back when it is not 1."""
     frac = float(torch.rand((), generator=gen)) * 0.9 + 0.05
     for hf in [{"partial_rotary_factor": frac}, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": frac}},
-               {"partial_rotary_factor": 1.0, "rope_scaling": {"type": "default", "partial_rotary_factor": frac}}]:
+               {"partial_rotary_factor": 1.0, "rope_scaling": {"type": "default", "partial_rotary_factor": frac}},
+               {"partial_rotary_factor": frac, "rope_parameters": {"rope_type": "default"}}]:  # kept when not given there
         fields = Fields(hf, "Test")
         assert rope_from_hf(fields, 64, 1e4) == (1e4, None, frac), hf
         fields.done()  # every field read
