@@ -226,6 +226,22 @@ def test_a_default_rope_takes_both_type_names_and_refuses_a_scaling_field() -> N
 
 
 @pytest.mark.unit
+def test_a_rope_error_names_the_object_once_and_is_a_checkpoint_error() -> None:
+    """A field of the wrong type is refused as ``Fields`` words it; a value ``RopeScaling``
+    refuses (a factor of 0) becomes a ``CheckpointError`` naming the object, once; a scaled
+    RoPE too takes ``rope_type`` and ``type`` side by side."""
+    with pytest.raises(CheckpointError) as err:
+        rope_from_hf(Fields({"rope_parameters": {"rope_type": "linear", "factor": "2"}}, "Test"), 64, 1e4)
+    assert str(err.value) == "config.json: rope_parameters: factor='2' (str), expected a finite number >= 0"
+    with pytest.raises(CheckpointError) as err:
+        rope_from_hf(Fields({"rope_parameters": {"rope_type": "linear", "factor": 0}}, "Test"), 64, 1e4)
+    assert str(err.value).startswith("config.json: rope_parameters: factor") and str(err.value).count("config.json") == 1
+    fields = Fields({"rope_parameters": {"rope_type": "linear", "type": "linear", "factor": 2.0}}, "Test")
+    assert rope_from_hf(fields, 64, 1e4) == (1e4, RopeScaling(kind="linear", factor=2.0), 1.0)
+    fields.done()
+
+
+@pytest.mark.unit
 def test_rope_to_hf_writes_every_field_rope_from_hf_reads(gen) -> None:
     """A partial rotation and YaRN with every field set (random values) written and read back
     to the same config, each field under transformers' name; unset optional fields omitted."""
