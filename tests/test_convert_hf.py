@@ -421,6 +421,11 @@ def test_a_damaged_shard_index_is_refused_naming_the_index_and_what_it_holds(tmp
         index.write_text(json.dumps(value))
         with pytest.raises(CheckpointError, match=re.escape(words)):
             HFWeights(tmp_path)
+    index.unlink()  # one weights file, a link leading out: the message names the directory, there is no index
+    (tmp_path / "model.safetensors").symlink_to(tmp_path.parent / "elsewhere.safetensors")
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"{tmp_path}: 'model.safetensors' is or passes a "
+                                                              "symbolic link that leads outside")):
+        HFWeights(tmp_path)
 
 
 @pytest.mark.unit
