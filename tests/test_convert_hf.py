@@ -436,6 +436,44 @@ def test_shard_sizes_read_as_transformers_writes_them(value, size) -> None:
 
 
 @pytest.mark.unit
+def test_every_size_unit_reads_in_any_case_and_one_byte_is_the_least(gen) -> None:
+    n = int(torch.randint(1, 1000, (), generator=gen))
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    for unit, factor in units.items():
+        for text in (f"{n}{unit}", f" {n} {unit.lower()} ", f"{n}{unit.upper()}"):
+            assert parse_size(text) == n * factor, text
+    assert parse_size(1) == parse_size("1") == parse_size("1B") == 1
+
+
+@pytest.mark.reference
+def test_a_shard_holds_exactly_max_shard_size_bytes(tmp_path, gen) -> None:
+    """Groups that fill ``max_shard_size`` exactly stay in one file; a byte less splits them."""
+    model, _ = _tiny(tmp_path, gen)
+    total = sum(t.numel() * t.element_size() for t in hf_model.state_dict_to_tensors(
+        model.state_dict(), FAMILIES["mixtral"], model.config).values())
+    one = gpt_to_hf(model, tmp_path / "one", max_shard_size=total)
+    assert sorted(p.name for p in one.glob("*.safetensors")) == ["model.safetensors"]
+    two = gpt_to_hf(model, tmp_path / "two", max_shard_size=total - 1)
+    assert sorted(p.name for p in two.glob("*.safetensors")) == [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+
+
+@pytest.mark.reference
+def test_a_tensor_of_a_dtype_torch_has_no_name_for_here_is_refused_by_its_safetensors_name(tmp_path, gen) -> None:
+    from safetensors.torch import load_file, save_file
+
+    _, path = _tiny(tmp_path, gen)
+    stored = load_file(str(path / "model.safetensors"))
+    stored["model.norm.weight"] = stored["model.norm.weight"].to(torch.uint16)
+    save_file(stored, str(path / "model.safetensors"))
+    with HFWeights(path) as weights:
+        assert weights.dtype("model.norm.weight") == "U16" and weights.dtype("model.embed_tokens.weight") == torch.float32
+    with pytest.raises(CheckpointError, match=re.escape("tensor 'model.norm.weight' (for norm.weight) is U16, expected a "
+                                                        "floating-point dtype")):
+        gpt_from_hf(path)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("value", ["", "5XB", "-3", "1.5GB", 0, True, None])
 def test_a_bad_shard_size_is_refused_naming_the_option(value) -> None:
     with pytest.raises(ValueError, match="--max-shard-size"):
