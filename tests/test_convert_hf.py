@@ -444,6 +444,9 @@ def test_every_size_unit_reads_in_any_case_and_one_byte_is_the_least(gen) -> Non
         for text in (f"{n}{unit}", f" {n} {unit.lower()} ", f"{n}{unit.upper()}"):
             assert parse_size(text) == n * factor, text
     assert parse_size(1) == parse_size("1") == parse_size("1B") == 1
+    for bad in ("5XB", 0):  # the option is named by default
+        with pytest.raises(ValueError, match=r"^max_shard_size must be"):
+            parse_size(bad)
 
 
 @pytest.mark.reference
