@@ -338,6 +338,9 @@ def test_each_layout_puts_every_element_where_its_format_does_and_back(gen) -> N
     assert tm.same("a", "b").tied_to is None
     with pytest.raises(ValueError, match="Entry 'a' needs at least one layout"):
         tm.Entry("a", ())
+    # shapes are found without memory: a 2**46-element expert stack (256 TB in float32) costs nothing
+    huge = (64, 2**20, 2**20)
+    assert tm.hf_shapes(tm.fused_experts("x", transposed=True), huge) == {"x": (64, 2**20, 2**20)}
 
 
 @pytest.mark.reference
