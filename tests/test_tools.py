@@ -30,7 +30,7 @@ def test_equivalent_file_needs_a_reason_per_mutant(tmp_path):
         assert report.package_of(name) in {"routing", "dispatch", "layer", "experts", "kernels",
                                           "parallel/assignment", "parallel/exchange", "parallel/tuner",
                                           "models/sampling", "parallel/gradients", "parallel/placement",
-                                          "parallel/vocab", "serve", "checkpoint"}, name
+                                          "parallel/vocab", "serve", "checkpoint", "convert"}, name
     assert report.package_of("moeflow.models.decoding.x_sample_next__mutmut_3") == "models/sampling"
     assert report.package_of("moeflow.models.generation.x_generate__mutmut_1") == "models/sampling"
     assert report.package_of("moeflow.models.gpt.xǁMoEGPTǁloss__mutmut_1") == "models/gpt"
