@@ -341,6 +341,8 @@ def test_each_layout_puts_every_element_where_its_format_does_and_back(gen) -> N
     # shapes are found without memory: a 2**46-element expert stack (256 TB in float32) costs nothing
     huge = (64, 2**20, 2**20)
     assert tm.hf_shapes(tm.fused_experts("x", transposed=True), huge) == {"x": (64, 2**20, 2**20)}
+    with pytest.raises(ValueError):  # a layout naming more tensors than it saves is a broken map, not cut short
+        tm.hf_shapes(tm.Layout(("a", "b"), lambda ts: ts[0], lambda t: (t,)), (2, 3))
 
 
 @pytest.mark.reference
