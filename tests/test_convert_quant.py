@@ -6,6 +6,7 @@ transformers' own, and the converter must load a checkpoint made here to those v
 from __future__ import annotations
 
 import json
+import re
 import math
 
 import pytest
@@ -107,6 +108,29 @@ def test_mxfp4_dequantisation_is_the_rounded_value_to_the_bit(gen) -> None:
         MXFP4().dequantize((blocks, bad))
 
 
+@pytest.mark.reference
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3), (2, 1, 3)])
+def test_mxfp4_decodes_any_leading_shape_to_float32_where_the_blocks_are(gen, lead) -> None:
+    """``[..., G, 16]`` with any leading dimensions (none too) gives ``[..., G*32]`` float32 values
+    on the blocks' device, whatever the default dtype (float64 here) and device (``meta`` here:
+    a tensor made without naming its device would land there)."""
+    G = int(torch.randint(1, 4, (), generator=gen))
+    x = torch.randn(*lead, G * 32, generator=gen) * 4
+    blocks, scales, values = quantise_mxfp4(x)
+    fp8_w, fp8_s, fp8_ref = quantise_fp8(torch.randn(20, 12, generator=gen), (8, 8))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            got = mxfp4_dequantize(blocks, scales)
+            got_fp8 = fp8_block_dequantize(fp8_w, fp8_s, (8, 8))
+    finally:
+        torch.set_default_dtype(default)
+    assert got.shape == (*lead, G * 32) and got.dtype == torch.float32 and got.device.type == "cpu"
+    assert torch.equal(got, values.float())
+    assert got_fp8.dtype == torch.float32 and got_fp8.device.type == "cpu" and torch.equal(got_fp8, fp8_ref)
+
+
 @pytest.mark.integration
 def test_dequantisation_equals_transformers(gen) -> None:
     pytest.importorskip("transformers")
@@ -138,6 +162,50 @@ def test_dequantisation_equals_transformers(gen) -> None:
 def test_unsupported_quantisation_is_refused_by_name(qc, words) -> None:
     with pytest.raises(CheckpointError, match=words.replace("[", r"\[")):
         quantization_from_config(qc)
+
+
+@pytest.mark.unit
+def test_every_field_a_format_takes_is_read_and_any_other_value_refused(gen) -> None:
+    """Each field of the fp8 and mxfp4 configs, at its supported value or null, is read (not
+    refused as unknown); the block size is the config's (128 x 128 when absent, refused when
+    null: moeflow reads block-wise scales only); any other
+    value of a checked field, a field of the other format, a block size that is not two ints
+    >= 1 and a skip list of anything but names are refused by name."""
+    b = [int(n) for n in torch.randint(1, 300, (2,), generator=gen)]
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": b, "activation_scheme": "dynamic",
+           "scale_fmt": "float", "dequantize": False, "modules_to_not_convert": ["lm_head"], "expert_dtype": "fp8"}
+    assert quantization_from_config(fp8).block == tuple(b) and quantization_from_config(fp8).method == "fp8"
+    nulls = dict.fromkeys(fp8, None) | {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert quantization_from_config(nulls).block == (128, 128)
+    assert quantization_from_config({"quant_method": "fp8"}).block == (128, 128)
+    assert quantization_from_config({**fp8, "weight_block_size": [1, b[1]]}).block == (1, b[1])  # the smallest
+    oss = {"quant_method": "mxfp4", "modules_to_not_convert": None, "dequantize": True}
+    assert isinstance(quantization_from_config(oss), MXFP4) and quantization_from_config(oss).method == "mxfp4"
+    assert isinstance(quantization_from_config({"quant_method": "mxfp4", "modules_to_not_convert": []}), MXFP4)
+    where = "config.json: quantization_config"
+    for qc, words in [
+        ({**fp8, "expert_dtype": "bf16"}, f"{where}.expert_dtype='bf16' is not supported (moeflow reads 'fp8')"),
+        ({**fp8, "fmt": "E4M3"}, f"{where}.fmt='E4M3' is not supported (moeflow reads 'e4m3')"),
+        ({**fp8, "scale_fmt": "float32"}, f"{where}.scale_fmt='float32' is not supported (moeflow reads 'float')"),
+        ({**fp8, "activation_scheme": "Dynamic"}, f"{where}.activation_scheme='Dynamic' is not supported"),
+        ({**oss, "fmt": "e4m3"}, f"{where}: field(s) ['fmt'] not understood for quant_method 'mxfp4'"),
+        ({**oss, "weight_block_size": b, "expert_dtype": "fp8"},
+         f"{where}: field(s) ['expert_dtype', 'weight_block_size'] not understood for quant_method 'mxfp4'"),
+        ({"quant_method": None}, f"{where}.quant_method=None is not supported; moeflow dequantises ['fp8', 'mxfp4']"),
+        ({}, f"{where}.quant_method=None is not supported"),
+        ({**fp8, "weight_block_size": [128, True]}, f"{where}.weight_block_size=[128, True] is not two ints >= 1"),
+        ({**fp8, "weight_block_size": [128.0, 128]}, f"{where}.weight_block_size=[128.0, 128] is not two ints >= 1"),
+        ({**fp8, "weight_block_size": [1, 1, 1]}, f"{where}.weight_block_size=[1, 1, 1] is not two ints >= 1"),
+        ({**fp8, "weight_block_size": [1, 0]}, f"{where}.weight_block_size=[1, 0] is not two ints >= 1"),
+        ({**fp8, "weight_block_size": None}, f"{where}.weight_block_size=None is not two ints >= 1"),
+        ({**fp8, "weight_block_size": "128"}, f"{where}.weight_block_size='128' is not two ints >= 1"),
+        ({**oss, "modules_to_not_convert": ["a", 1]}, f"{where}.modules_to_not_convert=['a', 1] is not a list of names"),
+        ({**fp8, "modules_to_not_convert": "lm_head"}, f"{where}.modules_to_not_convert='lm_head' is not a list"),
+        ([], f"{where}=[] is not a JSON object"),
+    ]:
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            quantization_from_config(qc)
+    assert BlockFP8([1, 300]).block == (1, 300) and BlockFP8((7.0, 2)).block == (7, 2)
 
 
 @pytest.mark.unit
@@ -198,6 +266,14 @@ def test_an_fp8_checkpoint_loads_to_the_dequantised_values(tmp_path, gen) -> Non
     ("no-scale", "expected a floating-point dtype"),  # an fp8 weight without its scale
     ("scale-shape", "weight_scale_inv: shape"),
     ("weight-dtype", "float8_e4m3fn"),
+    ("scale-dtype", "quantised tensor model.layers.0.self_attn.q_proj.weight_scale_inv: dtype torch.float64, "
+                    "expected float32"),
+    ("scale-shape-whole", "quantised tensor model.layers.0.self_attn.q_proj.weight_scale_inv: shape (4, 1), "
+                          "expected (4, 4) (one scale per (16, 16) block)"),
+    ("weight-dtype-whole", "quantised tensor model.layers.0.self_attn.q_proj.weight: dtype torch.float8_e5m2, "
+                           "expected float8_e4m3fn (fmt e4m3)"),
+    ("weight-shape", "quantised tensor model.layers.0.self_attn.q_proj.weight: shape (64, 63), expected (64, 64) "
+                     "(config.json gives it; fp8 holds 2-D linear weights)"),
 ])
 def test_a_damaged_fp8_checkpoint_is_refused_by_name(tmp_path, case, words) -> None:
     torch.manual_seed(0)
@@ -211,14 +287,18 @@ def test_a_damaged_fp8_checkpoint_is_refused_by_name(tmp_path, case, words) -> N
         sd.update({name: q, f"{name}_scale_inv": scale})
         if case == "no-scale":
             del sd[f"{name}_scale_inv"]
-        elif case == "scale-shape":
+        elif case.startswith("scale-shape"):
             sd[f"{name}_scale_inv"] = scale[:, :1].contiguous()
-        elif case == "weight-dtype":
+        elif case.startswith("weight-dtype"):
             sd[name] = q.to(torch.float8_e5m2)
+        elif case == "scale-dtype":
+            sd[f"{name}_scale_inv"] = scale.double()
+        elif case == "weight-shape":
+            sd[name] = q[:, :-1].contiguous()
         return sd
 
     _edit(path, lambda c: c if case == "no-config" else {**c, "quantization_config": qc}, tensors)
-    with pytest.raises(CheckpointError, match=words):
+    with pytest.raises(CheckpointError, match=re.escape(words)):
         gpt_from_hf(path)
 
 
@@ -262,3 +342,94 @@ def test_an_mxfp4_checkpoint_loads_to_the_dequantised_values(tmp_path, gen) -> N
     assert all(torch.equal(got[k], want[k]) for k in want)
     gate = expected["model.layers.1.mlp.experts.gate_up_proj"][..., 0::2]  # de-interleaved: gate columns first
     assert torch.equal(got["layers.1.ffn.experts.w_in"][..., :32], gate)
+
+
+def _mxfp4_checkpoint(tmp_path, gen, damage, **kw):  # type: ignore[no-untyped-def]
+    """A checkpoint of ``_fused_map``'s family with its expert weights in MXFP4, ``damage``
+    (``(name, {stored name: tensor}) -> None``) applied to each expert tensor's stored parts;
+    the family and the model it was written from."""
+    family = Family(model_type="mixtral", name="fused-experts", config_from_hf=mixtral.gpt_config_from_hf,
+                    hf_config_from=mixtral.hf_config_from_gpt, tensor_map=_fused_map)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = _tiny(**kw)
+    path = save_hf(model, tmp_path / "hf", family)
+    stored = {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        if name.endswith(("gate_up_proj", "down_proj")):
+            I = t.shape[1] // 32 * 32 or 32  # an I that 32 does not divide is stored as if it were cut
+            blocks, scales, _ = quantise_mxfp4(torch.nn.functional.pad(t.transpose(1, 2), (0, I - t.shape[1]))
+                                               [..., :I].contiguous())
+            parts = {f"{name}_blocks": blocks, f"{name}_scales": scales}
+            damage(name, parts)
+            stored.update(parts)
+        else:
+            stored[name] = t
+    qc = {"quant_method": "mxfp4"}
+    _edit(path, lambda c: {**c, "quantization_config": qc}, lambda _: stored)
+    return path, family, model
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("case", ["blocks-dtype", "scales-dtype", "blocks-shape", "scales-shape", "no-scales",
+                                  "plain-too", "odd-I"])
+def test_a_damaged_mxfp4_checkpoint_is_refused_by_name(tmp_path, gen, case) -> None:
+    """Each stored part of an MXFP4 tensor is checked against the shape config.json gives the
+    tensor (``[E, I, O]``: blocks ``[E, O, I/32, 16]``, scales ``[E, O, I/32]``, both uint8),
+    and the whole message names the part, what is wrong, what was found and what was expected;
+    a tensor stored both plain and quantised, or blocks without their scales, is refused too."""
+    E, D, H = 4, 64, 32
+    down = "model.layers.1.mlp.experts.down_proj"  # [E, H, D]: blocks [E, D, H/32, 16]
+
+    def damage(name: str, parts: dict) -> None:
+        if name != down:
+            return
+        blocks, scales = parts[f"{name}_blocks"], parts[f"{name}_scales"]
+        if case == "blocks-dtype":
+            parts[f"{name}_blocks"] = blocks.view(torch.int8)
+        elif case == "scales-dtype":
+            parts[f"{name}_scales"] = scales.to(torch.int16)
+        elif case == "blocks-shape":
+            parts[f"{name}_blocks"] = blocks[..., :8].contiguous()
+        elif case == "scales-shape":
+            parts[f"{name}_scales"] = scales[:, :D - 1].contiguous()
+        elif case == "no-scales":
+            del parts[f"{name}_scales"]
+        elif case == "plain-too":
+            parts[name] = torch.randn(E, H, D, generator=gen)
+
+    words = {
+        "blocks-dtype": f"quantised tensor {down}_blocks: dtype torch.int8, expected uint8",
+        "scales-dtype": f"quantised tensor {down}_scales: dtype torch.int16, expected uint8",
+        "blocks-shape": f"quantised tensor {down}_blocks: shape ({E}, {D}, 1, 8), expected ({E}, {D}, 1, 16)",
+        "scales-shape": f"quantised tensor {down}_scales: shape ({E}, {D - 1}, 1), expected ({E}, {D}, 1)",
+        "no-scales": f"has no tensor '{down}'",
+        "plain-too": f"does not know: ['{down}_blocks', '{down}_scales']",
+        "odd-I": f"quantised tensor {down.replace('.1.', '.0.')}: unquantised shape ({E}, 40, {D}), expected [..., I, O] with I a multiple of 32",
+    }[case]
+    path, family, _ = _mxfp4_checkpoint(tmp_path, gen, damage, **({"expert_hidden": 40} if case == "odd-I" else {}))
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        load_hf(path, family)
+
+
+@pytest.mark.reference
+def test_an_mxfp4_checkpoint_with_tied_embeddings_loads(tmp_path, gen) -> None:
+    """A tied output projection is absent from the files: only the expert tensors' parts are
+    looked for quantised (an absent plain tensor is not taken for an MXFP4 one)."""
+    path, family, model = _mxfp4_checkpoint(tmp_path, gen, lambda name, parts: None, tie_embeddings=True)
+    got = load_hf(path, family).state_dict()
+    assert torch.equal(got["lm_head.weight"], model.state_dict()["embed.weight"])
+    assert torch.equal(got["layers.0.attn.q_proj.weight"], model.state_dict()["layers.0.attn.q_proj.weight"])
+
+
+@pytest.mark.unit
+def test_mxfp4_checks_any_leading_shape(gen) -> None:
+    """``[..., I, O]``: a 2-D tensor's parts are checked as a 3-D one's are; fewer than two
+    dimensions is no MXFP4 tensor."""
+    I, O = 32 * int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 50, (1,), generator=gen))
+    good = {"x_blocks": ((O, I // 32, 16), torch.uint8), "x_scales": ((O, I // 32), torch.uint8)}
+    MXFP4().check("x", good, (I, O))
+    with pytest.raises(CheckpointError, match=re.escape(f"x_blocks: shape {(O, I // 32, 16)}, expected (2, {O}, "
+                                                        f"{I // 32}, 16)")):
+        MXFP4().check("x", good, (2, I, O))
+    with pytest.raises(CheckpointError, match=re.escape(f"x: unquantised shape {(I,)}, expected [..., I, O]")):
+        MXFP4().check("x", {"x_blocks": ((I // 32, 16), torch.uint8), "x_scales": ((I // 32,), torch.uint8)}, (I,))

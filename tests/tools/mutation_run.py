@@ -104,6 +104,11 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # what it refuses), and the training loop
     "train/lm": (["moeflow/train/lm.py", "moeflow/train/lm_checkpoint.py"],
                  ["test_train_lm.py", "test_train_own_data.py", "test_train_val_split.py"]),
+    # the weights a user imports and exports: where each tensor lives in a family's Hugging Face
+    # checkpoint (both ways), its config.json read field by field, the quantised weights
+    # dequantised. Not test_family_*.py: their compiled greedy-decode tests take about a minute
+    # each (five of them), and every loader function is covered by them
+    "convert": (["moeflow/convert/*"], ["test_convert_*.py"]),
 }
 
 
