@@ -30,7 +30,7 @@ def test_equivalent_file_needs_a_reason_per_mutant(tmp_path):
         assert report.package_of(name) in {"routing", "dispatch", "layer", "experts", "kernels",
                                           "parallel/assignment", "parallel/exchange", "parallel/tuner",
                                           "models/sampling", "parallel/gradients", "parallel/placement",
-                                          "parallel/vocab", "serve", "checkpoint"}, name
+                                          "parallel/vocab", "serve", "checkpoint", "storage"}, name
     assert report.package_of("moeflow.models.decoding.x_sample_next__mutmut_3") == "models/sampling"
     assert report.package_of("moeflow.models.generation.x_generate__mutmut_1") == "models/sampling"
     assert report.package_of("moeflow.models.gpt.xǁMoEGPTǁloss__mutmut_1") == "models/gpt"
@@ -70,7 +70,7 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     assert sorted(m for mods, _ in run.PACKAGES.values() for m in mods) == sorted(configured["only_mutate"])
     assert set(run.PACKAGES) == {"routing", "dispatch", "layer", "experts", "kernels", "parallel/assignment",
                                  "parallel/exchange", "parallel/tuner", "models/sampling", "parallel/gradients",
-                                 "parallel/placement", "parallel/vocab", "serve", "checkpoint"}
+                                 "parallel/placement", "parallel/vocab", "serve", "checkpoint", "storage"}
     for package in run.PACKAGES:
         files = run.test_files(package)
         assert files and len(files) == len(set(files)) and all((root / f).is_file() for f in files), package

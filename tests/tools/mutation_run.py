@@ -92,6 +92,11 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint": (["moeflow/checkpoint/*"],
                    ["test_checkpoint*.py", "test_parallel_dcp.py", "test_parallel_vocab.py",
                     "test_parallel_placement.py"]),
+    # the expert weights a store hands the model: what is loaded, evicted, checksummed and written
+    # back (the cache, the ring, the disk tier, the offloaded optimizer and what they share).
+    # Every test runs in this process (the CLI tests' subprocesses record nothing, but kill)
+    "storage": (["moeflow/storage/*"],
+                ["test_storage.py", "test_storage_damage.py", "test_models_generation_offload.py"]),
 }
 
 
