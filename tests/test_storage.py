@@ -9,6 +9,8 @@ the store), and offloaded AdamW training must end with the same parameters, bit 
 from __future__ import annotations
 
 import copy
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,124 @@ def test_disk_file_is_safetensors_and_reads_back(tmp_path, gen):
             f.byte_range("w", 3)
     finally:
         f.close()
+
+
+def _random_tensors(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Tensors of every dtype the disk tier stores, in random order and shapes: a 0-d one, a
+    first dimension of 0 and of 1, blocks smaller and larger than a page (random bytes)."""
+    from moeflow.storage.disk import _DTYPES
+
+    def randint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    out = {}
+    dtypes = list(_DTYPES.values())
+    for i in torch.randperm(len(dtypes), generator=gen).tolist():
+        dtype = dtypes[i]
+        shape = [(), (0, 3), (1, 5)][i] if i < 3 else (randint(2, 6), *(randint(1, 700) for _ in range(randint(1, 3))))
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        t = (raw & 1).bool().reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape)
+        out[f"t{i}.{dtype}".replace("torch.", "")] = t
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (random bytes make NaNs, which ``torch.equal`` calls unequal)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_disk_file_layout_blocks_and_checks_on_random_tensors(tmp_path, gen):
+    """The disk tier's file, on random tensors of every dtype it stores: any safetensors reader
+    gets each tensor back (and the page padding as zero bytes), each tensor starts on a page of
+    the file, ``byte_range`` of block ``i`` is row ``i``'s bytes, and ``read``/``write`` move
+    exactly those bytes, checked (bytes counted) when ``verify`` and not otherwise."""
+    import json
+    import struct
+
+    from safetensors import safe_open
+
+    from moeflow.storage import checksum
+    from moeflow.storage.disk import DiskTierError
+    from moeflow.storage.tiers import aligned_empty
+
+    tensors = _random_tensors(gen)
+    for verify in (True, False):
+        path = tmp_path / f"v{verify}.safetensors"
+        f = DiskFile(path, tensors, verify=verify)
+        try:
+            assert f.checksum == (checksum.ALGORITHM if verify else None) and f.verify is verify
+            assert f.keys() == list(tensors)
+            blob = path.read_bytes()
+            (n,) = struct.unpack("<Q", blob[:8])
+            header = json.loads(blob[8 : 8 + n])
+            text = blob[8 : 8 + n].decode()
+            assert (8 + n) % 4096 == 0 and len(text) - len(text.rstrip(" ")) < 4096  # spaces up to a page
+            with safe_open(str(path), "pt") as g:
+                assert sorted(g.keys()) == sorted(header)
+                for key in g.keys():
+                    if key.startswith("__pad__."):
+                        assert g.get_tensor(key).dtype == torch.uint8 and not g.get_tensor(key).any()
+                    else:
+                        assert _same(g.get_tensor(key), tensors[key])
+            end = 8 + n
+            for key, t in tensors.items():
+                a, b = header[key]["data_offsets"]
+                assert f.byte_range(key) == (8 + n + a, 8 + n + b) and (8 + n + a) % 4096 == 0
+                assert 8 + n + a - end < 4096  # padded to the next page, no further
+                end = 8 + n + b
+                assert f.spec(key).is_meta and f.spec(key).shape == t.shape and f.spec(key).dtype == t.dtype
+                assert _same(f.tensor(key), t)
+                rows = t.shape[0] if t.dim() and t.shape[0] else 1
+                rb = (b - a) // rows
+                for i in range(rows):
+                    assert f.byte_range(key, i) == (8 + n + a + i * rb, 8 + n + a + (i + 1) * rb)
+                for bad in (-1, rows):
+                    with pytest.raises(IndexError, match=rf"block {bad} of '{key}' out of range \[0, {rows}\)"):
+                        f.byte_range(key, bad)
+                if t.dim() == 0 or t.numel() == 0:
+                    continue
+                # a block: read into an owned buffer (page-aligned: O_DIRECT for its whole pages)
+                i = int(torch.randint(0, rows, (1,), generator=gen))
+                before = f.verified_bytes
+                buf = aligned_empty(rb, device=torch.device("cpu")).view(t.dtype).view(t.shape[1:])
+                direct = f.read(buf, key, i)
+                assert _same(buf, t[i])
+                aligned = f.direct_io and f.byte_range(key, i)[0] % 4096 == 0
+                assert direct == (rb // 4096 * 4096 if aligned else 0)  # whole pages, where they start on one
+                assert f.verified_bytes - before == (rb if verify else 0)
+                # a block rewritten (fresh bytes): read back, alone changed; its checksum renewed
+                new = t[(i + 1) % rows].clone() if rows > 1 else t[i].clone()
+                f.write(new, key, i)
+                expect = t.clone()
+                expect[i] = new
+                assert _same(f.tensor(key), expect)
+                f.write(t.clone(), key)  # the whole tensor rewritten: every checksum renewed
+                assert _same(f.tensor(key), t)
+            assert f.verify_s >= 0 and (f.verify_s > 0) is verify
+            assert f.verified_bytes == 0 or verify
+            # a bit flipped on disk in the last block of the largest tensor: named when verified
+            key = max((k for k in tensors if tensors[k].dim() and tensors[k].numel()), key=lambda k: f.byte_range(k)[1] - f.byte_range(k)[0])
+            rows = tensors[key].shape[0]
+            a, b = f.byte_range(key, rows - 1)
+            with open(path, "r+b") as raw:
+                raw.seek(b - 1)
+                byte = raw.read(1)[0]
+                raw.seek(b - 1)
+                raw.write(bytes([byte ^ 0x80]))
+            if verify:
+                with pytest.raises(DiskTierError, match=rf"block {re.escape(key)}\[{rows - 1}\] .*checksum mismatch") as info:
+                    f.tensor(key)
+                assert info.value.index == rows - 1 and info.value.key == key
+            else:
+                got = f.tensor(key)
+                assert not _same(got, tensors[key])
+        finally:
+            f.close()
+            f.close()  # idempotent
+        with pytest.raises(RuntimeError, match="is closed"):
+            f.tensor(next(iter(tensors)))
 
 
 # ------------------------------------------------------------------------------------------ inference
