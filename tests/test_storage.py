@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 from pathlib import Path
 
@@ -268,6 +269,59 @@ def test_disk_file_layout_blocks_and_checks_on_random_tensors(tmp_path, gen):
             f.close()  # idempotent
         with pytest.raises(RuntimeError, match="is closed"):
             f.tensor(next(iter(tensors)))
+
+
+def test_disk_file_continues_short_reads_and_writes_and_names_what_is_wrong(tmp_path, monkeypatch, gen):
+    """The system may move fewer bytes than asked (``preadv``/``pwritev`` return a count): the
+    tier continues from where each call stopped, down to a byte a call, and moves the same bytes;
+    a call that moves nothing is a short read or write (``OSError``). Wrong buffers are refused
+    naming the argument; a whole tensor cut short by a truncation names the tensor."""
+    from moeflow.storage.disk import DiskTierError
+    from moeflow.storage.tiers import aligned_empty
+
+    tensors = {"w": torch.randn(3, 2500, generator=gen), "b": torch.randn(3, 5, generator=gen)}
+    f = DiskFile(tmp_path / "t.safetensors", tensors)
+    real_read, real_write = os.preadv, os.pwritev
+    sizes = iter([1] + torch.randint(1, 9000, (10_000,), generator=gen).tolist())
+
+    def short(real):  # type: ignore[no-untyped-def]
+        def call(fd, buffers, offset):  # type: ignore[no-untyped-def]
+            (view,) = buffers
+            n = next(sizes)
+            if fd == f._direct_fd:
+                n = -(-n // 4096) * 4096  # O_DIRECT moves whole pages
+            return real(fd, [view[: min(len(view), n)]], offset)
+        return call
+
+    try:
+        monkeypatch.setattr(os, "preadv", short(real_read))
+        monkeypatch.setattr(os, "pwritev", short(real_write))
+        new = torch.randn(3, 2500, generator=gen)
+        f.write(new[1].clone(), "w", 1)
+        f.write(new[2].clone(), "w", 2)
+        for buf in (torch.empty(3, 2500), aligned_empty(30000, device=torch.device("cpu")).view(torch.float32).view(3, 2500)):
+            f.read(buf, "w")
+            assert torch.equal(buf, torch.cat([tensors["w"][:1], new[1:]]))
+        monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)
+        with pytest.raises(OSError, match="short read at byte"):
+            f.read_into(torch.empty(5), *f.byte_range("b", 1))
+        monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: 0)
+        with pytest.raises(OSError, match="short write at byte"):
+            f.write(torch.randn(5, generator=gen), "b", 1)
+        monkeypatch.setattr(os, "preadv", real_read)
+        monkeypatch.setattr(os, "pwritev", real_write)
+        with pytest.raises(ValueError, match="src must be a contiguous host tensor of 20 bytes, got 16 bytes"):
+            f.write(torch.randn(4, generator=gen), "b", 1)
+        with pytest.raises(ValueError, match="dst must be a contiguous host tensor of 20 bytes, got 40 bytes"):
+            f.read(torch.empty(10), "b", 1)
+        with pytest.raises(ValueError, match="dst must be"):  # right size, not contiguous
+            f.read(torch.empty(10)[::2], "b", 1)
+        os.truncate(f.path, f.byte_range("b")[0] + 4)
+        with pytest.raises(DiskTierError, match=r"block b \(all experts\): the file is \d+ bytes") as info:
+            f.tensor("b")
+        assert info.value.index is None and info.value.key == "b"
+    finally:
+        f.close()
 
 
 # ------------------------------------------------------------------------------------------ inference
