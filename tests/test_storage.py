@@ -324,6 +324,35 @@ def test_disk_file_continues_short_reads_and_writes_and_names_what_is_wrong(tmp_
         f.close()
 
 
+def test_disk_file_removes_only_its_own_file(tmp_path, gen):
+    """``remove`` deletes the file this ``DiskFile`` wrote, and leaves a file moved over its
+    path since (someone else's); ``owns_path`` says which is the case, False once the path is
+    gone. ``create`` leaves no file behind when writing fails."""
+    tensors = {"w": torch.randn(2, 3, generator=gen)}
+    mine = DiskFile.create(tmp_path, "mine-", tensors)
+    assert mine.path.parent == tmp_path and mine.path.name.startswith("mine-") and mine.owns_path()
+    mine.remove()
+    assert not mine.path.exists() and not mine.owns_path()
+    replaced = DiskFile.create(tmp_path, "replaced-", tensors)
+    other = tmp_path / "other"
+    other.write_bytes(b"someone else's")
+    os.replace(other, replaced.path)
+    assert not replaced.owns_path()
+    assert torch.equal(replaced.tensor("w"), tensors["w"])  # the store reads the inode it wrote
+    replaced.remove()
+    assert replaced.path.read_bytes() == b"someone else's"
+    gone = DiskFile.create(tmp_path, "gone-", tensors)
+    gone.path.unlink()
+    assert not gone.owns_path()
+    gone.remove()
+    with pytest.raises(TypeError, match="does not store"):
+        DiskFile.create(tmp_path, "bad-", {"ok": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex64)})
+    for flag in ("verify", "direct"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            DiskFile.create(tmp_path, "bad-", tensors, **{flag: 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [replaced.path.name]
+
+
 # ------------------------------------------------------------------------------------------ inference
 
 COMBOS = [
