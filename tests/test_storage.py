@@ -586,6 +586,40 @@ def test_offloaded_adamw_training_equals_in_memory(offload, evict, gen):
         opt_experts.close()
 
 
+def test_offloaded_adamw_steps_twice_on_one_gradient_and_counts_its_bytes(gen):
+    """Two steps without ``zero_grad`` between them step twice on the same gradients, as
+    ``torch.optim.AdamW`` does (bit for bit, random hyper-parameters; on the disk tier the
+    second step finds nothing streaming in and reads every layer's state itself); each step
+    reads (``bytes_from_disk``) and writes back (``bytes_written_back``) every layer's weights
+    and both moments, once."""
+    lr, b1, b2, eps, wd = (float(v) for v in torch.rand(5, generator=gen))
+    hyper = dict(lr=1e-3 + 1e-2 * lr, betas=(0.8 + 0.1 * b1, 0.9 + 0.09 * b2), eps=1e-8 + 1e-6 * eps,
+                 weight_decay=0.2 * wd)
+    model = tiny_gpt(n_layers=3)
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(offload="disk", fast_memory=3 * layer_bytes(model), trainable=True))
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
+    opt_ref = torch.optim.AdamW(experts.values(), **hyper)
+    opt = OffloadedAdamW(store, **hyper)
+    with store:
+        store.reset_stats()
+        idx, tgt = tokens(gen), tokens(gen)
+        for m in (model, offloaded):
+            (m.loss(idx, tgt) + moeflow.aux_loss(m)).backward()  # (the state starts streaming in here)
+        for step in range(2):
+            opt_ref.step()
+            opt.step()
+            s = store.stats  # the ring's loads and gradients, then the optimizer's state
+            assert s.bytes_from_disk - s.bytes_loaded == 3 * expert_bytes(model)
+            assert s.bytes_written_back == (3 if step else 4) * expert_bytes(model)
+            store.reset_stats()
+        for i, layer in enumerate(moeflow.moe_layers(model)):
+            weights = store.layer_weights(i)
+            for name, p in layer.experts.named_parameters():
+                assert torch.equal(weights[name], p), (i, name)
+        opt.close()
+
+
 def test_offloaded_adamw_validation():
     model = tiny_gpt(n_layers=2)
     store = offload_experts(model, StorageConfig(fast_memory="1MB"))
