@@ -849,6 +849,42 @@ def test_failed_load_is_not_used_later(mode, fail_at, monkeypatch, gen):
             assert torch.equal(offloaded(idx), model(idx))
         if mode == "ring":
             assert not any(store._slot_busy)
+        else:  # the failed load's slot was given back: the whole cache still takes one call's experts
+            assert store._prefetched <= set(store._cache)  # (a prefetch hit is a hit on a prefetch's load)
+            store.release_workspace(store.acquire_experts(0, list(range(store.cache_slots)), prefetch=False))
+            store.reset_stats()
+            store.release_workspace(store.acquire_experts(0, list(range(store.cache_slots)), prefetch=False))
+            assert store.stats.hits == store.cache_slots and store.stats.misses == 0
+
+
+def test_cache_a_failed_prefetch_is_no_prefetch_hit_later(monkeypatch, gen):
+    """A prefetch that failed while another load's failure was being raised is forgotten with
+    its slot: the expert loaded on demand afterwards is a plain hit, not a hit on a prefetch
+    (``prefetch_hits`` counts only hits on loads the prefetch made); the prefetch that did not
+    fail is one."""
+    model = tiny_gpt(n_layers=2).eval()
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    store = offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", mode="cache", fast_memory=6 * per_expert,
+                                                                prefetch=1))
+    reads = len(store.layers[0].names)  # one read per tensor of an expert
+    try:
+        store.release_workspace(store.acquire_experts(1, [0, 1]))  # layer 1's choice, to be prefetched
+        store.invalidate()
+        # layer 0 loads experts 2, 3 (reads 0 .. 2r-1), then prefetches layer 1's 0 and 1: 0's
+        # first read fails; then expert 4 on demand fails, and raises both
+        _fail_reads(monkeypatch, {2 * reads, 4 * reads})
+        store.release_workspace(store.acquire_experts(0, [2, 3]))
+        with pytest.raises(OSError, match=f"injected read failure #{4 * reads}") as info:
+            store.acquire_experts(0, [4], prefetch=False)
+        assert any(f"injected read failure #{2 * reads}" in n for n in info.value.__notes__)
+        store.reset_stats()
+        for _ in range(2):
+            store.release_workspace(store.acquire_experts(1, [0], prefetch=False))
+        assert store.stats.misses == 1 and store.stats.hits == 1 and store.prefetch_hits == 0
+        store.release_workspace(store.acquire_experts(1, [1], prefetch=False))
+        assert store.prefetch_hits == 1
+    finally:
+        store.close()
 
 
 def test_failed_prefetch_nobody_waits_for_is_raised_by_close(monkeypatch, gen):
