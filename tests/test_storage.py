@@ -586,22 +586,31 @@ def test_offloaded_adamw_training_equals_in_memory(offload, evict, gen):
         opt_experts.close()
 
 
-def test_offloaded_adamw_steps_twice_on_one_gradient_and_counts_its_bytes(gen):
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_offloaded_adamw_steps_twice_on_one_gradient_and_counts_its_bytes(prefetch, gen):
     """Two steps without ``zero_grad`` between them step twice on the same gradients, as
     ``torch.optim.AdamW`` does (bit for bit, random hyper-parameters; on the disk tier the
-    second step finds nothing streaming in and reads every layer's state itself); each step
-    reads (``bytes_from_disk``) and writes back (``bytes_written_back``) every layer's weights
-    and both moments, once."""
+    second step finds nothing streaming in and reads every layer's state itself, ``prefetch``
+    layers ahead); each step reads (``bytes_from_disk``) and writes back
+    (``bytes_written_back``) every layer's weights and both moments, once. A backward undone by
+    ``zero_grad`` steps nothing (the state it started streaming in is dropped)."""
     lr, b1, b2, eps, wd = (float(v) for v in torch.rand(5, generator=gen))
     hyper = dict(lr=1e-3 + 1e-2 * lr, betas=(0.8 + 0.1 * b1, 0.9 + 0.09 * b2), eps=1e-8 + 1e-6 * eps,
                  weight_decay=0.2 * wd)
     model = tiny_gpt(n_layers=3)
     offloaded = copy.deepcopy(model)
-    store = offload_experts(offloaded, StorageConfig(offload="disk", fast_memory=3 * layer_bytes(model), trainable=True))
+    store = offload_experts(offloaded, StorageConfig(offload="disk", fast_memory=(prefetch + 2) * layer_bytes(model),
+                                                     trainable=True, prefetch=prefetch))
     experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
     opt_ref = torch.optim.AdamW(experts.values(), **hyper)
     opt = OffloadedAdamW(store, **hyper)
     with store:
+        idx, tgt = tokens(gen), tokens(gen)
+        (offloaded.loss(idx, tgt) + moeflow.aux_loss(offloaded)).backward()
+        assert len(opt._loads) == prefetch  # (the state streaming in, which the step drops)
+        opt.zero_grad()
+        offloaded.zero_grad()
+        opt.step()
         store.reset_stats()
         idx, tgt = tokens(gen), tokens(gen)
         for m in (model, offloaded):
