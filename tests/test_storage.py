@@ -316,6 +316,26 @@ def test_disk_file_continues_short_reads_and_writes_and_names_what_is_wrong(tmp_
             f.read(torch.empty(10), "b", 1)
         with pytest.raises(ValueError, match="dst must be"):  # right size, not contiguous
             f.read(torch.empty(10)[::2], "b", 1)
+        # a read that fails: a DiskTierError naming the block if the file shrank under it, the
+        # system's own error otherwise
+        def failing(fd, buffers, offset):  # type: ignore[no-untyped-def]
+            raise OSError("injected")
+
+        monkeypatch.setattr(os, "preadv", failing)
+        with pytest.raises(OSError, match="^injected$") as info:
+            f.read(torch.empty(2500), "w", 1)
+        assert not isinstance(info.value, DiskTierError)
+
+        def shrinking(fd, buffers, offset):  # type: ignore[no-untyped-def]
+            os.truncate(f.path, f.byte_range("w", 1)[0])
+            return real_read(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", shrinking)
+        with pytest.raises(DiskTierError, match=r"block w\[1\] \(expert 1\): short read: the file is now \d+ bytes, "
+                                                r"the block ends at byte \d+") as info:
+            f.read(torch.empty(2500), "w", 1)
+        assert info.value.index == 1 and info.value.__cause__ is not None
+        monkeypatch.setattr(os, "preadv", real_read)
         os.truncate(f.path, f.byte_range("b")[0] + 4)
         with pytest.raises(DiskTierError, match=r"block b \(all experts\): the file is \d+ bytes") as info:
             f.tensor("b")
