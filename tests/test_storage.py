@@ -232,14 +232,17 @@ def test_disk_file_layout_blocks_and_checks_on_random_tensors(tmp_path, gen):
                 if t.dim() == 0 or t.numel() == 0:
                     continue
                 # a block: read into an owned buffer (page-aligned: O_DIRECT for its whole pages)
-                i = int(torch.randint(0, rows, (1,), generator=gen))
-                before = f.verified_bytes
-                buf = aligned_empty(rb, device=torch.device("cpu")).view(t.dtype).view(t.shape[1:])
-                direct = f.read(buf, key, i)
-                assert _same(buf, t[i])
-                aligned = f.direct_io and f.byte_range(key, i)[0] % 4096 == 0
-                assert direct == (rb // 4096 * 4096 if aligned else 0)  # whole pages, where they start on one
-                assert f.verified_bytes - before == (rb if verify else 0)
+                for i in (0, int(torch.randint(0, rows, (1,), generator=gen))):  # block 0 starts on a page
+                    before = f.verified_bytes
+                    buf = aligned_empty(rb, device=torch.device("cpu")).view(t.dtype).view(t.shape[1:])
+                    direct = f.read(buf, key, i)
+                    assert _same(buf, t[i])
+                    aligned = f.direct_io and f.byte_range(key, i)[0] % 4096 == 0
+                    assert direct == (rb // 4096 * 4096 if aligned else 0)  # whole pages, where they start on one
+                    assert f.verified_bytes - before == (rb if verify else 0)
+                    es = t.element_size()
+                    unaligned = aligned_empty(rb + es, device=torch.device("cpu"))[es:].view(t.dtype).view(t.shape[1:])
+                    assert f.read(unaligned, key, i) == 0 and _same(unaligned, t[i])  # buffered
                 # a block rewritten (fresh bytes): read back, alone changed; its checksum renewed
                 new = t[(i + 1) % rows].clone() if rows > 1 else t[i].clone()
                 f.write(new, key, i)
