@@ -287,9 +287,9 @@ def test_disk_file_continues_short_reads_and_writes_and_names_what_is_wrong(tmp_
     tensors = {"w": torch.randn(3, 2500, generator=gen), "b": torch.randn(3, 5, generator=gen)}
     f = DiskFile(tmp_path / "t.safetensors", tensors)
     real_read, real_write = os.preadv, os.pwritev
-    sizes = iter([1] + torch.randint(1, 9000, (10_000,), generator=gen).tolist())
-
     def short(real):  # type: ignore[no-untyped-def]
+        sizes = iter([1] + torch.randint(1, 9000, (10_000,), generator=gen).tolist())  # a byte first
+
         def call(fd, buffers, offset):  # type: ignore[no-untyped-def]
             (view,) = buffers
             n = next(sizes)
@@ -304,12 +304,23 @@ def test_disk_file_continues_short_reads_and_writes_and_names_what_is_wrong(tmp_
         new = torch.randn(3, 2500, generator=gen)
         f.write(new[1].clone(), "w", 1)
         f.write(new[2].clone(), "w", 2)
-        for buf in (torch.empty(3, 2500), aligned_empty(30000, device=torch.device("cpu")).view(torch.float32).view(3, 2500)):
-            f.read(buf, "w")
-            assert torch.equal(buf, torch.cat([tensors["w"][:1], new[1:]]))
-        monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: 0)
-        with pytest.raises(OSError, match="short read at byte"):
-            f.read_into(torch.empty(5), *f.byte_range("b", 1))
+        page = aligned_empty(30004, device=torch.device("cpu"))
+        for buf in (page[4:], page[:-4]):  # buffered (a byte first), then O_DIRECT for the whole pages
+            monkeypatch.setattr(os, "preadv", short(real_read))
+            f.read(buf.view(torch.float32).view(3, 2500), "w")
+            assert torch.equal(buf.view(torch.float32).view(3, 2500), torch.cat([tensors["w"][:1], new[1:]]))
+        calls = [0]
+
+        def nothing(fd, buffers, offset):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            assert calls[0] < 100, "a read that moves nothing is retried forever"
+            return 0
+
+        monkeypatch.setattr(os, "preadv", nothing)
+        for buf, where in ((torch.empty(5), f.byte_range("b", 1)), (page[:-4], f.byte_range("w"))):  # buffered, direct
+            calls[0] = 0
+            with pytest.raises(OSError, match=f"short read at byte {where[0]} "):
+                f.read_into(buf, *where)
         monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: 0)
         with pytest.raises(OSError, match="short write at byte"):
             f.write(torch.randn(5, generator=gen), "b", 1)
