@@ -1313,6 +1313,30 @@ def test_cache_prefetch_backs_off_when_its_guesses_miss(gen) -> None:
         assert store.stats.prefetch_loads < 16 + 2 * (60 // 8 + 1)  # not 2 a call: the warm-up, then the probes
 
 
+def test_cache_prefetch_backs_off_after_16_useless_loads_and_probes_every_8th_call(gen) -> None:
+    """Three layers in a cache of two calls' experts: each call prefetches the next layer's last
+    choice, which is no longer cached, and the routing never repeats, so no prefetch is used.
+    The prefetch loads 16 experts (8 calls of 2), then skips all but every 8th call, for good
+    (the counts, halved past 64 loads, still say useless)."""
+    model = tiny_gpt(n_layers=3).eval()
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    store = offload_experts(copy.deepcopy(model), StorageConfig(mode="cache", fast_memory=4 * per_expert, prefetch=1))
+    shift = int(torch.randint(0, 6, (1,), generator=gen))
+    with store:
+        loads = []
+        for call in range(300):
+            layer, turn = call % 3, call // 3
+            chosen = [(2 * turn + shift) % 6, (2 * turn + 1 + shift) % 6]  # never the layer's last choice
+            store.release_workspace(store.acquire_experts(layer, chosen))
+            loads.append(store.stats.prefetch_loads)
+        assert store.prefetch_hits == 0
+        w = loads.index(16)  # the warm-up: 2 a call from the third call (the first with a last choice)
+        assert loads[: w + 1] == [0, 0] + list(range(2, 17, 2))
+        probes = [c for c in range(w + 1, 300) if loads[c] > loads[c - 1]]
+        assert all(loads[c] - loads[c - 1] == 2 for c in probes)
+        assert probes[0] == w + 8 and all(b - a == 8 for a, b in zip(probes, probes[1:])) and probes[-1] > 300 - 9
+
+
 @pytest.mark.parametrize("reads", ["direct", "cached"])
 def test_the_optimizer_state_file_reads_like_the_store(tmp_path, reads) -> None:
     """``disk_reads`` is how the disk tier reads, the AdamW state's file included."""
