@@ -9,6 +9,10 @@ the store), and offloaded AdamW training must end with the same parameters, bit 
 from __future__ import annotations
 
 import copy
+import math
+import os
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -148,6 +152,241 @@ def test_disk_file_is_safetensors_and_reads_back(tmp_path, gen):
             f.byte_range("w", 3)
     finally:
         f.close()
+
+
+def _random_tensors(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Tensors of every dtype the disk tier stores, in random order and shapes: a 0-d one, a
+    first dimension of 0 and of 1, blocks smaller and larger than a page (random bytes)."""
+    from moeflow.storage.disk import _DTYPES
+
+    def randint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    out = {}
+    dtypes = list(_DTYPES.values())
+    for i in torch.randperm(len(dtypes), generator=gen).tolist():
+        dtype = dtypes[i]
+        shape = [(), (0, 3), (1, 5)][i] if i < 3 else (randint(2, 6), *(randint(1, 700) for _ in range(randint(1, 3))))
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        t = (raw & 1).bool().reshape(shape) if dtype == torch.bool else raw.view(dtype).reshape(shape)
+        out[f"t{i}.{dtype}".replace("torch.", "")] = t
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (random bytes make NaNs, which ``torch.equal`` calls unequal)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_disk_file_layout_blocks_and_checks_on_random_tensors(tmp_path, gen):
+    """The disk tier's file, on random tensors of every dtype it stores: any safetensors reader
+    gets each tensor back (and the page padding as zero bytes), each tensor starts on a page of
+    the file, ``byte_range`` of block ``i`` is row ``i``'s bytes, and ``read``/``write`` move
+    exactly those bytes, checked (bytes counted) when ``verify`` and not otherwise."""
+    import json
+    import struct
+
+    from safetensors import safe_open
+
+    from moeflow.storage import checksum
+    from moeflow.storage.disk import DiskTierError
+    from moeflow.storage.tiers import aligned_empty
+
+    tensors = _random_tensors(gen)
+    for verify in (True, False):
+        path = tmp_path / f"v{verify}.safetensors"
+        t0 = time.perf_counter()
+        f = DiskFile(path, tensors, verify=verify)
+        try:
+            assert f.checksum == (checksum.ALGORITHM if verify else None) and f.verify is verify
+            assert f.keys() == list(tensors)
+            blob = path.read_bytes()
+            (n,) = struct.unpack("<Q", blob[:8])
+            header = json.loads(blob[8 : 8 + n])
+            text = blob[8 : 8 + n].decode()
+            assert (8 + n) % 4096 == 0 and len(text) - len(text.rstrip(" ")) < 4096  # spaces up to a page
+            with safe_open(str(path), "pt") as g:
+                assert sorted(g.keys()) == sorted(header)
+                for key in g.keys():
+                    if key.startswith("__pad__."):
+                        assert g.get_tensor(key).dtype == torch.uint8 and not g.get_tensor(key).any()
+                    else:
+                        assert _same(g.get_tensor(key), tensors[key])
+            end = 8 + n
+            for key, t in tensors.items():
+                a, b = header[key]["data_offsets"]
+                assert f.byte_range(key) == (8 + n + a, 8 + n + b) and (8 + n + a) % 4096 == 0
+                assert 8 + n + a - end < 4096  # padded to the next page, no further
+                end = 8 + n + b
+                assert f.spec(key).is_meta and f.spec(key).shape == t.shape and f.spec(key).dtype == t.dtype
+                assert _same(f.tensor(key), t)
+                rows = t.shape[0] if t.dim() and t.shape[0] else 1
+                rb = (b - a) // rows
+                for i in range(rows):
+                    assert f.byte_range(key, i) == (8 + n + a + i * rb, 8 + n + a + (i + 1) * rb)
+                for bad in (-1, rows):
+                    with pytest.raises(IndexError, match=rf"block {bad} of '{key}' out of range \[0, {rows}\)"):
+                        f.byte_range(key, bad)
+                if t.dim() == 0 or t.numel() == 0:
+                    continue
+                # a block: read into an owned buffer (page-aligned: O_DIRECT for its whole pages)
+                for i in (0, int(torch.randint(0, rows, (1,), generator=gen))):  # block 0 starts on a page
+                    before = f.verified_bytes
+                    buf = aligned_empty(rb, device=torch.device("cpu")).view(t.dtype).view(t.shape[1:])
+                    direct = f.read(buf, key, i)
+                    assert _same(buf, t[i])
+                    aligned = f.direct_io and f.byte_range(key, i)[0] % 4096 == 0
+                    assert direct == (rb // 4096 * 4096 if aligned else 0)  # whole pages, where they start on one
+                    assert f.verified_bytes - before == (rb if verify else 0)
+                    es = t.element_size()
+                    unaligned = aligned_empty(rb + es, device=torch.device("cpu"))[es:].view(t.dtype).view(t.shape[1:])
+                    assert f.read(unaligned, key, i) == 0 and _same(unaligned, t[i])  # buffered
+                # a block rewritten (fresh bytes): read back, alone changed; its checksum renewed
+                new = t[(i + 1) % rows].clone() if rows > 1 else t[i].clone()
+                f.write(new, key, i)
+                expect = t.clone()
+                expect[i] = new
+                assert _same(f.tensor(key), expect)
+                f.write(t.clone(), key)  # the whole tensor rewritten: every checksum renewed
+                assert _same(f.tensor(key), t)
+            assert 0 <= f.verify_s <= time.perf_counter() - t0 and (f.verify_s > 0) is verify  # seconds spent checking
+            assert f.verified_bytes == 0 or verify
+            # a bit flipped on disk in the last block of the largest tensor: named when verified
+            key = max((k for k in tensors if tensors[k].dim() and tensors[k].numel()), key=lambda k: f.byte_range(k)[1] - f.byte_range(k)[0])
+            rows = tensors[key].shape[0]
+            a, b = f.byte_range(key, rows - 1)
+            with open(path, "r+b") as raw:
+                raw.seek(b - 1)
+                byte = raw.read(1)[0]
+                raw.seek(b - 1)
+                raw.write(bytes([byte ^ 0x80]))
+            if verify:
+                with pytest.raises(DiskTierError, match=rf"block {re.escape(key)}\[{rows - 1}\] .*checksum mismatch") as info:
+                    f.tensor(key)
+                assert info.value.index == rows - 1 and info.value.key == key
+            else:
+                got = f.tensor(key)
+                assert not _same(got, tensors[key])
+        finally:
+            f.close()
+            f.close()  # idempotent
+        with pytest.raises(RuntimeError, match="is closed"):
+            f.tensor(next(iter(tensors)))
+
+
+def test_disk_file_continues_short_reads_and_writes_and_names_what_is_wrong(tmp_path, monkeypatch, gen):
+    """The system may move fewer bytes than asked (``preadv``/``pwritev`` return a count): the
+    tier continues from where each call stopped, down to a byte a call, and moves the same bytes;
+    a call that moves nothing is a short read or write (``OSError``). Wrong buffers are refused
+    naming the argument; a whole tensor cut short by a truncation names the tensor."""
+    from moeflow.storage.disk import DiskTierError
+    from moeflow.storage.tiers import aligned_empty
+
+    tensors = {"w": torch.randn(3, 2500, generator=gen), "b": torch.randn(3, 5, generator=gen)}
+    f = DiskFile(tmp_path / "t.safetensors", tensors)
+    real_read, real_write = os.preadv, os.pwritev
+    def short(real):  # type: ignore[no-untyped-def]
+        sizes = iter([1] + torch.randint(1, 9000, (10_000,), generator=gen).tolist())  # a byte first
+
+        def call(fd, buffers, offset):  # type: ignore[no-untyped-def]
+            (view,) = buffers
+            n = next(sizes)
+            if fd == f._direct_fd:
+                n = -(-n // 4096) * 4096  # O_DIRECT moves whole pages
+            return real(fd, [view[: min(len(view), n)]], offset)
+        return call
+
+    try:
+        monkeypatch.setattr(os, "preadv", short(real_read))
+        monkeypatch.setattr(os, "pwritev", short(real_write))
+        new = torch.randn(3, 2500, generator=gen)
+        f.write(new[1].clone(), "w", 1)
+        f.write(new[2].clone(), "w", 2)
+        page = aligned_empty(30004, device=torch.device("cpu"))
+        for buf in (page[4:], page[:-4]):  # buffered (a byte first), then O_DIRECT for the whole pages
+            monkeypatch.setattr(os, "preadv", short(real_read))
+            f.read(buf.view(torch.float32).view(3, 2500), "w")
+            assert torch.equal(buf.view(torch.float32).view(3, 2500), torch.cat([tensors["w"][:1], new[1:]]))
+        calls = [0]
+
+        def nothing(fd, buffers, offset):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            assert calls[0] < 100, "a read that moves nothing is retried forever"
+            return 0
+
+        monkeypatch.setattr(os, "preadv", nothing)
+        for buf, where in ((torch.empty(5), f.byte_range("b", 1)), (page[:-4], f.byte_range("w"))):  # buffered, direct
+            calls[0] = 0
+            with pytest.raises(OSError, match=f"short read at byte {where[0]} "):
+                f.read_into(buf, *where)
+        monkeypatch.setattr(os, "pwritev", lambda fd, buffers, offset: 0)
+        with pytest.raises(OSError, match="short write at byte"):
+            f.write(torch.randn(5, generator=gen), "b", 1)
+        monkeypatch.setattr(os, "preadv", real_read)
+        monkeypatch.setattr(os, "pwritev", real_write)
+        with pytest.raises(ValueError, match="src must be a contiguous host tensor of 20 bytes, got 16 bytes"):
+            f.write(torch.randn(4, generator=gen), "b", 1)
+        with pytest.raises(ValueError, match="dst must be a contiguous host tensor of 20 bytes, got 40 bytes"):
+            f.read(torch.empty(10), "b", 1)
+        with pytest.raises(ValueError, match="dst must be"):  # right size, not contiguous
+            f.read(torch.empty(10)[::2], "b", 1)
+        # a read that fails: a DiskTierError naming the block if the file shrank under it, the
+        # system's own error otherwise
+        def failing(fd, buffers, offset):  # type: ignore[no-untyped-def]
+            raise OSError("injected")
+
+        monkeypatch.setattr(os, "preadv", failing)
+        with pytest.raises(OSError, match="^injected$") as info:
+            f.read(torch.empty(2500), "w", 1)
+        assert not isinstance(info.value, DiskTierError)
+
+        def shrinking(fd, buffers, offset):  # type: ignore[no-untyped-def]
+            os.truncate(f.path, f.byte_range("w", 1)[0])
+            return real_read(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", shrinking)
+        with pytest.raises(DiskTierError, match=r"block w\[1\] \(expert 1\): short read: the file is now \d+ bytes, "
+                                                r"the block ends at byte \d+") as info:
+            f.read(torch.empty(2500), "w", 1)
+        assert info.value.index == 1 and info.value.__cause__ is not None
+        monkeypatch.setattr(os, "preadv", real_read)
+        os.truncate(f.path, f.byte_range("b")[0] + 4)
+        with pytest.raises(DiskTierError, match=r"block b \(all experts\): the file is \d+ bytes") as info:
+            f.tensor("b")
+        assert info.value.index is None and info.value.key == "b"
+    finally:
+        f.close()
+
+
+def test_disk_file_removes_only_its_own_file(tmp_path, gen):
+    """``remove`` deletes the file this ``DiskFile`` wrote, and leaves a file moved over its
+    path since (someone else's); ``owns_path`` says which is the case, False once the path is
+    gone. ``create`` leaves no file behind when writing fails."""
+    tensors = {"w": torch.randn(2, 3, generator=gen)}
+    mine = DiskFile.create(tmp_path, "mine-", tensors)
+    assert mine.path.parent == tmp_path and mine.path.name.startswith("mine-") and mine.owns_path()
+    mine.remove()
+    assert not mine.path.exists() and not mine.owns_path()
+    replaced = DiskFile.create(tmp_path, "replaced-", tensors)
+    other = tmp_path / "other"
+    other.write_bytes(b"someone else's")
+    os.replace(other, replaced.path)
+    assert not replaced.owns_path()
+    assert torch.equal(replaced.tensor("w"), tensors["w"])  # the store reads the inode it wrote
+    replaced.remove()
+    assert replaced.path.read_bytes() == b"someone else's"
+    gone = DiskFile.create(tmp_path, "gone-", tensors)
+    gone.path.unlink()
+    assert not gone.owns_path()
+    gone.remove()
+    with pytest.raises(TypeError, match="does not store"):
+        DiskFile.create(tmp_path, "bad-", {"ok": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex64)})
+    for flag in ("verify", "direct"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            DiskFile.create(tmp_path, "bad-", tensors, **{flag: 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [replaced.path.name]
 
 
 # ------------------------------------------------------------------------------------------ inference
@@ -383,6 +622,49 @@ def test_offloaded_adamw_training_equals_in_memory(offload, evict, gen):
         opt_experts.close()
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_offloaded_adamw_steps_twice_on_one_gradient_and_counts_its_bytes(prefetch, gen):
+    """Two steps without ``zero_grad`` between them step twice on the same gradients, as
+    ``torch.optim.AdamW`` does (bit for bit, random hyper-parameters; on the disk tier the
+    second step finds nothing streaming in and reads every layer's state itself, ``prefetch``
+    layers ahead); each step reads (``bytes_from_disk``) and writes back
+    (``bytes_written_back``) every layer's weights and both moments, once. A backward undone by
+    ``zero_grad`` steps nothing (the state it started streaming in is dropped)."""
+    lr, b1, b2, eps, wd = (float(v) for v in torch.rand(5, generator=gen))
+    hyper = dict(lr=1e-3 + 1e-2 * lr, betas=(0.8 + 0.1 * b1, 0.9 + 0.09 * b2), eps=1e-8 + 1e-6 * eps,
+                 weight_decay=0.2 * wd)
+    model = tiny_gpt(n_layers=3)
+    offloaded = copy.deepcopy(model)
+    store = offload_experts(offloaded, StorageConfig(offload="disk", fast_memory=(prefetch + 2) * layer_bytes(model),
+                                                     trainable=True, prefetch=prefetch))
+    experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
+    opt_ref = torch.optim.AdamW(experts.values(), **hyper)
+    opt = OffloadedAdamW(store, **hyper)
+    with store:
+        idx, tgt = tokens(gen), tokens(gen)
+        (offloaded.loss(idx, tgt) + moeflow.aux_loss(offloaded)).backward()
+        assert len(opt._loads) == prefetch  # (the state streaming in, which the step drops)
+        opt.zero_grad()
+        offloaded.zero_grad()
+        opt.step()
+        store.reset_stats()
+        idx, tgt = tokens(gen), tokens(gen)
+        for m in (model, offloaded):
+            (m.loss(idx, tgt) + moeflow.aux_loss(m)).backward()  # (the state starts streaming in here)
+        for step in range(2):
+            opt_ref.step()
+            opt.step()
+            s = store.stats  # the ring's loads and gradients, then the optimizer's state
+            assert s.bytes_from_disk - s.bytes_loaded == 3 * expert_bytes(model)
+            assert s.bytes_written_back == (3 if step else 4) * expert_bytes(model)
+            store.reset_stats()
+        for i, layer in enumerate(moeflow.moe_layers(model)):
+            weights = store.layer_weights(i)
+            for name, p in layer.experts.named_parameters():
+                assert torch.equal(weights[name], p), (i, name)
+        opt.close()
+
+
 def test_offloaded_adamw_validation():
     model = tiny_gpt(n_layers=2)
     store = offload_experts(model, StorageConfig(fast_memory="1MB"))
@@ -612,6 +894,42 @@ def test_failed_load_is_not_used_later(mode, fail_at, monkeypatch, gen):
             assert torch.equal(offloaded(idx), model(idx))
         if mode == "ring":
             assert not any(store._slot_busy)
+        else:  # the failed load's slot was given back: the whole cache still takes one call's experts
+            assert store._prefetched <= set(store._cache)  # (a prefetch hit is a hit on a prefetch's load)
+            store.release_workspace(store.acquire_experts(0, list(range(store.cache_slots)), prefetch=False))
+            store.reset_stats()
+            store.release_workspace(store.acquire_experts(0, list(range(store.cache_slots)), prefetch=False))
+            assert store.stats.hits == store.cache_slots and store.stats.misses == 0
+
+
+def test_cache_a_failed_prefetch_is_no_prefetch_hit_later(monkeypatch, gen):
+    """A prefetch that failed while another load's failure was being raised is forgotten with
+    its slot: the expert loaded on demand afterwards is a plain hit, not a hit on a prefetch
+    (``prefetch_hits`` counts only hits on loads the prefetch made); the prefetch that did not
+    fail is one."""
+    model = tiny_gpt(n_layers=2).eval()
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    store = offload_experts(copy.deepcopy(model), StorageConfig(offload="disk", mode="cache", fast_memory=6 * per_expert,
+                                                                prefetch=1))
+    reads = len(store.layers[0].names)  # one read per tensor of an expert
+    try:
+        store.release_workspace(store.acquire_experts(1, [0, 1]))  # layer 1's choice, to be prefetched
+        store.invalidate()
+        # layer 0 loads experts 2, 3 (reads 0 .. 2r-1), then prefetches layer 1's 0 and 1: 0's
+        # first read fails; then expert 4 on demand fails, and raises both
+        _fail_reads(monkeypatch, {2 * reads, 4 * reads})
+        store.release_workspace(store.acquire_experts(0, [2, 3]))
+        with pytest.raises(OSError, match=f"injected read failure #{4 * reads}") as info:
+            store.acquire_experts(0, [4], prefetch=False)
+        assert any(f"injected read failure #{2 * reads}" in n for n in info.value.__notes__)
+        store.reset_stats()
+        for _ in range(2):
+            store.release_workspace(store.acquire_experts(1, [0], prefetch=False))
+        assert store.stats.misses == 1 and store.stats.hits == 1 and store.prefetch_hits == 0
+        store.release_workspace(store.acquire_experts(1, [1], prefetch=False))
+        assert store.prefetch_hits == 1
+    finally:
+        store.close()
 
 
 def test_failed_prefetch_nobody_waits_for_is_raised_by_close(monkeypatch, gen):
@@ -993,6 +1311,30 @@ def test_cache_prefetch_backs_off_when_its_guesses_miss(gen) -> None:
             store.release_workspace(ws)
         assert store.prefetch_hits == 0
         assert store.stats.prefetch_loads < 16 + 2 * (60 // 8 + 1)  # not 2 a call: the warm-up, then the probes
+
+
+def test_cache_prefetch_backs_off_after_16_useless_loads_and_probes_every_8th_call(gen) -> None:
+    """Three layers in a cache of two calls' experts: each call prefetches the next layer's last
+    choice, which is no longer cached, and the routing never repeats, so no prefetch is used.
+    The prefetch loads 16 experts (8 calls of 2), then skips all but every 8th call, for good
+    (the counts, halved past 64 loads, still say useless)."""
+    model = tiny_gpt(n_layers=3).eval()
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    store = offload_experts(copy.deepcopy(model), StorageConfig(mode="cache", fast_memory=4 * per_expert, prefetch=1))
+    shift = int(torch.randint(0, 6, (1,), generator=gen))
+    with store:
+        loads = []
+        for call in range(300):
+            layer, turn = call % 3, call // 3
+            chosen = [(2 * turn + shift) % 6, (2 * turn + 1 + shift) % 6]  # never the layer's last choice
+            store.release_workspace(store.acquire_experts(layer, chosen))
+            loads.append(store.stats.prefetch_loads)
+        assert store.prefetch_hits == 0
+        w = loads.index(16)  # the warm-up: 2 a call from the third call (the first with a last choice)
+        assert loads[: w + 1] == [0, 0] + list(range(2, 17, 2))
+        probes = [c for c in range(w + 1, 300) if loads[c] > loads[c - 1]]
+        assert all(loads[c] - loads[c - 1] == 2 for c in probes)
+        assert probes[0] == w + 8 and all(b - a == 8 for a, b in zip(probes, probes[1:])) and probes[-1] > 300 - 9
 
 
 @pytest.mark.parametrize("reads", ["direct", "cached"])

@@ -342,6 +342,32 @@ def test_verify_checksums_config():
     assert checksum.ALGORITHM in checksum.algorithms()
 
 
+@pytest.mark.unit
+def test_checksum_algorithms_are_the_documented_ones(gen):
+    """``algorithms()`` holds ``crc32`` (zlib's) always and ``xxh3_64`` (xxhash's) when xxhash
+    imports; ``ALGORITHM`` is xxh3_64 then, crc32 otherwise, and ``digest`` computes it. Each
+    tells a block from the same block with one bit flipped."""
+    import zlib
+
+    data = torch.randint(0, 256, (int(torch.randint(1, 5000, (1,), generator=gen)),), dtype=torch.uint8,
+                         generator=gen).numpy().tobytes()
+    flipped = bytearray(data)
+    flipped[int(torch.randint(0, len(data), (1,), generator=gen))] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
+    found = checksum.algorithms()
+    try:
+        import xxhash
+    except ImportError:
+        xxhash = None
+    assert sorted(found) == (["crc32", "xxh3_64"] if xxhash else ["crc32"])
+    assert found["crc32"](data) == zlib.crc32(data)
+    if xxhash:
+        assert found["xxh3_64"](data) == xxhash.xxh3_64_intdigest(data)
+    assert checksum.ALGORITHM == ("xxh3_64" if xxhash else "crc32")
+    assert checksum.digest(data) == found[checksum.ALGORITHM](data)
+    for f in found.values():
+        assert f(data) != f(bytes(flipped))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "scenarios":
         run_scenarios(sys.argv[2], Path(sys.argv[3]))

@@ -109,6 +109,11 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # dequantised. Not test_family_*.py: their compiled greedy-decode tests take about a minute
     # each (five of them), and every loader function is covered by them
     "convert": (["moeflow/convert/*"], ["test_convert_*.py"]),
+    # the expert weights a store hands the model: what is loaded, evicted, checksummed and written
+    # back (the cache, the ring, the disk tier, the offloaded optimizer and what they share).
+    # Every test runs in this process (the CLI tests' subprocesses record nothing, but kill)
+    "storage": (["moeflow/storage/*"],
+                ["test_storage.py", "test_storage_damage.py", "test_models_generation_offload.py"]),
 }
 
 
