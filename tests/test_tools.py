@@ -70,7 +70,8 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     assert sorted(m for mods, _ in run.PACKAGES.values() for m in mods) == sorted(configured["only_mutate"])
     assert set(run.PACKAGES) == {"routing", "dispatch", "layer", "experts", "kernels", "parallel/assignment",
                                  "parallel/exchange", "parallel/tuner", "models/sampling", "parallel/gradients",
-                                 "parallel/placement", "parallel/vocab", "serve", "checkpoint"}
+                                 "parallel/placement", "parallel/vocab", "serve", "checkpoint",
+                                 "models/decode", "models/gpt"}
     for package in run.PACKAGES:
         files = run.test_files(package)
         assert files and len(files) == len(set(files)) and all((root / f).is_file() for f in files), package
