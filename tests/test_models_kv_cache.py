@@ -8,6 +8,7 @@ row's logits equal the whole sequence's (fp64), eager, and compiled on a row vie
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -15,7 +16,8 @@ import torch
 
 from moeflow.models.compiled_decode import compiled_decoder
 from moeflow.models.gpt import MoEGPT
-from moeflow.models.kv_cache import static_step
+from moeflow.models.kv_cache import KVCache, static_step, step_inputs
+from moeflow.models.rope import rope_cos_sin
 
 from helpers import small_gpt
 from test_models_attention import every_option_gpt
@@ -71,8 +73,10 @@ def test_row_views_share_the_caches_storage_and_bad_rows_are_named():
     assert cache.k[1][0].eq(0).all() and cache.k[1][3].eq(0).all() and cache.length == 5
     view.pad_B.copy_(torch.tensor([3, 4]))
     assert cache.pad_B.tolist() == [0, 3, 4, 0]
-    one = model.new_cache(torch.zeros(3, dtype=torch.long), 8).rows(2, 3)
-    assert one.max_pad == 0 and one.batch == 1
+    unpadded = model.new_cache(torch.zeros(3, dtype=torch.long), 8)
+    with SyncCounter() as counter:  # a slot's view of a cache without padding reads nothing on the host
+        one = unpadded.rows(2, 3)
+    assert counter.seen == [] and one.max_pad == 0 and one.batch == 1
     for start, stop, match in ((-1, 2, "start must be >= 0"), (2, 2, "stop must be >= 3"), (1, 5, "stop=5 is past")):
         with pytest.raises(ValueError, match=match):
             cache.rows(start, stop)
@@ -248,6 +252,8 @@ def test_kept_rows_and_a_reset_cache_decode_their_own_sequences(gen):
             next_B = logits.argmax(-1)
         cache.keep_rows(torch.zeros(0, dtype=torch.long))
         assert cache.batch == 0 and cache.max_pad == 0 and all(t.shape[0] == 0 for t in (*cache.k, *cache.v))
+        cache.reset(torch.zeros(0, dtype=torch.long))  # (no row: no padding to read)
+        assert cache.batch == 0 and cache.max_pad == 0 and cache.length == 0
 
         cache = model.new_cache(torch.tensor([P - n for n in lens]), 16, zeroed=True)
         model.forward_cached(torch.tensor([[0] * (P - len(r)) + r for r in rows]), cache)
@@ -269,3 +275,53 @@ def test_kept_rows_and_a_reset_cache_decode_their_own_sequences(gen):
             torch.testing.assert_close(step[b], _whole(model, r + [int(next_B[b])]), **TOL)
         with pytest.raises(ValueError, match=r"pad_B must have shape \(5,\), got \(4,\)"):
             cache.reset(pad_B[:4])
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("kind", ["gqa", "yarn-head"])
+def test_static_steps_from_the_first_column_give_the_whole_sequences_logits(kind, gen):
+    """fp64: a sequence fed a token a step through ``decode_step`` from column 0 of a zeroed
+    cache (no prefill), every row at its own column (``pos [B]``, rows started at different
+    steps), gives each row's whole-prefix logits at every step: the step's rotary position is
+    the column minus the padding from the first column on."""
+    model = kind_gpt(kind, torch.float64, gen)
+    V, B, n = model.config.vocab_size, 3, 7
+    rows = [_prompt(gen, n, V) for _ in range(B)]
+    start = torch.randperm(3, generator=gen)  # row b starts after start[b] steps of the others
+    cache = model.new_cache(torch.zeros(B, dtype=torch.long), 16, zeroed=True)
+    with torch.no_grad():
+        for step in range(n + 2):
+            col = (step - start).clamp(0, n - 1)
+            logits = model.decode_step(torch.tensor([rows[b][int(col[b])] for b in range(B)]), col, cache)
+            for b in range(B):
+                if step - int(start[b]) in range(n):  # (a row not yet started rewrites its column 0)
+                    torch.testing.assert_close(logits[b], _whole(model, rows[b][:int(col[b]) + 1]), **TOL)
+
+
+@pytest.mark.reference
+def test_step_tensors_are_made_on_the_caches_device():
+    """Every tensor ``step_inputs`` and ``static_step`` make names the cache's device: with
+    ``meta`` as the default device they come out on the CPU, equal to those made without it
+    (prefill, chunk and decode of a padded sliding-window cache; a step at one column and at a
+    column per row)."""
+    cos, sin = rope_cos_sin(12, 4, 10000.0, "cpu", torch.float64)
+    pad, pos, pos_B = torch.tensor([0, 3, 1]), torch.tensor(9), torch.tensor([9, 4, 6])
+
+    def fields(step) -> list:  # type: ignore[no-untyped-def]
+        return [getattr(step, f.name) for f in dataclasses.fields(step) if isinstance(getattr(step, f.name), torch.Tensor)]
+
+    def calls(cache: KVCache) -> list[torch.Tensor]:
+        out = []
+        for length, S in ((0, 5), (5, 3), (8, 1)):
+            cache.length = length
+            out += fields(step_inputs(cache, S))
+        return out + fields(static_step(cache, pos)) + fields(static_step(cache, pos_B))
+
+    def cache() -> KVCache:
+        return KVCache(n_layers=1, batch=3, kv_heads=1, k_dim=4, v_dim=4, capacity=12, pad_B=pad, cos_LR=cos,
+                       sin_LR=sin, window=3, device="cpu", dtype=torch.float64, zeroed=True)
+
+    want = calls(cache())
+    with torch.device("meta"):
+        got = calls(cache())
+    assert len(got) == len(want) and all(g.device.type == "cpu" and torch.equal(g, w) for g, w in zip(got, want))
