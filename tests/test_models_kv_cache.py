@@ -16,6 +16,7 @@ import torch
 
 from moeflow.models.compiled_decode import compiled_decoder
 from moeflow.models.gpt import MoEGPT
+from moeflow.models.gpt_config import AttentionConfig, GPTConfig
 from moeflow.models.kv_cache import KVCache, static_step, step_inputs
 from moeflow.models.rope import rope_cos_sin
 
@@ -87,18 +88,25 @@ def test_row_views_share_the_caches_storage_and_bad_rows_are_named():
 @pytest.mark.reference
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_prompt_prefilled_in_chunks_gives_the_whole_sequences_logits(kind, gen):
-    """fp64: one prompt in chunks of 5, 1, 4 and 3 columns (each behind the filled ones) gives
-    after every chunk the whole prefix's last logits and the one-shot prefill's cache; a
+    """fp64: one prompt in chunks of 1, 2, 5, 1 and 4 columns (each behind the filled ones: a
+    chunk of two behind one column, a one-column decode between chunks, the last filling the
+    cache to its capacity) gives after every chunk the whole prefix's last logits and the
+    one-shot prefill's cache; a call of no column or past the capacity is refused by name; a
     left-padded batch in chunks (the first ones partly pad) gives each row's."""
     model = kind_gpt(kind, torch.float64, gen)
     V = model.config.vocab_size
     prompt = _prompt(gen, 13, V)
     with torch.no_grad():
         one_row = torch.zeros(1, dtype=torch.long)
-        cache, once = model.new_cache(one_row, 16), model.new_cache(one_row, 16)
+        cache, once = model.new_cache(one_row, 13), model.new_cache(one_row, 16)
         model.forward_cached(torch.tensor([prompt]), once)
         col = 0
-        for size in (5, 1, 4, 3):
+        for size in (1, 2, 5, 1, 4):
+            if col == 8:
+                with pytest.raises(ValueError, match="KV cache holds 13 columns; 8 are filled, 6 more do not fit"):
+                    model.forward_cached(torch.tensor([prompt[:6]]), cache)
+                with pytest.raises(ValueError, match="seq_len must be >= 1"):
+                    step_inputs(cache, 0)
             logits = model.forward_cached(torch.tensor([prompt[col:col + size]]), cache)
             col += size
             torch.testing.assert_close(logits[0], _whole(model, prompt[:col]), **TOL)
@@ -325,3 +333,26 @@ def test_step_tensors_are_made_on_the_caches_device():
     with torch.device("meta"):
         got = calls(cache())
     assert len(got) == len(want) and all(g.device.type == "cpu" and torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("n_kv_heads", [2, 4], ids=["gqa", "mha"])
+def test_sliding_and_full_blocks_without_sinks_decode_an_unpadded_row(n_kv_heads, gen):
+    """fp64, Qwen2-MoE's layout (a sliding block before full ones, no sinks): an unpadded row
+    prefilled, then a chunk behind it, then decoded a token a call, gives the whole sequence's
+    last logits after every call. The full blocks read the call's plain mask, which a window
+    on the cache must not turn into SDPA's causal triangle (aligned top left: a decode query
+    would see column 0 alone)."""
+    attention = AttentionConfig(sliding_window=3, sliding_layers=(0,))
+    model = MoEGPT(GPTConfig(vocab_size=61, dim=32, n_layers=3, n_heads=4, n_kv_heads=n_kv_heads, max_seq_len=32,
+                             moe_every=2, num_experts=4, top_k=2, expert_hidden=24, attention=attention),
+                   dtype=torch.float64).eval()
+    _randomize(model, gen)
+    row = _prompt(gen, 12, 61)
+    cache = model.new_cache(torch.zeros(1, dtype=torch.long), 16)
+    with torch.no_grad():
+        col = 0
+        for size in (5, 3, 1, 1, 1, 1):
+            logits = model.forward_cached(torch.tensor([row[col:col + size]]), cache)
+            col += size
+            torch.testing.assert_close(logits[0], _whole(model, row[:col]), **TOL)
