@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from moeflow.layer.moe import moe_layers
 from moeflow.models.compiled_decode import compiled_decoder
 from moeflow.models.gpt import MoEGPT
 from moeflow.models.gpt_config import AttentionConfig, GPTConfig
@@ -356,3 +357,33 @@ def test_sliding_and_full_blocks_without_sinks_decode_an_unpadded_row(n_kv_heads
             logits = model.forward_cached(torch.tensor([row[col:col + size]]), cache)
             col += size
             torch.testing.assert_close(logits[0], _whole(model, row[:col]), **TOL)
+
+
+@pytest.mark.reference
+def test_only_real_tokens_reach_the_moe_and_columns_behind_every_pad_need_no_index(gen):
+    """``StepInputs.real_T``: the flat indices of a call's real tokens on a left-padded cache
+    (a prefill, a chunk still partly pad), so each MoE layer routes those alone (its counts sum
+    to top_k per real token: padding takes no expert capacity); None, with nothing read on the
+    host, for a call whose columns all lie at or behind the deepest pad."""
+    model = small_gpt(max_seq_len=24).eval()
+    B = 4
+    pad = torch.randperm(6, generator=gen)[:B]
+    cache = model.new_cache(pad, 16)
+    max_pad = int(pad.max())
+    for start, S in ((0, 7), (0, 1), (1, max_pad), (max_pad - 1, 2), (max_pad, 3), (max_pad, 1), (max_pad + 2, 1)):
+        cache.length = start
+        with SyncCounter() as counter:
+            real_T = step_inputs(cache, S).real_T
+        if start >= max_pad:
+            assert real_T is None and counter.seen == [], (start, S)
+        else:
+            want = [b * S + s for b in range(B) for s in range(S) if start + s >= int(pad[b])]
+            assert real_T.tolist() == want, (start, S)
+    cache.length = 0
+    idx = torch.randint(0, 61, (B, 8), generator=gen)
+    with torch.no_grad():
+        model.forward_cached(idx, cache)
+        real = int((8 - pad).sum())
+        assert [int(layer.last_counts_E.sum()) for layer in moe_layers(model)] == [real * 2]
+        model.forward_cached(idx[:, :1], cache)
+        assert [int(layer.last_counts_E.sum()) for layer in moe_layers(model)] == [B * 2]
