@@ -30,9 +30,12 @@ def test_equivalent_file_needs_a_reason_per_mutant(tmp_path):
         assert report.package_of(name) in {"routing", "dispatch", "layer", "experts", "kernels",
                                           "parallel/assignment", "parallel/exchange", "parallel/tuner",
                                           "models/sampling", "parallel/gradients", "parallel/placement",
-                                          "parallel/vocab", "serve", "checkpoint"}, name
+                                          "parallel/vocab", "serve", "checkpoint", "models/decode",
+                                          "models/gpt"}, name
     assert report.package_of("moeflow.models.decoding.x_sample_next__mutmut_3") == "models/sampling"
     assert report.package_of("moeflow.models.generation.x_generate__mutmut_1") == "models/sampling"
+    assert report.package_of("moeflow.models.kv_cache.x_static_step__mutmut_1") == "models/decode"
+    assert report.package_of("moeflow.models.compiled_decode.x__bucket__mutmut_1") == "models/decode"
     assert report.package_of("moeflow.models.gpt.xǁMoEGPTǁloss__mutmut_1") == "models/gpt"
     assert report.package_of("moeflow.parallel.placement.plan.x_plan_placement__mutmut_1") == "parallel/placement"
     assert report.package_of("moeflow.parallel.placement.costmodel.x_flat_time__mutmut_1") == "parallel/placement"
