@@ -210,3 +210,56 @@ def test_model_modules_import_one_way():
         assert "moeflow.models.gpt" not in imported(name), name
     assert imported("gpt_config") == set() and "moeflow.models.gpt" not in imported("blocks")
     assert isinstance(small_gpt(), models.generation.Decoder)
+
+
+class _PerTokenHead(torch.nn.Linear):
+    """An output projection that computes the per-token losses itself (as the
+    vocabulary-parallel head does), recording what it was given."""
+
+    def cross_entropy(self, h_TD: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
+        self.given = (h_TD, targets_T)
+        return torch.nn.functional.cross_entropy(self(h_TD), targets_T, reduction="none")
+
+
+@pytest.mark.reference
+def test_the_loss_is_the_mean_next_token_cross_entropy_in_at_least_fp32(gen) -> None:
+    """``loss``: the mean cross-entropy over every position, fp32 for a bf16 model (its logits
+    cast up, not the loss rounded to bf16); a head with a ``cross_entropy`` method is handed the
+    flat hidden states and targets and its per-token losses are averaged (the idx checked as
+    in ``forward``)."""
+    model = small_gpt().double()
+    B, S = 3, int(torch.randint(2, 20, (), generator=gen))
+    idx, targets = torch.randint(0, 61, (2, B, S), generator=gen)
+    want = -torch.log_softmax(model(idx), -1).gather(-1, targets.unsqueeze(-1)).mean()
+    torch.testing.assert_close(model.loss(idx, targets), want, rtol=1e-12, atol=1e-12)
+    bf16 = small_gpt().to(torch.bfloat16)
+    loss = bf16.loss(idx, targets)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(bf16(idx).float().flatten(0, 1),
+                                                                       targets.flatten()), rtol=0, atol=0)
+    head = _PerTokenHead(32, 61, bias=False, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+    model.lm_head = head
+    torch.testing.assert_close(model.loss(idx, targets), want, rtol=1e-12, atol=1e-12)
+    h_TD, targets_T = head.given
+    assert torch.equal(h_TD, model.hidden_states(idx).flatten(0, 1)) and torch.equal(targets_T, targets.flatten())
+    with pytest.raises(ValueError, match="sequence length 25 exceeds max_seq_len=24"):
+        model.loss(torch.zeros(1, 25, dtype=torch.long), torch.zeros(1, 25, dtype=torch.long))
+
+
+@pytest.mark.reference
+def test_new_cache_takes_one_column_up_to_max_seq_len(gen) -> None:
+    """``new_cache``: from one column (a one-token prompt's whole generation) to ``max_seq_len``;
+    a window only where a block slides; zeroed on request; other capacities refused by name."""
+    model = small_gpt().double().eval()
+    idx = torch.randint(0, 61, (2, 1), generator=gen)
+    cache = model.new_cache(torch.zeros(2, dtype=torch.long), 1)
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward_cached(idx, cache), model(idx)[:, -1], rtol=1e-12, atol=1e-12)
+    assert cache.capacity == 1 and cache.window is None
+    full = model.new_cache(torch.zeros(2, dtype=torch.long), 24, zeroed=True)
+    assert full.capacity == 24 and all(t.eq(0).all() and t.dtype == torch.float64 for t in (*full.k, *full.v))
+    for capacity, match in ((0, "capacity must be >= 1"), (25, "capacity=25 exceeds max_seq_len=24")):
+        with pytest.raises(ValueError, match=match):
+            model.new_cache(torch.zeros(2, dtype=torch.long), capacity)

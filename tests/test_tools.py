@@ -31,9 +31,11 @@ def test_equivalent_file_needs_a_reason_per_mutant(tmp_path):
                                           "parallel/assignment", "parallel/exchange", "parallel/tuner",
                                           "models/sampling", "parallel/gradients", "parallel/placement",
                                           "parallel/vocab", "serve", "checkpoint",
-                                          "train", "convert", "storage"}, name  # train/data and train/lm report as one row
+                                          "train", "convert", "storage", "models/decode", "models/gpt"}, name  # train/data and train/lm report as one row
     assert report.package_of("moeflow.models.decoding.x_sample_next__mutmut_3") == "models/sampling"
     assert report.package_of("moeflow.models.generation.x_generate__mutmut_1") == "models/sampling"
+    assert report.package_of("moeflow.models.kv_cache.x_static_step__mutmut_1") == "models/decode"
+    assert report.package_of("moeflow.models.compiled_decode.x__bucket__mutmut_1") == "models/decode"
     assert report.package_of("moeflow.models.gpt.xǁMoEGPTǁloss__mutmut_1") == "models/gpt"
     assert report.package_of("moeflow.parallel.placement.plan.x_plan_placement__mutmut_1") == "parallel/placement"
     assert report.package_of("moeflow.parallel.placement.costmodel.x_flat_time__mutmut_1") == "parallel/placement"
@@ -72,7 +74,7 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     assert set(run.PACKAGES) == {"routing", "dispatch", "layer", "experts", "kernels", "parallel/assignment",
                                  "parallel/exchange", "parallel/tuner", "models/sampling", "parallel/gradients",
                                  "parallel/placement", "parallel/vocab", "serve", "checkpoint", "train/data",
-                                 "train/lm", "convert", "storage"}
+                                 "train/lm", "convert", "storage", "models/decode", "models/gpt"}
     for package in run.PACKAGES:
         files = run.test_files(package)
         assert files and len(files) == len(set(files)) and all((root / f).is_file() for f in files), package

@@ -45,7 +45,8 @@ def category(code: int | None) -> str:
 PARALLEL_ROWS = {"exchange.assignment": "parallel/assignment", "exchange.alltoall": "parallel/exchange",
                  "placement.tuner": "parallel/tuner", "placement.plan": "parallel/placement",
                  "placement.rebalance": "parallel/placement", "placement.costmodel": "parallel/placement"}
-MODELS_ROWS = {"decoding": "models/sampling", "generation": "models/sampling"}
+MODELS_ROWS = {"decoding": "models/sampling", "generation": "models/sampling",
+               "kv_cache": "models/decode", "compiled_decode": "models/decode", "gpt": "models/gpt"}
 
 
 def package_of(mutant: str) -> str:

@@ -114,6 +114,16 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # Every test runs in this process (the CLI tests' subprocesses record nothing, but kill)
     "storage": (["moeflow/storage/*"],
                 ["test_storage.py", "test_storage_damage.py", "test_models_generation_offload.py"]),
+    # the KV cache and the static decode step (the columns a call writes and reads, each row's
+    # rotary positions, the padding and sliding-window masks, row views) and the compiled decoder
+    # that runs the step; test_models_attention.py: the window masks and every attention option's
+    # cached and static steps against the whole sequence
+    "models/decode": (["moeflow/models/kv_cache.py", "moeflow/models/compiled_decode.py"],
+                      ["test_models_kv_cache.py", "test_models_attention.py"]),
+    # the language model around the blocks: its forward and loss, the cache it makes, the cached
+    # call and the static step (test_models_kv_cache.py, test_models_attention.py: against the
+    # whole sequence)
+    "models/gpt": (["moeflow/models/gpt.py"], ["test_models.py", "test_models_kv_cache.py", "test_models_attention.py"]),
 }
 
 
