@@ -405,8 +405,8 @@ def test_zero_grad_keeps_the_added_expert_gradients_and_drops_the_rest():
 
 
 def test_zero_grad_drops_gradients_it_could_not_add_into():
-    """A marked weight whose ``.grad`` is not a plain dense tensor (sparse, a zero tensor) has
-    it dropped, as ``zero_grad()`` would; a gradient that is part
+    """A marked weight whose ``.grad`` is not a plain dense tensor on the CPU (sparse, a zero
+    tensor, off the CPU: a ``meta`` one stands for a GPU's here) has it dropped, as ``zero_grad()`` would; a gradient that is part
     of a graph is detached before it is zeroed (``zero_grad``'s own rule)."""
     import moeflow
 
@@ -425,3 +425,10 @@ def test_zero_grad_drops_gradients_it_could_not_add_into():
     w_out.grad = g
     moeflow.zero_grad_(model)
     assert w_out.grad is g and g.grad_fn is None and not g.requires_grad and not g.any()
+    on_meta = torch.nn.Parameter(torch.empty(3, 4, device="meta"))
+    on_meta.moeflow_adds_grad = True
+    on_meta.grad = torch.empty(3, 4, device="meta")
+    holder = torch.nn.Module()
+    holder.w = on_meta
+    moeflow.zero_grad_(holder)
+    assert on_meta.grad is None

@@ -167,16 +167,19 @@ def add_grouped_chunks_(x: torch.Tensor, g: torch.Tensor, offs: torch.Tensor, ou
 
 def zero_grad_(module: nn.Module) -> None:
     """Ready ``module``'s gradients for the next step, as ``module.zero_grad()`` does, but keep
-    the buffers worth keeping: the ``.grad`` of every parameter whose gradient a backward of
-    this module adds in place (marked ``moeflow_adds_grad`` by ``grad_buffer``: the lean experts'
-    weights) is zeroed in place; every other ``.grad`` is dropped (``None``).
+    the buffers worth keeping: the ``.grad`` on the CPU of every parameter whose gradient a
+    backward of this module adds in place (marked ``moeflow_adds_grad`` by ``grad_buffer``: the
+    lean experts' weights) is zeroed in place; every other ``.grad`` is dropped (``None``).
 
     Why: dropped, an expert weight's gradient is a new tensor at every step, as large as the
     layer's experts (1.5 GiB a layer for OLMoE's 64 experts in fp32). On the CPU that is new
     pages from the kernel at every step, which the weight-gradient GEMMs fault in: kept, the
     step's backward adds into memory it already holds (``add_weight_grad_``), and a zeroing
     pass replaces the faults. The cost is that memory held through the next forward too (as
-    Megatron-Core's gradient buffers and DDP's bucket views hold theirs). A parameter's
+    Megatron-Core's gradient buffers and DDP's bucket views hold theirs). On a GPU, where the
+    caching allocator hands a step's gradients memory it already holds, keeping them would only
+    cost that memory and one more pass (the grouped additions, ``add_grouped_chunks_``): they are
+    dropped there. A parameter's
     ``.grad`` is kept only while it is a plain dense tensor (not sparse, not a zero tensor); the
     other gradients are dropped exactly as ``zero_grad(set_to_none=True)`` drops them (an optimizer
     then skips a parameter that gets no new gradient, as before)."""
@@ -184,7 +187,8 @@ def zero_grad_(module: nn.Module) -> None:
         g = p.grad
         if g is None:
             continue
-        if getattr(p, "moeflow_adds_grad", False) and g.layout == torch.strided and not g._is_zerotensor():
+        if (getattr(p, "moeflow_adds_grad", False) and g.device.type == "cpu" and g.layout == torch.strided
+                and not g._is_zerotensor()):
             if g.grad_fn is not None:
                 g.detach_()
             else:
