@@ -29,10 +29,11 @@ GPU check's time drawing and copying weights on the host.
 The training step: ``tokens`` random tokens per row, ``--train-batch`` rows, both models in train
 mode without dropout, each step readying the last one's gradients as the candidate's training
 loop does, inside the timing (moeflow's keeps the experts' gradients on the CPU and zeroes them
-in place, ``moeflow.zero_grad_``, so that its backward adds into them; transformers' Trainer drops them,
-``zero_grad()``), no optimizer (its update is the same elementwise work for both); transformers' experts in each of ``--hf-experts`` implementations
-(default ``grouped_mm,eager`` on the CPU, ``grouped_mm`` on CUDA, the implementation the issue's
-GPU target is stated against), the fastest taken, and the ratio to each kept. Each candidate's
+in place, ``moeflow.zero_grad_``, so that its backward adds into them; transformers' Trainer
+drops them, ``zero_grad()``), no optimizer (its update is the same elementwise work for both);
+transformers' experts in each of ``--hf-experts`` implementations (default ``grouped_mm,eager``
+on the CPU, ``grouped_mm`` on CUDA, the implementation the issue's GPU target is stated
+against), the fastest taken, and the ratio to each kept. Each candidate's
 loss at its first (untimed) step is kept: the same weights and tokens must give about the same
 loss. Decoding: ``--prompt-len`` random prompt tokens, ``--new-tokens`` greedy tokens, for each
 batch size of ``--decode-batch``, for the families of ``--decode-families`` (default: all); the

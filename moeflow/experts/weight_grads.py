@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["add_grouped_chunks_", "add_weight_grad_", "expert_row_ranges", "grad_buffer", "mm_weight_grad", "no_grad_to_add",
-           "records_grad_mode", "weight_grad_into", "zero_grad_"]
+__all__ = ["add_grouped_chunks_", "add_weight_grad_", "expert_row_ranges", "grad_buffer", "mm_weight_grad",
+           "no_grad_to_add", "records_grad_mode", "weight_grad_into", "zero_grad_"]
 
 _GROUPS = 8  # grouped_mm adds: about 1/_GROUPS of the experts per temporary
 
@@ -179,10 +179,10 @@ def zero_grad_(module: nn.Module) -> None:
     Megatron-Core's gradient buffers and DDP's bucket views hold theirs). On a GPU, where the
     caching allocator hands a step's gradients memory it already holds, keeping them would only
     cost that memory and one more pass (the grouped additions, ``add_grouped_chunks_``): they are
-    dropped there. A parameter's
-    ``.grad`` is kept only while it is a plain dense tensor (not sparse, not a zero tensor); the
-    other gradients are dropped exactly as ``zero_grad(set_to_none=True)`` drops them (an optimizer
-    then skips a parameter that gets no new gradient, as before)."""
+    dropped there. A parameter's ``.grad`` is kept only while it is a plain dense tensor (not
+    sparse, not a zero tensor); the other gradients are dropped exactly as
+    ``zero_grad(set_to_none=True)`` drops them (an optimizer then skips a parameter that gets no
+    new gradient, as before). A kept one is detached and zeroed as ``zero_grad`` would."""
     for p in module.parameters():
         g = p.grad
         if g is None:
