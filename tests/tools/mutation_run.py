@@ -73,11 +73,15 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # (test_parallel_placement.py: the norm of replicated experts)
     "parallel/gradients": (["moeflow/parallel/gradients.py"],
                            ["test_parallel_gradients.py", "test_parallel_placement.py"]),
-    # moeflow serve's text side (ids to text as they come, stop strings, chat templates) and its
-    # OpenAI request bodies with their checks. app.py and server.py are not here: the HTTP tests
-    # run the server in a subprocess, where mutmut's trampolines record nothing
-    "serve": (["moeflow/serve/text.py", "moeflow/serve/protocol.py"],
-              ["test_serve_text.py", "test_serve_protocol.py"]),
+    # moeflow serve's text side (ids to text as they come, stop strings, chat templates), its
+    # OpenAI request bodies with their checks, and the engine: continuous batching over decode
+    # slots (admission, chunked prefill, the step, stop and length, cancellation, timeouts,
+    # errors). app.py and server.py are not here: the HTTP tests run the server in a subprocess,
+    # where mutmut's trampolines record nothing. Not test_serve_engine_compiled.py: its
+    # compilation (15 s) would run for every engine mutant; the eager tests run the same engine
+    "serve": (["moeflow/serve/text.py", "moeflow/serve/protocol.py", "moeflow/serve/engine.py",
+               "moeflow/serve/slots.py"],
+              ["test_serve_text.py", "test_serve_protocol.py", "test_serve_engine.py"]),
     # which rank holds which expert and which share of its rows, moving experts and their optimizer
     # state there, replicas' gradients, and the exchange's cost model (test_parallel_assignment.py:
     # the slot tables every rank routes by)
