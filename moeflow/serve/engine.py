@@ -18,8 +18,8 @@ engine thread. An iteration of the loop:
 
 An exception in a request's prefill ends that request with ``"error"``; one in a decode step
 ends the requests of the step; the engine goes on serving (no slot leaks: every end frees its
-slot). The loop waits on a condition when there is nothing to do (until a submission, a
-cancellation, a shutdown or the next timeout).
+slot). The loop waits on a condition when it holds no request, running or queued (until a
+submission or a shutdown; no timeout or drain can be pending then).
 
 The engine's tokens are ``moeflow.models.generation.generate``'s for the same prompt and
 settings (a seeded request's too: its generator draws once per token as a one-row ``generate``
@@ -197,8 +197,8 @@ class Engine:
             with self._cond:
                 if self._closing and not self._pending:
                     return False
-                if not self._pending:
-                    self._cond.wait(self._next_deadline())
+                if not self._pending:  # (no request at all: no timeout or drain to wait for)
+                    self._cond.wait()
             return True
         try:
             tokens = self._prefill() + self._decode()
@@ -325,11 +325,3 @@ class Engine:
             self._finished[reason] += 1
         self._emit(request, Event(None, reason, detail))
         request._done.set()
-
-    def _next_deadline(self) -> float | None:
-        """Seconds until the next timeout or the end of the drain (None: nothing to wait for)."""
-        now = time.monotonic()
-        ends = [r.submitted_at + r.spec.timeout_s - now for r in self._pending if r.spec.timeout_s is not None]
-        if self._closing and self._drain_until < math.inf:
-            ends.append(self._drain_until - now)
-        return max(0.0, min(ends)) if ends else None
