@@ -124,22 +124,29 @@ def test_concurrent_greedy_requests_give_sequential_generates_tokens(model, gen)
 def test_the_engine_runs_its_steps_with_its_own_threads(model):
     """The engine's thread sets its torch threads (``EngineConfig.threads``, default the
     process's when the engine is made), whatever the calling thread has: its events arrive on
-    that thread with them; the calling thread's own threads are left as they were."""
+    that thread with them; the calling thread's own threads are left as they were. The thread is
+    a daemon (a process that never calls ``shutdown`` still exits) named ``moeflow-engine`` (what
+    a thread dump or a log's ``%(threadName)s`` shows)."""
     before = torch.get_num_threads()
     seen: list[int] = []
+    threads: set[tuple[str, bool]] = set()
+
+    def on_event(event: Event) -> None:
+        seen.append(torch.get_num_threads())
+        threads.add((threading.current_thread().name, threading.current_thread().daemon))
+
     try:
         torch.set_num_threads(1)
         for config, want in ((EngineConfig(slots=1, threads=2), 2), (EngineConfig(slots=1), 1)):
             engine = Engine(model, config)
             engine.start()
             try:
-                request = engine.submit(RequestSpec(prompt=(1, 2), max_tokens=2, temperature=0.0),
-                                        lambda event: seen.append(torch.get_num_threads()))
+                request = engine.submit(RequestSpec(prompt=(1, 2), max_tokens=2, temperature=0.0), on_event)
                 request._done.wait(60)
             finally:
                 engine.shutdown(drain_s=0)
             assert seen and set(seen) == {want}, (config, seen)
-            assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1 and threads == {("moeflow-engine", True)}
             seen.clear()
     finally:
         torch.set_num_threads(before)
@@ -408,3 +415,169 @@ def test_slots_step_on_the_rows_they_need_and_read_nothing_on_the_host(model, ge
             tokens_R = slots.step(rows, [])
         assert seen + counter.seen == [] and taken == 2 and tokens_R.shape == (2,)
     assert sizes == [(1, 1), (4, 4)] and [r.filled for r in rows] == [8, 4]
+
+
+def _iterations(engine: Engine):  # type: ignore[no-untyped-def]
+    """The engine's loop run on this thread (as its own thread would: under ``no_grad``, in the
+    slots' ``open``), an iteration at a time: yields after each, until no request is left (an
+    iteration that starts with none, or ends them all before it admits, waits for a submission)."""
+    with torch.no_grad(), engine._slots.open():
+        while engine._rows or engine._pending:
+            engine._iterate()
+            yield
+
+
+@pytest.mark.reference
+def test_an_iteration_prefills_up_to_prefill_chunk_prompt_tokens_oldest_first(model, gen, monkeypatch):
+    """Four requests in four slots, prompts of random lengths, a random ``prefill_chunk``: each
+    iteration prefills the next ``prefill_chunk`` tokens of the prompts taken oldest first (the
+    prompts' concatenation cut into chunks, each piece on its request's row behind the columns
+    its earlier pieces filled); a prompt's last piece gives its first token in that iteration,
+    and from then on each iteration's decode step gives it one more, up to ``max_tokens``: the
+    tokens ``generate`` gives it alone."""
+    chunk = int(torch.randint(2, 8, (1,), generator=gen))
+    lengths = torch.randint(1, 12, (4,), generator=gen).tolist()
+    maxes = torch.randint(1, 6, (4,), generator=gen).tolist()
+    ids = torch.randperm(61, generator=gen).tolist()  # disjoint prompts: a chunk names its request
+    starts = [sum(lengths[:i]) for i in range(4)]
+    prompts = [ids[s:s + n] for s, n in zip(starts, lengths)]
+    owner = {t: i for i, p in enumerate(prompts) for t in p}
+    pieces: list[tuple[int, int, int]] = []  # (request, first column, tokens) of each prefill call
+    real = model.forward_cached
+
+    def prefill(idx, cache):  # type: ignore[no-untyped-def]
+        chunk_ids = idx[0].tolist()
+        who = owner[chunk_ids[0]]
+        assert chunk_ids == prompts[who][cache.length:cache.length + len(chunk_ids)]
+        pieces.append((who, cache.length, len(chunk_ids)))
+        return real(idx, cache)
+
+    monkeypatch.setattr(model, "forward_cached", prefill)
+    engine = Engine(model, EngineConfig(slots=4, prefill_chunk=chunk))
+    events = [Events() for _ in prompts]
+    for p, n, e in zip(prompts, maxes, events):
+        engine.submit(RequestSpec(prompt=p, max_tokens=n, temperature=0), e)
+    per_iteration, counts = [], []
+    for _ in _iterations(engine):
+        per_iteration.append(pieces[:])
+        pieces.clear()
+        counts.append([len(e.tokens) for e in events])
+    monkeypatch.undo()
+    # the concatenation of the prompts (oldest first) cut every `chunk` tokens, and at each prompt's end
+    flat = [(i, j) for i, n in enumerate(lengths) for j in range(n)]
+    want: list[list[tuple[int, int, int]]] = []
+    for at in range(0, len(flat), chunk):
+        cut: list[tuple[int, int, int]] = []
+        for i, j in flat[at:at + chunk]:
+            if cut and cut[-1][0] == i:
+                cut[-1] = (i, cut[-1][1], cut[-1][2] + 1)
+            else:
+                cut.append((i, j, 1))
+        want.append(cut)
+    assert per_iteration[:len(want)] == want and not any(per_iteration[len(want):])
+    last = [max(k for k, cut in enumerate(want) if any(i == r for i, _, _ in cut)) for r in range(4)]
+    for k, row in enumerate(counts):
+        assert row == [min(max(0, k - last[r] + 1), maxes[r]) for r in range(4)], (k, counts, last)
+    assert len(counts) == max(last[r] + maxes[r] for r in range(4))
+    for p, n, e in zip(prompts, maxes, events):
+        assert e.reason == "length" and e.tokens == generate(model, [p], n, temperature=0).tokens[0]
+
+
+@pytest.mark.reference
+def test_a_request_takes_the_lowest_free_slot_and_steps_cover_only_the_busy_ones(model, gen, monkeypatch):
+    """Four slots (steps of 1, 2 or 4 rows): four requests take slots 0-3; once all but the one
+    in slot 1 have ended, its steps run on two rows; a request submitted then takes slot 0 (the
+    lowest free: still two rows), the next slot 2 (four rows), and with slot 1's request
+    cancelled a lone request in slot 0 steps on one row. Every request gets ``generate``'s
+    tokens."""
+    sizes: list[int] = []
+    real = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda n, p, c: sizes.append(n.shape[0]) or real(n, p, c))
+    prompts = _prompts(gen, [3, 2, 4, 3, 2, 3, 2])
+    engine = Engine(model, EngineConfig(slots=4, prefill_chunk=64))
+    events = [Events() for _ in range(7)]
+
+    def submit(i: int, max_tokens: int) -> Request:
+        return engine.submit(RequestSpec(prompt=prompts[i], max_tokens=max_tokens, temperature=0), events[i])
+
+    def ended() -> list[bool]:
+        return [any(e.finish_reason for e in ev.events) for ev in events]
+
+    requests = [submit(0, 2), submit(1, 30), submit(2, 2), submit(3, 2)]
+    loop = _iterations(engine)
+    next(loop)  # admitted and prefilled: a token each
+    next(loop)  # a step of the four rows: requests 0, 2 and 3 end
+    assert sizes == [4] and ended()[:4] == [True, False, True, True]
+    next(loop)
+    assert sizes[1:] == [2]  # slot 1 alone: two rows
+    submit(4, 3)  # slot 0
+    next(loop)  # its prefill while slot 1 steps
+    next(loop)
+    assert sizes[2:] == [2, 2]
+    submit(5, 2)  # slot 2
+    next(loop)  # its prefill while slots 0 and 1 step
+    next(loop)
+    assert sizes[4:] == [2, 4] and ended()[4:6] == [True, True]
+    requests[1].cancel()
+    submit(6, 3)  # (an iteration with nothing left would wait for a submission)
+    before = len(sizes)
+    for _ in loop:
+        pass
+    assert sizes[before:] == [1, 1]  # a lone request in slot 0: one row
+    assert events[1].reason == "cancelled"
+    for i, (p, e) in enumerate(zip(prompts, events)):
+        assert e.reason == ("cancelled" if i == 1 else "length")
+        assert e.tokens == generate(model, [p], len(e.tokens), temperature=0).tokens[0]
+
+
+@pytest.mark.reference
+def test_stats_count_what_ran(model, gen, monkeypatch):
+    """Five requests in three slots, each token's callback sleeping ``nap`` seconds: while the
+    first token goes out three run and two wait; afterwards the counts add up (every decoded row
+    gave a token, a request's first comes from its prefill; a step is a call of the model's
+    decode step), and the times are the requests' own: each time to first token within the test's clock readings around it, each time
+    between two tokens at least the nap and the sums at most the requests' lifetimes."""
+    nap = 0.01
+    lengths = torch.randint(1, 10, (5,), generator=gen).tolist()
+    maxes = torch.randint(2, 6, (5,), generator=gen).tolist()
+    prompts = _prompts(gen, lengths)
+    chunk = int(torch.randint(1, 30, (1,), generator=gen))
+    engine = Engine(model, EngineConfig(slots=3, max_queue=4, prefill_chunk=chunk))
+    snapshots, clocks = [], [[] for _ in prompts]
+    steps = []
+    real = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda n, p, c: steps.append(n.shape[0]) or real(n, p, c))
+
+    def each(i: int):  # type: ignore[no-untyped-def]
+        def on(event: Event) -> None:
+            clocks[i].append(time.monotonic())
+            if not snapshots:
+                snapshots.append(engine.stats())
+            time.sleep(nap)
+        return on
+
+    events = [Events(each=each(i)) for i in range(5)]
+    submitted = []
+    requests = []
+    for i, (p, n) in enumerate(zip(prompts, maxes)):
+        submitted.append(time.monotonic())
+        requests.append(engine.submit(RequestSpec(prompt=p, max_tokens=n, temperature=0), events[i]))
+    engine.start()
+    try:
+        _wait(requests)
+    finally:
+        engine.shutdown(drain_s=0)
+    first = snapshots[0]
+    assert (first.slots, first.running, first.queued, first.requests_total) == (3, 3, 2, 5)
+    stats = engine.stats()
+    assert (stats.slots, stats.running, stats.queued, stats.rejected_total) == (3, 0, 0, 0)
+    assert stats.finished == {"length": 5} and stats.generated_tokens_total == sum(maxes)
+    assert stats.ttft_count == 5 and stats.itl_count == sum(maxes) - 5
+    assert stats.busy_rows_total == sum(maxes) - 5  # every other token from a decode step
+    assert stats.steps_total == len(steps) >= max(maxes) - 1
+    ttft_low = sum(r.first_token_at - r.submitted_at for r in requests)
+    assert stats.ttft_sum_s == pytest.approx(ttft_low)
+    assert sum(c[0] - s for c, s in zip(clocks, submitted)) >= stats.ttft_sum_s > 0
+    itl = sum(r.last_token_at - r.first_token_at for r in requests)
+    assert stats.itl_sum_s == pytest.approx(itl) and stats.itl_sum_s >= nap * stats.itl_count
+    assert stats.itl_sum_s <= sum(c[-1] - c[0] for c in clocks)
