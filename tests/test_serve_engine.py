@@ -26,7 +26,7 @@ import moeflow
 from moeflow.models.generation import generate
 from moeflow.serve.engine import (FINISH_REASONS, Engine, EngineClosed, EngineConfig, Event, QueueFull, Request,
                                   RequestSpec)
-from moeflow.serve.slots import step_sizes
+from moeflow.serve.slots import Slots, step_sizes
 from moeflow.storage import StorageConfig, offload_experts, slot_bytes
 
 from helpers import small_gpt
@@ -581,3 +581,84 @@ def test_stats_count_what_ran(model, gen, monkeypatch):
     itl = sum(r.last_token_at - r.first_token_at for r in requests)
     assert stats.itl_sum_s == pytest.approx(itl) and stats.itl_sum_s >= nap * stats.itl_count
     assert stats.itl_sum_s <= sum(c[-1] - c[0] for c in clocks)
+
+
+@pytest.mark.reference
+def test_an_engine_that_fails_to_start_says_why_and_ends_its_queued_requests(model, monkeypatch, caplog):
+    """The cache cannot be made: ``start`` raises with the cause, the requests queued before
+    end ``"error"`` with it, the engine admits nothing more, and the log says the engine
+    stopped, with the traceback."""
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("planted cache failure")
+
+    monkeypatch.setattr(model, "new_cache", broken)
+    engine = Engine(model, EngineConfig(slots=1, max_queue=2))
+    events = [Events(), Events()]
+    requests = [engine.submit(RequestSpec(prompt=(1, 2), max_tokens=3, temperature=0), e) for e in events]
+    with caplog.at_level("ERROR", logger="moeflow.serve.engine"):
+        with pytest.raises(RuntimeError, match="the engine failed to start: planted cache failure") as caught:
+            engine.start()
+    assert isinstance(caught.value.__cause__, RuntimeError) and str(caught.value.__cause__) == "planted cache failure"
+    assert all(r.done for r in requests) and not engine._thread.is_alive()
+    assert [(e.reason, e.events[-1].detail) for e in events] == \
+        [("error", "the engine stopped: planted cache failure")] * 2
+    assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == \
+        [("moeflow serve: the engine stopped", True)]
+    with pytest.raises(EngineClosed):
+        engine.submit(RequestSpec(prompt=(1, 2), max_tokens=3, temperature=0), Events())
+    engine.shutdown(drain_s=0)  # (only joins)
+
+
+@pytest.mark.reference
+def test_what_fails_is_logged_with_its_traceback_and_the_engine_goes_on(model, gen, monkeypatch, caplog):
+    """Each failure the engine survives is logged at ERROR with its traceback, saying what
+    failed: a prefill, a decode step, a request's callback (with the request's id), an iteration
+    outside them (a step's tokens that cannot be read: every running request ends ``"error"``
+    with the exception's type and text). The request after each gets ``generate``'s tokens."""
+    prompts = _prompts(gen, [3, 4, 5])
+    real_step, real_prefill = model.decode_step, model.forward_cached
+    fail = {"step": 0, "prefill": 0}
+
+    def step(*args):  # type: ignore[no-untyped-def]
+        if fail["step"]:
+            fail["step"] -= 1
+            raise RuntimeError("planted step failure")
+        return real_step(*args)
+
+    def prefill(idx, cache):  # type: ignore[no-untyped-def]
+        if fail["prefill"]:
+            fail["prefill"] -= 1
+            raise RuntimeError("planted prefill failure")
+        return real_prefill(idx, cache)
+
+    monkeypatch.setattr(model, "decode_step", step)
+    monkeypatch.setattr(model, "forward_cached", prefill)
+    engine = Engine(model, EngineConfig(slots=1))
+    spec = RequestSpec(prompt=prompts[0], max_tokens=4, temperature=0)
+    want = generate(model, [prompts[0]], 4, temperature=0).tokens[0]
+    caplog.set_level("ERROR", logger="moeflow.serve.engine")
+    engine.start()
+    seen = []
+    try:
+        for planted, reason in ((("prefill", 1), "RuntimeError: planted prefill failure"),
+                                (("step", 1), "RuntimeError: planted step failure"),
+                                (None, "the request's event callback raised"),
+                                ("tokens", "IndexError")):
+            first = Events(each=(lambda e: 1 / 0) if planted is None else None)
+            if planted == "tokens":
+                monkeypatch.setattr(engine._slots, "sample", lambda logits, rows: torch.zeros(0, dtype=torch.long))
+            elif planted is not None:
+                fail[planted[0]] = planted[1]
+            request = engine.submit(spec, first)
+            assert request.wait(WAIT_S) and first.reason == "error" and first.events[-1].detail.startswith(reason)
+            monkeypatch.setattr(engine._slots, "sample", Slots.sample)
+            after = Events()
+            assert engine.submit(spec, after).wait(WAIT_S) and after.reason == "length" and after.tokens == want
+            seen.append([(r.getMessage().replace(f" {request.id}'s", " N's"), r.exc_info is not None)
+                         for r in caplog.records])
+            caplog.clear()
+    finally:
+        engine.shutdown(drain_s=0)
+    assert seen == [[("moeflow serve: a prefill failed", True)], [("moeflow serve: a decode step failed", True)],
+                    [("moeflow serve: request N's event callback raised", True)] * 2,  # (its final event's too)
+                    [("moeflow serve: an iteration failed", True)]]
