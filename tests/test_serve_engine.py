@@ -662,3 +662,36 @@ def test_what_fails_is_logged_with_its_traceback_and_the_engine_goes_on(model, g
     assert seen == [[("moeflow serve: a prefill failed", True)], [("moeflow serve: a decode step failed", True)],
                     [("moeflow serve: request N's event callback raised", True)] * 2,  # (its final event's too)
                     [("moeflow serve: an iteration failed", True)]]
+
+
+@pytest.mark.reference
+def test_an_engine_that_breaks_mid_run_ends_every_request_it_holds(model, gen, caplog):
+    """Something outside a request's own work raises past the engine's handlers while it runs
+    (here a callback raising a ``BaseException``, which the engine does not take for the
+    request's own error): the engine stops, the requests running (both slots) and waiting end
+    ``"error"`` saying so, nothing more is admitted, and the log says the engine stopped."""
+
+    class Broken(BaseException):
+        pass
+
+    def breaks(event: Event) -> None:
+        if event.token is not None:
+            raise Broken("planted break")
+
+    prompts = _prompts(gen, [3, 4, 2])
+    engine = Engine(model, EngineConfig(slots=2, max_queue=2))
+    events = [Events(each=breaks), Events(), Events()]
+    requests = [engine.submit(RequestSpec(prompt=p, max_tokens=5, temperature=0), e) for p, e in zip(prompts, events)]
+    with caplog.at_level("ERROR", logger="moeflow.serve.engine"):
+        engine.start()
+        _wait(requests)
+        engine._thread.join(WAIT_S)
+    assert not engine._thread.is_alive()
+    assert [(e.reason, e.events[-1].detail) for e in events] == [("error", "the engine stopped: planted break")] * 3
+    assert [len(e.tokens) for e in events] == [1, 0, 0]  # (the break came with the first token delivered)
+    assert [(r.getMessage(), r.exc_info is not None) for r in caplog.records] == \
+        [("moeflow serve: the engine stopped", True)]
+    assert engine.stats().running == engine.stats().queued == 0
+    with pytest.raises(EngineClosed):
+        engine.submit(RequestSpec(prompt=(1,), max_tokens=1, temperature=0), Events())
+    engine.shutdown(drain_s=0)
