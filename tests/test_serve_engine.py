@@ -155,7 +155,8 @@ def test_the_engine_runs_its_steps_with_its_own_threads(model):
 @pytest.mark.reference
 def test_seeded_sampling_gives_generates_tokens_alone_and_in_a_mixed_batch(model, gen):
     """A sampled request (temperature, top-k, top-p, a seed) gives ``generate``'s tokens with a
-    generator of that seed, alone and among greedy and other sampled requests."""
+    generator of that seed, alone and among greedy and other sampled requests; the greedy one
+    among them (its row after a sampled one in the step) gives its greedy tokens."""
     sampling = dict(temperature=0.9, top_k=12, top_p=0.95)
     prompts = _prompts(gen, [6, 11, 3, 8])
     want = generate(model, [prompts[0]], 12, generator=torch.Generator().manual_seed(1234), **sampling).tokens[0]
@@ -165,16 +166,17 @@ def test_seeded_sampling_gives_generates_tokens_alone_and_in_a_mixed_batch(model
         alone = Events()
         _wait([engine.submit(RequestSpec(prompt=prompts[0], max_tokens=12, seed=1234, **sampling), alone)])
         mixed = [Events() for _ in prompts]
-        specs = [RequestSpec(prompt=prompts[1], max_tokens=9, temperature=0),
-                 RequestSpec(prompt=prompts[2], max_tokens=15, seed=99, temperature=1.3),
+        specs = [RequestSpec(prompt=prompts[2], max_tokens=15, seed=99, temperature=1.3),
+                 RequestSpec(prompt=prompts[1], max_tokens=9, temperature=0),  # (a greedy row after a sampled one)
                  RequestSpec(prompt=prompts[0], max_tokens=12, seed=1234, **sampling),
                  RequestSpec(prompt=prompts[3], max_tokens=5, temperature=0.7)]  # (drawn from the OS)
         _wait([engine.submit(s, e) for s, e in zip(specs, mixed)])
     finally:
         engine.shutdown(drain_s=0)
     assert alone.tokens == want and mixed[2].tokens == want
-    assert mixed[1].tokens == generate(model, [prompts[2]], 15, temperature=1.3,
+    assert mixed[0].tokens == generate(model, [prompts[2]], 15, temperature=1.3,
                                        generator=torch.Generator().manual_seed(99)).tokens[0]
+    assert mixed[1].tokens == generate(model, [prompts[1]], 9, temperature=0).tokens[0]
 
 
 @pytest.mark.reference
