@@ -156,9 +156,10 @@ def test_the_engine_runs_its_steps_with_its_own_threads(model):
 def test_seeded_sampling_gives_generates_tokens_alone_and_in_a_mixed_batch(model, gen):
     """A sampled request (temperature, top-k, top-p, a seed) gives ``generate``'s tokens with a
     generator of that seed, alone and among greedy and other sampled requests; the greedy one
-    among them (its row after a sampled one in the step) gives its greedy tokens."""
+    among them (its row after a sampled one in the step) gives its greedy tokens, and one with a
+    tight top-p only (hot, so the cut changes the draws) ``generate``'s with that top-p."""
     sampling = dict(temperature=0.9, top_k=12, top_p=0.95)
-    prompts = _prompts(gen, [6, 11, 3, 8])
+    prompts = _prompts(gen, [6, 11, 3, 8, 5])
     want = generate(model, [prompts[0]], 12, generator=torch.Generator().manual_seed(1234), **sampling).tokens[0]
     engine = Engine(model, EngineConfig(slots=4, prefill_chunk=4))
     engine.start()
@@ -169,7 +170,8 @@ def test_seeded_sampling_gives_generates_tokens_alone_and_in_a_mixed_batch(model
         specs = [RequestSpec(prompt=prompts[2], max_tokens=15, seed=99, temperature=1.3),
                  RequestSpec(prompt=prompts[1], max_tokens=9, temperature=0),  # (a greedy row after a sampled one)
                  RequestSpec(prompt=prompts[0], max_tokens=12, seed=1234, **sampling),
-                 RequestSpec(prompt=prompts[3], max_tokens=5, temperature=0.7)]  # (drawn from the OS)
+                 RequestSpec(prompt=prompts[3], max_tokens=5, temperature=0.7),  # (drawn from the OS)
+                 RequestSpec(prompt=prompts[4], max_tokens=10, seed=7, temperature=2.0, top_p=0.3)]
         _wait([engine.submit(s, e) for s, e in zip(specs, mixed)])
     finally:
         engine.shutdown(drain_s=0)
@@ -177,6 +179,8 @@ def test_seeded_sampling_gives_generates_tokens_alone_and_in_a_mixed_batch(model
     assert mixed[0].tokens == generate(model, [prompts[2]], 15, temperature=1.3,
                                        generator=torch.Generator().manual_seed(99)).tokens[0]
     assert mixed[1].tokens == generate(model, [prompts[1]], 9, temperature=0).tokens[0]
+    assert mixed[4].tokens == generate(model, [prompts[4]], 10, temperature=2.0, top_p=0.3,
+                                       generator=torch.Generator().manual_seed(7)).tokens[0]
 
 
 @pytest.mark.reference
