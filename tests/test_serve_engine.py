@@ -701,3 +701,32 @@ def test_an_engine_that_breaks_mid_run_ends_every_request_it_holds(model, gen, c
     with pytest.raises(EngineClosed):
         engine.submit(RequestSpec(prompt=(1,), max_tokens=1, temperature=0), Events())
     engine.shutdown(drain_s=0)
+
+
+@pytest.mark.reference
+def test_a_failed_prefill_costs_the_prompts_behind_it_nothing(model, gen, monkeypatch):
+    """The oldest of three prompts fails its prefill: it ends ``"error"`` and the two behind it
+    are prefilled in the same iteration (each has its first token after it), then get
+    ``generate``'s tokens."""
+    prompts = _prompts(gen, [4, 3, 5])
+    real = model.forward_cached
+    bad = tuple(prompts[0])
+
+    def prefill(idx, cache):  # type: ignore[no-untyped-def]
+        if tuple(idx[0].tolist()) == bad:
+            raise RuntimeError("planted prefill failure")
+        return real(idx, cache)
+
+    monkeypatch.setattr(model, "forward_cached", prefill)
+    engine = Engine(model, EngineConfig(slots=3, prefill_chunk=64))
+    events = [Events() for _ in prompts]
+    for p, e in zip(prompts, events):
+        engine.submit(RequestSpec(prompt=p, max_tokens=3, temperature=0), e)
+    loop = _iterations(engine)
+    next(loop)
+    assert events[0].reason == "error" and [len(e.tokens) for e in events] == [0, 1, 1]
+    for _ in loop:
+        pass
+    monkeypatch.undo()
+    for p, e in zip(prompts[1:], events[1:]):
+        assert e.reason == "length" and e.tokens == generate(model, [p], 3, temperature=0).tokens[0]
