@@ -382,8 +382,9 @@ def test_bad_values_are_named(model):
             engine.submit(RequestSpec(**{**ok, **bad}), Events())
     with pytest.raises(ValueError, match="capacity=64 exceeds the model's max_seq_len=48"):
         Engine(model, EngineConfig(capacity=64))
-    with pytest.raises(ValueError, match="drain_s must be a number >= 0"):
-        engine.shutdown(drain_s=-1)
+    for bad in (-1, True, "1", float("nan")):
+        with pytest.raises(ValueError, match="drain_s must be a number >= 0"):
+            engine.shutdown(drain_s=bad)
     assert [step_sizes(n) for n in (1, 2, 5, 8)] == [(1,), (1, 2), (1, 2, 4, 5), (1, 2, 4, 8)]
     assert set(FINISH_REASONS) == {"stop", "length", "timeout", "cancelled", "shutdown", "error"}
 
