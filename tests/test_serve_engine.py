@@ -380,8 +380,9 @@ def test_bad_values_are_named(model):
                         "max_tokens: the prompt's 8 tokens and max_tokens=3")):
         with pytest.raises(ValueError, match=match):
             engine.submit(RequestSpec(**{**ok, **bad}), Events())
-    with pytest.raises(ValueError, match="capacity=64 exceeds the model's max_seq_len=48"):
-        Engine(model, EngineConfig(capacity=64))
+    with pytest.raises(ValueError, match="capacity=49 exceeds the model's max_seq_len=48"):
+        Engine(model, EngineConfig(capacity=MAX_SEQ + 1))
+    assert Engine(model, EngineConfig(capacity=MAX_SEQ)).capacity == MAX_SEQ  # (the limit itself is taken)
     for bad in (-1, True, "1", float("nan")):
         with pytest.raises(ValueError, match="drain_s must be a number >= 0"):
             engine.shutdown(drain_s=bad)
