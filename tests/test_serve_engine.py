@@ -546,8 +546,9 @@ def test_stats_count_what_ran(model, gen, monkeypatch):
     """Five requests in three slots, each token's callback sleeping ``nap`` seconds: while the
     first token goes out three run and two wait; afterwards the counts add up (every decoded row
     gave a token, a request's first comes from its prefill; a step is a call of the model's
-    decode step), and the times are the requests' own: each time to first token within the test's clock readings around it, each time
-    between two tokens at least the nap and the sums at most the requests' lifetimes."""
+    decode step), and the times are the requests' own: each time to first token within the
+    test's clock readings around it, each time between two tokens at least the nap and the sums
+    at most the requests' lifetimes."""
     nap = 0.01
     lengths = torch.randint(1, 10, (5,), generator=gen).tolist()
     maxes = torch.randint(2, 6, (5,), generator=gen).tolist()
