@@ -5,6 +5,7 @@ docs/testing.md)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -131,3 +132,44 @@ def test_each_package_runs_in_its_own_work_directory_with_its_own_tests(tmp_path
     assert kw["env"]["OMP_NUM_THREADS"] == "2"  # 7 cores shared by 3 children
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert run.main(["parallel/tuner"]) == 0 and calls[-1][1]["env"]["OMP_NUM_THREADS"] == "5"  # the caller's wins
+
+
+def test_forked_runs_record_each_mutants_verdict_in_mutmuts_files(tmp_path):
+    """``mutation_forked.py``: each selected mutant runs with ``MUTANT_UNDER_TEST`` set over the
+    tests that covered its function (or the files given), and its verdict lands in the ``.meta``
+    file mutmut keeps, where the report reads it: a failing test kills, passing tests survive,
+    a child past the limit times out, a function no test covered has no test, a mutant with a
+    result is left alone (and one not matched)."""
+    mutants = tmp_path / "mutants"
+    (mutants / "tests").mkdir(parents=True)
+    (mutants / "tests" / "test_fake.py").write_text(
+        "import os, time\n"
+        "def test_f():\n"
+        "    name = os.environ.get('MUTANT_UNDER_TEST', '')\n"
+        "    assert not name.endswith('f__mutmut_2')\n"
+        "    if name.endswith('f__mutmut_3'):\n"
+        "        time.sleep(60)\n"
+        "def test_other():\n"
+        "    assert os.environ.get('MUTANT_UNDER_TEST', '') != 'moeflow.fake.x_g__mutmut_1'\n")
+    codes = {f"moeflow.fake.x_f__mutmut_{i}": None for i in (1, 2, 3)}
+    codes |= {"moeflow.fake.x_g__mutmut_1": None, "moeflow.fake.x_h__mutmut_1": None,
+              "moeflow.fake.x_f__mutmut_4": 1, "moeflow.other.x_k__mutmut_1": None}
+    meta = mutants / "moeflow.fake.py.meta"
+    meta.write_text(json.dumps({"exit_code_by_key": codes, "durations_by_key": {}}))
+    (mutants / "mutmut-stats.json").write_text(json.dumps({
+        "tests_by_mangled_function_name": {"moeflow.fake.x_f": ["tests/test_fake.py::test_f"], "moeflow.fake.x_h": []},
+        "duration_by_test": {"tests/test_fake.py::test_f": 0.01}}))
+    tool = Path(__file__).parent / "tools" / "mutation_forked.py"
+    done = subprocess.run([sys.executable, str(tool), "serve", "--work", str(mutants), "--tests", "tests/test_fake.py",
+                           "--mutants", "moeflow.fake.*", "--limit", "4"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(meta.read_text())["exit_code_by_key"]
+    assert got == {"moeflow.fake.x_f__mutmut_1": 0, "moeflow.fake.x_f__mutmut_2": 1, "moeflow.fake.x_f__mutmut_3": 36,
+                   "moeflow.fake.x_g__mutmut_1": 1,  # not in the coverage pass: the files given, test_other kills
+                   "moeflow.fake.x_h__mutmut_1": 33, "moeflow.fake.x_f__mutmut_4": 1,
+                   "moeflow.other.x_k__mutmut_1": None}
+    table = {row["package"]: row for row in report.score_table(got, {})}
+    assert (table["fake"]["killed"], table["fake"]["survived"], table["fake"]["no test"]) == (4, 1, 1)
+    bad = subprocess.run([sys.executable, str(tool), "serve", "--work", str(tmp_path / "none"), "--mutants", "x*"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no mutants in" in bad.stderr
