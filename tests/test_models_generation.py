@@ -159,6 +159,33 @@ def test_generation_arguments_are_checked_naming_the_value() -> None:
 
 
 @pytest.mark.unit
+def test_generate_tensor_defaults_to_the_eager_cached_loop_and_checks_idx(gen, monkeypatch) -> None:
+    """``generate_tensor`` (public here, ``MoEGPT.generate``'s body) without ``use_cache`` or
+    ``compile`` runs the eager KV-cached loop (``generate`` with ``compile=False``, never the
+    uncached one) and returns ``idx`` followed by its tokens; ``idx`` must be a 2-D tensor with
+    a column or more (one is enough), anything else a ``ValueError`` naming ``idx``."""
+    import moeflow.models.generation as generation
+
+    model = small_gpt(max_seq_len=32).eval()
+    B, S, n = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen)), 4
+    calls: list[tuple[str, object]] = []
+    real, real_uncached = generation.generate, generation.generate_uncached
+    monkeypatch.setattr(generation, "generate",
+                        lambda *a, **kw: calls.append(("cached", kw.get("compile"))) or real(*a, **kw))
+    monkeypatch.setattr(generation, "generate_uncached",
+                        lambda *a, **kw: calls.append(("uncached", None)) or real_uncached(*a, **kw))
+    for cols in (S, 1):
+        idx = torch.randint(0, 61, (B, cols), generator=gen)
+        calls.clear()
+        out = generation.generate_tensor(model, idx, n, temperature=0)
+        assert calls == [("cached", False)]
+        assert torch.equal(out[:, :cols], idx) and out[:, cols:].tolist() == real(model, idx, n, temperature=0).tokens
+    for bad in (torch.tensor([1, 2]), torch.zeros(1, 2, 2, dtype=torch.long), [[1, 2]], torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"idx must be \[batch, seq\] with at least one token per row"):
+            generation.generate_tensor(model, bad, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.unit
 def test_sampling_config_checks_stop_tokens_on_construction() -> None:
     assert SamplingConfig(eos=3).eos == frozenset({3}) and SamplingConfig(eos=None).eos == frozenset()
     assert SamplingConfig(eos=[5, 2, 5]).eos == frozenset({2, 5}) == SamplingConfig(eos=(2, 5)).eos
