@@ -138,6 +138,25 @@ def test_active_parameters_count_k_of_e_experts() -> None:
     assert total - active == expert * 3 // 4
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("moe_every", [0, 1, 2])
+def test_parameter_counts_are_the_models_and_k_of_e_experts_per_token(gen, moe_every) -> None:
+    """``num_parameters``: the total counts every parameter once (a tied head is the embedding);
+    ``active`` is the rest plus ``k / E`` of the experts' (a dense model: the total), both ints,
+    on random ``E``, ``k`` and tying."""
+    E = int(torch.randint(2, 7, (1,), generator=gen))
+    k = int(torch.randint(1, E + 1, (1,), generator=gen))
+    tie = bool(torch.randint(0, 2, (1,), generator=gen))
+    model = small_gpt(moe_every=moe_every, num_experts=E, top_k=k, tie_embeddings=tie)
+    total, active = model.num_parameters()
+    unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
+    expert = sum(p.numel() for layer in moeflow.moe_layers(model) for p in layer.experts.parameters())
+    assert type(total) is int and type(active) is int
+    assert total == sum(unique.values())
+    assert active == total - expert + expert // E * k
+    assert (active == total) == (moe_every == 0 or k == E) and (expert > 0) == (moe_every > 0)
+
+
 @pytest.mark.reference
 def test_tiny_preset_loss_starts_near_uniform(gen) -> None:
     model = MoEGPT(gpt_config("tiny", vocab_size=256))
