@@ -183,6 +183,14 @@ def test_generate_tensor_defaults_to_the_eager_cached_loop_and_checks_idx(gen, m
     for bad in (torch.tensor([1, 2]), torch.zeros(1, 2, 2, dtype=torch.long), [[1, 2]], torch.zeros(2, 0, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"idx must be \[batch, seq\] with at least one token per row"):
             generation.generate_tensor(model, bad, 2)  # type: ignore[arg-type]
+    idx = torch.randint(0, 61, (B, S), generator=gen)
+    calls.clear()
+    for flags, err, needle in [(dict(use_cache="yes"), TypeError, "use_cache must be a bool, got str 'yes'"),
+                               (dict(compile=1), TypeError, "compile must be a bool, got int 1"),
+                               (dict(compile=True, use_cache=False), ValueError, "cannot go with use_cache=False")]:
+        with pytest.raises(err, match=needle):
+            generation.generate_tensor(model, idx, 2, **flags)  # type: ignore[arg-type]
+    assert calls == []  # (a refused call generates nothing)
 
 
 @pytest.mark.unit
