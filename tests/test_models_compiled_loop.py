@@ -124,8 +124,9 @@ def test_the_decoder_asks_for_one_static_graph_of_the_step_and_keeps_one_per_mod
     assert second is not decoder and second.head is None and compiles[1][0] == m.decode_step
     m.lm_head = torch.nn.Linear(m.config.dim, m.config.vocab_size, bias=False)
     assert isinstance(compiled_decoder(m).head, HeadProduct) and len(compiles) == 3
-    m.to("meta")  # another device: a new decoder, with the head in the graph
+    m.to("meta")  # another device: a new decoder, with the head in the graph and no C++ wrapper
     assert compiled_decoder(m).device == torch.device("meta") and compiled_decoder(m).head is None
+    assert compiles[-1] == (m.decode_step, dict(fullgraph=True, dynamic=False, mode=None, options=None))
 
 
 @pytest.mark.unit

@@ -174,12 +174,12 @@ def test_generate_tensor_defaults_to_the_eager_cached_loop_and_checks_idx(gen, m
                         lambda *a, **kw: calls.append(("cached", kw.get("compile"))) or real(*a, **kw))
     monkeypatch.setattr(generation, "generate_uncached",
                         lambda *a, **kw: calls.append(("uncached", None)) or real_uncached(*a, **kw))
-    for cols in (S, 1):
+    for cols, new in ((S, n), (1, n), (S, 1), (S, 0)):
         idx = torch.randint(0, 61, (B, cols), generator=gen)
         calls.clear()
-        out = generation.generate_tensor(model, idx, n, temperature=0)
-        assert calls == [("cached", False)]
-        assert torch.equal(out[:, :cols], idx) and out[:, cols:].tolist() == real(model, idx, n, temperature=0).tokens
+        out = generation.generate_tensor(model, idx, new, temperature=0)
+        assert calls == [("cached", False)] and out.shape == (B, cols + new) and out is not idx
+        assert torch.equal(out[:, :cols], idx) and out[:, cols:].tolist() == real(model, idx, new, temperature=0).tokens
     for bad in (torch.tensor([1, 2]), torch.zeros(1, 2, 2, dtype=torch.long), [[1, 2]], torch.zeros(2, 0, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"idx must be \[batch, seq\] with at least one token per row"):
             generation.generate_tensor(model, bad, 2)  # type: ignore[arg-type]
