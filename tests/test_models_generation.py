@@ -174,11 +174,12 @@ def test_generate_tensor_defaults_to_the_eager_cached_loop_and_checks_idx(gen, m
                         lambda *a, **kw: calls.append(("cached", kw.get("compile"))) or real(*a, **kw))
     monkeypatch.setattr(generation, "generate_uncached",
                         lambda *a, **kw: calls.append(("uncached", None)) or real_uncached(*a, **kw))
-    for cols, new in ((S, n), (1, n), (S, 1), (S, 0)):
-        idx = torch.randint(0, 61, (B, cols), generator=gen)
+    for cols, new, dtype in ((S, n, torch.int64), (1, n, torch.int32), (S, 1, torch.int64), (S, 0, torch.int32)):
+        idx = torch.randint(0, 61, (B, cols), generator=gen, dtype=dtype)
         calls.clear()
         out = generation.generate_tensor(model, idx, new, temperature=0)
         assert calls == [("cached", False)] and out.shape == (B, cols + new) and out is not idx
+        assert out.dtype == dtype  # idx's own
         assert torch.equal(out[:, :cols], idx) and out[:, cols:].tolist() == real(model, idx, new, temperature=0).tokens
     for bad in (torch.tensor([1, 2]), torch.zeros(1, 2, 2, dtype=torch.long), [[1, 2]], torch.zeros(2, 0, dtype=torch.long)):
         with pytest.raises(ValueError, match=r"idx must be \[batch, seq\] with at least one token per row"):
