@@ -239,6 +239,35 @@ def test_a_generation_puts_packed_stand_ins_in_place_and_every_module_back(gen, 
 
 
 @pytest.mark.unit
+def test_the_packed_kernel_is_built_before_the_clock_starts_and_only_when_something_packs(gen, compiles,
+                                                                                        monkeypatch):
+    """The packed kernel's build (``packed_cpu_available``: seconds, once per machine) is asked
+    for before a generation's clock first reads, not inside the timed prefill, whenever
+    anything can be packed: the head, the experts or a linear (here: fp32 linears with a
+    bias-free head, and with a head with a bias beside experts of one's own); a model with
+    nothing to pack (fp64 weights, a head with a bias) never asks."""
+    events: list[str] = []
+    monkeypatch.setattr(compiled_decode, "packed_cpu_available", lambda: events.append("build") and False)
+
+    def clock() -> float:
+        events.append("clock")
+        return float(len(events))
+
+    plain = _model(gen)
+    biased = _model(gen)
+    biased.lm_head = torch.nn.Linear(biased.config.dim, biased.config.vocab_size, bias=True)
+    for layer in moe_layers(biased):
+        layer.experts.__class__ = type("OwnGroupedExperts", (GroupedExperts,), {})  # (not packable)
+    nothing = _model(gen).double()
+    nothing.lm_head = torch.nn.Linear(nothing.config.dim, nothing.config.vocab_size, bias=True, dtype=torch.float64)
+    for m, builds in ((plain, True), (biased, True), (nothing, False)):
+        events.clear()
+        out = generate(m, [[1, 2, 3]], 3, temperature=0, compile=True, clock=clock)
+        assert out.tokens == generate(m, [[1, 2, 3]], 3, temperature=0).tokens
+        assert (events[0] == "build") == builds and ("build" in events) == builds, events
+
+
+@pytest.mark.unit
 def test_steps_that_cannot_be_one_graph_and_experts_of_ones_own_are_refused(gen, compiles, monkeypatch):
     """Experts of one's own in any MoE layer are refused up front naming the layer; a step
     whose tracing fails is a ``ValueError`` naming ``compile`` and the first line of dynamo's
