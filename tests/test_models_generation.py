@@ -148,7 +148,10 @@ def test_generation_arguments_are_checked_naming_the_value() -> None:
                                  ([[1, 61]], ValueError, "61"), ([[1, -2]], ValueError, "-2"),
                                  ([[1.5]], TypeError, "float"), ("abc", TypeError, "prompts"),
                                  (torch.zeros(2, 0, dtype=torch.long), ValueError, "at least one token"),
-                                 (torch.full((1, 2), 99), ValueError, "99")]:
+                                 (torch.full((1, 2), 99), ValueError, "99"),
+                                 (torch.ones(1, 2), ValueError, r"int tensor \[batch, seq\] .* got torch.float32 \(1, 2\)"),
+                                 (torch.ones(1, 2, 2, dtype=torch.long), ValueError, r"got torch.int64 \(1, 2, 2\)"),
+                                 (torch.ones(3, dtype=torch.int32), ValueError, r"got torch.int32 \(3,\)")]:
         with pytest.raises(err, match=needle):
             generate(model, prompts, 2)
     with pytest.raises(ValueError, match="temperature"):
