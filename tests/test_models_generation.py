@@ -145,8 +145,11 @@ def test_generation_arguments_are_checked_naming_the_value() -> None:
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, ok, -1)
     for prompts, err, needle in [([], TypeError, "prompts"), ([[1], []], ValueError, r"prompts\[1\]"),
-                                 ([[1, 61]], ValueError, "61"), ([[1, -2]], ValueError, "-2"),
-                                 ([[1.5]], TypeError, "float"), ("abc", TypeError, "prompts"),
+                                 ([[1, 61]], ValueError, r"prompts\[0\]: token ids must be in \[0, 61\), got 61"),
+                                 ([[1, -2]], ValueError, "-2"), ([[3], [1.5]], TypeError, r"prompts\[1\] holds float 1.5"),
+                                 ("abc", TypeError, "prompts"), (["ab"], ValueError, r"prompts\[0\] must be a non-empty"),
+                                 ([[1], 5], ValueError, r"prompts\[1\] must be a non-empty"),
+                                 (torch.full((1, 2), 61), ValueError, "got 61"),
                                  (torch.zeros(2, 0, dtype=torch.long), ValueError, "at least one token"),
                                  (torch.full((1, 2), 99), ValueError, "99"),
                                  (torch.ones(1, 2), ValueError, r"int tensor \[batch, seq\] .* got torch.float32 \(1, 2\)"),
@@ -154,6 +157,9 @@ def test_generation_arguments_are_checked_naming_the_value() -> None:
                                  (torch.ones(3, dtype=torch.int32), ValueError, r"got torch.int32 \(3,\)")]:
         with pytest.raises(err, match=needle):
             generate(model, prompts, 2)
+    # a list may hold its rows as 1-D tensors
+    rows = [torch.tensor([5, 9, 2]), [4, 8]]
+    assert generate(model, rows, 3, temperature=0).tokens == generate(model, [[5, 9, 2], [4, 8]], 3, temperature=0).tokens
     with pytest.raises(ValueError, match="temperature"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 1, temperature=float("nan"))
     with pytest.raises(TypeError, match="model must be a decoder such as MoEGPT .* got Linear"):
