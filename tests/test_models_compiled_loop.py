@@ -196,13 +196,15 @@ def test_a_generation_puts_packed_stand_ins_in_place_and_every_module_back(gen, 
     when the generation fails; experts that change between calls are followed."""
     import moeflow.experts.packed as packed
 
+    m = _model(gen)
+    decoder = compiled_decoder(m)
+    modules = dict(m.named_modules())
+    with torch.no_grad(), decoder.generation(m):  # where the kernel does not build, nothing is packed
+        assert dict(m.named_modules()) == modules and decoder.stand_ins == {} and decoder.linear_stand_ins == {}
     if packed_cpu._compiler() is None:
         pytest.skip("no C++ compiler: nothing is packed")
     for module in (compiled_decode, packed_dense):
         monkeypatch.setattr(module, "packed_cpu_available", packed_cpu.packed_cpu_available)
-    m = _model(gen)
-    decoder = compiled_decoder(m)
-    modules = dict(m.named_modules())
     linears = [n for n, mod in modules.items() if type(mod) is torch.nn.Linear and mod is not m.lm_head]
     experts = [layer.experts for layer in moe_layers(m)]
     seen: list[dict] = []
@@ -212,12 +214,15 @@ def test_a_generation_puts_packed_stand_ins_in_place_and_every_module_back(gen, 
         assert all(isinstance(layer.experts, PackedCPUExperts) for layer in moe_layers(m))
         assert decoder.head.packed is not None and decoder.head.weight_VD is m.lm_head.weight
         assert decoder.state is not None
-        seen.append(dict(decoder.stand_ins))
+        seen += [dict(decoder.stand_ins), dict(decoder.linear_stand_ins)]
+        assert set(seen[1]) == set(linears) and all(now[n] is seen[1][n] for n in linears)
     assert dict(m.named_modules()) == modules and decoder.head.packed is None and decoder.state is None
     with pytest.raises(RuntimeError, match="inside"), decoder.generation(m):
         raise RuntimeError("inside")
     assert dict(m.named_modules()) == modules and decoder.head.packed is None
-    assert decoder.stand_ins == seen[0]  # kept between generations
+    # kept between generations: the same objects (the compiled step reads their buffers)
+    assert decoder.stand_ins == seen[0] and decoder.linear_stand_ins == seen[1]
+    assert all(decoder.linear_stand_ins[n] is seen[1][n] for n in linears)
     prompts = _prompts(gen, [6, 2, 4])
     before = generate(m, prompts, 6, temperature=0).tokens
     assert generate(m, prompts, 6, temperature=0, compile=True).tokens == before  # (its warm-up: 1 step)
@@ -231,11 +236,20 @@ def test_a_generation_puts_packed_stand_ins_in_place_and_every_module_back(gen, 
         w_in.data.copy_(w_in.roll(1, dims=0))  # the experts trade weights (no version moves)
     eager = generate(m, prompts, 6, temperature=0).tokens
     assert eager != before and generate(m, prompts, 6, temperature=0, compile=True).tokens == eager
-    # experts no longer packable (a subclass may compute something else): theirs stay, their stand-in goes
-    experts[0].__class__ = type("OwnGroupedExperts", (GroupedExperts,), {})
+    # experts no longer packable (a subclass may compute something else): theirs stay and their
+    # stand-ins go; the linears are still packed (the same stand-ins); a linear no longer
+    # packable keeps its own module and its stand-in goes
+    for e in experts:
+        e.__class__ = type("OwnGroupedExperts", (GroupedExperts,), {})
+    first = linears[0]
+    parent, _, attr = first.rpartition(".")
+    own = type("OwnLinear", (torch.nn.Linear,), {})(m.config.dim, m.config.dim)
+    setattr(m.get_submodule(parent), attr, own)
     with torch.no_grad(), decoder.generation(m):
-        assert moe_layers(m)[0].experts is experts[0] and 0 not in decoder.stand_ins
-        assert all(isinstance(layer.experts, PackedCPUExperts) for layer in moe_layers(m)[1:])
+        now = dict(m.named_modules())
+        assert [layer.experts for layer in moe_layers(m)] == experts and decoder.stand_ins == {}
+        assert now[first] is own and first not in decoder.linear_stand_ins
+        assert all(now[n] is seen[1][n] for n in linears[1:])
 
 
 @pytest.mark.unit
