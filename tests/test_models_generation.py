@@ -142,7 +142,7 @@ def test_generation_arguments_are_checked_naming_the_value() -> None:
     ]:
         with pytest.raises(err, match=needle):
             generate(model, ok, 2, **kwargs)
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="^max_new_tokens must be >= 0, got -1"):
         generate(model, ok, -1)
     for prompts, err, needle in [([], TypeError, "prompts"), ([[1], []], ValueError, r"prompts\[1\]"),
                                  ([[1, 61]], ValueError, r"prompts\[0\]: token ids must be in \[0, 61\), got 61"),
@@ -201,6 +201,27 @@ def test_generate_tensor_defaults_to_the_eager_cached_loop_and_checks_idx(gen, m
         with pytest.raises(err, match=needle):
             generation.generate_tensor(model, idx, 2, **flags)  # type: ignore[arg-type]
     assert calls == []  # (a refused call generates nothing)
+
+
+@pytest.mark.reference
+def test_generation_makes_its_tensors_on_the_models_device(gen) -> None:
+    """With ``meta`` as the default device a CPU model generates what it generates without it
+    (greedy past ``max_seq_len``, where the window slides, and seeded sampling; the cached and
+    the plain loop): every tensor a generation makes names the model's device."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = small_gpt(max_seq_len=16).eval()
+    prompts = _prompts(gen, [3, 7])
+    idx = torch.tensor([prompts[1]])
+    sampling = dict(temperature=0.8, top_k=9, top_p=0.9)
+
+    def run() -> list:  # type: ignore[type-arg]
+        return [generate(model, prompts, 14, temperature=0).tokens,
+                generate(model, prompts, 6, generator=torch.Generator().manual_seed(1), **sampling).tokens,
+                generate_uncached(model, idx, 4, temperature=0)]
+
+    want = run()
+    with torch.device("meta"):
+        assert run() == want
 
 
 @pytest.mark.unit
