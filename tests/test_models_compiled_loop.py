@@ -283,7 +283,8 @@ def test_the_packed_kernel_is_built_before_the_clock_starts_and_only_when_someth
 
 @pytest.mark.unit
 def test_steps_that_cannot_be_one_graph_and_experts_of_ones_own_are_refused(gen, compiles, monkeypatch):
-    """Experts of one's own in any MoE layer are refused up front naming the layer; a step
+    """Experts of one's own in any MoE layer are refused up front naming the layer, prompts
+    outside the vocabulary naming the id; a step
     whose tracing fails is a ``ValueError`` naming ``compile`` and the first line of dynamo's
     error; ``cache`` and ``slot_cache`` outside ``generation`` are errors."""
     m = _model(gen)
@@ -294,6 +295,9 @@ def test_steps_that_cannot_be_one_graph_and_experts_of_ones_own_are_refused(gen,
     with pytest.raises(ValueError, match=f"compile=True needs .* MoE layer {i} has ModuleExperts with LocalDispatcher"):
         generate(m, [[1, 2]], 3, temperature=0, compile=True)
     layers[i].experts = own
+    for prompts in ([[1, 61]], torch.tensor([[4, 61]])):  # prompts are checked against the vocabulary
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 61\), got 61"):
+            generate(m, prompts, 3, temperature=0, compile=True)
     decoder = compiled_decoder(m)
 
     def untraceable(*args):  # type: ignore[no-untyped-def]
