@@ -74,6 +74,8 @@ def test_the_compiled_loop_gives_the_eager_loops_tokens(gen, compiles):
         eager, compiled = (generate(m, prompts, n, temperature=0, compile=c) for c in (False, True))
         assert compiled.tokens == eager.tokens and len(compiled.tokens) == len(prompts)
         assert (compiled.prefill_tokens, compiled.decode_tokens) == (eager.prefill_tokens, eager.decode_tokens)
+        if n == 0:  # nothing run, nothing timed
+            assert compiled == eager and (compiled.prefill_s, compiled.decode_s) == (0.0, 0.0)
     sampling = dict(temperature=0.9, top_k=12, top_p=0.95)
     eager, compiled = (generate(m, batch, 11, generator=torch.Generator().manual_seed(7), compile=c, **sampling)
                        for c in (False, True))
