@@ -152,8 +152,9 @@ def test_caches_are_kept_per_shape_and_state_and_the_least_recently_used_go(gen,
     assert decoder.compilations == 1 and [k[:2] for k in decoder.caches] == [(2, 16)]
     cache = next(iter(decoder.caches.values()))
     prompts = _prompts(gen, [4, 3])
-    assert generate(m, prompts, 11, temperature=0, compile=True).tokens == generate(m, prompts, 11, temperature=0).tokens
-    assert decoder.compilations == 1 and next(iter(decoder.caches.values())) is cache  # 16 columns again
+    # 4 + 13 - 1 = 16 columns ever fed (the last token is never fed): the same cache
+    assert generate(m, prompts, 13, temperature=0, compile=True).tokens == generate(m, prompts, 13, temperature=0).tokens
+    assert decoder.compilations == 1 and next(iter(decoder.caches.values())) is cache
     for B, n, count in ((1, 10, 2), (3, 10, 3), (2, 20, 4), (1, 20, 5)):  # capacities 16, 16, 32, 32
         generate(m, _prompts(gen, [4] * B), n, temperature=0, compile=True)
         assert decoder.compilations == count
@@ -340,3 +341,22 @@ def test_slot_caches_step_each_row_view_like_the_eager_step(gen, compiles):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
             next_B, pos_B = want.argmax(-1), pos_B + 1
         assert all(t[3].eq(0).all() for t in (*cache.k, *cache.v))
+
+
+@pytest.mark.reference
+def test_the_compiled_loop_makes_its_tensors_on_the_models_device(gen, compiles):
+    """With ``meta`` as the default device a CPU model's compiled generation gives the tokens it
+    gives without it (greedy and sampled, stop tokens, the window sliding): every tensor the
+    loop and its caches make names the model's device."""
+    m = _model(gen)
+    batch = _prompts(gen, [6, 2, 4])
+
+    def run() -> list:  # type: ignore[type-arg]
+        greedy = generate(m, batch, MAX_SEQ + 3, temperature=0, compile=True).tokens
+        sampled = generate(m, batch, 5, temperature=0.8, top_k=9, generator=torch.Generator().manual_seed(3),
+                           compile=True).tokens
+        return [greedy, sampled, generate(m, batch, 9, temperature=0, eos=[greedy[1][2]], compile=True).tokens]
+
+    want = run()
+    with torch.device("meta"):
+        assert run() == want

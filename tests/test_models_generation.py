@@ -207,7 +207,8 @@ def test_generate_tensor_defaults_to_the_eager_cached_loop_and_checks_idx(gen, m
 def test_generation_makes_its_tensors_on_the_models_device(gen) -> None:
     """With ``meta`` as the default device a CPU model generates what it generates without it
     (greedy past ``max_seq_len``, where the window slides, and seeded sampling; the cached and
-    the plain loop): every tensor a generation makes names the model's device."""
+    the plain loop, ``MoEGPT.generate``'s tensor): every tensor a generation makes names the
+    model's device."""
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     model = small_gpt(max_seq_len=16).eval()
     prompts = _prompts(gen, [3, 7])
@@ -217,7 +218,7 @@ def test_generation_makes_its_tensors_on_the_models_device(gen) -> None:
     def run() -> list:  # type: ignore[type-arg]
         return [generate(model, prompts, 14, temperature=0).tokens,
                 generate(model, prompts, 6, generator=torch.Generator().manual_seed(1), **sampling).tokens,
-                generate_uncached(model, idx, 4, temperature=0)]
+                generate_uncached(model, idx, 4, temperature=0), model.generate(idx, 3, temperature=0).tolist()]
 
     want = run()
     with torch.device("meta"):
