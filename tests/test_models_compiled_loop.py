@@ -105,6 +105,13 @@ def test_every_row_stopping_ends_the_loop_at_the_hosts_next_look(gen, compiles, 
     steps.clear()
     out = generate(m, batch, n, temperature=0, eos=[greedy[0][0]], compile=True)  # row 1 goes on
     assert len(steps) == n or greedy[0][0] in greedy[1]
+    # without stop tokens nothing is checked (no isin, no host look), with them every step but the last
+    looks: list[int] = []
+    real_isin = torch.isin
+    monkeypatch.setattr(torch, "isin", lambda *a, **kw: looks.append(1) or real_isin(*a, **kw))
+    assert generate(m, batch, n, temperature=0, compile=True).tokens == greedy and looks == []
+    generate(m, batch, 5, temperature=0, eos=[60], compile=True)
+    assert len(looks) == 4
 
 
 @pytest.mark.unit
