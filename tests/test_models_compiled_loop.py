@@ -292,6 +292,24 @@ def test_the_packed_kernel_is_built_before_the_clock_starts_and_only_when_someth
 
 
 @pytest.mark.unit
+def test_the_prefill_time_holds_the_packing_and_the_decode_time_the_rest(gen, compiles):
+    """``clock`` reads five times: around the packing (counted in the prefill), at the prefill's
+    start, after the first token (the prefill's end) and at the end (the decode's)."""
+    m = _model(gen)
+    generate(m, [[1, 2]], 3, temperature=0, compile=True)  # (compiled and warm: not timed anyway)
+    ticks = iter(range(10, 1000, 10))
+    readings: list[float] = []
+
+    def clock() -> float:
+        readings.append(float(next(ticks)))
+        return readings[-1]
+
+    out = generate(m, [[3, 4]], 3, temperature=0, compile=True, clock=clock)
+    assert readings == [10.0, 20.0, 30.0, 40.0, 50.0]
+    assert (out.prefill_s, out.decode_s) == ((20 - 10) + (40 - 30), 50 - 40)
+
+
+@pytest.mark.unit
 def test_steps_that_cannot_be_one_graph_and_experts_of_ones_own_are_refused(gen, compiles, monkeypatch):
     """Experts of one's own in any MoE layer are refused up front naming the layer, prompts
     outside the vocabulary naming the id; a step
