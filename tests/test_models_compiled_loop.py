@@ -66,11 +66,12 @@ def _prompts(gen: torch.Generator, lengths: list[int]) -> list[list[int]]:
 def test_the_compiled_loop_gives_the_eager_loops_tokens(gen, compiles):
     """Greedy for one row and a left-padded batch of random lengths, seeded sampling (the same
     draws: no row leaves either loop), stop tokens that end rows at different steps (one
-    before the host's first look, one after), one new token, none, and a window that slides
-    past ``max_seq_len``: the eager loop's tokens and token counts every time."""
+    before the host's first look, one after), one new token, none, a window that slides past
+    ``max_seq_len`` and a prompt longer than it (cut to its last window, beside a padded
+    one): the eager loop's tokens and token counts every time."""
     m = _model(gen)
-    one, batch = _prompts(gen, [5]), _prompts(gen, [6, 2, 4])
-    for prompts, n in ((one, 11), (batch, 11), (batch, 1), (batch, 0), (batch, MAX_SEQ + 4)):
+    one, batch, long = _prompts(gen, [5]), _prompts(gen, [6, 2, 4]), _prompts(gen, [MAX_SEQ + 3, 5])
+    for prompts, n in ((one, 11), (batch, 11), (batch, 1), (batch, 0), (batch, MAX_SEQ + 4), (long, 4)):
         eager, compiled = (generate(m, prompts, n, temperature=0, compile=c) for c in (False, True))
         assert compiled.tokens == eager.tokens and len(compiled.tokens) == len(prompts)
         assert (compiled.prefill_tokens, compiled.decode_tokens) == (eager.prefill_tokens, eager.decode_tokens)

@@ -262,6 +262,8 @@ def test_a_new_cache_has_the_shapes_it_is_given_and_each_bad_size_is_refused_by_
                 dict(cos_LR=torch.cat([cos, cos[:1]]), sin_LR=torch.cat([sin, sin[:1]]))):
         with pytest.raises(ValueError, match=r"cos_LR and sin_LR must both be \[\d+, R\] with R even"):
             KVCache(**{**kw, **bad})  # type: ignore[arg-type]
+    two = rope_cos_sin(L, 2, 10000.0, "cpu", torch.float32)  # the smallest rotary part: one pair
+    assert KVCache(**{**kw, "cos_LR": two[0], "sin_LR": two[1]}).cos_LR is two[0]  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=rf"pad_B must have shape \({B},\), got \({B + 1},\)"):
         KVCache(**{**kw, "pad_B": torch.zeros(B + 1, dtype=torch.long)})  # type: ignore[arg-type]
 
