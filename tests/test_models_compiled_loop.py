@@ -311,6 +311,20 @@ def test_the_prefill_time_holds_the_packing_and_the_decode_time_the_rest(gen, co
 
 
 @pytest.mark.unit
+def test_the_first_step_of_every_generation_runs_the_guards_in_full(gen, compiles, monkeypatch):
+    """Dynamo's guards are skipped on every compiled step but a generation's first, which runs
+    them (a change the traced state does not name recompiles there, not silently replays)."""
+    m = _model(gen)
+    decoder = compiled_decoder(m)
+    guarded: list[bool] = []
+    real = decoder.run
+    monkeypatch.setattr(decoder, "run", lambda *a, **kw: guarded.append(kw["guarded"]) or real(*a, **kw))
+    for n in (5, 3):
+        generate(m, [[1, 2, 3]], n, temperature=0, compile=True)
+    assert guarded == [True, False, False, False] + [True, False]
+
+
+@pytest.mark.unit
 def test_steps_that_cannot_be_one_graph_and_experts_of_ones_own_are_refused(gen, compiles, monkeypatch):
     """Experts of one's own in any MoE layer are refused up front naming the layer, prompts
     outside the vocabulary naming the id; a step
