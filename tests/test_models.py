@@ -138,6 +138,53 @@ def test_active_parameters_count_k_of_e_experts() -> None:
     assert total - active == expert * 3 // 4
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("moe_every", [0, 1, 2])
+def test_parameter_counts_are_the_models_and_k_of_e_experts_per_token(gen, moe_every) -> None:
+    """``num_parameters``: the total counts every parameter once (a tied head is the embedding);
+    ``active`` is the rest plus ``k / E`` of the experts' (a dense model: the total), both ints,
+    on random ``E``, ``k`` and tying."""
+    E = int(torch.randint(2, 7, (1,), generator=gen))
+    k = int(torch.randint(1, E + 1, (1,), generator=gen))
+    tie = bool(torch.randint(0, 2, (1,), generator=gen))
+    model = small_gpt(moe_every=moe_every, num_experts=E, top_k=k, tie_embeddings=tie)
+    total, active = model.num_parameters()
+    unique = {id(p): p.numel() for _, p in model.named_parameters(remove_duplicate=False)}
+    expert = sum(p.numel() for layer in moeflow.moe_layers(model) for p in layer.experts.parameters())
+    assert type(total) is int and type(active) is int
+    assert total == sum(unique.values())
+    assert active == total - expert + expert // E * k
+    assert (active == total) == (moe_every == 0 or k == E) and (expert > 0) == (moe_every > 0)
+
+
+@pytest.mark.unit
+def test_the_model_is_built_in_the_dtype_and_on_the_device_asked_for_with_its_embedding_dropout(gen) -> None:
+    """``MoEGPT(config, dtype=, device=)``: every parameter in that dtype and every parameter
+    and buffer on that device; ``config.dropout`` drops the embeddings' output in training
+    (zeros, the rest scaled by ``1 / (1 - p)``) and not in eval."""
+    for kw in (dict(dtype=torch.float64), dict(device="meta"), dict(dtype=torch.bfloat16, device="meta")):
+        model = MoEGPT(small_gpt().config, **kw)  # type: ignore[arg-type]
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            assert t.device.type == kw.get("device", "cpu"), name
+        for name, p in model.named_parameters():  # (a router's balance buffers stay fp32)
+            assert p.dtype == kw.get("dtype", torch.float32), name
+    model = small_gpt(dropout=0.5)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    model.embed.register_forward_hook(lambda mod, args, out: seen.append(("embed", out.detach())))
+    model.layers[0].register_forward_pre_hook(lambda mod, args: seen.append(("block", args[0].detach())))
+    idx = torch.randint(0, 61, (2, 12), generator=gen)
+    for train in (True, False):
+        seen.clear()
+        model.train(train)
+        model(idx)
+        (_, emb), (_, x) = seen
+        if train:
+            kept = x != 0
+            assert 0 < kept.float().mean() < 1 and torch.allclose(x[kept], 2 * emb[kept])
+        else:
+            assert torch.equal(x, emb)
+
+
 @pytest.mark.reference
 def test_tiny_preset_loss_starts_near_uniform(gen) -> None:
     model = MoEGPT(gpt_config("tiny", vocab_size=256))

@@ -142,20 +142,87 @@ def test_generation_arguments_are_checked_naming_the_value() -> None:
     ]:
         with pytest.raises(err, match=needle):
             generate(model, ok, 2, **kwargs)
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ValueError, match="^max_new_tokens must be >= 0, got -1"):
         generate(model, ok, -1)
     for prompts, err, needle in [([], TypeError, "prompts"), ([[1], []], ValueError, r"prompts\[1\]"),
-                                 ([[1, 61]], ValueError, "61"), ([[1, -2]], ValueError, "-2"),
-                                 ([[1.5]], TypeError, "float"), ("abc", TypeError, "prompts"),
+                                 ([[1, 61]], ValueError, r"prompts\[0\]: token ids must be in \[0, 61\), got 61"),
+                                 ([[1, -2]], ValueError, "-2"), ([[3], [1.5]], TypeError, r"prompts\[1\] holds float 1.5"),
+                                 ("abc", TypeError, "prompts"), (["ab"], ValueError, r"prompts\[0\] must be a non-empty"),
+                                 ([[1], 5], ValueError, r"prompts\[1\] must be a non-empty"),
+                                 (torch.full((1, 2), 61), ValueError, "got 61"),
                                  (torch.zeros(2, 0, dtype=torch.long), ValueError, "at least one token"),
-                                 (torch.full((1, 2), 99), ValueError, "99")]:
+                                 (torch.full((1, 2), 99), ValueError, "99"),
+                                 (torch.ones(1, 2), ValueError, r"int tensor \[batch, seq\] .* got torch.float32 \(1, 2\)"),
+                                 (torch.ones(1, 2, 2, dtype=torch.long), ValueError, r"got torch.int64 \(1, 2, 2\)"),
+                                 (torch.ones(3, dtype=torch.int32), ValueError, r"got torch.int32 \(3,\)")]:
         with pytest.raises(err, match=needle):
             generate(model, prompts, 2)
+    # a list may hold its rows as 1-D tensors
+    rows = [torch.tensor([5, 9, 2]), [4, 8]]
+    assert generate(model, rows, 3, temperature=0).tokens == generate(model, [[5, 9, 2], [4, 8]], 3, temperature=0).tokens
     with pytest.raises(ValueError, match="temperature"):
         model.generate(torch.zeros(1, 2, dtype=torch.long), 1, temperature=float("nan"))
     with pytest.raises(TypeError, match="model must be a decoder such as MoEGPT .* got Linear"):
         generate(torch.nn.Linear(2, 2), ok, 2)
     assert generate(model, ok, 0).tokens == [[]]
+
+
+@pytest.mark.unit
+def test_generate_tensor_defaults_to_the_eager_cached_loop_and_checks_idx(gen, monkeypatch) -> None:
+    """``generate_tensor`` (public here, ``MoEGPT.generate``'s body) without ``use_cache`` or
+    ``compile`` runs the eager KV-cached loop (``generate`` with ``compile=False``, never the
+    uncached one) and returns ``idx`` followed by its tokens; ``idx`` must be a 2-D tensor with
+    a column or more (one is enough), anything else a ``ValueError`` naming ``idx``."""
+    import moeflow.models.generation as generation
+
+    model = small_gpt(max_seq_len=32).eval()
+    B, S, n = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen)), 4
+    calls: list[tuple[str, object]] = []
+    real, real_uncached = generation.generate, generation.generate_uncached
+    monkeypatch.setattr(generation, "generate",
+                        lambda *a, **kw: calls.append(("cached", kw.get("compile"))) or real(*a, **kw))
+    monkeypatch.setattr(generation, "generate_uncached",
+                        lambda *a, **kw: calls.append(("uncached", None)) or real_uncached(*a, **kw))
+    for cols, new, dtype in ((S, n, torch.int64), (1, n, torch.int32), (S, 1, torch.int64), (S, 0, torch.int32)):
+        idx = torch.randint(0, 61, (B, cols), generator=gen, dtype=dtype)
+        calls.clear()
+        out = generation.generate_tensor(model, idx, new, temperature=0)
+        assert calls == [("cached", False)] and out.shape == (B, cols + new) and out is not idx
+        assert out.dtype == dtype  # idx's own
+        assert torch.equal(out[:, :cols], idx) and out[:, cols:].tolist() == real(model, idx, new, temperature=0).tokens
+    for bad in (torch.tensor([1, 2]), torch.zeros(1, 2, 2, dtype=torch.long), [[1, 2]], torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"idx must be \[batch, seq\] with at least one token per row"):
+            generation.generate_tensor(model, bad, 2)  # type: ignore[arg-type]
+    idx = torch.randint(0, 61, (B, S), generator=gen)
+    calls.clear()
+    for flags, err, needle in [(dict(use_cache="yes"), TypeError, "use_cache must be a bool, got str 'yes'"),
+                               (dict(compile=1), TypeError, "compile must be a bool, got int 1"),
+                               (dict(compile=True, use_cache=False), ValueError, "cannot go with use_cache=False")]:
+        with pytest.raises(err, match=needle):
+            generation.generate_tensor(model, idx, 2, **flags)  # type: ignore[arg-type]
+    assert calls == []  # (a refused call generates nothing)
+
+
+@pytest.mark.reference
+def test_generation_makes_its_tensors_on_the_models_device(gen) -> None:
+    """With ``meta`` as the default device a CPU model generates what it generates without it
+    (greedy past ``max_seq_len``, where the window slides, and seeded sampling; the cached and
+    the plain loop, ``MoEGPT.generate``'s tensor): every tensor a generation makes names the
+    model's device."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = small_gpt(max_seq_len=16).eval()
+    prompts = _prompts(gen, [3, 7])
+    idx = torch.tensor([prompts[1]])
+    sampling = dict(temperature=0.8, top_k=9, top_p=0.9)
+
+    def run() -> list:  # type: ignore[type-arg]
+        return [generate(model, prompts, 14, temperature=0).tokens,
+                generate(model, prompts, 6, generator=torch.Generator().manual_seed(1), **sampling).tokens,
+                generate_uncached(model, idx, 4, temperature=0), model.generate(idx, 3, temperature=0).tolist()]
+
+    want = run()
+    with torch.device("meta"):
+        assert run() == want
 
 
 @pytest.mark.unit

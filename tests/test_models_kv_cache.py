@@ -227,6 +227,47 @@ def test_compiled_slot_steps_on_a_row_view_equal_the_eager_steps(gen):
 
 
 
+@pytest.mark.unit
+def test_a_new_cache_has_the_shapes_it_is_given_and_each_bad_size_is_refused_by_name(gen):
+    """``KVCache``: per block keys ``[B, G, L, K]`` and values ``[B, G, L, V]`` of the dtype and
+    device asked for (zeros when ``zeroed``), no column filled, ``pad_B`` as int64 on that
+    device and its largest value read once; the tables and window kept as given. Every size is
+    at least 1 but ``batch`` (0: no rows), and each is refused by name one below its minimum,
+    as are a window of 0, tables that are not ``[L, R]`` with ``R`` even and at least 2, and
+    ``pad_B`` of another shape."""
+    n_layers, B, G, K, V, L = (int(v) for v in torch.randint(1, 5, (6,), generator=gen))
+    R = 2 * int(torch.randint(1, 4, (1,), generator=gen))
+    cos, sin = rope_cos_sin(L, R, 10000.0, "cpu", torch.float32)
+    pad = torch.randint(0, L, (B,), generator=gen, dtype=torch.int32)
+    kw = dict(n_layers=n_layers, batch=B, kv_heads=G, k_dim=K, v_dim=V, capacity=L, pad_B=pad, cos_LR=cos, sin_LR=sin)
+    with torch.device("meta"):  # (the default device is not the cache's)
+        cache = KVCache(**kw, window=1, device="cpu", dtype=torch.float64, zeroed=True)  # type: ignore[arg-type]
+    assert len(cache.k) == len(cache.v) == n_layers and cache.length == 0 and cache.capacity == L
+    assert all(k.shape == (B, G, L, K) and v.shape == (B, G, L, V) for k, v in zip(cache.k, cache.v))
+    assert all(t.dtype == torch.float64 and t.device.type == "cpu" and t.eq(0).all() for t in (*cache.k, *cache.v))
+    assert len({t.data_ptr() for t in (*cache.k, *cache.v)}) == 2 * n_layers  # (no block shares another's)
+    assert cache.pad_B.dtype == torch.int64 and cache.pad_B.device.type == "cpu" and torch.equal(cache.pad_B, pad.long())
+    assert cache.max_pad == int(pad.max()) and cache.batch == B and cache.window == 1
+    assert cache.cos_LR is cos and cache.sin_LR is sin
+    plain = KVCache(**kw)  # type: ignore[arg-type]
+    assert plain.window is None and plain.k[0].dtype == torch.get_default_dtype() and plain.k[0].device.type == "cpu"
+    empty = KVCache(**{**kw, "batch": 0, "pad_B": torch.zeros(0, dtype=torch.long)})  # type: ignore[arg-type]
+    assert empty.batch == 0 and empty.max_pad == 0 and empty.k[0].shape == (0, G, L, K)
+    for name in ("n_layers", "batch", "kv_heads", "k_dim", "v_dim", "capacity", "window"):
+        low = -1 if name == "batch" else 0
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            KVCache(**{**kw, name: low})  # type: ignore[arg-type]
+    for bad in (dict(cos_LR=cos[:, :1], sin_LR=sin[:, :1]), dict(cos_LR=cos[:, :0], sin_LR=sin[:, :0]),
+                dict(cos_LR=cos[:, :R - 1], sin_LR=sin[:, :R - 1]), dict(sin_LR=sin[:, :R - 2]), dict(cos_LR=cos[0]),
+                dict(cos_LR=torch.cat([cos, cos[:1]]), sin_LR=torch.cat([sin, sin[:1]]))):
+        with pytest.raises(ValueError, match=r"cos_LR and sin_LR must both be \[\d+, R\] with R even"):
+            KVCache(**{**kw, **bad})  # type: ignore[arg-type]
+    two = rope_cos_sin(L, 2, 10000.0, "cpu", torch.float32)  # the smallest rotary part: one pair
+    assert KVCache(**{**kw, "cos_LR": two[0], "sin_LR": two[1]}).cos_LR is two[0]  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"pad_B must have shape \({B},\), got \({B + 1},\)"):
+        KVCache(**{**kw, "pad_B": torch.zeros(B + 1, dtype=torch.long)})  # type: ignore[arg-type]
+
+
 @pytest.mark.reference
 def test_kept_rows_and_a_reset_cache_decode_their_own_sequences(gen):
     """fp64: ``keep_rows`` keeps a random subset of left-padded rows in a random order, each

@@ -121,9 +121,11 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # the KV cache and the static decode step (the columns a call writes and reads, each row's
     # rotary positions, the padding and sliding-window masks, row views) and the compiled decoder
     # that runs the step; test_models_attention.py: the window masks and every attention option's
-    # cached and static steps against the whole sequence
+    # cached and static steps against the whole sequence; test_models_compiled_loop.py: the compiled
+    # decoder's loop, caches and stand-ins with the step left uncompiled (the compiling tests skip in
+    # mutmut's coverage pass, whose call records dynamo cannot trace: they cover no mutant)
     "models/decode": (["moeflow/models/kv_cache.py", "moeflow/models/compiled_decode.py"],
-                      ["test_models_kv_cache.py", "test_models_attention.py"]),
+                      ["test_models_kv_cache.py", "test_models_attention.py", "test_models_compiled_loop.py"]),
     # the language model around the blocks: its forward and loss, the cache it makes, the cached
     # call and the static step (test_models_kv_cache.py, test_models_attention.py: against the
     # whole sequence)
