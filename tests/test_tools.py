@@ -173,3 +173,24 @@ def test_forked_runs_record_each_mutants_verdict_in_mutmuts_files(tmp_path):
     bad = subprocess.run([sys.executable, str(tool), "serve", "--work", str(tmp_path / "none"), "--mutants", "x*"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no mutants in" in bad.stderr
+
+
+def test_no_function_under_mutation_hides_behind_a_no_grad_decorator():
+    """mutmut mutates no decorated function (but for ``staticmethod``/``classmethod``): with
+    ``@torch.no_grad()`` on ``clip_grad_norm_``, ``generate`` and the replicas' gradient sync,
+    their packages scored 100% while those functions had no mutant at all. They take
+    ``with torch.no_grad():`` in the body instead; this keeps it so in every mutated module."""
+    import ast
+    import glob
+
+    from mutation_run import PACKAGES, ROOT
+
+    hidden = []
+    for modules, _ in PACKAGES.values():
+        for path in sorted({f for m in modules for f in glob.glob(str(ROOT / m)) if f.endswith(".py")}):
+            for node in ast.walk(ast.parse(Path(path).read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    for dec in node.decorator_list:
+                        if ast.unparse(dec).startswith(("torch.no_grad", "torch.inference_mode", "torch.enable_grad")):
+                            hidden.append(f"{Path(path).relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not hidden, f"decorated out of mutation testing (use `with torch.no_grad():`): {hidden}"

@@ -37,7 +37,6 @@ __all__ = ["Decoder", "SamplingConfig", "Generation", "generate", "generate_unca
            "draw_device", "CompiledDecoder", "compiled_decoder", "STOP_CHECK_EVERY", "HeadProduct"]
 
 
-@torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
              eos: int | Sequence[int] | None = None, generator: torch.Generator | None = None,
@@ -52,80 +51,83 @@ def generate(model, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tok
     ``compile=True``: the decode steps run the compiled static step (``moeflow.models.compiled_decode``; the
     first call of a batch size and cache capacity compiles and warms it up before the clock
     starts)."""
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile must be a bool, got {type(compile).__name__} {compile!r}")
-    sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p, eos=eos)
-    if compile:
-        return generate_compiled(model, prompts, max_new_tokens, sampling, generator, clock)
-    V, device = model.config.vocab_size, model.embed.weight.device
-    rows = _check_prompts(prompts, V)
-    stop = sampling.eos
-    out: list[list[int]] = [[] for _ in rows]
-    prompt_tokens = sum(len(r) for r in rows)
-    if max_new_tokens == 0:
-        return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=0.0, decode_tokens=0, decode_s=0.0)
-    seq_BS, pad_B, P = _left_padded(rows, max_new_tokens, device)  # the sliding window reads the history
-    # columns ever fed: the prompt and every new token but the last
-    capacity = min(model.config.max_seq_len, P + max_new_tokens - 1)
-    live = list(range(len(rows)))  # the prompt of each cache row
-    cols = P
+    with torch.no_grad():
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be a bool, got {type(compile).__name__} {compile!r}")
+        sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p,
+                               eos=eos)
+        if compile:
+            return generate_compiled(model, prompts, max_new_tokens, sampling, generator, clock)
+        V, device = model.config.vocab_size, model.embed.weight.device
+        rows = _check_prompts(prompts, V)
+        stop = sampling.eos
+        out: list[list[int]] = [[] for _ in rows]
+        prompt_tokens = sum(len(r) for r in rows)
+        if max_new_tokens == 0:
+            return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=0.0, decode_tokens=0, decode_s=0.0)
+        seq_BS, pad_B, P = _left_padded(rows, max_new_tokens, device)  # the sliding window reads the history
+        # columns ever fed: the prompt and every new token but the last
+        capacity = min(model.config.max_seq_len, P + max_new_tokens - 1)
+        live = list(range(len(rows)))  # the prompt of each cache row
+        cols = P
 
-    t0 = clock()
-    cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
-    t1 = None
-    for step in range(max_new_tokens):
-        next_B = sample_next(logits_BV, sampling, generator)
-        ids = next_B.tolist()  # the one host sync of a step (stop tokens are checked here)
-        if t1 is None:
-            t1 = clock()
-        seq_BS[:, cols] = next_B
-        cols += 1
-        keep = []
-        for i, (r, t) in enumerate(zip(live, ids)):
-            out[r].append(t)
-            if t not in stop:
-                keep.append(i)
-        if not keep or step == max_new_tokens - 1:
-            break
-        if len(keep) < len(live):
-            keep_B = torch.tensor(keep, dtype=torch.long, device=device)
-            seq_BS, next_B, pad_B = seq_BS.index_select(0, keep_B), next_B.index_select(0, keep_B), pad_B[keep_B]
-            cache.keep_rows(keep_B)
-            live = [live[i] for i in keep]
-        if cache.length < cache.capacity:
-            logits_BV = model.forward_cached(next_B.unsqueeze(1), cache)
-        else:  # the context is longer than max_seq_len: the window slides
-            cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
-    t2 = clock()
-    generated = sum(len(o) for o in out)
-    return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=t1 - t0,  # type: ignore[operator]
-                      decode_tokens=generated - len(rows), decode_s=t2 - t1)  # type: ignore[operator]
+        t0 = clock()
+        cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
+        t1 = None
+        for step in range(max_new_tokens):
+            next_B = sample_next(logits_BV, sampling, generator)
+            ids = next_B.tolist()  # the one host sync of a step (stop tokens are checked here)
+            if t1 is None:
+                t1 = clock()
+            seq_BS[:, cols] = next_B
+            cols += 1
+            keep = []
+            for i, (r, t) in enumerate(zip(live, ids)):
+                out[r].append(t)
+                if t not in stop:
+                    keep.append(i)
+            if not keep or step == max_new_tokens - 1:
+                break
+            if len(keep) < len(live):
+                keep_B = torch.tensor(keep, dtype=torch.long, device=device)
+                seq_BS, next_B, pad_B = seq_BS.index_select(0, keep_B), next_B.index_select(0, keep_B), pad_B[keep_B]
+                cache.keep_rows(keep_B)
+                live = [live[i] for i in keep]
+            if cache.length < cache.capacity:
+                logits_BV = model.forward_cached(next_B.unsqueeze(1), cache)
+            else:  # the context is longer than max_seq_len: the window slides
+                cache, logits_BV = _prefill(model, seq_BS[:, :cols], pad_B, capacity)
+        t2 = clock()
+        generated = sum(len(o) for o in out)
+        return Generation(tokens=out, prefill_tokens=prompt_tokens, prefill_s=t1 - t0,  # type: ignore[operator]
+                          decode_tokens=generated - len(rows), decode_s=t2 - t1)  # type: ignore[operator]
 
 
-@torch.no_grad()
 def generate_uncached(model, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                       top_k: int | None = None, top_p: float = 1.0, eos: int | Sequence[int] | None = None,
                       generator: torch.Generator | None = None) -> list[list[int]]:
     """The reference: each step runs the model on the last ``max_seq_len`` tokens of every row
     (``idx [B, S]``, no padding) and picks the next token from the last position. Returns the
     new tokens per row, cut after a stop token, as ``generate`` does."""
-    sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p, eos=eos)
-    _check_prompts(idx_BS if isinstance(idx_BS, torch.Tensor) else torch.as_tensor(idx_BS, device="cpu"),
-                   model.config.vocab_size)  # a host list: checked on the host
-    stop = sampling.eos
-    out: list[list[int]] = [[] for _ in range(idx_BS.shape[0])]
-    done = [False] * idx_BS.shape[0]
-    for _ in range(max_new_tokens):
-        logits_BV = model(idx_BS[:, -model.config.max_seq_len:])[:, -1, :]
-        next_B = sample_next(logits_BV, sampling, generator)
-        idx_BS = torch.cat([idx_BS, next_B.unsqueeze(1)], dim=1)
-        for b, t in enumerate(next_B.tolist()):
-            if not done[b]:
-                out[b].append(t)
-                done[b] = t in stop
-        if all(done):
-            break
-    return out
+    with torch.no_grad():
+        sampling = _check_args(model, max_new_tokens, generator, temperature=temperature, top_k=top_k, top_p=top_p,
+                               eos=eos)
+        _check_prompts(idx_BS if isinstance(idx_BS, torch.Tensor) else torch.as_tensor(idx_BS, device="cpu"),
+                       model.config.vocab_size)  # a host list: checked on the host
+        stop = sampling.eos
+        out: list[list[int]] = [[] for _ in range(idx_BS.shape[0])]
+        done = [False] * idx_BS.shape[0]
+        for _ in range(max_new_tokens):
+            logits_BV = model(idx_BS[:, -model.config.max_seq_len:])[:, -1, :]
+            next_B = sample_next(logits_BV, sampling, generator)
+            idx_BS = torch.cat([idx_BS, next_B.unsqueeze(1)], dim=1)
+            for b, t in enumerate(next_B.tolist()):
+                if not done[b]:
+                    out[b].append(t)
+                    done[b] = t in stop
+            if all(done):
+                break
+        return out
 
 
 def generate_tensor(model, idx_BS: torch.Tensor, max_new_tokens: int, *, use_cache: bool = True,

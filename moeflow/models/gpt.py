@@ -67,23 +67,23 @@ class MoEGPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    @torch.no_grad()
     def _init_dense(self, std: float) -> None:
         # GPT-2's scheme: N(0, std) everywhere, output projections scaled by 1/sqrt(2 * layers)
         # so the residual stream's variance does not grow with depth. Experts init themselves.
         # Every projection of the attention (grouped-query or latent) is drawn in the order its
         # module defines them. Attention biases start at zero, norms at one (their modules' own
         # start) and sinks N(0, std), as transformers starts gpt-oss's.
-        nn.init.normal_(self.embed.weight, std=std)
-        nn.init.normal_(self.lm_head.weight, std=std)
-        for block in self.layers:
-            attn = block.attn
-            for name, lin in attn.named_children():
-                if isinstance(lin, nn.Linear):
-                    out = name == "o_proj"
-                    nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.config.n_layers) if out else std)
-            if getattr(attn, "sinks", None) is not None:
-                nn.init.normal_(attn.sinks, std=std)
+        with torch.no_grad():
+            nn.init.normal_(self.embed.weight, std=std)
+            nn.init.normal_(self.lm_head.weight, std=std)
+            for block in self.layers:
+                attn = block.attn
+                for name, lin in attn.named_children():
+                    if isinstance(lin, nn.Linear):
+                        out = name == "o_proj"
+                        nn.init.normal_(lin.weight, std=std / math.sqrt(2 * self.config.n_layers) if out else std)
+                if getattr(attn, "sinks", None) is not None:
+                    nn.init.normal_(attn.sinks, std=std)
 
     def forward(self, idx_BS: torch.Tensor) -> torch.Tensor:
         self._check_idx(idx_BS)
@@ -182,7 +182,6 @@ class MoEGPT(nn.Module):
             x_BSD = block(x_BSD, step, i)
         return self.norm(x_BSD[:, -1])
 
-    @torch.no_grad()
     def generate(self, idx_BS: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float = 1.0, eos: int | Sequence[int] | None = None,
                  generator: torch.Generator | None = None, use_cache: bool = True, compile: bool = False
@@ -200,8 +199,9 @@ class MoEGPT(nn.Module):
         tokens up to rounding; not with ``use_cache=False``). One implementation with
         ``moeflow.models.generation.generate``, which also takes ragged prompts and reports
         timings."""
-        return generate_tensor(self, idx_BS, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               eos=eos, generator=generator, use_cache=use_cache, compile=compile)
+        with torch.no_grad():
+            return generate_tensor(self, idx_BS, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   eos=eos, generator=generator, use_cache=use_cache, compile=compile)
 
     def num_parameters(self) -> tuple[int, int]:
         """``(total, active per token)``: active counts k of the E experts of each MoE block."""

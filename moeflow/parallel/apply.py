@@ -108,7 +108,6 @@ def expert_parallel(
     return model
 
 
-@torch.no_grad()
 def gather_hidden_experts(layer: MoE, name: str, slots_t: torch.Tensor) -> dict[int, torch.Tensor]:
     """Whole experts from the hidden slices of a hidden-sharded layer (``expert_parallel(...,
     hidden_shards=n)``): ``slots_t`` is this rank's ``[slots, ...]`` tensor of parameter ``name``
@@ -116,24 +115,26 @@ def gather_hidden_experts(layer: MoE, name: str, slots_t: torch.Tensor) -> dict[
     calls it, in the same order; each slice goes to the rank holding slice 0 of its expert (one
     all-to-all), which gets ``{expert: whole tensor}`` for those experts (the others ``{}``).
     Checkpoints save hidden-sharded layers through it."""
-    n, _ = layer.hidden_shards()
-    disp = layer.dispatcher
-    if n == 1 or not isinstance(disp, ExpertParallelDispatcher):
-        raise ValueError("gather_hidden_experts needs a layer whose experts are split by hidden units (hidden_shards > 1)")
-    E, W, r, e = layer.config.num_experts, disp.world, disp.rank, disp.placement.slots_per_rank
-    writer = lambda x: x // e  # noqa: E731  (the rank holding slot x = slice 0 of expert x)
-    mine = [r * e + i for i in range(e)]
-    order = sorted(range(e), key=lambda i: writer(mine[i] % E))  # by destination, stable
-    send_split = [sum(1 for v in mine if writer(v % E) == d) for d in range(W)]
-    arrivals = [v for s in range(W) for v in range(s * e, (s + 1) * e) if writer(v % E) == r]
-    recv_split = [sum(1 for v in range(s * e, (s + 1) * e) if writer(v % E) == r) for s in range(W)]
-    index = torch.tensor(order, dtype=torch.long, device=slots_t.device)
-    recv = all_to_all_rows(slots_t.reshape(e, -1).index_select(0, index), send_split, recv_split, disp.group)
-    by_expert: dict[int, dict[int, torch.Tensor]] = {}
-    for row, v in zip(recv, arrivals):
-        by_expert.setdefault(v % E, {})[v // E] = row.view(slots_t.shape[1:])
-    halves = layer.experts.halves
-    return {x: join_hidden_slices(name, [got[j] for j in range(n)], halves) for x, got in sorted(by_expert.items())}
+    with torch.no_grad():
+        n, _ = layer.hidden_shards()
+        disp = layer.dispatcher
+        if n == 1 or not isinstance(disp, ExpertParallelDispatcher):
+            raise ValueError("gather_hidden_experts needs a layer whose experts are split by hidden units "
+                             "(hidden_shards > 1)")
+        E, W, r, e = layer.config.num_experts, disp.world, disp.rank, disp.placement.slots_per_rank
+        writer = lambda x: x // e  # noqa: E731  (the rank holding slot x = slice 0 of expert x)
+        mine = [r * e + i for i in range(e)]
+        order = sorted(range(e), key=lambda i: writer(mine[i] % E))  # by destination, stable
+        send_split = [sum(1 for v in mine if writer(v % E) == d) for d in range(W)]
+        arrivals = [v for s in range(W) for v in range(s * e, (s + 1) * e) if writer(v % E) == r]
+        recv_split = [sum(1 for v in range(s * e, (s + 1) * e) if writer(v % E) == r) for s in range(W)]
+        index = torch.tensor(order, dtype=torch.long, device=slots_t.device)
+        recv = all_to_all_rows(slots_t.reshape(e, -1).index_select(0, index), send_split, recv_split, disp.group)
+        by_expert: dict[int, dict[int, torch.Tensor]] = {}
+        for row, v in zip(recv, arrivals):
+            by_expert.setdefault(v % E, {})[v // E] = row.view(slots_t.shape[1:])
+        halves = layer.experts.halves
+        return {x: join_hidden_slices(name, [got[j] for j in range(n)], halves) for x, got in sorted(by_expert.items())}
 
 
 def gather_layer_objects(layer: MoE, obj: object) -> list[object]:

@@ -110,7 +110,6 @@ def all_reduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | 
         offset += g.numel()
 
 
-@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip the gradients of ``model`` to a global 2-norm of ``max_norm``; returns the norm
     before clipping. With replicated experts, call ``sync_replica_gradients`` first.
@@ -121,32 +120,33 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup 
     clipping, as one process holding everything. Without torch.distributed (or ``group`` of
     one rank) it is ``torch.nn.utils.clip_grad_norm_``.
     """
-    if max_norm <= 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm}")
-    grads_dense = [p.grad for p in dense_parameters(model) if p.grad is not None]
-    grads_expert = [p.grad for p in expert_parameters(model) + vocab_parameters(model) if p.grad is not None]
-    ref = next(model.parameters())
-    sq_expert = torch.zeros((), dtype=torch.float64, device=ref.device)
-    # a replicated expert (load-aware placement) counts once: weight each slot by 1/replicas
-    slot_weight = {}
-    for layer in moe_layers(model):
-        placement = placement_of(layer)
-        if placement is not None and max(placement.num_replicas) > 1:
-            w = torch.tensor([1.0 / placement.num_replicas[x] for x in layer.dispatcher.layout.slot_experts],
-                             dtype=torch.float64, device=ref.device)
-            slot_weight.update({id(p): w for p in layer.experts.parameters()})
-    for p in expert_parameters(model) + vocab_parameters(model):
-        if p.grad is None:
-            continue
-        sq = p.grad.double().square()
-        if id(p) in slot_weight:
-            sq_expert += (sq.reshape(p.shape[0], -1).sum(1) * slot_weight[id(p)]).sum()
-        else:
-            sq_expert += sq.sum()
-    all_reduce_sum(sq_expert, group)  # nothing without torch.distributed
-    sq = sq_expert + sum((g.double().square().sum() for g in grads_dense), torch.zeros_like(sq_expert))
-    norm = sq.sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads_dense + grads_expert:
-        g.mul_(scale.to(g.dtype))
-    return norm
+    with torch.no_grad():
+        if max_norm <= 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        grads_dense = [p.grad for p in dense_parameters(model) if p.grad is not None]
+        grads_expert = [p.grad for p in expert_parameters(model) + vocab_parameters(model) if p.grad is not None]
+        ref = next(model.parameters())
+        sq_expert = torch.zeros((), dtype=torch.float64, device=ref.device)
+        # a replicated expert (load-aware placement) counts once: weight each slot by 1/replicas
+        slot_weight = {}
+        for layer in moe_layers(model):
+            placement = placement_of(layer)
+            if placement is not None and max(placement.num_replicas) > 1:
+                w = torch.tensor([1.0 / placement.num_replicas[x] for x in layer.dispatcher.layout.slot_experts],
+                                 dtype=torch.float64, device=ref.device)
+                slot_weight.update({id(p): w for p in layer.experts.parameters()})
+        for p in expert_parameters(model) + vocab_parameters(model):
+            if p.grad is None:
+                continue
+            sq = p.grad.double().square()
+            if id(p) in slot_weight:
+                sq_expert += (sq.reshape(p.shape[0], -1).sum(1) * slot_weight[id(p)]).sum()
+            else:
+                sq_expert += sq.sum()
+        all_reduce_sum(sq_expert, group)  # nothing without torch.distributed
+        sq = sq_expert + sum((g.double().square().sum() for g in grads_dense), torch.zeros_like(sq_expert))
+        norm = sq.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads_dense + grads_expert:
+            g.mul_(scale.to(g.dtype))
+        return norm

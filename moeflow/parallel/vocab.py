@@ -109,7 +109,7 @@ def mark_vocab_shard(p: nn.Parameter, start: int, vocab_size: int) -> nn.Paramet
     return p
 
 
-@torch.no_grad()
 def gather_vocab_weight(weight_vD: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """The full ``[V, D]`` table from every rank's rows (for export)."""
-    return torch.cat(all_gather_rows(weight_vD, group))
+    with torch.no_grad():
+        return torch.cat(all_gather_rows(weight_vD, group))

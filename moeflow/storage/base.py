@@ -165,17 +165,16 @@ class ExpertStore(Loads, ABC):
             return None
         return disk_key(layer, name), expert
 
-    @torch.no_grad()
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """A host copy of layer ``layer``'s current expert weights (name -> ``[E, ...]``); from
         the disk tier, read and checked (``DiskTierError`` if the file was damaged)."""
-        self._require_open()
-        self._check_layer(layer)
-        if self.disk is not None:
-            return {n: self.disk.tensor(disk_key(layer, n)) for n in self.layers[layer].names}
-        return {n: t.detach().to("cpu", copy=True) for n, t in self.layers[layer].home.items()}
+        with torch.no_grad():
+            self._require_open()
+            self._check_layer(layer)
+            if self.disk is not None:
+                return {n: self.disk.tensor(disk_key(layer, n)) for n in self.layers[layer].names}
+            return {n: t.detach().to("cpu", copy=True) for n, t in self.layers[layer].home.items()}
 
-    @torch.no_grad()
     def set_layer_weights(self, layer: int, weights: dict[str, torch.Tensor]) -> None:
         """Write ``weights`` (name -> ``[E, ...]``, any device, the home tensors' shapes; a
         subset of the names is fine) into layer ``layer``'s home tier and forget every slot.
@@ -183,25 +182,26 @@ class ExpertStore(Loads, ABC):
         Loads in flight are waited for first, so no read of the disk tier overlaps the write;
         a failed one (a damaged tier's block) is dropped with the slots: the weights it read
         are being replaced, and every later read is checked again."""
-        self._require_open()
-        self._check_layer(layer)
-        home = self.layers[layer].home
-        for n, t in weights.items():
-            if n not in home or tuple(t.shape) != tuple(home[n].shape):
-                raise ValueError(f"layer {layer} has no expert tensor {n!r} of shape "
-                                 f"{tuple(home[n].shape) if n in home else '?'}, got {tuple(t.shape)}")
-        try:
-            self.invalidate()
-        except OSError:
-            pass
-        for n, t in weights.items():
-            src = t.detach().to("cpu", home[n].dtype).contiguous()
-            if self.disk is not None:
-                self.disk.write(src, disk_key(layer, n))
-            else:
-                home[n].copy_(src)
-        if self.disk is not None and weights:
-            self.disk.flush()  # durable, and its pages clean (evictable)
+        with torch.no_grad():
+            self._require_open()
+            self._check_layer(layer)
+            home = self.layers[layer].home
+            for n, t in weights.items():
+                if n not in home or tuple(t.shape) != tuple(home[n].shape):
+                    raise ValueError(f"layer {layer} has no expert tensor {n!r} of shape "
+                                     f"{tuple(home[n].shape) if n in home else '?'}, got {tuple(t.shape)}")
+            try:
+                self.invalidate()
+            except OSError:
+                pass
+            for n, t in weights.items():
+                src = t.detach().to("cpu", home[n].dtype).contiguous()
+                if self.disk is not None:
+                    self.disk.write(src, disk_key(layer, n))
+                else:
+                    home[n].copy_(src)
+            if self.disk is not None and weights:
+                self.disk.flush()  # durable, and its pages clean (evictable)
 
     def compute(self, layer: int, weights: dict[str, torch.Tensor], expert_in: torch.Tensor,
                 counts_E: torch.Tensor) -> torch.Tensor:

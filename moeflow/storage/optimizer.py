@@ -136,22 +136,22 @@ class OffloadedAdamW:
         if layer not in self._loads and len(self._loads) < self._depth:
             self._start_load(layer)
 
-    @torch.no_grad()
     def step(self) -> None:
         """One AdamW step of every expert layer that has a gradient; invalidates the fast
         tier's copies (the weights changed)."""
-        store = self.store
-        store._require_open()
-        if store.disk is not None and self.state_file is None:
-            raise RuntimeError("the OffloadedAdamW is closed")
-        store.wait_grads()
-        store.invalidate()
-        todo = [i for i in range(store.num_layers) if store.has_grad[i]]
-        if store.disk is None:
-            for i in todo:  # host AdamW on the resident state
-                self._update(i, self._state(i))
-            return
-        self._step_streamed(todo)
+        with torch.no_grad():
+            store = self.store
+            store._require_open()
+            if store.disk is not None and self.state_file is None:
+                raise RuntimeError("the OffloadedAdamW is closed")
+            store.wait_grads()
+            store.invalidate()
+            todo = [i for i in range(store.num_layers) if store.has_grad[i]]
+            if store.disk is None:
+                for i in todo:  # host AdamW on the resident state
+                    self._update(i, self._state(i))
+                return
+            self._step_streamed(todo)
 
     def _step_streamed(self, todo: list[int]) -> None:
         """Disk tier: step the layers whose state is already streaming in first (the last ones

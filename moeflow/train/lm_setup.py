@@ -64,19 +64,19 @@ def corpus_tokenizer(cfg: LMTrainConfig, train_text: str, group: ProcessGroup | 
     return tokenizer_from_dict(gather_objects(desc, group)[0])  # type: ignore[arg-type]
 
 
-@torch.no_grad()
 def evaluate(model: MoEGPT, stream: TokenSampler, cfg: LMTrainConfig, group: ProcessGroup | None,
              device: torch.device) -> float:
     """Mean validation cross-entropy over ``eval_batches`` fixed global batches."""
-    rank, world = process_position(group)
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    with autocast(cfg, device):
-        for i in range(cfg.eval_batches):
-            x, y = stream.batch(i, cfg.batch_size, rank=rank, world=world)
-            total += model.loss(x.to(device), y.to(device)).double()
-    model.train()
-    return float(all_reduce_sum(total, group)) / (cfg.eval_batches * world)
+    with torch.no_grad():
+        rank, world = process_position(group)
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        with autocast(cfg, device):
+            for i in range(cfg.eval_batches):
+                x, y = stream.batch(i, cfg.batch_size, rank=rank, world=world)
+                total += model.loss(x.to(device), y.to(device)).double()
+        model.train()
+        return float(all_reduce_sum(total, group)) / (cfg.eval_batches * world)
 
 
 def rebalance_experts(model: MoEGPT, opt: torch.optim.Optimizer, window_LE: torch.Tensor, group: ProcessGroup | None,

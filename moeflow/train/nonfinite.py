@@ -34,17 +34,17 @@ def step_is_finite(loss: float, grad_norm: float) -> bool:
     return math.isfinite(loss) and math.isfinite(grad_norm)
 
 
-@torch.no_grad()
 def check_parameters_finite(model: nn.Module, step: int, group: ProcessGroup | None = None) -> None:
     """Raise ``NonFiniteLossError`` (on every rank of ``group`` alike) when any parameter of
     ``model`` holds nan or inf after ``step``: such weights must never become a checkpoint."""
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
-    ref = next(model.parameters())
-    count = all_reduce_sum(torch.tensor(float(len(bad)), dtype=torch.float64, device=ref.device), group)
-    if float(count) > 0:
-        where = f" (e.g. {bad[0]})" if bad else " (on another rank)"
-        raise NonFiniteLossError(f"the weights became non-finite in step {step}{where}; no checkpoint was written "
-                                 "for it (lower --lr, or raise --warmup)")
+    with torch.no_grad():
+        bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+        ref = next(model.parameters())
+        count = all_reduce_sum(torch.tensor(float(len(bad)), dtype=torch.float64, device=ref.device), group)
+        if float(count) > 0:
+            where = f" (e.g. {bad[0]})" if bad else " (on another rank)"
+            raise NonFiniteLossError(f"the weights became non-finite in step {step}{where}; no checkpoint was written "
+                                     "for it (lower --lr, or raise --warmup)")
 
 
 def nonfinite_step(cfg: LMTrainConfig, history: dict, step: int, loss: float, grad_norm: float,

@@ -86,13 +86,13 @@ def load_digits(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     return x[i_train], y[i_train], x[i_test], y[i_test]
 
 
-@torch.no_grad()
 def evaluate(model: VisionMoE, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """``(accuracy, mean cross-entropy)`` of ``model`` on ``x [B,1,8,8]``, ``y [B]``."""
-    model.eval()
-    logits_BQ = torch.cat([model(x[i : i + 256]) for i in range(0, len(x), 256)])
-    model.train()
-    return float((logits_BQ.argmax(-1) == y).float().mean()), float(F.cross_entropy(logits_BQ, y))
+    with torch.no_grad():
+        model.eval()
+        logits_BQ = torch.cat([model(x[i : i + 256]) for i in range(0, len(x), 256)])
+        model.train()
+        return float((logits_BQ.argmax(-1) == y).float().mean()), float(F.cross_entropy(logits_BQ, y))
 
 
 def accuracy(model: VisionMoE, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -39,35 +39,35 @@ def _slot_tensors(layer: MoE) -> list[nn.Parameter]:
     return params
 
 
-@torch.no_grad()
 def sync_replica_gradients(model: nn.Module) -> None:
     """Sum the gradients of every replicated expert over its replicas (one all-reduce per layer
     that has replicas; nothing otherwise). Call after backward, before clipping and the step, on
     every rank of the expert-parallel group."""
-    for layer in moe_layers(model):
-        placement = placement_of(layer)
-        if placement is None or max(placement.num_replicas) == 1:
-            continue
-        group = layer.dispatcher.group
-        rank = layer.dispatcher.rank
-        replicated = [x for x in range(placement.num_experts) if placement.num_replicas[x] > 1]
-        index = {x: i for i, x in enumerate(replicated)}
-        params = _slot_tensors(layer)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        width = sum(p[0].numel() for p in params)
-        replicated_grads = params[0].new_zeros(len(replicated), width)
-        mine = [(l, index[x]) for l, x in enumerate(placement.slots[rank]) if x in index]
-        for l, i in mine:
-            replicated_grads[i] = torch.cat([p.grad[l].reshape(-1) for p in params])
-        all_reduce_sum(replicated_grads, group)
-        for l, i in mine:
-            offset = 0
+    with torch.no_grad():
+        for layer in moe_layers(model):
+            placement = placement_of(layer)
+            if placement is None or max(placement.num_replicas) == 1:
+                continue
+            group = layer.dispatcher.group
+            rank = layer.dispatcher.rank
+            replicated = [x for x in range(placement.num_experts) if placement.num_replicas[x] > 1]
+            index = {x: i for i, x in enumerate(replicated)}
+            params = _slot_tensors(layer)
             for p in params:
-                k = p[0].numel()
-                p.grad[l].copy_(replicated_grads[i, offset : offset + k].view_as(p.grad[l]))
-                offset += k
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            width = sum(p[0].numel() for p in params)
+            replicated_grads = params[0].new_zeros(len(replicated), width)
+            mine = [(l, index[x]) for l, x in enumerate(placement.slots[rank]) if x in index]
+            for l, i in mine:
+                replicated_grads[i] = torch.cat([p.grad[l].reshape(-1) for p in params])
+            all_reduce_sum(replicated_grads, group)
+            for l, i in mine:
+                offset = 0
+                for p in params:
+                    k = p[0].numel()
+                    p.grad[l].copy_(replicated_grads[i, offset : offset + k].view_as(p.grad[l]))
+                    offset += k
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer | None, p: nn.Parameter) -> list[str]:
@@ -77,7 +77,6 @@ def _state_tensors(optimizer: torch.optim.Optimizer | None, p: nn.Parameter) -> 
     return sorted(k for k, v in optimizer.state[p].items() if isinstance(v, torch.Tensor) and v.shape == p.shape)
 
 
-@torch.no_grad()
 def apply_placement(
     model: nn.Module, placements: Sequence[Placement], optimizer: torch.optim.Optimizer | None = None
 ) -> None:
@@ -88,22 +87,23 @@ def apply_placement(
     The expert parameters become new ``nn.Parameter`` objects (their first dimension, the slot
     count, may change); ``optimizer`` is updated to hold them with their moved state. Another
     optimizer, or a wrapper that captured the old parameters, must be rebuilt."""
-    layers = moe_layers(model)
-    if len(placements) != len(layers):
-        raise ValueError(f"placements has {len(placements)} entries for {len(layers)} MoE layers")
-    for i, (layer, new) in enumerate(zip(layers, placements)):
-        old = placement_of(layer)
-        if old is None:
-            raise ValueError(f"MoE layer {i} is not expert-parallel (apply moeflow.parallel.expert_parallel first)")
-        if not isinstance(new, Placement):
-            raise TypeError(f"placements[{i}] must be a Placement, got {type(new).__name__}")
-        if layer.dispatcher.layout.hidden_shards > 1:
-            raise ValueError(f"MoE layer {i} splits its experts' hidden units (hidden_shards > 1): "
-                             "load-aware placement is not supported for it")
-        if new.num_experts != old.num_experts or new.world != old.world:
-            raise ValueError(f"placements[{i}] is for {new.num_experts} experts on {new.world} ranks; "
-                             f"layer {i} has {old.num_experts} experts on {old.world} ranks")
-        _move_layer(layer, old, new, optimizer)
+    with torch.no_grad():
+        layers = moe_layers(model)
+        if len(placements) != len(layers):
+            raise ValueError(f"placements has {len(placements)} entries for {len(layers)} MoE layers")
+        for i, (layer, new) in enumerate(zip(layers, placements)):
+            old = placement_of(layer)
+            if old is None:
+                raise ValueError(f"MoE layer {i} is not expert-parallel (apply moeflow.parallel.expert_parallel first)")
+            if not isinstance(new, Placement):
+                raise TypeError(f"placements[{i}] must be a Placement, got {type(new).__name__}")
+            if layer.dispatcher.layout.hidden_shards > 1:
+                raise ValueError(f"MoE layer {i} splits its experts' hidden units (hidden_shards > 1): "
+                                 "load-aware placement is not supported for it")
+            if new.num_experts != old.num_experts or new.world != old.world:
+                raise ValueError(f"placements[{i}] is for {new.num_experts} experts on {new.world} ranks; "
+                                 f"layer {i} has {old.num_experts} experts on {old.world} ranks")
+            _move_layer(layer, old, new, optimizer)
 
 
 def _move_layer(layer: MoE, old: Placement, new: Placement, optimizer: torch.optim.Optimizer | None) -> None:
