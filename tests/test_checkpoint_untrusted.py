@@ -478,3 +478,205 @@ def test_a_refusal_late_in_the_load_leaves_the_model_as_it_was(good) -> None:
     model = _model()
     load_checkpoint(path, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert not torch.equal(model[0].weight, _model()[0].weight)  # (the trained weights came in)
+
+
+# ------------------------------------------------------------------ every field of the index, refused by name
+
+
+def _index_of(gen: torch.Generator) -> dict:
+    """A valid parsed ``index.json`` of random shape: E experts of one expert parameter spread
+    over ``world_size`` rank files, dense tensors and optimizer state in the first, one RNG state
+    per rank, AdamW's param groups and a non-tensor scalar."""
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    world, per = draw(1, 3), draw(1, 3)
+    experts = {"1.experts.w_in": world * per}
+    files = []
+    for r in range(world):
+        tensors = {f"rng/rank{r}/cpu": {"shape": [draw(1, 9000)], "dtype": "uint8"}}
+        for g in range(r * per, (r + 1) * per):
+            tensors[f"param/1.experts.w_in@{g}"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float32"}
+            tensors[f"optim/1.experts.w_in/exp_avg@{g}"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float32"}
+        if r == 0:
+            tensors["param/0.weight"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float64"}
+            tensors["buffer/0.mask"] = {"shape": [], "dtype": "bool"}
+        sha = "".join("0123456789abcdef"[int(c)] for c in torch.randint(0, 16, (64,), generator=gen))
+        files.append({"file": f"rank{r:05d}-of-{world:05d}.safetensors", "sha256": sha, "bytes": draw(0, 10**6),
+                      "tensors": tensors})
+    optimizer = {"type": "torch.optim.adamw.AdamW",
+                 "param_groups": [{"params": ["0.weight", "1.experts.w_in"],
+                                   "hyper": {"lr": 0.01, "betas": [0.9, 0.999], "amsgrad": False}}],
+                 "scalars": {"0.weight": {"note": [1, 2.5]}}}
+    return {"format": "moeflow-checkpoint/1", "step": draw(0, 10**6), "world_size": world, "experts": experts,
+            "files": files, "optimizer": optimizer, "extra": {"data": draw(0, 99)}}
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# (where in the index, the field as a refusal names it, what it expects, hostile values of the wrong
+# type or range: one is drawn per case and seed). Every check of the schema that refuses a value by
+# its type or range, one row each; a row reads the index it edits (an expert's key, a file's name)
+_IS_NOT = {"str": "4", "float": 4.0, "bool": True, "none": None, "list": [4], "dict": {"a": 4}, "int": 4}
+_FIELD_CASES = [
+    ((), "the index", "a JSON object", ["list", "str", "int", "none"]),
+    (("step",), "step", "an int >= 0", ["str", "float", "bool", "none", "list", -1]),
+    (("world_size",), "world_size", "an int >= 1", ["str", "float", "bool", "none", "dict", 0, -3]),
+    (("experts",), "experts", "a JSON object", ["list", "str", "int", "none"]),
+    (("experts", "1.experts.w_in"), "experts['1.experts.w_in']", "an int >= 1", ["str", "float", "bool", 0, -2]),
+    (("files",), "files", "a JSON list", ["dict", "str", "int", "none"]),
+    (("files", 0), "files[0]", "a JSON object", ["list", "str", "int", "none"]),
+    (("files", -1, "sha256"), "files[-1].sha256", "64 lowercase hex digits",
+     ["int", "none", "list", "a" * 63, "A" * 64, "g" * 64, "0" * 65]),
+    (("files", -1, "bytes"), "files[-1].bytes", "an int >= 0", ["str", "float", "bool", "none", -1]),
+    (("files", -1, "tensors"), "files[-1].tensors", "a JSON object", ["list", "str", "int", "none"]),
+    (("files", 0, "tensors", "param/0.weight"), "files[0].tensors['param/0.weight']", "a JSON object",
+     ["list", "str", "int", "none"]),
+    (("files", 0, "tensors", "param/0.weight", "shape"), "files[0].tensors['param/0.weight'].shape",
+     "a list of non-negative ints", ["str", "int", "none", "dict", [2, -1], [2, True], [2.0], ["2"]]),
+    (("files", 0, "tensors", "param/0.weight", "dtype"), "files[0].tensors['param/0.weight'].dtype",
+     "a torch dtype name such as 'float32'", ["int", "none", "list", "Tensor", "float99", "nn", ""]),
+    (("optimizer",), "optimizer", "a JSON object", ["list", "str", "int"]),
+    (("optimizer", "type"), "optimizer.type", "a class name", ["int", "none", "list", "dict"]),
+    (("optimizer", "param_groups"), "optimizer.param_groups", "a JSON list", ["dict", "str", "int", "none"]),
+    (("optimizer", "param_groups", 0), "optimizer.param_groups[0]", "a JSON object", ["list", "str", "int"]),
+    (("optimizer", "param_groups", 0, "params"), "optimizer.param_groups[0].params", "a JSON list",
+     ["dict", "str", "int", "none"]),
+    (("optimizer", "param_groups", 0, "params", 1), "optimizer.param_groups[0].params[1]", "a parameter name",
+     ["int", "none", "list", "dict", "float"]),
+    (("optimizer", "param_groups", 0, "hyper"), "optimizer.param_groups[0].hyper", "a JSON object",
+     ["list", "str", "int", "none"]),
+    (("optimizer", "param_groups", 0, "hyper", "lr"), "optimizer.param_groups[0].hyper['lr']", "a finite number",
+     [float("nan"), float("inf"), -float("inf")]),
+    (("optimizer", "param_groups", 0, "hyper", "betas", 1), "optimizer.param_groups[0].hyper['betas'][1]",
+     "a finite number", [float("nan"), float("inf")]),
+    (("optimizer", "scalars"), "optimizer.scalars", "a JSON object", ["list", "str", "int", "none"]),
+    (("optimizer", "scalars", "0.weight"), "optimizer.scalars['0.weight']", "a JSON object",
+     ["list", "str", "int", "none"]),
+    (("optimizer", "scalars", "0.weight", "note", 1), "optimizer.scalars['0.weight']['note'][1]", "a finite number",
+     [float("nan"), -float("inf")]),
+    (("extra",), "extra", "a JSON object", ["list", "str", "int", "none"]),
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("at,field,want,values", _FIELD_CASES, ids=[c[1] for c in _FIELD_CASES])
+def test_every_refused_index_field_is_named_with_its_value_and_type(seed, at, field, want, values) -> None:
+    """A hostile or damaged ``index.json`` is refused with one message naming the index file, the
+    field (its path inside the index: which file entry, which tensor, which group), the refused
+    value with its JSON type, and what was expected: for every field the schema checks by type or
+    range, on a random valid index (random experts, ranks, files) that passes before the edit."""
+    from moeflow.checkpoint.schema import check_index
+
+    gen = torch.Generator().manual_seed(seed + 100 * _FIELD_CASES.index((at, field, want, values)))
+    index = _index_of(gen)
+    where = f"/ck{int(torch.randint(0, 999, (1,), generator=gen))}/step-00000001/index.json"
+    assert check_index(json.loads(json.dumps(index)), where) == index
+    field = field.replace("files[-1]", f"files[{len(index['files']) - 1}]")  # the last rank's file
+    pick = values[int(torch.randint(0, len(values), (1,), generator=gen))]
+    value = _IS_NOT.get(pick, pick) if isinstance(pick, str) else pick
+    if at:
+        node = index
+        for k in at[:-1]:
+            node = node[k]
+        node[at[-1]] = value
+    else:
+        index = value
+    with pytest.raises(CheckpointError) as err:
+        check_index(index, where)
+    assert str(err.value) == f"{where}: {field}={_shown(value)} ({type(value).__name__}), expected {want}"
+
+
+# (key, accepted): every form of tensor key the loaders take apart, and near misses of each. E
+# (the experts of 1.experts.w_in) and the world size are those of the index the key joins
+_KEYS = [
+    ("param/0.weight", True), ("param/a/b", True), ("buffer/0.mask", True), ("optim/0.weight/exp_avg", True),
+    ("optim/a/b/step", True), ("param/1.experts.w_in@{last}", True), ("optim/1.experts.w_in/exp_avg@{last}", True),
+    ("optim/1.experts.w_in/exp_avg@0", True), ("rng/rank{rank}/cpu", True), ("rng/rank0/cuda", True),
+    ("weights", False), ("params/0.weight", False), ("param/", False), ("rng/", False), ("param/x@", False),
+    ("param/1.experts.w_in@1a", False), ("param/1.experts.w_in@\u0663", False), ("param/1.experts.w_in@-1", False),
+    ("param/1.experts.w_in@{E}", False), ("optim/1.experts.w_in/exp_avg@{E}", False), ("param/other@0", False),
+    ("optim/other/exp_avg@0", False), ("buffer/1.experts.w_in@0", False), ("optim/0.weight", False),
+    ("optim/1.experts.w_in@0", False), ("rng/rank{W}/cpu", False), ("rng/rank0/", False), ("rng/rank0/cuda:0", False),
+    ("rng/rankx/cpu", False), ("rng/rank0/cpu/x", False), ("rng/cpu", False), ("/param/x", False),
+]
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("key,accepted", _KEYS, ids=[k for k, _ in _KEYS])
+def test_index_tensor_keys_are_checked_by_form(seed, key, accepted) -> None:
+    """A tensor key of ``index.json`` is one of ``param/<n>[@<g>]``, ``buffer/<n>``,
+    ``optim/<n>/<state>[@<g>]``, ``rng/rank<r>/<device>``, with ``g`` below the parameter's
+    expert count and ``r`` below the world size: each form is accepted (at the limits: the last
+    expert, the last rank) and each near miss refused, naming the file entry and the key."""
+    from moeflow.checkpoint.schema import check_index
+
+    gen = torch.Generator().manual_seed(seed + 1000 * [k for k, _ in _KEYS].index(key))
+    index = _index_of(gen)
+    E, W = index["experts"]["1.experts.w_in"], index["world_size"]
+    key = key.format(last=E - 1, E=E, rank=W - 1, W=W)
+    for entry in index["files"]:  # (a key the index holds moves to the last file)
+        entry["tensors"].pop(key, None)
+    index["files"][-1]["tensors"][key] = {"shape": [3], "dtype": "float32"}
+    where = f"/ck/step-{seed:08d}/index.json"
+    if accepted:
+        assert check_index(index, where)["files"][-1]["tensors"][key] == {"shape": [3], "dtype": "float32"}
+        return
+    with pytest.raises(CheckpointError) as err:
+        check_index(index, where)
+    assert str(err.value).startswith(f"{where}: files[{W - 1}].tensors has key {key!r}"), str(err.value)
+
+
+def test_index_structure_refusals_name_what_is_wrong() -> None:
+    """What the schema refuses beyond a value's type: a missing field, an empty file list, a file
+    listed twice, a key in two files, an expert in no file, a group without its lists, each with
+    a message naming the index and what is wrong, on random valid indexes; and an index with no
+    optimizer (``null``: a model saved alone) is valid."""
+    from moeflow.checkpoint.schema import check_index
+
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        where = f"/ck/step-{seed:08d}/index.json"
+
+        def refused(edit, words: str) -> None:
+            index = _index_of(gen)
+            check_index(json.loads(json.dumps(index)), where)
+            edit(index)
+            with pytest.raises(CheckpointError) as err:
+                check_index(index, where)
+            assert str(err.value).startswith(f"{where}: ") and words in str(err.value), (words, str(err.value))
+
+        for field in ("step", "world_size", "experts", "files", "optimizer", "extra"):
+            refused(lambda i, f=field: i.pop(f), f"required field {field!r} is missing")
+        refused(lambda i: i.update(format="moeflow-checkpoint/2"), "format 'moeflow-checkpoint/2', expected")
+        refused(lambda i: i.pop("format"), "format None, expected")
+        refused(lambda i: i.update(files=[]), "files is empty")
+        for field in ("file", "sha256", "bytes", "tensors"):
+            refused(lambda i, f=field: i["files"][0].pop(f), f"files[0] has no {field!r} field")
+        for name in (".", "..", "a/b.safetensors", "/abs.safetensors", "a\\b.safetensors", "x.pt", "x.safetensors.bak"):
+            refused(lambda i, n=name: i["files"][0].update(file=n), f"files[0].file={name!r}")
+        refused(lambda i: i["files"].append({**i["files"][0], "tensors": {}}), "is listed twice")
+        refused(lambda i: i["files"].append({**i["files"][0], "file": "b.safetensors",
+                                            "tensors": {"param/0.weight": {"shape": [1], "dtype": "float32"}}}),
+                "'param/0.weight' is listed in both rank00000-of-")
+        g = int(torch.randint(0, 2, (1,), generator=gen))  # the first or the last expert
+
+        def drop_expert(i, g=g):
+            E = i["experts"]["1.experts.w_in"]
+            for entry in i["files"]:
+                entry["tensors"].pop(f"param/1.experts.w_in@{g * (E - 1)}", None)
+        refused(drop_expert, "expert(s) [")
+        refused(lambda i: i["experts"].update({"9.experts.w_out": 2}), "expert(s) [0, 1] of 9.experts.w_out (E=2)")
+        for field in ("param_groups", "scalars"):
+            refused(lambda i, f=field: i["optimizer"].pop(f), f"optimizer has no {field!r} field")
+        for field in ("params", "hyper"):
+            refused(lambda i, f=field: i["optimizer"]["param_groups"][0].pop(f),
+                    "optimizer.param_groups[0] needs 'params' and 'hyper'")
+        index = _index_of(gen)
+        index["optimizer"] = None
+        assert check_index(index, where)["optimizer"] is None
+        index["optimizer"] = {"param_groups": [], "scalars": {}}  # no type: an older checkpoint's
+        assert check_index(index, where)["optimizer"] == {"param_groups": [], "scalars": {}}
