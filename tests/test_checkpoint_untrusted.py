@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -512,6 +513,11 @@ def _index_of(gen: torch.Generator) -> dict:
             "files": files, "optimizer": optimizer, "extra": {"data": draw(0, 99)}}
 
 
+def _id(text: str) -> str:
+    """A test id of ``text``'s letters and digits (node ids that a command line can select)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", text.encode("ascii", "backslashreplace").decode()).strip("-")
+
+
 def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -563,7 +569,7 @@ _FIELD_CASES = [
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("at,field,want,values", _FIELD_CASES, ids=[c[1] for c in _FIELD_CASES])
+@pytest.mark.parametrize("at,field,want,values", _FIELD_CASES, ids=[_id(c[1]) for c in _FIELD_CASES])
 def test_every_refused_index_field_is_named_with_its_value_and_type(seed, at, field, want, values) -> None:
     """A hostile or damaged ``index.json`` is refused with one message naming the index file, the
     field (its path inside the index: which file entry, which tensor, which group), the refused
@@ -606,7 +612,7 @@ _KEYS = [
 
 
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("key,accepted", _KEYS, ids=[k for k, _ in _KEYS])
+@pytest.mark.parametrize("key,accepted", _KEYS, ids=[_id(k) for k, _ in _KEYS])
 def test_index_tensor_keys_are_checked_by_form(seed, key, accepted) -> None:
     """A tensor key of ``index.json`` is one of ``param/<n>[@<g>]``, ``buffer/<n>``,
     ``optim/<n>/<state>[@<g>]``, ``rng/rank<r>/<device>``, with ``g`` below the parameter's
