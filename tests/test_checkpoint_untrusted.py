@@ -484,29 +484,30 @@ def test_a_refusal_late_in_the_load_leaves_the_model_as_it_was(good) -> None:
 # ------------------------------------------------------------------ every field of the index, refused by name
 
 
-def _index_of(gen: torch.Generator) -> dict:
-    """A valid parsed ``index.json`` of random shape: E experts of one expert parameter spread
-    over ``world_size`` rank files, dense tensors and optimizer state in the first, one RNG state
-    per rank, AdamW's param groups and a non-tensor scalar."""
+def _index_of(gen: torch.Generator, x: str = "1.experts.w_in") -> dict:
+    """A valid parsed ``index.json`` of random shape: E experts of one expert parameter ``x``
+    spread over ``world_size`` rank files, dense tensors (one of them empty) and optimizer state
+    in the first, one RNG state per rank, AdamW's param groups and a non-tensor scalar."""
     def draw(lo: int, hi: int) -> int:
         return int(torch.randint(lo, hi + 1, (1,), generator=gen))
 
     world, per = draw(1, 3), draw(1, 3)
-    experts = {"1.experts.w_in": world * per}
+    experts = {x: world * per}
     files = []
     for r in range(world):
         tensors = {f"rng/rank{r}/cpu": {"shape": [draw(1, 9000)], "dtype": "uint8"}}
         for g in range(r * per, (r + 1) * per):
-            tensors[f"param/1.experts.w_in@{g}"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float32"}
-            tensors[f"optim/1.experts.w_in/exp_avg@{g}"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float32"}
+            tensors[f"param/{x}@{g}"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float32"}
+            tensors[f"optim/{x}/exp_avg@{g}"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float32"}
         if r == 0:
             tensors["param/0.weight"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float64"}
             tensors["buffer/0.mask"] = {"shape": [], "dtype": "bool"}
+            tensors["param/0.bias"] = {"shape": [0, draw(0, 3)], "dtype": "float64"}  # empty: no rows
         sha = "".join("0123456789abcdef"[int(c)] for c in torch.randint(0, 16, (64,), generator=gen))
         files.append({"file": f"rank{r:05d}-of-{world:05d}.safetensors", "sha256": sha, "bytes": draw(0, 10**6),
                       "tensors": tensors})
     optimizer = {"type": "torch.optim.adamw.AdamW",
-                 "param_groups": [{"params": ["0.weight", "1.experts.w_in"],
+                 "param_groups": [{"params": ["0.weight", x],
                                    "hyper": {"lr": 0.01, "betas": [0.9, 0.999], "amsgrad": False}}],
                  "scalars": {"0.weight": {"note": [1, 2.5]}}}
     return {"format": "moeflow-checkpoint/1", "step": draw(0, 10**6), "world_size": world, "experts": experts,
@@ -596,23 +597,24 @@ def test_every_refused_index_field_is_named_with_its_value_and_type(seed, at, fi
     assert str(err.value) == f"{where}: {field}={_shown(value)} ({type(value).__name__}), expected {want}"
 
 
-# (key, accepted): every form of tensor key the loaders take apart, and near misses of each. E
-# (the experts of 1.experts.w_in) and the world size are those of the index the key joins
+# (key, accepted): every form of tensor key the loaders take apart, and near misses of each. x is
+# the index's expert parameter (a name with a "/" too: torch allows it), E its experts, W the world
+# size
 _KEYS = [
     ("param/0.weight", True), ("param/a/b", True), ("buffer/0.mask", True), ("optim/0.weight/exp_avg", True),
-    ("optim/a/b/step", True), ("param/1.experts.w_in@{last}", True), ("optim/1.experts.w_in/exp_avg@{last}", True),
-    ("optim/1.experts.w_in/exp_avg@0", True), ("rng/rank{rank}/cpu", True), ("rng/rank0/cuda", True),
+    ("optim/a/b/step", True), ("param/{x}@{last}", True), ("optim/{x}/exp_avg@{last}", True),
+    ("optim/{x}/exp_avg@0", True), ("rng/rank{rank}/cpu", True), ("rng/rank0/cuda", True),
     ("weights", False), ("params/0.weight", False), ("param/", False), ("rng/", False), ("param/x@", False),
-    ("param/1.experts.w_in@1a", False), ("param/1.experts.w_in@\u0663", False), ("param/1.experts.w_in@-1", False),
-    ("param/1.experts.w_in@{E}", False), ("optim/1.experts.w_in/exp_avg@{E}", False), ("param/other@0", False),
-    ("optim/other/exp_avg@0", False), ("buffer/1.experts.w_in@0", False), ("optim/0.weight", False),
-    ("optim/1.experts.w_in@0", False), ("rng/rank{W}/cpu", False), ("rng/rank0/", False), ("rng/rank0/cuda:0", False),
+    ("param/{x}@1a", False), ("param/{x}@\u0663", False), ("param/{x}@-1", False),
+    ("param/{x}@{E}", False), ("optim/{x}/exp_avg@{E}", False), ("param/other@0", False),
+    ("optim/other/exp_avg@0", False), ("buffer/{x}@0", False), ("optim/0.weight", False),
+    ("optim/{x}@0", False), ("rng/rank{W}/cpu", False), ("rng/rank0/", False), ("rng/rank0/cuda:0", False),
     ("rng/rankx/cpu", False), ("rng/rank0/cpu/x", False), ("rng/cpu", False), ("/param/x", False),
 ]
 
 
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("key,accepted", _KEYS, ids=[_id(k) for k, _ in _KEYS])
+@pytest.mark.parametrize("key,accepted", _KEYS, ids=[_id(k.replace("{x}", "x")) for k, _ in _KEYS])
 def test_index_tensor_keys_are_checked_by_form(seed, key, accepted) -> None:
     """A tensor key of ``index.json`` is one of ``param/<n>[@<g>]``, ``buffer/<n>``,
     ``optim/<n>/<state>[@<g>]``, ``rng/rank<r>/<device>``, with ``g`` below the parameter's
@@ -621,9 +623,10 @@ def test_index_tensor_keys_are_checked_by_form(seed, key, accepted) -> None:
     from moeflow.checkpoint.schema import check_index
 
     gen = torch.Generator().manual_seed(seed + 1000 * [k for k, _ in _KEYS].index(key))
-    index = _index_of(gen)
-    E, W = index["experts"]["1.experts.w_in"], index["world_size"]
-    key = key.format(last=E - 1, E=E, rank=W - 1, W=W)
+    x = ("1.experts.w_in", "blocks/1.experts.w_in")[seed]
+    index = _index_of(gen, x)
+    E, W = index["experts"][x], index["world_size"]
+    key = key.format(x=x, last=E - 1, E=E, rank=W - 1, W=W)
     for entry in index["files"]:  # (a key the index holds moves to the last file)
         entry["tensors"].pop(key, None)
     index["files"][-1]["tensors"][key] = {"shape": [3], "dtype": "float32"}
@@ -686,3 +689,29 @@ def test_index_structure_refusals_name_what_is_wrong() -> None:
         assert check_index(index, where)["optimizer"] is None
         index["optimizer"] = {"param_groups": [], "scalars": {}}  # no type: an older checkpoint's
         assert check_index(index, where)["optimizer"] == {"param_groups": [], "scalars": {}}
+
+
+@pytest.mark.parametrize("where", ["dense", "expert"])
+def test_a_name_holding_an_at_sign_is_refused_at_save(tmp_path, where) -> None:
+    """``@`` marks the expert in a checkpoint's keys, and ``index.json``'s check refuses a key
+    whose ``@`` is not followed by an expert of that parameter: a module named with ``@`` (torch
+    allows it) would give a checkpoint that saves and never loads. The save refuses it instead,
+    naming the parameter, and publishes nothing; the same model under a plain name round-trips."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    name = "m@1" if where == "expert" else "blocks"
+    model.add_module(name, moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0,
+                                       dtype=torch.float64))
+    model.add_module("norm@2" if where == "dense" else "norm", torch.nn.LayerNorm(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="cannot checkpoint '(m@1|norm@2)[^']*': '@' marks the expert"):
+        save_checkpoint(tmp_path, 1, model)
+    assert fmt.latest_checkpoint(tmp_path) is None
+    plain = torch.nn.Sequential(torch.nn.LayerNorm(8, dtype=torch.float64),
+                                moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0,
+                                            dtype=torch.float64))
+    path = save_checkpoint(tmp_path, 1, plain)
+    again = torch.nn.Sequential(torch.nn.LayerNorm(8, dtype=torch.float64),
+                                moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0,
+                                            dtype=torch.float64))
+    load_checkpoint(path, again)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), again.state_dict().values()))
