@@ -610,6 +610,7 @@ _KEYS = [
     ("optim/other/exp_avg@0", False), ("buffer/{x}@0", False), ("optim/0.weight", False),
     ("optim/{x}@0", False), ("rng/rank{W}/cpu", False), ("rng/rank0/", False), ("rng/rank0/cuda:0", False),
     ("rng/rankx/cpu", False), ("rng/rank0/cpu/x", False), ("rng/cpu", False), ("/param/x", False),
+    ("param/{x}@0@0", False), ("param/a@b", False), ("optim/{x}/a@b@0", False),
 ]
 
 
@@ -665,8 +666,10 @@ def test_index_structure_refusals_name_what_is_wrong() -> None:
         refused(lambda i: i.update(files=[]), "files is empty")
         for field in ("file", "sha256", "bytes", "tensors"):
             refused(lambda i, f=field: i["files"][0].pop(f), f"files[0] has no {field!r} field")
-        for name in (".", "..", "a/b.safetensors", "/abs.safetensors", "a\\b.safetensors", "x.pt", "x.safetensors.bak"):
-            refused(lambda i, n=name: i["files"][0].update(file=n), f"files[0].file={name!r}")
+        for name in (".", "..", "a/b.safetensors", "/abs.safetensors", "a\\b.safetensors", "../x.safetensors"):
+            refused(lambda i, n=name: i["files"][0].update(file=n), f"files[0].file={name!r} is not a plain file name")
+        for name in ("x.pt", "x.safetensors.bak", "safetensors", ".json"):
+            refused(lambda i, n=name: i["files"][0].update(file=n), f"files[0].file={name!r} is not a .safetensors file")
         refused(lambda i: i["files"].append({**i["files"][0], "tensors": {}}), "is listed twice")
         refused(lambda i: i["files"].append({**i["files"][0], "file": "b.safetensors",
                                             "tensors": {"param/0.weight": {"shape": [1], "dtype": "float32"}}}),
@@ -706,6 +709,11 @@ def test_a_name_holding_an_at_sign_is_refused_at_save(tmp_path, where) -> None:
     with pytest.raises(ValueError, match="cannot checkpoint '(m@1|norm@2)[^']*': '@' marks the expert"):
         save_checkpoint(tmp_path, 1, model)
     assert fmt.latest_checkpoint(tmp_path) is None
+    from moeflow.checkpoint.schema import check_index
+
+    index = _index_of(torch.Generator().manual_seed(len(where)), "m@1.experts.w_in")  # such a one made by hand
+    with pytest.raises(CheckpointError, match="has key 'param/m@1.experts.w_in@0'"):
+        check_index(index, "index.json")
     plain = torch.nn.Sequential(torch.nn.LayerNorm(8, dtype=torch.float64),
                                 moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0,
                                             dtype=torch.float64))
@@ -715,3 +723,30 @@ def test_a_name_holding_an_at_sign_is_refused_at_save(tmp_path, where) -> None:
                                             dtype=torch.float64))
     load_checkpoint(path, again)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), again.state_dict().values()))
+
+
+def test_inside_takes_only_names_that_stay_in_the_directory(tmp_path) -> None:
+    """``format.inside``, the one gate every checkpoint and Hugging Face file name passes before
+    it is opened: a non-empty relative name (nested is fine) resolves inside the root, links that
+    stay inside included; anything else is refused with a ``CheckpointError`` naming ``what``:
+    not a string, empty, a NUL byte, absolute, a Windows drive or backslash, a ``..`` part even
+    when it would come back inside, a link (or a directory link on the way) that leads out."""
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    (root / "sub" / "a.safetensors").write_bytes(b"x")
+    (root / "in-link").symlink_to(root / "sub" / "a.safetensors")
+    (root / "out-link").symlink_to(tmp_path / "out")
+    (root / "out-file").symlink_to(tmp_path / "out" / "b")
+    gen = torch.Generator().manual_seed(0)
+    what = f"what-{int(torch.randint(0, 10**6, (1,), generator=gen))}"
+    for name, resolved in [("sub/a.safetensors", root / "sub" / "a.safetensors"), ("sub", root / "sub"),
+                           ("in-link", root / "sub" / "a.safetensors"), ("new.json", root / "new.json"),
+                           ("sub/./a.safetensors", root / "sub" / "a.safetensors")]:
+        assert fmt.inside(root, name, what) == resolved.resolve(), name
+    for name in [None, 3, b"sub", "", "sub/\x00a", "/etc/passwd", str(root / "sub" / "a.safetensors"), "C:a",
+                 "C:\\a", "sub\\a.safetensors", "..", "../root/sub/a.safetensors", "sub/../sub/a.safetensors",
+                 "out-link/b", "out-file", "out-link"]:
+        with pytest.raises(CheckpointError) as err:
+            fmt.inside(root, name, what)
+        assert str(err.value).startswith(f"{what}: "), (name, str(err.value))
