@@ -750,3 +750,28 @@ def test_inside_takes_only_names_that_stay_in_the_directory(tmp_path) -> None:
         with pytest.raises(CheckpointError) as err:
             fmt.inside(root, name, what)
         assert str(err.value).startswith(f"{what}: "), (name, str(err.value))
+
+
+def test_read_json_refusals_name_the_file(tmp_path) -> None:
+    """``format.read_json`` (``index.json``, and a Hugging Face directory's JSON files): each
+    refusal is a ``CheckpointError`` that starts with the file it refused (``root/name``), for a
+    missing file, a directory, text that is not JSON, bytes that are not UTF-8, nesting past the
+    parser's recursion limit, and a link that leads out; a good file comes back parsed."""
+    gen = torch.Generator().manual_seed(0)
+    root = tmp_path / "ck"
+    root.mkdir()
+    (tmp_path / "secret.json").write_text("{}")
+    value = {"a": [int(v) for v in torch.randint(0, 99, (5,), generator=gen)], "b": {"c": None, "d": 0.5}}
+    (root / "good.json").write_text(json.dumps(value))
+    assert fmt.read_json(root, "good.json") == value
+    (root / "dir.json").mkdir()
+    (root / "text.json").write_text("{not json")
+    (root / "bytes.json").write_bytes(b'{"a": "\xff\xfe"}')
+    (root / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    (root / "out.json").symlink_to(tmp_path / "secret.json")
+    for name, words in [("gone.json", "missing"), ("dir.json", "missing"), ("text.json", "not valid JSON"),
+                        ("bytes.json", "not valid JSON"), ("deep.json", "not valid JSON"),
+                        ("out.json", "symbolic link")]:
+        with pytest.raises(CheckpointError) as err:
+            fmt.read_json(root, name)
+        assert str(err.value).startswith(f"{root / name}: ") and words in str(err.value), str(err.value)
