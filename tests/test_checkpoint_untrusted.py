@@ -775,3 +775,44 @@ def test_read_json_refusals_name_the_file(tmp_path) -> None:
         with pytest.raises(CheckpointError) as err:
             fmt.read_json(root, name)
         assert str(err.value).startswith(f"{root / name}: ") and words in str(err.value), str(err.value)
+
+
+def test_a_root_loads_its_latest_complete_step_and_names_a_newer_one_it_skips(tmp_path) -> None:
+    """``load_checkpoint(root)``: the latest complete step, silently when every step without an
+    index is older than it (or a ``.tmp-step-*``), with one warning, pointing at the caller's
+    line, naming the newest one when some are newer; such a step named directly is refused,
+    naming the latest complete one when there is one."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(0)
+    steps = sorted(int(s) for s in torch.randperm(50, generator=gen)[:3] + 10)  # three complete ones
+    model = torch.nn.Linear(4, 4)
+    for s in steps:
+        save_checkpoint(tmp_path, s, model, keep=5)
+    latest = tmp_path / f"step-{steps[-1]:08d}"
+    (tmp_path / f"step-{steps[0] + 1:08d}").mkdir()  # older than the latest, without an index
+    (tmp_path / f".tmp-step-{steps[-1] + 3:08d}").mkdir()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert load_checkpoint(tmp_path, torch.nn.Linear(4, 4))["path"] == str(latest)
+    assert not seen, [str(w.message) for w in seen]
+    newer = sorted(steps[-1] + int(d) for d in torch.randperm(9, generator=gen)[:2] + 1)
+    for s in newer:
+        (tmp_path / f"step-{s:08d}").mkdir()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert load_checkpoint(tmp_path, torch.nn.Linear(4, 4))["path"] == str(latest)
+    assert len(seen) == 1 and seen[0].category is UserWarning and seen[0].filename == __file__
+    assert str(seen[0].message) == (f"{tmp_path}: loading {latest.name}, the latest complete checkpoint; "
+                                    f"step-{newer[-1]:08d} has no index.json (an interrupted save or a partial "
+                                    "copy) and is never loaded")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path / f"step-{newer[0]:08d}", torch.nn.Linear(4, 4))
+    assert str(err.value).endswith(f"never loaded; the latest complete one is {latest}")
+    alone = tmp_path / "alone" / "step-00000003"
+    alone.mkdir(parents=True)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(alone, torch.nn.Linear(4, 4))
+    assert str(err.value).endswith("never loaded")
+    with pytest.raises(CheckpointError, match="no complete checkpoint here"):
+        load_checkpoint(tmp_path / "alone", torch.nn.Linear(4, 4))
