@@ -802,7 +802,9 @@ def test_a_root_loads_its_latest_complete_step_and_names_a_newer_one_it_skips(tm
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert load_checkpoint(tmp_path, torch.nn.Linear(4, 4))["path"] == str(latest)
-    assert len(seen) == 1 and seen[0].category is UserWarning and seen[0].filename == __file__
+    assert len(seen) == 1 and seen[0].category is UserWarning
+    if "MUTANT_UNDER_TEST" not in os.environ:  # (mutmut's trampolines add frames between the two)
+        assert seen[0].filename == __file__
     assert str(seen[0].message) == (f"{tmp_path}: loading {latest.name}, the latest complete checkpoint; "
                                     f"step-{newer[-1]:08d} has no index.json (an interrupted save or a partial "
                                     "copy) and is never loaded")
