@@ -170,10 +170,13 @@ INDEX_EDITS = [
 @pytest.mark.parametrize("case,edit,words", INDEX_EDITS, ids=[c[0] for c in INDEX_EDITS])
 def test_index_schema_edits_are_named(good, case, edit, words) -> None:
     path, _ = good
+    first = json.loads((path / "index.json").read_text())["files"][0]["file"]
     _edit_index(path, edit)
     with pytest.raises(CheckpointError) as err:
         _load(path)
     assert words in str(err.value), str(err.value)
+    # the refusal starts with the file it refused: index.json, or the data file whose header disagrees
+    assert str(err.value).startswith(f"{path / (first if case == 'tensor-wrong-shape' else 'index.json')}: "), str(err.value)
 
 
 @pytest.mark.parametrize("name", ["../outside/secret.txt", "../../outside/secret.txt", "ABSOLUTE", "..",
