@@ -821,3 +821,18 @@ def test_a_root_loads_its_latest_complete_step_and_names_a_newer_one_it_skips(tm
     assert str(err.value).endswith("never loaded")
     with pytest.raises(CheckpointError, match="no complete checkpoint here"):
         load_checkpoint(tmp_path / "alone", torch.nn.Linear(4, 4))
+
+
+def test_read_index_of_a_directory_without_one_or_with_a_dangling_link(tmp_path) -> None:
+    """``read_index`` (``describe_checkpoint``, ``reshard_checkpoint``, ``convert --info``): a
+    directory without ``index.json`` is refused as not a complete checkpoint; an ``index.json``
+    that is a link leading out to nothing is still refused as a link leading out (never taken
+    for a missing file, which would hide where it points to)."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError) as err:
+        fmt.read_index(tmp_path / "empty")
+    assert str(err.value) == f"{tmp_path / 'empty'}: no index.json (not a complete moeflow checkpoint)"
+    (tmp_path / "dangling").mkdir()
+    (tmp_path / "dangling" / "index.json").symlink_to(tmp_path / "gone" / "index.json")
+    with pytest.raises(CheckpointError, match="symbolic link that leads outside"):
+        fmt.read_index(tmp_path / "dangling")
