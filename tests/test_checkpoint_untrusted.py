@@ -836,3 +836,33 @@ def test_read_index_of_a_directory_without_one_or_with_a_dangling_link(tmp_path)
     (tmp_path / "dangling" / "index.json").symlink_to(tmp_path / "gone" / "index.json")
     with pytest.raises(CheckpointError, match="symbolic link that leads outside"):
         fmt.read_index(tmp_path / "dangling")
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_a_data_file_whose_header_disagrees_with_the_index_is_refused_before_anything_is_loaded(good, change) -> None:
+    """A data file rewritten (and rehashed, so size and checksum agree) with the model's last
+    tensor in another dtype or shape than ``index.json`` lists: the checking pass reads each
+    file's header and refuses it, naming the file, the key and both sides, before any tensor
+    of the model or the optimizer is touched (a refusal only when that tensor's data is read
+    would leave the tensors before it loaded)."""
+    path, _ = good
+    name = json.loads((path / "index.json").read_text())["files"][0]["file"]
+    with fmt.safe_open(str(path / name), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = "param/1.experts.w_out@3"  # the last expert of the model's last parameter
+    tensors[key] = tensors[key].float() if change == "dtype" else tensors[key][:, :-1].clone()
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path / name))
+    _rehash(path, name)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, model, opt)
+    listed = json.loads((path / "index.json").read_text())["files"][0]["tensors"][key]
+    now = ("float32", listed["shape"]) if change == "dtype" else ("float64", [listed["shape"][0], listed["shape"][1] - 1])
+    assert str(err.value) == (f"{path / name}: {key} is {now[0]} {now[1]} in the file, index.json says "
+                              f"{listed['dtype']} {listed['shape']}")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not opt.state and opt.param_groups[0]["lr"] == 1e-3
