@@ -866,3 +866,20 @@ def test_a_data_file_whose_header_disagrees_with_the_index_is_refused_before_any
                               f"{listed['dtype']} {listed['shape']}")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not opt.state and opt.param_groups[0]["lr"] == 1e-3
+
+
+def test_a_dtype_outside_the_header_table_round_trips(tmp_path) -> None:
+    """A tensor whose safetensors dtype code is not in ``format``'s header table (a float8
+    buffer, uint16 state) is checked against ``index.json`` when it is read instead, and loads:
+    a dtype the table does not know is never refused for that alone."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("scale8", torch.randn(3, 5, generator=gen).to(torch.float8_e4m3fn))
+    model.register_buffer("count16", torch.randint(0, 60000, (7,), generator=gen).to(torch.uint16))
+    path = save_checkpoint(tmp_path, 1, model)
+    again = torch.nn.Linear(4, 4)
+    again.register_buffer("scale8", torch.zeros(3, 5).to(torch.float8_e4m3fn))
+    again.register_buffer("count16", torch.zeros(7).to(torch.uint16))
+    load_checkpoint(path, again)
+    for k, v in model.state_dict().items():
+        assert v.dtype == again.state_dict()[k].dtype and torch.equal(v.view(torch.uint8), again.state_dict()[k].view(torch.uint8))
