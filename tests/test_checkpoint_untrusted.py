@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -169,10 +170,13 @@ INDEX_EDITS = [
 @pytest.mark.parametrize("case,edit,words", INDEX_EDITS, ids=[c[0] for c in INDEX_EDITS])
 def test_index_schema_edits_are_named(good, case, edit, words) -> None:
     path, _ = good
+    first = json.loads((path / "index.json").read_text())["files"][0]["file"]
     _edit_index(path, edit)
     with pytest.raises(CheckpointError) as err:
         _load(path)
     assert words in str(err.value), str(err.value)
+    # the refusal starts with the file it refused: index.json, or the data file whose header disagrees
+    assert str(err.value).startswith(f"{path / (first if case == 'tensor-wrong-shape' else 'index.json')}: "), str(err.value)
 
 
 @pytest.mark.parametrize("name", ["../outside/secret.txt", "../../outside/secret.txt", "ABSOLUTE", "..",
@@ -478,3 +482,404 @@ def test_a_refusal_late_in_the_load_leaves_the_model_as_it_was(good) -> None:
     model = _model()
     load_checkpoint(path, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert not torch.equal(model[0].weight, _model()[0].weight)  # (the trained weights came in)
+
+
+# ------------------------------------------------------------------ every field of the index, refused by name
+
+
+def _index_of(gen: torch.Generator, x: str = "1.experts.w_in") -> dict:
+    """A valid parsed ``index.json`` of random shape: E experts of one expert parameter ``x``
+    spread over ``world_size`` rank files, dense tensors (one of them empty) and optimizer state
+    in the first, one RNG state per rank, AdamW's param groups and a non-tensor scalar."""
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    world, per = draw(1, 3), draw(1, 3)
+    experts = {x: world * per}
+    files = []
+    for r in range(world):
+        tensors = {f"rng/rank{r}/cpu": {"shape": [draw(1, 9000)], "dtype": "uint8"}}
+        for g in range(r * per, (r + 1) * per):
+            tensors[f"param/{x}@{g}"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float32"}
+            tensors[f"optim/{x}/exp_avg@{g}"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float32"}
+        if r == 0:
+            tensors["param/0.weight"] = {"shape": [draw(1, 8), draw(1, 8)], "dtype": "float64"}
+            tensors["buffer/0.mask"] = {"shape": [], "dtype": "bool"}
+            tensors["param/0.bias"] = {"shape": [0, draw(0, 3)], "dtype": "float64"}  # empty: no rows
+        sha = "".join("0123456789abcdef"[int(c)] for c in torch.randint(0, 16, (64,), generator=gen))
+        files.append({"file": f"rank{r:05d}-of-{world:05d}.safetensors", "sha256": sha, "bytes": draw(0, 10**6),
+                      "tensors": tensors})
+    optimizer = {"type": "torch.optim.adamw.AdamW",
+                 "param_groups": [{"params": ["0.weight", x],
+                                   "hyper": {"lr": 0.01, "betas": [0.9, 0.999], "amsgrad": False}}],
+                 "scalars": {"0.weight": {"note": [1, 2.5]}}}
+    return {"format": "moeflow-checkpoint/1", "step": draw(0, 10**6), "world_size": world, "experts": experts,
+            "files": files, "optimizer": optimizer, "extra": {"data": draw(0, 99)}}
+
+
+def _id(text: str) -> str:
+    """A test id of ``text``'s letters and digits (node ids that a command line can select)."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", text.encode("ascii", "backslashreplace").decode()).strip("-")
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# (where in the index, the field as a refusal names it, what it expects, hostile values of the wrong
+# type or range: one is drawn per case and seed). Every check of the schema that refuses a value by
+# its type or range, one row each; a row reads the index it edits (an expert's key, a file's name)
+_IS_NOT = {"str": "4", "float": 4.0, "bool": True, "none": None, "list": [4], "dict": {"a": 4}, "int": 4}
+_FIELD_CASES = [
+    ((), "the index", "a JSON object", ["list", "str", "int", "none"]),
+    (("step",), "step", "an int >= 0", ["str", "float", "bool", "none", "list", -1]),
+    (("world_size",), "world_size", "an int >= 1", ["str", "float", "bool", "none", "dict", 0, -3]),
+    (("experts",), "experts", "a JSON object", ["list", "str", "int", "none"]),
+    (("experts", "1.experts.w_in"), "experts['1.experts.w_in']", "an int >= 1", ["str", "float", "bool", 0, -2]),
+    (("files",), "files", "a JSON list", ["dict", "str", "int", "none"]),
+    (("files", 0), "files[0]", "a JSON object", ["list", "str", "int", "none"]),
+    (("files", -1, "sha256"), "files[-1].sha256", "64 lowercase hex digits",
+     ["int", "none", "list", "a" * 63, "A" * 64, "g" * 64, "0" * 65]),
+    (("files", -1, "bytes"), "files[-1].bytes", "an int >= 0", ["str", "float", "bool", "none", -1]),
+    (("files", -1, "tensors"), "files[-1].tensors", "a JSON object", ["list", "str", "int", "none"]),
+    (("files", 0, "tensors", "param/0.weight"), "files[0].tensors['param/0.weight']", "a JSON object",
+     ["list", "str", "int", "none"]),
+    (("files", 0, "tensors", "param/0.weight", "shape"), "files[0].tensors['param/0.weight'].shape",
+     "a list of non-negative ints", ["str", "int", "none", "dict", [2, -1], [2, True], [2.0], ["2"]]),
+    (("files", 0, "tensors", "param/0.weight", "dtype"), "files[0].tensors['param/0.weight'].dtype",
+     "a torch dtype name such as 'float32'", ["int", "none", "list", "Tensor", "float99", "nn", ""]),
+    (("optimizer",), "optimizer", "a JSON object", ["list", "str", "int"]),
+    (("optimizer", "type"), "optimizer.type", "a class name", ["int", "none", "list", "dict"]),
+    (("optimizer", "param_groups"), "optimizer.param_groups", "a JSON list", ["dict", "str", "int", "none"]),
+    (("optimizer", "param_groups", 0), "optimizer.param_groups[0]", "a JSON object", ["list", "str", "int"]),
+    (("optimizer", "param_groups", 0, "params"), "optimizer.param_groups[0].params", "a JSON list",
+     ["dict", "str", "int", "none"]),
+    (("optimizer", "param_groups", 0, "params", 1), "optimizer.param_groups[0].params[1]", "a parameter name",
+     ["int", "none", "list", "dict", "float"]),
+    (("optimizer", "param_groups", 0, "hyper"), "optimizer.param_groups[0].hyper", "a JSON object",
+     ["list", "str", "int", "none"]),
+    (("optimizer", "param_groups", 0, "hyper", "lr"), "optimizer.param_groups[0].hyper['lr']", "a finite number",
+     [float("nan"), float("inf"), -float("inf")]),
+    (("optimizer", "param_groups", 0, "hyper", "betas", 1), "optimizer.param_groups[0].hyper['betas'][1]",
+     "a finite number", [float("nan"), float("inf")]),
+    (("optimizer", "scalars"), "optimizer.scalars", "a JSON object", ["list", "str", "int", "none"]),
+    (("optimizer", "scalars", "0.weight"), "optimizer.scalars['0.weight']", "a JSON object",
+     ["list", "str", "int", "none"]),
+    (("optimizer", "scalars", "0.weight", "note", 1), "optimizer.scalars['0.weight']['note'][1]", "a finite number",
+     [float("nan"), -float("inf")]),
+    (("extra",), "extra", "a JSON object", ["list", "str", "int", "none"]),
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("at,field,want,values", _FIELD_CASES, ids=[_id(c[1]) for c in _FIELD_CASES])
+def test_every_refused_index_field_is_named_with_its_value_and_type(seed, at, field, want, values) -> None:
+    """A hostile or damaged ``index.json`` is refused with one message naming the index file, the
+    field (its path inside the index: which file entry, which tensor, which group), the refused
+    value with its JSON type, and what was expected: for every field the schema checks by type or
+    range, on a random valid index (random experts, ranks, files) that passes before the edit."""
+    from moeflow.checkpoint.schema import check_index
+
+    gen = torch.Generator().manual_seed(seed + 100 * _FIELD_CASES.index((at, field, want, values)))
+    index = _index_of(gen)
+    where = f"/ck{int(torch.randint(0, 999, (1,), generator=gen))}/step-00000001/index.json"
+    assert check_index(json.loads(json.dumps(index)), where) == index
+    field = field.replace("files[-1]", f"files[{len(index['files']) - 1}]")  # the last rank's file
+    pick = values[int(torch.randint(0, len(values), (1,), generator=gen))]
+    value = _IS_NOT.get(pick, pick) if isinstance(pick, str) else pick
+    if at:
+        node = index
+        for k in at[:-1]:
+            node = node[k]
+        node[at[-1]] = value
+    else:
+        index = value
+    with pytest.raises(CheckpointError) as err:
+        check_index(index, where)
+    assert str(err.value) == f"{where}: {field}={_shown(value)} ({type(value).__name__}), expected {want}"
+
+
+# (key, accepted): every form of tensor key the loaders take apart, and near misses of each. x is
+# the index's expert parameter (a name with a "/" too: torch allows it), E its experts, W the world
+# size
+_KEYS = [
+    ("param/0.weight", True), ("param/a/b", True), ("buffer/0.mask", True), ("optim/0.weight/exp_avg", True),
+    ("optim/a/b/step", True), ("param/{x}@{last}", True), ("optim/{x}/exp_avg@{last}", True),
+    ("optim/{x}/exp_avg@0", True), ("rng/rank{rank}/cpu", True), ("rng/rank0/cuda", True),
+    ("weights", False), ("params/0.weight", False), ("param/", False), ("rng/", False), ("param/x@", False),
+    ("param/{x}@1a", False), ("param/{x}@\u0663", False), ("param/{x}@-1", False),
+    ("param/{x}@{E}", False), ("optim/{x}/exp_avg@{E}", False), ("param/other@0", False),
+    ("optim/other/exp_avg@0", False), ("buffer/{x}@0", False), ("optim/0.weight", False),
+    ("optim/{x}@0", False), ("rng/rank{W}/cpu", False), ("rng/rank0/", False), ("rng/rank0/cuda:0", False),
+    ("rng/rankx/cpu", False), ("rng/rank0/cpu/x", False), ("rng/cpu", False), ("/param/x", False),
+    ("param/{x}@0@0", False), ("param/a@b", False), ("optim/{x}/a@b@0", False),
+]
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("key,accepted", _KEYS, ids=[_id(k.replace("{x}", "x")) for k, _ in _KEYS])
+def test_index_tensor_keys_are_checked_by_form(seed, key, accepted) -> None:
+    """A tensor key of ``index.json`` is one of ``param/<n>[@<g>]``, ``buffer/<n>``,
+    ``optim/<n>/<state>[@<g>]``, ``rng/rank<r>/<device>``, with ``g`` below the parameter's
+    expert count and ``r`` below the world size: each form is accepted (at the limits: the last
+    expert, the last rank) and each near miss refused, naming the file entry and the key."""
+    from moeflow.checkpoint.schema import check_index
+
+    gen = torch.Generator().manual_seed(seed + 1000 * [k for k, _ in _KEYS].index(key))
+    x = ("1.experts.w_in", "blocks/1.experts.w_in")[seed]
+    index = _index_of(gen, x)
+    E, W = index["experts"][x], index["world_size"]
+    key = key.format(x=x, last=E - 1, E=E, rank=W - 1, W=W)
+    for entry in index["files"]:  # (a key the index holds moves to the last file)
+        entry["tensors"].pop(key, None)
+    index["files"][-1]["tensors"][key] = {"shape": [3], "dtype": "float32"}
+    where = f"/ck/step-{seed:08d}/index.json"
+    if accepted:
+        assert check_index(index, where)["files"][-1]["tensors"][key] == {"shape": [3], "dtype": "float32"}
+        return
+    with pytest.raises(CheckpointError) as err:
+        check_index(index, where)
+    assert str(err.value).startswith(f"{where}: files[{W - 1}].tensors has key {key!r}"), str(err.value)
+
+
+def test_index_structure_refusals_name_what_is_wrong() -> None:
+    """What the schema refuses beyond a value's type: a missing field, an empty file list, a file
+    listed twice, a key in two files, an expert in no file, a group without its lists, each with
+    a message naming the index and what is wrong, on random valid indexes; and an index with no
+    optimizer (``null``: a model saved alone) is valid."""
+    from moeflow.checkpoint.schema import check_index
+
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        where = f"/ck/step-{seed:08d}/index.json"
+
+        def refused(edit, words: str) -> None:
+            index = _index_of(gen)
+            check_index(json.loads(json.dumps(index)), where)
+            edit(index)
+            with pytest.raises(CheckpointError) as err:
+                check_index(index, where)
+            assert str(err.value).startswith(f"{where}: ") and words in str(err.value), (words, str(err.value))
+
+        for field in ("step", "world_size", "experts", "files", "optimizer", "extra"):
+            refused(lambda i, f=field: i.pop(f), f"required field {field!r} is missing")
+        refused(lambda i: i.update(format="moeflow-checkpoint/2"), "format 'moeflow-checkpoint/2', expected")
+        refused(lambda i: i.pop("format"), "format None, expected")
+        refused(lambda i: i.update(files=[]), "files is empty")
+        for field in ("file", "sha256", "bytes", "tensors"):
+            refused(lambda i, f=field: i["files"][0].pop(f), f"files[0] has no {field!r} field")
+        for name in (".", "..", "a/b.safetensors", "/abs.safetensors", "a\\b.safetensors", "../x.safetensors"):
+            refused(lambda i, n=name: i["files"][0].update(file=n), f"files[0].file={name!r} is not a plain file name")
+        for name in ("x.pt", "x.safetensors.bak", "safetensors", ".json"):
+            refused(lambda i, n=name: i["files"][0].update(file=n), f"files[0].file={name!r} is not a .safetensors file")
+        refused(lambda i: i["files"].append({**i["files"][0], "tensors": {}}), "is listed twice")
+        refused(lambda i: i["files"].append({**i["files"][0], "file": "b.safetensors",
+                                            "tensors": {"param/0.weight": {"shape": [1], "dtype": "float32"}}}),
+                "'param/0.weight' is listed in both rank00000-of-")
+        g = int(torch.randint(0, 2, (1,), generator=gen))  # the first or the last expert
+
+        def drop_expert(i, g=g):
+            E = i["experts"]["1.experts.w_in"]
+            for entry in i["files"]:
+                entry["tensors"].pop(f"param/1.experts.w_in@{g * (E - 1)}", None)
+        refused(drop_expert, "expert(s) [")
+        refused(lambda i: i["experts"].update({"9.experts.w_out": 2}), "expert(s) [0, 1] of 9.experts.w_out (E=2)")
+        for field in ("param_groups", "scalars"):
+            refused(lambda i, f=field: i["optimizer"].pop(f), f"optimizer has no {field!r} field")
+        for field in ("params", "hyper"):
+            refused(lambda i, f=field: i["optimizer"]["param_groups"][0].pop(f),
+                    "optimizer.param_groups[0] needs 'params' and 'hyper'")
+        index = _index_of(gen)
+        index["optimizer"] = None
+        assert check_index(index, where)["optimizer"] is None
+        index["optimizer"] = {"param_groups": [], "scalars": {}}  # no type: an older checkpoint's
+        assert check_index(index, where)["optimizer"] == {"param_groups": [], "scalars": {}}
+
+
+@pytest.mark.parametrize("where", ["dense", "expert"])
+def test_a_name_holding_an_at_sign_is_refused_at_save(tmp_path, where) -> None:
+    """``@`` marks the expert in a checkpoint's keys, and ``index.json``'s check refuses a key
+    whose ``@`` is not followed by an expert of that parameter: a module named with ``@`` (torch
+    allows it) would give a checkpoint that saves and never loads. The save refuses it instead,
+    naming the parameter, and publishes nothing; the same model under a plain name round-trips."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    name = "m@1" if where == "expert" else "blocks"
+    model.add_module(name, moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0,
+                                       dtype=torch.float64))
+    model.add_module("norm@2" if where == "dense" else "norm", torch.nn.LayerNorm(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="cannot checkpoint '(m@1|norm@2)[^']*': '@' marks the expert"):
+        save_checkpoint(tmp_path, 1, model)
+    assert fmt.latest_checkpoint(tmp_path) is None
+    from moeflow.checkpoint.schema import check_index
+
+    index = _index_of(torch.Generator().manual_seed(len(where)), "m@1.experts.w_in")  # such a one made by hand
+    with pytest.raises(CheckpointError, match="has key 'param/m@1.experts.w_in@0'"):
+        check_index(index, "index.json")
+    plain = torch.nn.Sequential(torch.nn.LayerNorm(8, dtype=torch.float64),
+                                moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0,
+                                            dtype=torch.float64))
+    path = save_checkpoint(tmp_path, 1, plain)
+    again = torch.nn.Sequential(torch.nn.LayerNorm(8, dtype=torch.float64),
+                                moeflow.MoE(dim=8, hidden=8, num_experts=4, top_k=2, capacity_factor=0,
+                                            dtype=torch.float64))
+    load_checkpoint(path, again)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), again.state_dict().values()))
+
+
+def test_inside_takes_only_names_that_stay_in_the_directory(tmp_path) -> None:
+    """``format.inside``, the one gate every checkpoint and Hugging Face file name passes before
+    it is opened: a non-empty relative name (nested is fine) resolves inside the root, links that
+    stay inside included; anything else is refused with a ``CheckpointError`` naming ``what``:
+    not a string, empty, a NUL byte, absolute, a Windows drive or backslash, a ``..`` part even
+    when it would come back inside, a link (or a directory link on the way) that leads out."""
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    (root / "sub" / "a.safetensors").write_bytes(b"x")
+    (root / "in-link").symlink_to(root / "sub" / "a.safetensors")
+    (root / "out-link").symlink_to(tmp_path / "out")
+    (root / "out-file").symlink_to(tmp_path / "out" / "b")
+    gen = torch.Generator().manual_seed(0)
+    what = f"what-{int(torch.randint(0, 10**6, (1,), generator=gen))}"
+    for name, resolved in [("sub/a.safetensors", root / "sub" / "a.safetensors"), ("sub", root / "sub"),
+                           ("in-link", root / "sub" / "a.safetensors"), ("new.json", root / "new.json"),
+                           ("sub/./a.safetensors", root / "sub" / "a.safetensors")]:
+        assert fmt.inside(root, name, what) == resolved.resolve(), name
+    for name in [None, 3, b"sub", "", "sub/\x00a", "/etc/passwd", str(root / "sub" / "a.safetensors"), "C:a",
+                 "C:\\a", "sub\\a.safetensors", "..", "../root/sub/a.safetensors", "sub/../sub/a.safetensors",
+                 "out-link/b", "out-file", "out-link"]:
+        with pytest.raises(CheckpointError) as err:
+            fmt.inside(root, name, what)
+        assert str(err.value).startswith(f"{what}: "), (name, str(err.value))
+
+
+def test_read_json_refusals_name_the_file(tmp_path) -> None:
+    """``format.read_json`` (``index.json``, and a Hugging Face directory's JSON files): each
+    refusal is a ``CheckpointError`` that starts with the file it refused (``root/name``), for a
+    missing file, a directory, text that is not JSON, bytes that are not UTF-8, nesting past the
+    parser's recursion limit, and a link that leads out; a good file comes back parsed."""
+    gen = torch.Generator().manual_seed(0)
+    root = tmp_path / "ck"
+    root.mkdir()
+    (tmp_path / "secret.json").write_text("{}")
+    value = {"a": [int(v) for v in torch.randint(0, 99, (5,), generator=gen)], "b": {"c": None, "d": 0.5}}
+    (root / "good.json").write_text(json.dumps(value))
+    assert fmt.read_json(root, "good.json") == value
+    (root / "dir.json").mkdir()
+    (root / "text.json").write_text("{not json")
+    (root / "bytes.json").write_bytes(b'{"a": "\xff\xfe"}')
+    (root / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    (root / "out.json").symlink_to(tmp_path / "secret.json")
+    for name, words in [("gone.json", "missing"), ("dir.json", "missing"), ("text.json", "not valid JSON"),
+                        ("bytes.json", "not valid JSON"), ("deep.json", "not valid JSON"),
+                        ("out.json", "symbolic link")]:
+        with pytest.raises(CheckpointError) as err:
+            fmt.read_json(root, name)
+        assert str(err.value).startswith(f"{root / name}: ") and words in str(err.value), str(err.value)
+
+
+def test_a_root_loads_its_latest_complete_step_and_names_a_newer_one_it_skips(tmp_path) -> None:
+    """``load_checkpoint(root)``: the latest complete step, silently when every step without an
+    index is older than it (or a ``.tmp-step-*``), with one warning, pointing at the caller's
+    line, naming the newest one when some are newer; such a step named directly is refused,
+    naming the latest complete one when there is one."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(0)
+    steps = sorted(int(s) for s in torch.randperm(50, generator=gen)[:3] + 10)  # three complete ones
+    model = torch.nn.Linear(4, 4)
+    for s in steps:
+        save_checkpoint(tmp_path, s, model, keep=5)
+    latest = tmp_path / f"step-{steps[-1]:08d}"
+    (tmp_path / f"step-{steps[0] + 1:08d}").mkdir()  # older than the latest, without an index
+    (tmp_path / f".tmp-step-{steps[-1] + 3:08d}").mkdir()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert load_checkpoint(tmp_path, torch.nn.Linear(4, 4))["path"] == str(latest)
+    assert not seen, [str(w.message) for w in seen]
+    newer = sorted(steps[-1] + int(d) for d in torch.randperm(9, generator=gen)[:2] + 1)
+    for s in newer:
+        (tmp_path / f"step-{s:08d}").mkdir()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert load_checkpoint(tmp_path, torch.nn.Linear(4, 4))["path"] == str(latest)
+    assert len(seen) == 1 and seen[0].category is UserWarning
+    if "MUTANT_UNDER_TEST" not in os.environ:  # (mutmut's trampolines add frames between the two)
+        assert seen[0].filename == __file__
+    assert str(seen[0].message) == (f"{tmp_path}: loading {latest.name}, the latest complete checkpoint; "
+                                    f"step-{newer[-1]:08d} has no index.json (an interrupted save or a partial "
+                                    "copy) and is never loaded")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path / f"step-{newer[0]:08d}", torch.nn.Linear(4, 4))
+    assert str(err.value).endswith(f"never loaded; the latest complete one is {latest}")
+    alone = tmp_path / "alone" / "step-00000003"
+    alone.mkdir(parents=True)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(alone, torch.nn.Linear(4, 4))
+    assert str(err.value).endswith("never loaded")
+    with pytest.raises(CheckpointError, match="no complete checkpoint here"):
+        load_checkpoint(tmp_path / "alone", torch.nn.Linear(4, 4))
+
+
+def test_read_index_of_a_directory_without_one_or_with_a_dangling_link(tmp_path) -> None:
+    """``read_index`` (``describe_checkpoint``, ``reshard_checkpoint``, ``convert --info``): a
+    directory without ``index.json`` is refused as not a complete checkpoint; an ``index.json``
+    that is a link leading out to nothing is still refused as a link leading out (never taken
+    for a missing file, which would hide where it points to)."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError) as err:
+        fmt.read_index(tmp_path / "empty")
+    assert str(err.value) == f"{tmp_path / 'empty'}: no index.json (not a complete moeflow checkpoint)"
+    (tmp_path / "dangling").mkdir()
+    (tmp_path / "dangling" / "index.json").symlink_to(tmp_path / "gone" / "index.json")
+    with pytest.raises(CheckpointError, match="symbolic link that leads outside"):
+        fmt.read_index(tmp_path / "dangling")
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_a_data_file_whose_header_disagrees_with_the_index_is_refused_before_anything_is_loaded(good, change) -> None:
+    """A data file rewritten (and rehashed, so size and checksum agree) with the model's last
+    tensor in another dtype or shape than ``index.json`` lists: the checking pass reads each
+    file's header and refuses it, naming the file, the key and both sides, before any tensor
+    of the model or the optimizer is touched (a refusal only when that tensor's data is read
+    would leave the tensors before it loaded)."""
+    path, _ = good
+    name = json.loads((path / "index.json").read_text())["files"][0]["file"]
+    with fmt.safe_open(str(path / name), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = "param/1.experts.w_out@3"  # the last expert of the model's last parameter
+    tensors[key] = tensors[key].float() if change == "dtype" else tensors[key][:, :-1].clone()
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path / name))
+    _rehash(path, name)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, model, opt)
+    listed = json.loads((path / "index.json").read_text())["files"][0]["tensors"][key]
+    now = ("float32", listed["shape"]) if change == "dtype" else ("float64", [listed["shape"][0], listed["shape"][1] - 1])
+    assert str(err.value) == (f"{path / name}: {key} is {now[0]} {now[1]} in the file, index.json says "
+                              f"{listed['dtype']} {listed['shape']}")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not opt.state and opt.param_groups[0]["lr"] == 1e-3
+
+
+def test_a_dtype_outside_the_header_table_round_trips(tmp_path) -> None:
+    """A tensor whose safetensors dtype code is not in ``format``'s header table (a float8
+    buffer, uint16 state) is checked against ``index.json`` when it is read instead, and loads:
+    a dtype the table does not know is never refused for that alone."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("scale8", torch.randn(3, 5, generator=gen).to(torch.float8_e4m3fn))
+    model.register_buffer("count16", torch.randint(0, 60000, (7,), generator=gen).to(torch.uint16))
+    path = save_checkpoint(tmp_path, 1, model)
+    again = torch.nn.Linear(4, 4)
+    again.register_buffer("scale8", torch.zeros(3, 5).to(torch.float8_e4m3fn))
+    again.register_buffer("count16", torch.zeros(7).to(torch.uint16))
+    load_checkpoint(path, again)
+    for k, v in model.state_dict().items():
+        assert v.dtype == again.state_dict()[k].dtype and torch.equal(v.view(torch.uint8), again.state_dict()[k].view(torch.uint8))

@@ -65,10 +65,12 @@ def _finite(where: str, field: str, value: object) -> None:
 def _check_key(where: str, field: str, key: str, experts: dict[str, int], world_size: int) -> None:
     """A tensor key the loaders can take apart: ``param/<n>[@g]``, ``buffer/<n>``,
     ``optim/<n>/<k>[@g]``, ``rng/rank<r>/<device>``, with ``g`` below the parameter's expert count
-    and ``r`` below the world size."""
+    and ``r`` below the world size; one ``@`` at most (``save_checkpoint`` refuses names holding
+    one)."""
     kind, _, rest = key.partition("/")
     base, at, g = key.rpartition("@") if "@" in key else (key, "", "")
-    if kind not in ("param", "buffer", "optim", "rng") or not rest or (at and not (g.isascii() and g.isdigit())):
+    if (kind not in ("param", "buffer", "optim", "rng") or not rest or "@" in base
+            or (at and not (g.isascii() and g.isdigit()))):
         raise CheckpointError(f"{where}: {field} has key {key!r}, not one of param/<name>[@<expert>], "
                               "buffer/<name>, optim/<name>/<state>[@<expert>], rng/rank<r>/<device>")
     if kind == "rng":

@@ -111,7 +111,13 @@ def _expand(prefix: str, name: str, tensor: torch.Tensor, layout: ExpertLayout) 
 
 
 def model_tensors(model: nn.Module, *, include_dense: bool) -> dict[str, torch.Tensor]:
-    """This process's share of the model: its experts, plus dense tensors if ``include_dense``."""
+    """This process's share of the model: its experts, plus dense tensors if ``include_dense``.
+    A parameter or buffer name holding ``@`` is refused: ``@`` marks the expert in a key
+    (``param/<name>@<g>``), and ``index.json``'s check refuses such a key on load."""
+    held = [name for name, _ in [*model.named_parameters(), *model.named_buffers()] if "@" in name]
+    if held:
+        raise ValueError(f"cannot checkpoint {held[0]!r}: '@' marks the expert in a checkpoint's keys "
+                         "(param/<name>@<expert>), so the checkpoint could not be loaded; rename the module")
     layouts = expert_slices(model)
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
