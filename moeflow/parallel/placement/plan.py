@@ -228,7 +228,11 @@ def plan_placement(load_E: Sequence[float] | torch.Tensor, *, world: int, slots_
 
 def _balance_shares(slots: tuple[tuple[int, ...], ...], load: list[float], rounds: int = 2_000) -> tuple[tuple[int, ...], ...]:
     """Shift row shares between replicas of the same expert from the busiest rank to lighter
-    ones (water filling), then round them to integers out of ``SHARE_UNITS`` per expert."""
+    ones (water filling), then round them to integers out of ``SHARE_UNITS`` per expert.
+
+    Stops when no shift is worth making, or after ``rounds`` shifts: a bound on planning time
+    (past about 32 ranks the pairwise shifts can take 10^4 to 10^5 rounds, seconds, to settle,
+    for a busiest rank about 0.2% lighter at most)."""
     W = len(slots)
     holders: dict[int, list[int]] = {}
     for r, rs in enumerate(slots):
