@@ -226,6 +226,31 @@ def test_a_default_rope_takes_both_type_names_and_refuses_a_scaling_field() -> N
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("field", ["original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                                   "mscale_all_dim", "attention_factor", "truncate"])
+def test_a_linear_rope_takes_its_own_fields_and_refuses_yarns(gen, field) -> None:
+    """A linear RoPE reads ``factor`` (with the fields every RoPE has: both type names,
+    ``rope_theta``, ``partial_rotary_factor``); a YaRN field in its object (a YaRN config retyped
+    by hand, whose scaling would silently change) is refused naming the field and its value, as
+    any field nothing reads is. transformers 5 knows only those four in a linear RoPE too (it
+    warns about the rest) and writes ``original_max_position_embeddings`` only for YaRN, llama3
+    and longrope."""
+    factor, theta, part = 1 + 7 * float(torch.rand(1, generator=gen)), float(torch.randint(1, 10**6, (1,), generator=gen)), 0.5
+    own = {"rope_type": "linear", "type": "linear", "factor": factor, "rope_theta": theta, "partial_rotary_factor": part}
+    fields = Fields({"rope_parameters": dict(own)}, "Test")
+    assert rope_from_hf(fields, 64, 1e4) == (theta, RopeScaling(kind="linear", factor=factor), part)
+    fields.done()
+    value = {"truncate": False, "original_max_position_embeddings": 16}.get(field, 2.0)
+    with pytest.raises(CheckpointError, match=re.escape(f"config.json: rope_parameters: field(s) {field}={value!r} not understood")):
+        rope_from_hf(Fields({"rope_parameters": {**own, field: value}}, "Test"), 64, 1e4)
+    # the same field in a YaRN RoPE is read
+    yarn = {**own, "rope_type": "yarn", "type": "yarn", field: value}
+    fields = Fields({"rope_parameters": yarn}, "Test")
+    rope_from_hf(fields, 64, 1e4)
+    fields.done()
+
+
+@pytest.mark.unit
 def test_a_rope_error_names_the_object_once_and_is_a_checkpoint_error() -> None:
     """A field of the wrong type is refused as ``Fields`` words it; a value ``RopeScaling``
     refuses (a factor of 0) becomes a ``CheckpointError`` naming the object, once; a scaled

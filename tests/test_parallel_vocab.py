@@ -22,6 +22,7 @@ from moeflow.parallel import (
     gather_vocab_weight,
     vocab_range,
 )
+from moeflow.parallel.vocab import mark_vocab_shard
 
 from helpers import spawn_ranks
 
@@ -37,6 +38,18 @@ def test_vocab_range_covers_the_vocabulary():
             assert parts[0][0] == 0 and sum(c for _, c in parts) == V
             assert all(a + c == b for (a, c), (b, _) in zip(parts, parts[1:]))
             assert max(c for _, c in parts) - min(c for _, c in parts) <= 1
+
+
+def test_mark_vocab_shard_tags_where_the_rows_start_and_the_whole_tables_rows():
+    """The tags the gradients, checkpoints and DCP read (``moeflow_vocab_start`` places the
+    slice in the whole table, ``moeflow_vocab_size`` is that table's rows: DCP's shard spec and
+    its guard read it), on the parameter itself, which is returned."""
+    gen = torch.Generator().manual_seed(5)
+    V = int(torch.randint(8, 100, (1,), generator=gen))
+    start, count = vocab_range(V, 1, 3)
+    p = torch.nn.Parameter(torch.randn(count, 4, generator=gen))
+    assert mark_vocab_shard(p, start, V) is p
+    assert (p.moeflow_vocab_shard, p.moeflow_vocab_start, p.moeflow_vocab_size) == (True, start, V)
 
 
 def _case_modules(rank: int, world: int) -> None:

@@ -1337,6 +1337,39 @@ def test_cache_prefetch_backs_off_after_16_useless_loads_and_probes_every_8th_ca
         assert probes[0] == w + 8 and all(b - a == 8 for a, b in zip(probes, probes[1:])) and probes[-1] > 300 - 9
 
 
+@pytest.mark.parametrize("group, spell, resume, loads, hits", [(2, 300, 117, 282, 192), (3, 180, 83, 462, 378)])
+def test_cache_prefetch_resumes_when_the_routing_settles_as_soon_as_the_halved_counts_allow(
+        gen, group, spell, resume, loads, hits) -> None:
+    """A useless spell (``spell`` calls, three layers each choosing ``group`` new experts every
+    call, in a cache of two calls' experts), then the routing settles (each layer keeps one choice,
+    which the next call's prefetch finds evicted and loads again). The probes (every 8th call)
+    are now all used, and the prefetch resumes on every call once used loads reach half of the
+    issued ones in the counts, which forget the spell by halving both past 64 loads: here on call
+    ``resume`` after the routing settled, with ``loads`` prefetch loads and ``hits`` used ones by 200
+    calls after it. The figures are the halving rule's (integer halves of both counts, from the
+    65th load): halving at 64 or 66, by 3, into fractions, or resetting the used count resume 8
+    to 100+ calls earlier or later, or never (the two cases tell every one of them apart)."""
+    model = MoEGPT(gpt_config("tiny", vocab_size=VOCAB, dim=32, n_layers=3, n_heads=2, num_experts=3 * group, top_k=2,
+                              expert_hidden=48, max_seq_len=32)).eval()  # tiny_gpt's, with 3 groups of experts
+    per_expert = slot_bytes(moeflow.moe_layers(model)[0].experts, single=True)
+    store = offload_experts(model, StorageConfig(mode="cache", fast_memory=2 * group * per_expert, prefetch=1))
+    E, shift = 3 * group, int(torch.randint(0, 3 * group, (1,), generator=gen))
+    with store:
+        issued = []
+        for call in range(spell + 200):
+            layer = call % 3
+            first = group * (call // 3) if call < spell else group * layer  # settled: each layer its own experts
+            store.release_workspace(store.acquire_experts(layer, [(first + i + shift) % E for i in range(group)]))
+            issued.append(store.stats.prefetch_loads)
+        settled = [issued[c] - issued[c - 1] for c in range(spell, spell + 200)]
+        assert all(d in (0, group) for d in settled)
+        assert [c for c, d in enumerate(settled) if d][:3] != [0, 1, 2]  # backed off when the routing settled
+        on = max(c for c, d in enumerate(settled) if not d) + 1  # from here on every call prefetches
+        assert (on, store.stats.prefetch_loads, store.prefetch_hits) == (resume, loads, hits)
+        probes = [c for c, d in enumerate(settled[:on]) if d]
+        assert all(b - a == 8 for a, b in zip(probes, probes[1:]))  # until then only the probes
+
+
 @pytest.mark.parametrize("reads", ["direct", "cached"])
 def test_the_optimizer_state_file_reads_like_the_store(tmp_path, reads) -> None:
     """``disk_reads`` is how the disk tier reads, the AdamW state's file included."""

@@ -129,14 +129,11 @@ class Fields:
                                   "conversion (refused rather than ignored)")
 
 
-_ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
-              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
-
-
 def rope_from_hf(fields: Fields, max_seq_len: int, default_theta: float) -> tuple[float, RopeScaling | None, float]:
     """``(rope_theta, rope_scaling, rotary_fraction)`` of a ``config.json``: transformers 5's
     ``rope_parameters`` object, else the older top-level ``rope_theta``, ``rope_scaling`` and
-    ``partial_rotary_factor``. Types ``default``, ``linear`` and ``yarn``; any other is refused.
+    ``partial_rotary_factor``. Types ``default``, ``linear`` and ``yarn``; any other is refused, and
+    so is a field the type does not take (a linear RoPE's ``beta_fast``).
     YaRN's defaults are transformers': ``factor`` = ``max_position_embeddings /
     original_max_position_embeddings`` when absent, ``beta_fast``/``beta_slow`` 32/1 when absent
     or 0, ``mscale``/``mscale_all_dim`` used only when both are set (else None)."""
@@ -175,7 +172,10 @@ def rope_from_hf(fields: Fields, max_seq_len: int, default_theta: float) -> tupl
                 attention_factor=rope.get("attention_factor", "number", None), truncate=rope.get("truncate", "bool", True))
     except ValueError as err:  # RopeScaling's own checks (a CheckpointError is one too: kept as it is)
         raise err if isinstance(err, CheckpointError) else CheckpointError(f"{rope.where}: {err}") from None
-    rope.mark(_ROPE_KEYS if kind != "default" else ("rope_type", "type", "rope_theta", "partial_rotary_factor"))
+    # each type's own fields were read above (get records them): another type's field (a linear
+    # RoPE's beta_fast, say, from a YaRN config retyped by hand) is refused, not ignored; transformers
+    # too knows only rope_type, factor, rope_theta and partial_rotary_factor in a linear RoPE
+    rope.mark(("rope_type", "type", "rope_theta", "partial_rotary_factor"))
     rope.done(ignored=())
     return theta, scaling, fraction
 

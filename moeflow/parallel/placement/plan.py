@@ -19,7 +19,9 @@ takes the same optimizer step.
   load), then replicas are placed heaviest first on the least-loaded rank with a free slot that
   does not hold that expert yet (LPT scheduling), then pairwise swaps while they lower the
   busiest rank, then the replicas' shares are shifted from busier to lighter ranks (water
-  filling); never worse than the contiguous block when that is an option.
+  filling); never worse than the contiguous block when that is an option, and that block on a tie
+  (it moves no expert from plain expert parallelism and keeps the modes that need it: the
+  sharded and hybrid strategies, ``MoE.expert_range``).
 
 Moving experts to a placement (parameters and optimizer state) and the replicas' gradients are
 in ``moeflow.parallel.placement.rebalance``; this module is pure (no torch.distributed), so every rank
@@ -219,14 +221,18 @@ def plan_placement(load_E: Sequence[float] | torch.Tensor, *, world: int, slots_
     plan = Placement(num_experts=E, slots=slots, shares=_balance_shares(slots, load))
     if E % world == 0 and slots_per_rank == E // world:
         plain = Placement.contiguous(E, world)
-        if max(plain.rank_load(load)) < max(plan.rank_load(load)):
+        if max(plain.rank_load(load)) <= max(plan.rank_load(load)):  # a tie too: see the module docstring
             return plain
     return plan
 
 
 def _balance_shares(slots: tuple[tuple[int, ...], ...], load: list[float], rounds: int = 2_000) -> tuple[tuple[int, ...], ...]:
     """Shift row shares between replicas of the same expert from the busiest rank to lighter
-    ones (water filling), then round them to integers out of ``SHARE_UNITS`` per expert."""
+    ones (water filling), then round them to integers out of ``SHARE_UNITS`` per expert.
+
+    Stops when no shift is worth making, or after ``rounds`` shifts: a bound on planning time
+    (past about 32 ranks the pairwise shifts can take 10^4 to 10^5 rounds, seconds, to settle,
+    for a busiest rank about 0.2% lighter at most)."""
     W = len(slots)
     holders: dict[int, list[int]] = {}
     for r, rs in enumerate(slots):
