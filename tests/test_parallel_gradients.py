@@ -36,6 +36,25 @@ def test_clip_grad_norm_matches_torch_on_one_process(gen) -> None:
         clip_grad_norm_(model, 0.0)
 
 
+@pytest.mark.unit
+def test_clipping_makes_its_tensors_on_the_parameters_device(gen) -> None:
+    """The norm is summed on the parameters' device, not on the default one: on a GPU a CPU
+    accumulator is a CPU tensor in NCCL's all-reduce (a crash), and a default device set by the
+    caller must not move it either. A ``meta`` default device stands for the other device here."""
+    model = small_gpt()
+    idx = torch.randint(0, 61, (2, 10), generator=gen)
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    twin = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = p.grad.clone()
+    ref = clip_grad_norm_(twin, 0.05)
+    with torch.device("meta"):
+        norm = clip_grad_norm_(model, 0.05)
+    assert norm.device.type == "cpu" and float(norm) == pytest.approx(float(ref), rel=1e-12)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
