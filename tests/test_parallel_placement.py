@@ -336,7 +336,8 @@ def _check(rank, world, layer, placement, tokens, seed, what, **call):  # type: 
     ref, ep = check_equivalence(rank, world, layer, tokens, seed, what, shard=place,
                                  expert_view=lambda name, t: t[mine], after_backward=sync_replica_gradients, **call)
     norm_ref = torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters()))
-    norm = clip_grad_norm_(ep, 1e9)
+    with torch.device("meta"):  # the norm's tensors on the parameters' device, not the default one (a GPU's)
+        norm = clip_grad_norm_(ep, 1e9)
     torch.testing.assert_close(norm, norm_ref, rtol=1e-12, atol=0, msg=lambda m: f"{what} grad norm: {m}")
 
 
@@ -351,6 +352,8 @@ def _placements(E: int, world: int) -> list[Placement]:
     # a permutation without replicas: experts on other ranks than the contiguous block
     perm = torch.randperm(E, generator=gen).view(world, -1).tolist()
     out.append(Placement(num_experts=E, slots=tuple(tuple(sorted(r)) for r in perm)))
+    if world == 4 and E == 8:  # an expert on 3 ranks: its weight 1/3 is not exact in fp32 (the norm is fp64)
+        out.append(Placement(num_experts=E, slots=((0, 1, 3), (0, 2, 4), (0, 5, 6), (1, 2, 7))))
     return out
 
 
