@@ -38,6 +38,11 @@ def test_tokenizers_round_trip() -> None:
     bpe = BPETokenizer.train(load_corpus().train_text[:200_000], 300)
     assert bpe.vocab_size == 300 and bpe.decode(bpe.encode(text)) == text
     assert len(bpe.encode(text)) < len(text)
+    # encode_array: encode's ids as integers, an empty text's too (np.asarray([]) alone is float64)
+    for tok in (byte, bpe):
+        for t in (text, ""):
+            ids = tok.encode_array(t)
+            assert ids.dtype.kind in "iu" and ids.tolist() == tok.encode(t), (type(tok).__name__, t)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
