@@ -55,6 +55,31 @@ def test_clipping_makes_its_tensors_on_the_parameters_device(gen) -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
+@pytest.mark.reference
+def test_clipping_counts_every_gradient_after_an_expert_weight_without_one(gen) -> None:
+    """An expert weight without a gradient (frozen, or not reached this step) counts as zero and
+    the ones after it still count: the norm and the clipped gradients are torch's over the
+    gradients present."""
+    from moeflow.parallel.gradients import expert_parameters
+
+    model = small_gpt()
+    idx = torch.randint(0, 61, (2, 10), generator=gen)
+    model.loss(idx[:, :-1], idx[:, 1:]).backward()
+    experts = expert_parameters(model)
+    assert len(experts) > 1
+    experts[0].grad = None
+    twin = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+    norm = clip_grad_norm_(model, 0.05)
+    ref = torch.nn.utils.clip_grad_norm_([q for q in twin.parameters() if q.grad is not None], 0.05)
+    assert float(norm) == pytest.approx(float(ref), rel=1e-6)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-9)
+
+
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
