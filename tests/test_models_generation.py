@@ -394,3 +394,49 @@ def test_generate_benchmark_matches_transformers_tokens(tmp_path) -> None:
     assert {r["candidate"] for r in report["results"]} == {"moeflow", "hf:grouped_mm", "hf:eager"}
     assert all(r["tokens_vs_moeflow"] == "identical" for r in report["results"])
     assert all(r["max_abs_diff"] < 1e-5 for r in report["layer"]) and len(report["layer"]) == 8
+
+
+@pytest.mark.reference
+def test_the_uncached_reference_takes_every_argument_generate_takes(gen) -> None:
+    """``generate_uncached`` is the reference loop, so it must honour what ``generate`` is given:
+    draws from the generator it is handed (the same tokens for the same seed as ``generate``,
+    the global RNG untouched), a temperature of 1 by default in both, stop ids that end a row
+    after its stop token (every row stopping ends the loop and still returns), and a generator
+    that is not one refused by name."""
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = small_gpt(max_seq_len=32).double().eval()
+    idx = torch.randint(0, 61, (2, 5), generator=gen)
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    state = torch.get_rng_state()
+    drawn = generate_uncached(model, idx, 6, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(torch.get_rng_state(), state)
+    assert drawn == generate(model, idx.tolist(), 6, generator=torch.Generator().manual_seed(seed)).tokens
+    assert drawn == generate_uncached(model, idx, 6, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+    hot = generate_uncached(model, idx, 6, temperature=2.0, generator=torch.Generator().manual_seed(seed))
+    cached_hot = generate(model, idx.tolist(), 6, temperature=2.0, generator=torch.Generator().manual_seed(seed)).tokens
+    assert cached_hot == hot and hot != drawn  # the temperature tells: so 1 is the default, below
+    assert generate(model, idx.tolist(), 6, temperature=1.0, generator=torch.Generator().manual_seed(seed)).tokens == \
+        generate(model, idx.tolist(), 6, generator=torch.Generator().manual_seed(seed)).tokens
+    greedy = generate_uncached(model, idx, 6, temperature=0)
+    stop = greedy[0][2]
+    cut = generate_uncached(model, idx, 6, temperature=0, eos=stop)
+    assert cut == generate(model, idx.tolist(), 6, temperature=0, eos=stop).tokens
+    assert cut[0] == greedy[0][:greedy[0].index(stop) + 1]
+    every = generate_uncached(model, idx, 6, temperature=0, eos=[greedy[0][0], greedy[1][0]])
+    assert every == [[greedy[0][0]], [greedy[1][0]]]
+    with pytest.raises(TypeError, match="generator must be a torch.Generator or None, got int"):
+        generate_uncached(model, idx, 2, generator=seed)
+
+
+@pytest.mark.unit
+def test_the_uncached_reference_takes_prompts_as_lists_too(gen) -> None:
+    """A list of rows gives the tensor's tokens (it failed past its check, on ``.shape``), made
+    on the model's device rather than the default one (a ``meta`` default device stands for a
+    GPU's), and a bad list is refused by name before the model runs."""
+    model = small_gpt(max_seq_len=32).eval()
+    idx = torch.randint(0, 61, (2, 5), generator=gen)
+    want = generate_uncached(model, idx, 4, temperature=0)
+    with torch.device("meta"):
+        assert generate_uncached(model, idx.tolist(), 4, temperature=0) == want
+    with pytest.raises(ValueError, match=r"prompts: token ids must be in \[0, 61\), got 61"):
+        generate_uncached(model, [[1, 2], [3, 61]], 2, temperature=0)

@@ -114,6 +114,8 @@ def generate_uncached(model, idx_BS: torch.Tensor, max_new_tokens: int, *, tempe
                                eos=eos)
         _check_prompts(idx_BS if isinstance(idx_BS, torch.Tensor) else torch.as_tensor(idx_BS, device="cpu"),
                        model.config.vocab_size)  # a host list: checked on the host
+        if not isinstance(idx_BS, torch.Tensor):  # then on the model's device, as a tensor prompt is
+            idx_BS = torch.as_tensor(idx_BS, device=model.embed.weight.device)
         stop = sampling.eos
         out: list[list[int]] = [[] for _ in range(idx_BS.shape[0])]
         done = [False] * idx_BS.shape[0]

@@ -68,7 +68,8 @@ PACKAGES: dict[str, tuple[list[str], list[str]]] = {
     # its tests count compilations of shapes the tests before them compiled, and mutmut runs a
     # mutant's covering tests in an order of its own (its clean run fails there)
     "models/sampling": (["moeflow/models/decoding.py", "moeflow/models/generation.py"],
-                        ["test_sampling_distribution.py", "test_models_generation.py"]),
+                        ["test_sampling_distribution.py", "test_models_generation.py",
+                         "test_models_compiled_loop.py"]),
     # the gradient a rank applies: which parameters are sharded, reductions, global-norm clipping
     # (test_parallel_placement.py: the norm of replicated experts)
     "parallel/gradients": (["moeflow/parallel/gradients.py"],
