@@ -692,6 +692,14 @@ def test_an_engine_that_breaks_mid_run_ends_every_request_it_holds(model, gen, c
 
     prompts = _prompts(gen, [3, 4, 2])
     engine = Engine(model, EngineConfig(slots=2, max_queue=2))
+
+    class Late(threading.Event):  # start() looks only after the engine broke: a break once serving is
+        def wait(self, timeout=None):  # no failure to start (this raced: start raised it now and then)
+            super().wait(timeout)
+            engine._thread.join(WAIT_S)
+            return True
+
+    engine._started = Late()
     events = [Events(each=breaks), Events(), Events()]
     requests = [engine.submit(RequestSpec(prompt=p, max_tokens=5, temperature=0), e) for p, e in zip(prompts, events)]
     with caplog.at_level("ERROR", logger="moeflow.serve.engine"):

@@ -171,15 +171,18 @@ class Engine:
             self._cond.notify()
 
     def _run(self) -> None:
+        serving = False
         try:
             torch.set_num_threads(self._threads)  # this thread's own OpenMP threads (EngineConfig.threads)
             with torch.no_grad(), self._slots.open():
+                serving = True
                 self._started.set()
                 while self._iterate():
                     pass
         except BaseException as err:  # the start failed (a compilation, say), or the cache broke
             log.exception("moeflow serve: the engine stopped")
-            self._failure = err
+            if not serving:  # start() raises this one; a break once serving ends the requests, below
+                self._failure = err
             with self._cond:
                 self._closing = True
             for request, _ in list(self._rows.values()):
