@@ -72,6 +72,29 @@ class Events:
         return final[0].finish_reason
 
 
+def _plant_failures(model, monkeypatch, *, step: int = 0, prefill: int = 0) -> dict[str, int]:
+    """Make ``model``'s next ``step`` decode steps and ``prefill`` prefills raise; the returned
+    counts may be raised later to plant more."""
+    fail = {"step": step, "prefill": prefill}
+    real_step, real_prefill = model.decode_step, model.forward_cached
+
+    def planted_step(*args):  # type: ignore[no-untyped-def]
+        if fail["step"]:
+            fail["step"] -= 1
+            raise RuntimeError("planted step failure")
+        return real_step(*args)
+
+    def planted_prefill(idx, cache):  # type: ignore[no-untyped-def]
+        if fail["prefill"]:
+            fail["prefill"] -= 1
+            raise RuntimeError("planted prefill failure")
+        return real_prefill(idx, cache)
+
+    monkeypatch.setattr(model, "decode_step", planted_step)
+    monkeypatch.setattr(model, "forward_cached", planted_prefill)
+    return fail
+
+
 def _prompts(gen: torch.Generator, lengths: list[int]) -> list[list[int]]:
     return [torch.randint(0, 61, (n,), generator=gen).tolist() for n in lengths]
 
@@ -281,23 +304,7 @@ def test_a_step_that_raises_ends_its_requests_with_error_and_the_engine_goes_on(
     text); a prefill that raises ends its request only; a callback that raises ends its own
     request. The requests after them get ``generate``'s tokens."""
     engine = Engine(model, EngineConfig(slots=2))
-    real_step, real_prefill = model.decode_step, model.forward_cached
-    fail = {"step": 1, "prefill": 0}
-
-    def step(*args):  # type: ignore[no-untyped-def]
-        if fail["step"]:
-            fail["step"] -= 1
-            raise RuntimeError("planted step failure")
-        return real_step(*args)
-
-    def prefill(idx, cache):  # type: ignore[no-untyped-def]
-        if fail["prefill"]:
-            fail["prefill"] -= 1
-            raise RuntimeError("planted prefill failure")
-        return real_prefill(idx, cache)
-
-    monkeypatch.setattr(model, "decode_step", step)
-    monkeypatch.setattr(model, "forward_cached", prefill)
+    fail = _plant_failures(model, monkeypatch, step=1)
     prompts = _prompts(gen, [4, 6, 5])
     spec = [RequestSpec(prompt=p, max_tokens=5, temperature=0) for p in prompts]
     broken = [Events(), Events()]
@@ -628,23 +635,7 @@ def test_what_fails_is_logged_with_its_traceback_and_the_engine_goes_on(model, g
     outside them (a step's tokens that cannot be read: every running request ends ``"error"``
     with the exception's type and text). The request after each gets ``generate``'s tokens."""
     prompts = _prompts(gen, [3, 4, 5])
-    real_step, real_prefill = model.decode_step, model.forward_cached
-    fail = {"step": 0, "prefill": 0}
-
-    def step(*args):  # type: ignore[no-untyped-def]
-        if fail["step"]:
-            fail["step"] -= 1
-            raise RuntimeError("planted step failure")
-        return real_step(*args)
-
-    def prefill(idx, cache):  # type: ignore[no-untyped-def]
-        if fail["prefill"]:
-            fail["prefill"] -= 1
-            raise RuntimeError("planted prefill failure")
-        return real_prefill(idx, cache)
-
-    monkeypatch.setattr(model, "decode_step", step)
-    monkeypatch.setattr(model, "forward_cached", prefill)
+    fail = _plant_failures(model, monkeypatch)
     engine = Engine(model, EngineConfig(slots=1))
     spec = RequestSpec(prompt=prompts[0], max_tokens=4, temperature=0)
     want = generate(model, [prompts[0]], 4, temperature=0).tokens[0]
