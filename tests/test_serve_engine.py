@@ -231,6 +231,24 @@ def test_a_cancelled_request_frees_its_slot(model, gen):
         later.cancel("bored")
 
 
+@pytest.mark.unit
+def test_submit_all_queues_every_request_or_none(model):
+    """An answer's choices go in together or not at all: past the places left, ``submit_all``
+    queues none (refused one by one, those already in held their places until the engine ended
+    them, and a client's next request right after the 429 was refused too)."""
+    engine = Engine(model, EngineConfig(slots=1, max_queue=1))
+    spec = RequestSpec(prompt=(1, 2, 3), max_tokens=2, temperature=0)
+    with pytest.raises(QueueFull, match=r"0 requests are running or waiting \(slots=1, max_queue=1\); 3 asked for"):
+        engine.submit_all([(spec, Events()) for _ in range(3)])
+    assert engine.stats().queued == 0 and engine.stats().rejected_total == 3
+    events = [Events(), Events()]
+    requests = engine.submit_all([(spec, e) for e in events])
+    assert engine.stats().queued == 2 and [r.id for r in requests] == [1, 2]
+    engine.start()
+    _wait(requests)
+    assert [e.reason for e in events] == ["length", "length"]
+    engine.shutdown(drain_s=0)
+
 @pytest.mark.reference
 def test_queue_full_past_slots_and_max_queue_then_closed_after_shutdown(model):
     engine = Engine(model, EngineConfig(slots=2, max_queue=1))

@@ -8,8 +8,8 @@ Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (bodies:
 draining), ``GET /metrics`` (Prometheus text: ``moeflow.serve.metrics``).
 
 A request becomes one engine request per choice (``n`` per prompt; choice ``j`` of a prompt draws
-with ``seed + j``), submitted all or none: where the queue cannot take them all, those already
-in are cancelled and the answer is 429 (503 once the server is draining). Each engine request's
+with ``seed + j``), submitted all or none (``Engine.submit_all``): where the queue cannot take
+them all, none is queued and the answer is 429 (503 once the server is draining). Each engine request's
 events arrive on the engine thread and hop to the event loop (``loop.call_soon_threadsafe``) into
 the HTTP request's queue, stamped with the engine thread's clock for the latency metrics. There
 the ids become text (``moeflow.serve.text``): a stop string ends a choice (finish_reason
@@ -102,17 +102,15 @@ class _Job:
         """Every choice into the engine, or none (429 / 503)."""
         engine = self.state.engine
         try:
-            for ch in self.choices:
-                ch.request = engine.submit(spec_of(ch), self._callback(ch.index))
+            requests = engine.submit_all([(spec_of(ch), self._callback(ch.index)) for ch in self.choices])
+            for ch, request in zip(self.choices, requests):
+                ch.request = request
         except QueueFull:
-            self.cancel()
             raise ApiError(429, "the server is busy: every decode slot is taken and the queue is full; retry "
                            "later", code="queue_full") from None
         except EngineClosed:
-            self.cancel()
             raise ApiError(503, "the server is shutting down", code="shutting_down") from None
         except ValueError as err:  # checked before submitting; kept for a check the engine adds
-            self.cancel()
             raise ApiError(400, str(err)) from None
 
     def _callback(self, index: int):  # type: ignore[no-untyped-def]

@@ -106,6 +106,36 @@ class Engine:
         Raises ``QueueFull`` (``slots + max_queue`` requests running or waiting),
         ``EngineClosed`` (after ``shutdown`` began) and ``ValueError`` naming the field (an id
         past the vocabulary, ``len(prompt) + max_tokens > capacity``)."""
+        return self.submit_all([(spec, on_event)])[0]
+
+    def submit_all(self, jobs: list[tuple[RequestSpec, Callable[[Event], None]]]) -> list[Request]:
+        """``submit`` for several requests at once, all or none: ``QueueFull`` when the queue
+        cannot take them all, with none of them queued (an answer's ``n`` choices; refused
+        one by one, those already in would hold their places until the engine ends them)."""
+        for spec, on_event in jobs:
+            self._check(spec, on_event)
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the engine is shutting down: no new request is admitted")
+            if self._active + len(jobs) > self.config.slots + self.config.max_queue:
+                self._counts["rejected"] += len(jobs)
+                raise QueueFull(f"{self._active} requests are running or waiting (slots={self.config.slots}, "
+                                f"max_queue={self.config.max_queue})"
+                                + (f"; {len(jobs)} asked for at once" if len(jobs) > 1 else ""))
+            requests = []
+            for spec, on_event in jobs:
+                self._ids += 1
+                request = Request(id=self._ids, spec=spec, on_event=on_event, submitted_at=time.monotonic(),
+                                  _wake=self._wake)
+                self._active += 1
+                self._counts["requests"] += 1
+                self._counts["prompt_tokens"] += len(spec.prompt)
+                self._pending.append(request)
+                requests.append(request)
+            self._cond.notify()
+        return requests
+
+    def _check(self, spec: RequestSpec, on_event: Callable[[Event], None]) -> None:
         if not isinstance(spec, RequestSpec):
             raise TypeError(f"spec must be a RequestSpec, got {type(spec).__name__}")
         if not callable(on_event):
@@ -118,22 +148,6 @@ class Engine:
         if len(spec.prompt) + spec.max_tokens > self._capacity:
             raise ValueError(f"max_tokens: the prompt's {len(spec.prompt)} tokens and max_tokens={spec.max_tokens} "
                              f"exceed the engine's capacity of {self._capacity} tokens a request")
-        with self._cond:
-            if self._closing:
-                raise EngineClosed("the engine is shutting down: no new request is admitted")
-            if self._active >= self.config.slots + self.config.max_queue:
-                self._counts["rejected"] += 1
-                raise QueueFull(f"{self._active} requests are running or waiting (slots={self.config.slots}, "
-                                f"max_queue={self.config.max_queue})")
-            self._ids += 1
-            request = Request(id=self._ids, spec=spec, on_event=on_event, submitted_at=time.monotonic(),
-                              _wake=self._wake)
-            self._active += 1
-            self._counts["requests"] += 1
-            self._counts["prompt_tokens"] += len(spec.prompt)
-            self._pending.append(request)
-            self._cond.notify()
-        return request
 
     def shutdown(self, *, drain_s: float) -> None:
         """Stop admission (``submit`` raises ``EngineClosed``), end the queued requests with
